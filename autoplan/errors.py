@@ -1,0 +1,29 @@
+"""User-facing errors: each says what was wrong and what would help; the CLI maps them to exit codes."""
+
+
+class AutoplanError(Exception):
+    """A mistake or impossibility the user can act on. `exit_code` is what the CLI exits with."""
+
+    exit_code = 1
+
+
+class UsageError(AutoplanError):
+    """Bad command-line or API input (an unparsable size, an unknown name)."""
+
+    exit_code = 2
+
+
+class InfeasibleError(AutoplanError):
+    """No plan fits the memory limit. Carries the smallest limit that would fit, when known."""
+
+    exit_code = 3
+
+    def __init__(self, message: str, min_mem_bytes: int | None = None):
+        super().__init__(message)
+        self.min_mem_bytes = min_mem_bytes
+
+
+class PlanFileError(AutoplanError):
+    """A plan file that cannot be read, is corrupt, or does not match the model it is applied to."""
+
+    exit_code = 2

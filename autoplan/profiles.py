@@ -1,0 +1,156 @@
+"""Device profiles: the one place device-specific numbers live (peak FLOP/s, bandwidth, collectives).
+
+A datasheet profile gives peaks and link bandwidths; a measured one (`autoplan profile`) adds per-op
+timings, per-family fits and fitted collective curves. Both share this schema, so the cost models
+read either without change.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from importlib import resources
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from .errors import UsageError
+
+PROFILE_SCHEMA_VERSION = 1
+LOCAL_PROFILE_DIR_ENV = "AUTOPLAN_PROFILE_DIR"
+
+Collective = Literal["all_gather", "reduce_scatter", "all_reduce"]
+Scope = Literal["intra_node", "inter_node"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Provenance(_Strict):
+    description: str
+    host: str | None = None
+    device_name: str | None = None
+    torch_version: str | None = None
+    date: str | None = None
+    settings: dict[str, str | int | float | bool | None] = Field(default_factory=dict)
+
+
+class Link(_Strict):
+    """A ring collective's bus bandwidth and per-call latency over one kind of link."""
+
+    bus_bandwidth_bytes_s: float = Field(gt=0)
+    latency_s: float = Field(ge=0)
+
+
+class CollectiveFit(_Strict):
+    """time_s = alpha_s + beta_s_per_byte * bytes, where bytes is the full (unsharded) buffer size."""
+
+    collective: Collective
+    group_size: int = Field(ge=2)
+    scope: Scope
+    alpha_s: float = Field(ge=0)
+    beta_s_per_byte: float = Field(ge=0)
+
+
+class OpTiming(_Strict):
+    """A measured op: key is autoplan.trace.OpRecord.key (op kind, input shapes, dtype)."""
+
+    key: str
+    fwd_s: float = Field(ge=0)
+    bwd_s: float = Field(ge=0)
+
+
+class OpFit(_Strict):
+    """time_s = intercept_s + s_per_unit * work, work being FLOPs or bytes moved, per op family."""
+
+    family: str
+    direction: Literal["fwd", "bwd"]
+    work: Literal["flops", "bytes"]
+    intercept_s: float = Field(ge=0)
+    s_per_unit: float = Field(ge=0)
+
+
+class Overlap(_Strict):
+    """Slowdown factors (>= 1) of compute and of communication while the two run concurrently."""
+
+    compute_slowdown: float = Field(default=1.0, ge=1.0)
+    comm_slowdown: float = Field(default=1.0, ge=1.0)
+
+
+class DeviceProfile(_Strict):
+    schema_version: int = PROFILE_SCHEMA_VERSION
+    name: str
+    source: Literal["datasheet", "measured"]
+    provenance: Provenance
+    device_type: Literal["cuda", "cpu"]
+    mem_bytes: int = Field(gt=0)
+    peak_flops: dict[str, float]  # dtype name ("bf16", "fp16", "fp32") -> FLOP/s
+    matmul_efficiency: float = Field(gt=0, le=1)  # fraction of peak a large matmul reaches
+    mem_bandwidth_bytes_s: float = Field(gt=0)
+    mem_bandwidth_efficiency: float = Field(gt=0, le=1)
+    op_overhead_s: float = Field(ge=0)  # per-op launch / dispatch cost
+    links: dict[Scope, Link]
+    collectives: list[CollectiveFit] = Field(default_factory=list)
+    overlap: Overlap = Field(default_factory=Overlap)
+    optimizer_bytes_s: float | None = Field(default=None, gt=0)  # measured AdamW throughput, bytes of state touched
+    op_times: list[OpTiming] = Field(default_factory=list)
+    op_fits: list[OpFit] = Field(default_factory=list)
+
+    def save(self, path: str | os.PathLike) -> None:
+        from .fileio import write_text_atomic
+
+        write_text_atomic(path, self.model_dump_json(indent=2) + "\n")
+
+
+def _shipped_dir() -> Path:
+    return Path(str(resources.files("profiles")))
+
+
+def _local_dir() -> Path:
+    return Path(os.environ.get(LOCAL_PROFILE_DIR_ENV, Path.home() / ".autoplan" / "profiles"))
+
+
+def available_profiles() -> dict[str, Path]:
+    """Profile name -> file, shipped ones first; a local profile of the same name overrides."""
+    found: dict[str, Path] = {}
+    for folder in (_shipped_dir(), _local_dir()):
+        if folder.is_dir():
+            for path in sorted(folder.glob("*.json")):
+                found[path.stem] = path
+    return found
+
+
+def _read_profile(path: Path) -> DeviceProfile:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise UsageError(f"cannot read profile {path}: {exc}") from exc
+    version = data.get("schema_version") if isinstance(data, dict) else None
+    if version != PROFILE_SCHEMA_VERSION:
+        raise UsageError(
+            f"profile {path} has schema_version {version!r}; this autoplan reads version "
+            f"{PROFILE_SCHEMA_VERSION} (re-run `autoplan profile` or upgrade autoplan)"
+        )
+    try:
+        return DeviceProfile.model_validate(data)
+    except ValidationError as exc:
+        raise UsageError(f"profile {path} is not a valid device profile:\n{exc}") from exc
+
+
+def load_profile(name_or_path: str) -> DeviceProfile:
+    """A shipped or local profile by name (e.g. 'a100-sxm4-80gb'), or a path to a profile JSON."""
+    profiles = available_profiles()
+    key = name_or_path.lower()
+    if key in profiles:
+        return _read_profile(profiles[key])
+    path = Path(name_or_path)
+    if path.suffix == ".json" or path.exists():
+        if not path.is_file():
+            raise UsageError(f"profile file {path} does not exist")
+        return _read_profile(path)
+    raise UsageError(
+        f"unknown profile {name_or_path!r}; available: {', '.join(profiles)} "
+        f"(or give a path to a profile .json; `autoplan profile` measures one)"
+    )

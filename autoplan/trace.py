@@ -1,0 +1,339 @@
+"""Trace a model into an operator graph with FLOPs, bytes and saved activations, on the meta device.
+
+torch.fx gives the graph (one node per module call or function, with its module path); a meta-device
+run of that graph, forward and backward, gives each node's cost:
+- FLOPs from torch's own FlopCounter formulas (torch.utils.flop_counter.flop_registry), per aten op;
+- bytes read and written per aten op (views move nothing);
+- bytes saved for backward, caught with saved_tensors_hooks and deduplicated by storage, so a tensor
+  saved by two ops counts once, for the op that saved it first; parameters are not activations;
+- backward work is attributed to the fx node whose output's grad_fn ran last before it.
+Nothing is allocated: meta tensors carry shapes and dtypes only.
+
+Attention: on meta, F.scaled_dot_product_attention decomposes into the math path, which saves the
+S x S score matrix. Training runs use a fused (flash) kernel that saves only q, k, v, the output and
+the log-sum-exp, so the tracer runs the fused CPU flash kernel in its place when it applies.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+import networkx as nx
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
+
+from .errors import AutoplanError
+
+LOSS_NODE = "loss"  # the loss computed after the model's output; belongs to the root module ""
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+_aten = torch.ops.aten
+_FLASH_CPU = _aten._scaled_dot_product_flash_attention_for_cpu.default
+_FLASH_CPU_BWD = _aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+
+
+class TraceError(AutoplanError):
+    """The model could not be traced; the message names the failing module or op."""
+
+    exit_code = 2
+
+
+@dataclass
+class OpRecord:
+    """One fx node's cost at a given micro-batch size; bytes and FLOPs are per rank, per micro-batch."""
+
+    name: str  # fx node name, unique in the graph
+    kind: str  # op kind: module class ("Linear") or function name ("gelu", "scaled_dot_product_attention")
+    module: str  # path of the innermost module the op runs in ("" is the root)
+    input_shapes: tuple[tuple[int, ...], ...]
+    dtype: str
+    out_bytes: int = 0
+    fwd_flops: int = 0
+    bwd_flops: int = 0
+    fwd_bytes: int = 0  # bytes read + written by the forward's aten ops
+    bwd_bytes: int = 0
+    saved_bytes: int = 0  # bytes first saved for backward by this op (excluding parameters)
+    fwd_max_alloc_bytes: int = 0  # largest single tensor the forward allocates (a transient)
+    bwd_max_alloc_bytes: int = 0
+    is_matmul: bool = False  # dominated by matmul-like aten ops (for the compute model's fits)
+
+    @property
+    def key(self) -> str:
+        """Identity of the op's work for measured timings: kind, input shapes, dtype."""
+        shapes = ";".join("x".join(map(str, shape)) for shape in self.input_shapes)
+        return f"{self.kind}[{shapes}]{self.dtype}"
+
+
+@dataclass
+class ModelTrace:
+    """The traced operator graph (networkx, nodes carry an OpRecord under 'op') in execution order."""
+
+    graph: nx.DiGraph
+    ops: list[OpRecord]
+    micro_batch_size: int
+    seq_len: int
+    dtype: str
+    # unit-boundary information: fx node name -> tensor-input storages (key, bytes) it reads
+    input_storages: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
+    # storage key -> name of the node that produced it
+    storage_producer: dict[int, str] = field(default_factory=dict)
+    # storages saved for backward: key -> (bytes, name of the first node that saved it)
+    saved_storages: dict[int, tuple[int, str]] = field(default_factory=dict)
+
+    def op(self, name: str) -> OpRecord:
+        return self.graph.nodes[name]["op"]
+
+
+_MATMUL_OPS = {
+    _aten.mm, _aten.addmm, _aten.bmm, _aten.baddbmm, _aten.matmul, _aten.convolution,
+    _aten._scaled_dot_product_flash_attention_for_cpu, _aten._scaled_dot_product_flash_attention_for_cpu_backward,
+    _aten._scaled_dot_product_flash_attention, _aten._scaled_dot_product_efficient_attention,
+    _aten.convolution_backward,
+}
+
+
+def _storage_key(tensor: torch.Tensor) -> int:
+    return StorageWeakRef(tensor.untyped_storage()).cdata
+
+
+def _tensor_bytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _aten_flops(func, args, kwargs, out) -> int:
+    if func is _FLASH_CPU:
+        query, key, value = args[:3]
+        return sdpa_flop_count(query.shape, key.shape, value.shape)
+    if func is _FLASH_CPU_BWD:
+        grad_out, query, key, value = args[:4]
+        return sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape, value.shape)
+    counter = flop_registry.get(func._overloadpacket)
+    if counter is None:
+        return 0
+    return int(counter(*args, **(kwargs or {}), out_val=out))
+
+
+class _CostMode(TorchDispatchMode):
+    """Charges each aten op's FLOPs and bytes to the current fx node (forward or backward bucket)."""
+
+    def __init__(self, records: dict[str, OpRecord]):
+        super().__init__()
+        self.records = records
+        self.current: str = LOSS_NODE
+        self.backward = False
+        self.matmul_flops: dict[str, int] = {}
+        self.storage_producer: dict[int, str] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        record = self.records[self.current]
+        flops = _aten_flops(func, args, kwargs, out)
+        moved = 0
+        if not func.is_view and func._overloadpacket not in (_aten.detach, _aten.lift_fresh):
+            inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+            outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+            moved = sum(map(_tensor_bytes, inputs)) + sum(map(_tensor_bytes, outputs))
+            largest = max(map(_tensor_bytes, outputs), default=0)
+            if self.backward:
+                record.bwd_max_alloc_bytes = max(record.bwd_max_alloc_bytes, largest)
+            else:
+                record.fwd_max_alloc_bytes = max(record.fwd_max_alloc_bytes, largest)
+            if not self.backward:
+                for tensor in outputs:
+                    self.storage_producer.setdefault(_storage_key(tensor), self.current)
+        if self.backward:
+            record.bwd_flops += flops
+            record.bwd_bytes += moved
+        else:
+            record.fwd_flops += flops
+            record.fwd_bytes += moved
+        if func._overloadpacket in _MATMUL_OPS:
+            self.matmul_flops[self.current] = self.matmul_flops.get(self.current, 0) + flops
+        return out
+
+
+def _fused_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """Stand-in for F.scaled_dot_product_attention that saves what a fused training kernel saves."""
+    if attn_mask is not None or dropout_p != 0.0 or enable_gqa or query.shape[-3] != key.shape[-3]:
+        return F.scaled_dot_product_attention(
+            query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+            enable_gqa=enable_gqa,
+        )
+    out, _logsumexp = _FLASH_CPU(query, key, value, dropout_p, is_causal, scale=scale)
+    return out
+
+
+def _kind(gm: fx.GraphModule, node: fx.Node) -> str:
+    if node.op == "call_module":
+        return type(gm.get_submodule(node.target)).__name__
+    if node.op == "call_method":
+        return str(node.target)
+    return getattr(node.target, "__name__", str(node.target))
+
+
+def _module_path(node: fx.Node) -> str:
+    if node.op == "call_module":
+        return str(node.target)
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    return next(reversed(stack.values()))[0]
+
+
+def symbolic_trace(model: nn.Module) -> fx.GraphModule:
+    try:
+        return fx.symbolic_trace(model)
+    except Exception as exc:  # fx raises many types; the user needs the module that failed
+        raise TraceError(
+            f"torch.fx could not trace {type(model).__name__}: {type(exc).__name__}: {exc}. "
+            "autoplan needs a model whose forward has no data-dependent Python control flow."
+        ) from exc
+
+
+def default_inputs(model: nn.Module, micro_batch_size: int, seq_len: int) -> tuple[torch.Tensor, ...]:
+    """Token ids [micro_batch, seq_len], the input of every zoo model (and most language models)."""
+    return (torch.zeros(micro_batch_size, seq_len, dtype=torch.long, device="meta"),)
+
+
+def _loss(output) -> torch.Tensor:
+    """The training loss the run uses: next-token cross-entropy in fp32 over logits [B, S, V]."""
+    logits = output[0] if isinstance(output, (tuple, list)) else output
+    if logits.dim() == 3:
+        labels = torch.zeros(logits.shape[:2], dtype=torch.long, device=logits.device)
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+    return logits.float().sum()
+
+
+def trace_model(
+    model: nn.Module,
+    micro_batch_size: int,
+    seq_len: int,
+    dtype: str = "bf16",
+    inputs: tuple[torch.Tensor, ...] | None = None,
+    graph_module: fx.GraphModule | None = None,
+) -> ModelTrace:
+    """Trace `model` (any device; it is copied to meta in `dtype`) at one micro-batch size."""
+    meta_model = copy.deepcopy(model).to(device="meta", dtype=DTYPES[dtype]) if _needs_copy(model, dtype) else model
+    gm = graph_module if graph_module is not None else symbolic_trace(meta_model)
+    if graph_module is not None:
+        gm = _rebind(graph_module, meta_model)
+    if inputs is None:
+        inputs = default_inputs(meta_model, micro_batch_size, seq_len)
+
+    records: dict[str, OpRecord] = {}
+    graph = nx.DiGraph()
+    for node in gm.graph.nodes:
+        if node.op in ("call_module", "call_function", "call_method"):
+            records[node.name] = OpRecord(node.name, _kind(gm, node), _module_path(node), (), dtype)
+    records[LOSS_NODE] = OpRecord(LOSS_NODE, "cross_entropy", "", (), dtype)
+
+    param_storages = {_storage_key(p) for p in meta_model.parameters()}
+    saved: dict[int, tuple[int, str]] = {}
+    mode = _CostMode(records)
+    input_storages: dict[str, list[tuple[int, int]]] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        if not mode.backward:
+            storage = _storage_key(tensor)
+            if storage not in param_storages and storage not in saved:
+                saved[storage] = (tensor.untyped_storage().nbytes(), mode.current)
+        return tensor
+
+    def make_prehook(name: str):
+        def prehook(grad_outputs):
+            mode.current = name
+        return prehook
+
+    class _Interpreter(fx.Interpreter):
+        def run_node(self, node: fx.Node):
+            if node.name not in records:
+                return super().run_node(node)
+            mode.current = node.name
+            args, kwargs = self.fetch_args_kwargs_from_env(node)
+            tensors_in = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+            records[node.name].input_shapes = tuple(tuple(t.shape) for t in tensors_in)
+            input_storages[node.name] = [(_storage_key(t), t.untyped_storage().nbytes()) for t in tensors_in]
+            out = super().run_node(node)
+            outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+            records[node.name].out_bytes = sum(map(_tensor_bytes, outs))
+            for tensor in outs:
+                if tensor.grad_fn is not None:
+                    tensor.grad_fn.register_prehook(make_prehook(node.name))
+            return out
+
+        def call_function(self, target, args, kwargs):
+            if target is F.scaled_dot_product_attention:
+                target = _fused_sdpa
+            return super().call_function(target, args, kwargs)
+
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), mode:
+            output = _Interpreter(gm).run(*inputs)
+            mode.current = LOSS_NODE
+            loss = _loss(output)
+        mode.backward = True
+        with mode:
+            loss.backward()
+    except Exception as exc:
+        failing = records.get(mode.current)
+        where = f"op {failing.name} ({failing.kind}) in module {failing.module or '<root>'!r}" if failing else "?"
+        raise TraceError(f"tracing failed at {where}: {type(exc).__name__}: {exc}") from exc
+
+    for storage, (nbytes, name) in saved.items():
+        records[name].saved_bytes += nbytes
+    for name, record in records.items():
+        total = record.fwd_flops + record.bwd_flops
+        record.is_matmul = total > 0 and mode.matmul_flops.get(name, 0) >= 0.5 * total
+        graph.add_node(name, op=record)
+    for node in gm.graph.nodes:
+        if node.name in records:
+            for user in node.users:
+                if user.name in records:
+                    graph.add_edge(node.name, user.name)
+    last_nodes = [n for n in graph.nodes if n != LOSS_NODE and graph.out_degree(n) == 0]
+    for name in last_nodes:
+        graph.add_edge(name, LOSS_NODE)
+
+    ops = [records[n.name] for n in gm.graph.nodes if n.name in records] + [records[LOSS_NODE]]
+    return ModelTrace(
+        graph=graph, ops=ops, micro_batch_size=micro_batch_size, seq_len=seq_len, dtype=dtype,
+        input_storages=input_storages, storage_producer=dict(mode.storage_producer), saved_storages=saved,
+    )
+
+
+_SCALED_FIELDS = (
+    "out_bytes", "fwd_flops", "bwd_flops", "fwd_bytes", "bwd_bytes", "saved_bytes",
+    "fwd_max_alloc_bytes", "bwd_max_alloc_bytes",
+)
+
+
+def extrapolate_ops(ops_at_1: list[OpRecord], ops_at_2: list[OpRecord], micro_batch_size: int) -> list[OpRecord]:
+    """Op costs at any micro-batch size from traces at 1 and 2: every count here is affine in the
+    batch (per-sample activations and FLOPs plus batch-independent parameter traffic)."""
+    result = []
+    for one, two in zip(ops_at_1, ops_at_2, strict=True):
+        assert one.name == two.name, "traces at different batch sizes must share one fx graph"
+        values = {f: max(0, getattr(one, f) + (getattr(two, f) - getattr(one, f)) * (micro_batch_size - 1))
+                  for f in _SCALED_FIELDS}
+        shapes = tuple((micro_batch_size,) + s[1:] if s and s[0] == 1 and s != t else s
+                       for s, t in zip(one.input_shapes, two.input_shapes))
+        result.append(OpRecord(one.name, one.kind, one.module, shapes, one.dtype,
+                               is_matmul=one.is_matmul, **values))
+    return result
+
+
+def _needs_copy(model: nn.Module, dtype: str) -> bool:
+    return any(p.device.type != "meta" or p.dtype != DTYPES[dtype] for p in model.parameters())
+
+
+def _rebind(graph_module: fx.GraphModule, model: nn.Module) -> fx.GraphModule:
+    """A graph traced from one copy of a model, run against another copy's modules and parameters."""
+    return fx.GraphModule(model, graph_module.graph)

@@ -1,0 +1,130 @@
+"""Per-rank memory at each time point of a training step, by category.
+
+Time points: the forward of each op segment in execution order, the backward of each segment in
+reverse order, and the optimizer step. At the forward of segment s (ops a..b, owned by unit u):
+    params + optimizer states                      (all units, sharded or not per their option)
+  + gradients                                      (only with gradient accumulation > 1)
+  + activations saved by segments 1..s
+  + gathered params of every unit running at s (u and the units around it) and of the next unit
+    (prefetched), plus those kept gathered by finished units with reshard_after_forward=False
+  + the largest tensor the segment allocates.
+At the backward of s: the same activations (those of later segments are freed), the recomputed
+activations when u is checkpointed, reduced gradients of units whose backward finished, u's
+unsharded gradients and reduction buffer, and the largest gradient temporaries.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .algebra import Algebra
+from .table import CostTable
+
+CATEGORIES = ("params", "grads", "optimizer", "activations", "gathered", "temporaries")
+
+
+@dataclass
+class MemoryPoint:
+    label: str
+    parts: dict[str, object]  # category -> expression (a number under NumericAlgebra)
+
+
+def _values(table: CostTable, unit: int, field: str) -> list:
+    return [getattr(cost, field) for cost in table.costs[unit]]
+
+
+def _sum(terms: list) -> object:
+    total = 0
+    for term in terms:
+        total = total + term
+    return total
+
+
+def timeline(table: CostTable, alg: Algebra) -> list[MemoryPoint]:
+    units, segments = table.units, table.segments
+    n_units = len(units)
+
+    def pick(unit: int, field: str):
+        return alg.pick(unit, _values(table, unit, field))
+
+    params_all = alg.define(_sum([pick(u, "param_bytes") for u in range(n_units)]), "params")
+    optimizer_all = alg.define(_sum([pick(u, "optimizer_bytes") for u in range(n_units)]), "optimizer")
+    grads_all = alg.define(_sum([pick(u, "grad_bytes") for u in range(n_units)]), "grads")
+
+    # [Constraint-helper] reduced gradients of units whose backward is done: a suffix sum over units
+    # ordered by first op (a unit's backward ends at its first op).
+    by_first = sorted(range(n_units), key=lambda u: units[u].first_op)
+    grads_from: list = [0] * (n_units + 1)
+    for rank in range(n_units - 1, -1, -1):
+        grads_from[rank] = alg.define(grads_from[rank + 1] + pick(by_first[rank], "grad_bytes"), f"grads_from_{rank}")
+
+    # kept-gathered parameters of units whose forward is done: a prefix sum over units by last op
+    by_last = sorted(range(n_units), key=lambda u: units[u].last_op)
+    held_upto: list = [0] * (n_units + 1)
+    for rank, unit in enumerate(by_last):
+        held_upto[rank + 1] = alg.define(held_upto[rank] + pick(unit, "held_bytes"), f"held_{rank}")
+
+    # activations saved by segments 1..s: a prefix sum over segments
+    first_segment_of: dict[int, int] = {}
+    activations_upto: list = []
+    running = 0
+    for index, seg in enumerate(segments):
+        first_segment_of.setdefault(seg.unit, index)
+        per_option = [
+            (cost.activation_bytes if index == first_segment_of[seg.unit] else 0) if option.checkpoint
+            else seg.saved_bytes
+            for option, cost in zip(table.options[seg.unit], table.costs[seg.unit])
+        ]
+        running = alg.define(running + alg.pick(seg.unit, per_option), f"act_{index}")
+        activations_upto.append(running)
+
+    def running_units(position: int) -> list[int]:
+        return [u for u in range(n_units) if units[u].first_op <= position <= units[u].last_op]
+
+    def count_before(order: list[int], key, position: int) -> int:
+        return sum(1 for u in order if key(units[u]) < position)
+
+    fwd_points, bwd_points = [], []
+    for index, seg in enumerate(segments):
+        around = running_units(seg.first_op)
+        held_done = held_upto[count_before(by_last, lambda u: u.last_op, seg.first_op)]
+        grads_in_step = grads_all if table.grad_accum_steps > 1 else 0
+
+        upcoming = [u for u in range(n_units) if units[u].first_op > seg.last_op]
+        prefetch_fwd = min(upcoming, key=lambda u: units[u].first_op) if upcoming else None
+        gathered_fwd = _sum([pick(u, "gathered_bytes") for u in around]) + held_done
+        if prefetch_fwd is not None:
+            gathered_fwd = gathered_fwd + pick(prefetch_fwd, "gathered_bytes")
+        fwd_points.append(MemoryPoint(f"fwd {units[seg.unit].path or '<root>'}", {
+            "params": params_all, "grads": grads_in_step, "optimizer": optimizer_all,
+            "activations": activations_upto[index], "gathered": gathered_fwd,
+            "temporaries": seg.fwd_temp_bytes,
+        }))
+
+        finished = [u for u in range(n_units) if units[u].last_op < seg.first_op]
+        prefetch_bwd = max(finished, key=lambda u: units[u].last_op) if finished else None
+        gathered_bwd = _sum([pick(u, "gathered_bytes") for u in around]) + held_done
+        if prefetch_bwd is not None:  # prefetched for the next backward unless already held
+            gathered_bwd = gathered_bwd + alg.pick(prefetch_bwd, [
+                c.gathered_bytes - c.held_bytes for c in table.costs[prefetch_bwd]])
+        done_rank = count_before(by_first, lambda u: -u.first_op, -seg.last_op)  # units starting after b
+        grads_done = grads_all if table.grad_accum_steps > 1 else grads_from[n_units - done_rank]
+        enclosing = [u for u in around if u != seg.unit]
+        temporaries_bwd = (seg.bwd_temp_bytes + pick(seg.unit, "grad_buffer_bytes")
+                           + _sum([pick(u, "gathered_bytes") for u in enclosing]))
+        bwd_points.append(MemoryPoint(f"bwd {units[seg.unit].path or '<root>'}", {
+            "params": params_all, "grads": grads_done, "optimizer": optimizer_all,
+            "activations": activations_upto[index] + pick(seg.unit, "recompute_bytes"),
+            "gathered": gathered_bwd, "temporaries": temporaries_bwd,
+        }))
+
+    optimizer_temp = _sum([pick(u, "optimizer_temp_bytes") for u in range(n_units)])
+    step_point = MemoryPoint("optimizer step", {
+        "params": params_all, "grads": grads_all, "optimizer": optimizer_all,
+        "activations": 0, "gathered": 0, "temporaries": optimizer_temp,
+    })
+    return fwd_points + bwd_points[::-1] + [step_point]
+
+
+def total(point: MemoryPoint):
+    return _sum([point.parts[c] for c in CATEGORIES])

@@ -1,0 +1,213 @@
+"""Per-(unit, option) cost numbers for one micro-batch size: the data both the evaluator and the solver read.
+
+Memory follows FSDP2's allocations (per rank):
+- a parameter of shape (d0, ...) sharded over g ranks holds ceil(d0 / g) rows on each (FSDP2 pads
+  dim 0), in the master dtype, with its reduced gradient of the same size and the optimizer states;
+- while a unit runs, its parameters are all-gathered in the compute dtype (g * ceil(d0/g) rows);
+- its backward holds the unsharded gradients (compute dtype) and the reduce-scatter input (reduce
+  dtype) until the reduction ends.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from autoplan.options import Option, options_for
+from autoplan.profiles import DeviceProfile
+from autoplan.trace import ModelTrace, OpRecord
+from autoplan.units import Unit
+
+from .comm import CommModel
+from .compute import ComputeModel
+from .precision import OPTIMIZER_STATES, OPTIMIZER_TOUCHES, PRECISIONS, Precision
+
+
+@dataclass(frozen=True)
+class ClusterShape:
+    world_size: int
+    nodes: int
+    gpus_per_node: int
+
+
+@dataclass
+class OptionCost:
+    """One unit under one option. Bytes per rank; times per micro-batch (optimizer: per step)."""
+
+    param_bytes: int
+    optimizer_bytes: int
+    grad_bytes: int
+    gathered_bytes: int
+    held_bytes: int  # gathered bytes kept from its forward to its backward (reshard_after_forward=False)
+    activation_bytes: int  # saved for backward per micro-batch
+    recompute_bytes: int  # extra activations rematerialised during its backward (checkpointing)
+    grad_buffer_bytes: int  # unsharded gradients + reduction buffer during its backward
+    fwd_s: float
+    bwd_s: float
+    comm_fwd_s: float
+    comm_bwd_s: float
+    optimizer_s: float
+    optimizer_temp_bytes: int  # scratch the optimizer step allocates (foreach AdamW: one state's size)
+    local_numel: int
+
+
+@dataclass
+class Segment:
+    """A maximal run of consecutive ops owned by one unit (a unit nested around others has several)."""
+
+    unit: int
+    first_op: int
+    last_op: int
+    saved_bytes: int
+    fwd_temp_bytes: int
+    bwd_temp_bytes: int
+
+
+@dataclass
+class CostTable:
+    units: list[Unit]
+    options: list[list[Option]]
+    costs: list[list[OptionCost]]  # [unit][option index]
+    segments: list[Segment]
+    micro_batch_size: int
+    grad_accum_steps: int
+    seq_len: int
+    cluster: ClusterShape
+    precision: Precision
+    root: int  # index of the root unit
+    overlap_compute: float
+    overlap_comm: float
+
+    @property
+    def samples_per_step(self) -> int:
+        return self.micro_batch_size * self.grad_accum_steps * self.cluster.world_size
+
+
+def _shard_group(option: Option, cluster: ClusterShape) -> int:
+    group = option.kind.shard_group
+    return {"world": cluster.world_size, "node": cluster.gpus_per_node, "one": 1}[group]
+
+
+def _scope(group_size: int, cluster: ClusterShape, spans_nodes: bool) -> str:
+    return "inter_node" if cluster.nodes > 1 and (spans_nodes or group_size > cluster.gpus_per_node) else "intra_node"
+
+
+def _local_numel(unit: Unit, shard: int) -> int:
+    """Elements of the unit's parameters on one rank, with FSDP2's dim-0 padding."""
+    total = 0
+    for param in unit.params:
+        shape = param.shape or (1,)
+        rows = math.ceil(shape[0] / shard)
+        total += rows * math.prod(shape[1:])
+    return total
+
+
+def _keep_bytes(trace: ModelTrace, unit: Unit, owned: set[str]) -> int:
+    """Bytes a checkpointed unit keeps: its inputs produced outside it, unless saved elsewhere already."""
+    keep: dict[int, int] = {}
+    for name in unit.ops:
+        for storage, nbytes in trace.input_storages.get(name, []):
+            producer = trace.storage_producer.get(storage)
+            if producer is None or producer in owned:
+                continue  # parameters, buffers, placeholders, or produced inside the unit
+            saver = trace.saved_storages.get(storage)
+            if saver is not None and saver[1] not in owned:
+                continue  # already kept alive by an op outside this unit
+            keep[storage] = nbytes
+    return sum(keep.values())
+
+
+def activation_keep_bytes(trace: ModelTrace, units: list[Unit]) -> list[int]:
+    return [_keep_bytes(trace, unit, set(unit.ops)) for unit in units]
+
+
+def build_cost_table(
+    units: list[Unit],
+    ops: list[OpRecord],
+    keep_bytes: list[int],
+    profile: DeviceProfile,
+    cluster: ClusterShape,
+    micro_batch_size: int,
+    grad_accum_steps: int,
+    seq_len: int,
+    dtype: str,
+    optimizer: str,
+) -> CostTable:
+    precision = PRECISIONS[dtype]
+    compute = ComputeModel(profile, precision.compute_dtype)
+    comm = CommModel(profile)
+    op_index = {op.name: i for i, op in enumerate(ops)}
+    by_name = {op.name: op for op in ops}
+    root = next(i for i, unit in enumerate(units) if unit.is_root)
+    cs, ms = profile.overlap.compute_slowdown, profile.overlap.comm_slowdown
+    opt_rate = profile.optimizer_bytes_s or profile.mem_bandwidth_bytes_s * profile.mem_bandwidth_efficiency
+
+    all_options: list[list[Option]] = []
+    all_costs: list[list[OptionCost]] = []
+    for index, unit in enumerate(units):
+        unit_ops = [by_name[name] for name in unit.ops]
+        fwd_s = sum(compute.op_time_s(op, "fwd") for op in unit_ops)
+        bwd_s = sum(compute.op_time_s(op, "bwd") for op in unit_ops)
+        saved = sum(op.saved_bytes for op in unit_ops)
+        options = options_for(unit.is_leaf, unit.is_root, cluster.nodes)
+        costs = []
+        for option in options:
+            shard = _shard_group(option, cluster)
+            replicas = cluster.world_size // shard
+            local = _local_numel(unit, shard)
+            padded = local * shard
+            gathered = padded * precision.compute_bytes
+            all_gather = comm.collective_s("all_gather", gathered, shard, _scope(shard, cluster, False))
+            reduce_scatter = comm.collective_s(
+                "reduce_scatter", padded * precision.reduce_bytes, shard, _scope(shard, cluster, False)
+            )
+            all_reduce = comm.collective_s(
+                "all_reduce", local * precision.reduce_bytes, replicas, _scope(replicas, cluster, shard == 1 or
+                                                                               option.kind.shard_group == "node")
+            )
+            regather = all_gather if option.kind.reshard_after_forward and not unit.is_root else 0.0
+            comm_fwd, comm_bwd = all_gather, regather + reduce_scatter + all_reduce
+            bwd_total = bwd_s + (fwd_s if option.checkpoint else 0.0)
+            costs.append(OptionCost(
+                param_bytes=local * precision.master_bytes,
+                optimizer_bytes=local * OPTIMIZER_STATES[optimizer] * precision.state_bytes,
+                grad_bytes=local * precision.master_bytes,
+                gathered_bytes=gathered,
+                held_bytes=0 if option.kind.reshard_after_forward else gathered,
+                activation_bytes=keep_bytes[index] if option.checkpoint else saved,
+                recompute_bytes=saved if option.checkpoint else 0,
+                grad_buffer_bytes=padded * (precision.compute_bytes + precision.reduce_bytes),
+                fwd_s=fwd_s * (cs if comm_fwd > 0 else 1.0),
+                bwd_s=bwd_total * (cs if comm_bwd > 0 else 1.0),
+                comm_fwd_s=comm_fwd * (ms if fwd_s > 0 else 1.0),
+                comm_bwd_s=comm_bwd * (ms if bwd_total > 0 else 1.0),
+                optimizer_s=local * OPTIMIZER_TOUCHES[optimizer] * precision.master_bytes / opt_rate,
+                optimizer_temp_bytes=local * precision.state_bytes if OPTIMIZER_STATES[optimizer] else 0,
+                local_numel=local,
+            ))
+        all_options.append(options)
+        all_costs.append(costs)
+
+    owner = {}
+    for index, unit in enumerate(units):
+        for name in unit.ops:
+            owner[name] = index
+    segments: list[Segment] = []
+    for op in ops:
+        position = op_index[op.name]
+        if segments and segments[-1].unit == owner[op.name]:
+            seg = segments[-1]
+            seg.last_op = position
+        else:
+            seg = Segment(owner[op.name], position, position, 0, 0, 0)
+            segments.append(seg)
+        seg.saved_bytes += op.saved_bytes
+        seg.fwd_temp_bytes = max(seg.fwd_temp_bytes, op.fwd_max_alloc_bytes)
+        # a gradient in flight and the one it produces are alive together
+        seg.bwd_temp_bytes = max(seg.bwd_temp_bytes, 2 * op.bwd_max_alloc_bytes)
+
+    return CostTable(
+        units=units, options=all_options, costs=all_costs, segments=segments,
+        micro_batch_size=micro_batch_size, grad_accum_steps=grad_accum_steps, seq_len=seq_len,
+        cluster=cluster, precision=precision, root=root, overlap_compute=cs, overlap_comm=ms,
+    )
