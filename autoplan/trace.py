@@ -165,8 +165,16 @@ class _CostMode(TorchDispatchMode):
 
 
 def _fused_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-    """Stand-in for F.scaled_dot_product_attention that saves what a fused training kernel saves."""
-    if attn_mask is not None or dropout_p != 0.0 or enable_gqa or query.shape[-3] != key.shape[-3]:
+    """Stand-in for F.scaled_dot_product_attention that saves what a fused training kernel saves.
+
+    Fused GPU kernels take dropout (they keep the RNG state, not a mask) and grouped-query attention;
+    the CPU flash kernel's meta function accepts dropout, and GQA is run as repeated k/v heads."""
+    if enable_gqa and query.shape[-3] != key.shape[-3] and query.shape[-3] % key.shape[-3] == 0:
+        repeats = query.shape[-3] // key.shape[-3]
+        key, value = key.repeat_interleave(repeats, dim=-3), value.repeat_interleave(repeats, dim=-3)
+        enable_gqa = False
+    if attn_mask is not None or enable_gqa or query.shape[-3] != key.shape[-3] or (
+            dropout_p != 0.0 and query.device.type != "meta"):
         return F.scaled_dot_product_attention(
             query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
             enable_gqa=enable_gqa,
@@ -192,14 +200,31 @@ def _module_path(node: fx.Node) -> str:
     return next(reversed(stack.values()))[0]
 
 
+class _PathTracer(fx.Tracer):
+    """fx's tracer, remembering the modules it is inside so that a failure can name the innermost."""
+
+    def __init__(self):
+        super().__init__()
+        self.entered_modules: list[str] = []
+
+    def call_module(self, m, forward, args, kwargs):
+        self.entered_modules.append(self.path_of_module(m))
+        out = super().call_module(m, forward, args, kwargs)
+        self.entered_modules.pop()
+        return out
+
+
 def symbolic_trace(model: nn.Module) -> fx.GraphModule:
+    tracer = _PathTracer()
     try:
-        return fx.symbolic_trace(model)
+        graph = tracer.trace(model)
     except Exception as exc:  # fx raises many types; the user needs the module that failed
+        where = f" in module {tracer.entered_modules[-1]!r}" if tracer.entered_modules else ""
         raise TraceError(
-            f"torch.fx could not trace {type(model).__name__}: {type(exc).__name__}: {exc}. "
-            "autoplan needs a model whose forward has no data-dependent Python control flow."
+            f"torch.fx could not trace {type(model).__name__}{where}: {type(exc).__name__}: {exc}. "
+            "torch.fx needs a forward without data-dependent Python control flow."
         ) from exc
+    return fx.GraphModule(tracer.root, graph, type(model).__name__)
 
 
 def default_inputs(model: nn.Module, micro_batch_size: int, seq_len: int) -> tuple[torch.Tensor, ...]:
@@ -208,7 +233,9 @@ def default_inputs(model: nn.Module, micro_batch_size: int, seq_len: int) -> tup
 
 
 def _loss(output) -> torch.Tensor:
-    """The training loss the run uses: next-token cross-entropy in fp32 over logits [B, S, V]."""
+    """The training loss the run uses: next-token cross-entropy in fp32 over logits [B, S, V].
+    Hugging Face models return an output object whose `logits` hold them."""
+    output = getattr(output, "logits", output)
     logits = output[0] if isinstance(output, (tuple, list)) else output
     if logits.dim() == 3:
         labels = torch.zeros(logits.shape[:2], dtype=torch.long, device=logits.device)
