@@ -23,6 +23,7 @@ Sharding = Literal["shard", "shard_keep", "replicate", "hybrid"]
 TrainDtype = Literal["bf16-mixed", "bf16", "fp32"]
 OptimizerName = Literal["adamw", "adam", "sgd"]
 Granularity = Literal["block", "fine", "leaf"]
+Tracer = Literal["fx", "dispatch"]
 
 
 class _Strict(BaseModel):
@@ -32,10 +33,11 @@ class _Strict(BaseModel):
 class ModelRef(_Strict):
     """How to rebuild the model: a zoo name and config, or a user factory named on the command line."""
 
-    name: str  # zoo name, or the factory spec "package.module:factory"
+    name: str  # zoo name, the factory spec "package.module:factory", or "hf:path/to/config.json"
     config: dict[str, Any] | None = None  # zoo ModelConfig as a dict; None for user factories
     n_params: int
     fingerprint: str  # sha256 of the module tree and parameter shapes
+    tracer: Tracer = "fx"  # what read the model: torch.fx, or the dispatch-level fallback
 
 
 class ClusterSpec(_Strict):
@@ -143,6 +145,33 @@ class Plan(_Strict):
 
     def to_json(self) -> str:
         return self.model_dump_json(indent=2) + "\n"
+
+    def to_dict(self) -> dict[str, Any]:
+        """The whole plan as plain data (what the JSON file holds)."""
+        return self.model_dump(mode="json")
+
+    def unit_table(self) -> list[dict[str, Any]]:
+        """One flat row per unit, in execution order: its decision and its predicted bytes and seconds."""
+        return [{"module": unit.module, "sharding": unit.sharding, "checkpoint": unit.checkpoint,
+                 "reshard_after_forward": unit.reshard_after_forward, "params": unit.params,
+                 **unit.predicted.model_dump()} for unit in self.units]
+
+    def timeline_table(self) -> list[dict[str, Any]]:
+        """One row per point of the predicted per-rank memory timeline, bytes by category."""
+        return [{"point": p.point, "total_bytes": p.total_bytes, **p.breakdown.model_dump()}
+                for p in self.predicted.timeline]
+
+    def table(self) -> str:
+        """The readable report: decisions, peak memory by category, step time, baselines."""
+        from .report import format_plan
+
+        return format_plan(self)
+
+    def __str__(self) -> str:
+        return self.table()
+
+    def _repr_pretty_(self, printer, cycle: bool) -> None:  # IPython / Jupyter display
+        printer.text(self.table())
 
     def save(self, path: str | os.PathLike) -> None:
         write_text_atomic(path, self.to_json())

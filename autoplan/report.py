@@ -55,7 +55,8 @@ def unit_rows(plan: Plan) -> list[tuple[str, int, UnitDecision]]:
 def format_plan(plan: Plan, cluster_is_default: bool = False) -> str:
     c, t, p = plan.cluster, plan.training, plan.predicted
     lines = [
-        f"autoplan: {plan.model.name} ({_count(plan.model.n_params)} parameters) on {c.nodes} node(s) x "
+        f"autoplan: {plan.model.name} ({_count(plan.model.n_params)} parameters, traced by {plan.model.tracer}) on "
+        f"{c.nodes} node(s) x "
         f"{c.gpus_per_node} GPU(s), profile {c.profile}" + (f" ({DEFAULT_CLUSTER_NOTE})" if cluster_is_default else ""),
         f"memory limit {format_bytes(c.mem_limit_bytes)} per GPU; sequence length {t.seq_len}; micro-batch "
         f"{t.micro_batch_size} x {t.grad_accum_steps} accumulation x {c.world_size} GPUs = {t.global_batch_size} "

@@ -3,11 +3,15 @@
 The micro-batch sweep solves one CP-SAT model per candidate size (powers of two, or the divisors
 a fixed global batch allows) and keeps the plan with the highest throughput. Memory grows with the
 micro-batch, so the sweep stops at the first size nothing fits in.
+
+A TracedModel holds the traces, so that many searches (a sweep of memory limits, other clusters)
+and estimates of one model trace it once.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch.nn as nn
 
@@ -19,6 +23,7 @@ from cost_models.table import ClusterShape, CostTable, activation_keep_bytes, bu
 from . import __version__
 from .errors import InfeasibleError, UsageError
 from .fingerprint import model_fingerprint
+from .hf import HF_PREFIX, build_hf_model
 from .models import UnknownModelError, build_model, count_params, get_config, load_factory
 from .plan import (
     Baseline, ClusterSpec, MemoryBreakdown, ModelRef, Plan, Prediction, SolverInfo, SweepEntry,
@@ -27,7 +32,8 @@ from .plan import (
 from .profiles import DeviceProfile, load_profile
 from .sizes import format_bytes, parse_mem_bytes
 from .solver import DEFAULT_TIME_LIMIT_S, solve_min_memory, solve_min_time
-from .trace import extrapolate_ops, symbolic_trace, trace_model
+from .trace import extrapolate_ops
+from .tracing import ExampleInputs, TracePair, trace_pair
 from .units import build_units
 
 DEFAULT_MODEL = "gpt2-1.5b"
@@ -44,12 +50,17 @@ class ResolvedModel:
     module: nn.Module  # on the meta device
     name: str
     config: dict | None
+    max_seq_len: int | None = None  # the default sequence length, when the model says
 
 
 def resolve_model(model: str | nn.Module) -> ResolvedModel:
-    """A zoo name, a "package.module:factory" spec, or a module object."""
+    """A zoo name, "hf:path/to/config.json" (or its directory), a "package.module:factory" spec, or a
+    module object."""
     if isinstance(model, nn.Module):
         return ResolvedModel(model, type(model).__name__, None)
+    if model.startswith(HF_PREFIX):
+        built = build_hf_model(model[len(HF_PREFIX):])
+        return ResolvedModel(built.module, model, None, built.max_seq_len)
     if ":" in model:
         try:
             module = load_factory(model, device="meta")
@@ -60,7 +71,7 @@ def resolve_model(model: str | nn.Module) -> ResolvedModel:
         config = get_config(model)
     except UnknownModelError as exc:
         raise UsageError(str(exc)) from exc
-    return ResolvedModel(build_model(config, device="meta"), model, config.to_dict())
+    return ResolvedModel(build_model(config, device="meta"), model, config.to_dict(), config.max_seq_len)
 
 
 @dataclass(frozen=True)
@@ -111,10 +122,11 @@ def micro_batch_candidates(world_size: int, batch_size: int | None, global_batch
 class _TraceCache:
     """Op costs at any micro-batch from two traces (micro-batch 1 and 2): they are affine in it."""
 
-    def __init__(self, model: nn.Module, seq_len: int, compute_dtype: str, granularity: str):
-        graph_module = symbolic_trace(model)
-        self.trace_1 = trace_model(model, 1, seq_len, compute_dtype, graph_module=graph_module)
-        self.trace_2 = trace_model(model, 2, seq_len, compute_dtype, graph_module=graph_module)
+    def __init__(self, model: nn.Module, seq_len: int, compute_dtype: str, granularity: str,
+                 traces: TracePair | None = None):
+        traces = traces or trace_pair(model, seq_len, compute_dtype)
+        self.tracer = traces.tracer
+        self.trace_1, self.trace_2 = traces.at_1, traces.at_2
         self.units = build_units(model, self.trace_1, granularity)
         self.keep_1 = activation_keep_bytes(self.trace_1, self.units)
         self.keep_2 = activation_keep_bytes(self.trace_2, self.units)
@@ -125,6 +137,98 @@ class _TraceCache:
         keep = [a + (b - a) * (micro_batch_size - 1) for a, b in zip(self.keep_1, self.keep_2)]
         return build_cost_table(self.units, ops, keep, cluster.profile, cluster.shape, micro_batch_size,
                                 grad_accum_steps, seq_len, dtype, optimizer)
+
+
+class TracedModel:
+    """A model read once for planning: reuse it for any number of searches and estimates.
+
+    `model` is a zoo name, "hf:path/to/config.json", "package.module:factory" or an nn.Module.
+    Tracing runs the model on the meta device at micro-batch 1 and 2 (op costs are affine in the
+    micro-batch), once per compute dtype, when a search or estimate first needs it. `seq_len` defaults
+    to the model's context (zoo and Hugging Face models) or to dim 1 of `example_inputs`, which a model
+    whose forward does not take token ids [batch, seq] needs (tensors with the batch in dim 0).
+    `tracer` forces "fx" or "dispatch"; by default fx is tried first.
+    """
+
+    def __init__(self, model: str | nn.Module, *, seq_len: int | None = None, example_inputs: Any = None,
+                 tracer: str | None = None):
+        self.resolved = resolve_model(model)
+        self.example_inputs = ExampleInputs.of(example_inputs) if example_inputs is not None else None
+        if seq_len is None:
+            seq_len = self.resolved.max_seq_len or (self.example_inputs.seq_len if self.example_inputs else None)
+        if seq_len is None:
+            raise UsageError("give --seq-len (the sequence length to plan for) for a model outside the zoo")
+        if seq_len < 1:
+            raise UsageError(f"--seq-len must be positive, got {seq_len}")
+        self.seq_len = seq_len
+        self.forced_tracer = tracer
+        self._traces: dict[str, TracePair] = {}
+        self._caches: dict[tuple[str, str], _TraceCache] = {}
+
+    @property
+    def name(self) -> str:
+        return self.resolved.name
+
+    @property
+    def module(self) -> nn.Module:
+        return self.resolved.module
+
+    @property
+    def n_params(self) -> int:
+        return count_params(self.resolved.module)
+
+    @property
+    def tracer(self) -> str | None:
+        """The tracer that read the model ("fx" or "dispatch"), None before the first trace."""
+        return next((pair.tracer for pair in self._traces.values()), None)
+
+    def traces(self, compute_dtype: str = "bf16") -> TracePair:
+        if compute_dtype not in self._traces:
+            self._traces[compute_dtype] = trace_pair(self.resolved.module, self.seq_len, compute_dtype,
+                                                     self.example_inputs, self.forced_tracer)
+        return self._traces[compute_dtype]
+
+    def cache(self, compute_dtype: str, granularity: str) -> _TraceCache:
+        key = (compute_dtype, granularity)
+        if key not in self._caches:
+            self._caches[key] = _TraceCache(self.resolved.module, self.seq_len, compute_dtype, granularity,
+                                            self.traces(compute_dtype))
+        return self._caches[key]
+
+    def search(self, mem: str | int, **settings) -> Plan:
+        """`autoplan.search` on this traced model; takes the same keyword settings."""
+        return search(self, mem, **settings)
+
+    def estimate(self, **settings):
+        """`autoplan.estimate` on this traced model; takes the same keyword settings."""
+        from .estimate import estimate
+
+        return estimate(self, **settings)
+
+    def __repr__(self) -> str:
+        return (f"TracedModel({self.name!r}, {self.n_params:,} parameters, seq_len={self.seq_len}, "
+                f"tracer={self.tracer or 'not traced yet'})")
+
+
+def trace(model: str | nn.Module, *, seq_len: int | None = None, example_inputs: Any = None,
+          dtype: str = "bf16-mixed", tracer: str | None = None) -> TracedModel:
+    """Read a model once for planning; pass the result to `search`, `estimate` or `frontier` in place of
+    the model. Traces now (for `dtype`'s compute precision), so errors surface here.
+
+    >>> import autoplan
+    >>> traced = autoplan.trace("gpt2-tiny", seq_len=64)
+    >>> traced.tracer, traced.n_params
+    ('fx', 141056)
+    """
+    if dtype not in DTYPES:
+        raise UsageError(f"unknown --dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    traced = TracedModel(model, seq_len=seq_len, example_inputs=example_inputs, tracer=tracer)
+    traced.traces(compute_dtype_of(dtype))
+    return traced
+
+
+def compute_dtype_of(dtype: str) -> str:
+    return "fp32" if dtype == "fp32" else "bf16"
 
 
 def _breakdown(point) -> MemoryBreakdown:
@@ -211,7 +315,7 @@ def _infeasible(table: CostTable, mem_limit_bytes: int, model_name: str, cluster
 
 
 def search(
-    model: str | nn.Module = DEFAULT_MODEL,
+    model: str | nn.Module | TracedModel = DEFAULT_MODEL,
     mem: str | int = "8GB",
     *,
     gpus: int | None = None,
@@ -225,9 +329,22 @@ def search(
     optimizer: str = "adamw",
     granularity: str = "block",
     time_limit_s: float = DEFAULT_TIME_LIMIT_S,
+    example_inputs: Any = None,
 ) -> Plan:
     """The fastest plan whose predicted per-rank peak memory is at most `mem`. Raises InfeasibleError
-    (with the smallest limit that would fit) when none does, UsageError for bad input."""
+    (with the smallest limit that would fit) when none does, UsageError for bad input.
+
+    `model`: a zoo name, "hf:path/to/config.json", "package.module:factory", an nn.Module, or a
+    TracedModel (from `autoplan.trace`) to reuse its traces. `mem`: bytes or a size such as "8GB".
+    The cluster is `gpus` in `nodes` x `gpus_per_node` with a device `profile`; without `batch_size`
+    the micro-batch is swept; `global_batch` fixes the samples per step (gradient accumulation fills
+    it). `example_inputs`: see TracedModel.
+
+    >>> import autoplan
+    >>> plan = autoplan.search("gpt2-tiny", "60MB", gpus=2, seq_len=64)
+    >>> plan.predicted.peak_mem_bytes <= 60e6
+    True
+    """
     mem_limit_bytes = parse_mem_bytes(mem)
     if dtype not in DTYPES:
         raise UsageError(f"unknown --dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
@@ -235,18 +352,12 @@ def search(
         raise UsageError(f"unknown --optimizer {optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
     if time_limit_s <= 0:
         raise UsageError(f"--time-limit must be positive, got {time_limit_s}")
-    resolved = resolve_model(model)
+    session = reuse_traced(model, seq_len, example_inputs)
+    resolved, seq_len = session.resolved, session.seq_len
     cluster = resolve_cluster(gpus, nodes, gpus_per_node, profile)
-    if seq_len is None:
-        if resolved.config is None:
-            raise UsageError("give --seq-len (the sequence length to plan for) for a model outside the zoo")
-        seq_len = resolved.config["max_seq_len"]
-    if seq_len < 1:
-        raise UsageError(f"--seq-len must be positive, got {seq_len}")
     candidates = micro_batch_candidates(cluster.shape.world_size, batch_size, global_batch)
 
-    compute_dtype = "fp32" if dtype == "fp32" else "bf16"
-    traced = _TraceCache(resolved.module, seq_len, compute_dtype, granularity)
+    traced = session.cache(compute_dtype_of(dtype), granularity)
 
     sweep: list[SweepEntry] = []
     tables: list[CostTable] = []
@@ -291,7 +402,7 @@ def search(
     return Plan(
         autoplan_version=__version__,
         model=ModelRef(name=resolved.name, config=resolved.config, n_params=count_params(resolved.module),
-                       fingerprint=model_fingerprint(resolved.module)),
+                       fingerprint=model_fingerprint(resolved.module), tracer=traced.tracer),
         cluster=ClusterSpec(world_size=cluster.shape.world_size, nodes=cluster.shape.nodes,
                             gpus_per_node=cluster.shape.gpus_per_node, profile=cluster.profile_name,
                             device_mem_bytes=cluster.profile.mem_bytes, mem_limit_bytes=mem_limit_bytes),
@@ -307,5 +418,17 @@ def search(
     )
 
 
-__all__ = ["search", "resolve_model", "resolve_cluster", "micro_batch_candidates", "DEFAULT_MODEL",
-           "DEFAULT_PROFILE"]
+def reuse_traced(model: str | nn.Module | TracedModel, seq_len: int | None, example_inputs: Any) -> TracedModel:
+    """`model` itself when it is traced already (its sequence length and inputs are fixed), else a new one."""
+    if not isinstance(model, TracedModel):
+        return TracedModel(model, seq_len=seq_len, example_inputs=example_inputs)
+    if seq_len is not None and seq_len != model.seq_len:
+        raise UsageError(f"{model.name} was traced at sequence length {model.seq_len}, not {seq_len}; "
+                         "trace it again with seq_len=" + str(seq_len))
+    if example_inputs is not None:
+        raise UsageError("example_inputs belong to autoplan.trace(); this model is traced already")
+    return model
+
+
+__all__ = ["search", "trace", "TracedModel", "resolve_model", "resolve_cluster", "micro_batch_candidates",
+           "DEFAULT_MODEL", "DEFAULT_PROFILE"]
