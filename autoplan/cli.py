@@ -7,6 +7,7 @@ import os
 import sys
 import time
 
+from . import cli_estimate
 from .errors import AutoplanError, UsageError
 from .sizes import ACCEPTED_FORMS, parse_mem_bytes
 
@@ -56,7 +57,8 @@ def _add_search(subparsers) -> None:
         epilog=SEARCH_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--model", default=DEFAULT_MODEL,
-                        help=f"zoo name (see `autoplan models`) or package.module:factory (default {DEFAULT_MODEL})")
+                        help=f"zoo name (see `autoplan models`), hf:path/to/config.json (a Hugging Face config, "
+                             f"nothing downloaded) or package.module:factory (default {DEFAULT_MODEL})")
     parser.add_argument("--mem", type=_mem_arg, default=None,
                         help=f"per-GPU memory limit: {ACCEPTED_FORMS} (default: the profile's device memory)")
     parser.add_argument("--gpus", type=_positive_int, help="total GPUs (default 8: one node of 8)")
@@ -125,6 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_search(subparsers)
     _add_models(subparsers)
+    cli_estimate.register(subparsers)
     return parser
 
 

@@ -1,0 +1,96 @@
+"""Hugging Face models from tiny local config.json files (written here; nothing is downloaded)."""
+
+import json
+
+import pytest
+
+import autoplan
+from autoplan.errors import UsageError
+
+pytest.importorskip("transformers")
+
+CONFIGS = {
+    "llama": dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=64, intermediate_size=128,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                  max_position_embeddings=128),
+    "gpt2": dict(model_type="gpt2", n_embd=64, n_layer=2, n_head=4, vocab_size=256, n_positions=128,
+                 bos_token_id=0, eos_token_id=0),
+    "bert": dict(model_type="bert", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 intermediate_size=128, vocab_size=256, max_position_embeddings=128),
+}
+BLOCKS = {"llama": "model.layers", "gpt2": "transformer.h", "bert": "bert.encoder.layer"}
+
+
+def write_config(directory, name, **changes):
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps({**CONFIGS[name], **changes}))
+    return directory
+
+
+@pytest.fixture(scope="module")
+def configs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf")
+    return {name: write_config(root / name, name) for name in CONFIGS}
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2", "bert"])
+def test_search_plans_a_local_hf_config_with_the_fallback_tracer(configs, name):
+    plan = autoplan.search(f"hf:{configs[name]}", "40MB", gpus=2, seq_len=32)
+    assert plan.model.tracer == "dispatch"  # torch.fx cannot trace current transformers models
+    paths = [unit.module for unit in plan.units]
+    assert f"{BLOCKS[name]}.0" in paths and f"{BLOCKS[name]}.1" in paths
+    assert plan.predicted.peak_mem_bytes <= 40e6
+    assert "traced by dispatch" in str(plan)
+
+
+def test_the_context_length_is_the_default_sequence_length(configs):
+    traced = autoplan.trace(f"hf:{configs['llama'] / 'config.json'}")  # the file itself works too
+    assert traced.seq_len == 128
+
+
+def test_attention_runs_as_a_fused_kernel_so_activations_grow_linearly_with_sequence(configs):
+    saved = []
+    for seq_len in (32, 64):
+        traced = autoplan.trace(f"hf:{configs['llama']}", seq_len=seq_len)
+        trace = traced.traces("bf16").at_1
+        saved.append(sum(op.saved_bytes for op in trace.ops if op.module.startswith("model.layers.0")))
+    # the S x S score matrix would make this ratio well above 2
+    assert saved[1] / saved[0] == pytest.approx(2.0, rel=0.02)
+
+
+def test_estimate_on_an_hf_config(configs):
+    sharded = autoplan.estimate(f"hf:{configs['llama']}", "shard", gpus=2, batch_size=4, seq_len=32)
+    replicated = autoplan.estimate(f"hf:{configs['llama']}", "replicate", gpus=2, batch_size=4, seq_len=32)
+    assert sharded.model.tracer == "dispatch"
+    assert replicated.model_state_bytes == pytest.approx(2 * sharded.model_state_bytes, rel=0.01)
+
+
+def test_cli_estimate_takes_a_plan_for_an_hf_config(run_cli, configs, tmp_path):
+    autoplan.search(f"hf:{configs['llama']}", "40MB", gpus=2, seq_len=32).save(tmp_path / "hf-plan.json")
+    result = run_cli("estimate", "--plan", "hf-plan.json", "--timeline")  # the plan names its hf: model
+    assert result.returncode == 0, result.stderr
+    assert f"hf:{configs['llama']}" in result.stdout and "traced by dispatch" in result.stdout
+    assert "strategy plan" in result.stdout and "bwd model.layers.1" in result.stdout
+
+
+@pytest.mark.parametrize("changes, expected", [
+    ({"model_type": None}, "field 'model_type' is missing"),
+    ({"model_type": "no-such-family"}, "field 'model_type' is 'no-such-family'"),
+    ({"architectures": ["NoSuchForCausalLM"]}, "field 'architectures' names 'NoSuchForCausalLM'"),
+    ({"num_hidden_layers": "two"}, "num_hidden_layers"),
+])
+def test_bad_configs_name_the_file_and_the_field(tmp_path, changes, expected):
+    directory = write_config(tmp_path / "bad", "llama", **changes)
+    with pytest.raises(UsageError) as info:
+        autoplan.search(f"hf:{directory}", "1GB", seq_len=16)
+    assert str(directory / "config.json") in str(info.value)
+    assert expected in str(info.value)
+
+
+def test_unreadable_configs_name_the_file(tmp_path):
+    with pytest.raises(UsageError, match="no Hugging Face config at .*missing.*config.json"):
+        autoplan.search(f"hf:{tmp_path / 'missing'}", "1GB", seq_len=16)
+    broken = tmp_path / "broken.json"
+    broken.write_text('{"model_type": "llama",,}')
+    with pytest.raises(UsageError, match=r"broken.json is not valid JSON: .*line 1 column"):
+        autoplan.search(f"hf:{broken}", "1GB", seq_len=16)
