@@ -1,14 +1,48 @@
-"""autoplan: find the fastest FSDP2 sharding plan that fits a per-device memory budget."""
+"""autoplan: find the fastest FSDP2 sharding plan that fits a per-device memory budget.
+
+The Python API, as a notebook uses it (each step is also a CLI command: `autoplan search`,
+`autoplan estimate`):
+
+>>> import autoplan
+>>> traced = autoplan.trace("gpt2-tiny", seq_len=64)   # a zoo name, "hf:dir/config.json", "pkg.mod:factory", a module
+>>> traced.tracer                                       # torch.fx here; "dispatch" where fx cannot trace the model
+'fx'
+>>> plan = traced.search("40MB", gpus=2)                # the fastest plan under 40 MB per GPU (InfeasibleError if none)
+>>> plan.predicted.peak_mem_bytes <= 40_000_000
+True
+>>> [row["module"] for row in plan.unit_table()]        # plain data: one dict per FSDP unit, "" is the root
+['', 'transformer.h.0', 'transformer.h.1']
+>>> [baseline.name for baseline in plan.baselines]      # uniform strategies under the same limit
+['all-shard', 'all-shard+ckpt', 'all-replicate']
+>>> est = autoplan.estimate(traced, "shard", checkpoint=True, gpus=2, batch_size=8)  # a fixed strategy
+>>> est.fits and est.predicted.peak_mem_bytes > est.model_state_bytes
+True
+>>> points = autoplan.frontier(traced, ["20MB", "40MB", "80MB"], gpus=2)  # one search per limit, one trace
+>>> figure = autoplan.plots.plot_frontier(points)       # matplotlib Figures (pip install 'autoplan[plot]')
+>>> figure = autoplan.plots.plot_memory_timeline(plan)
+>>> plan.save("plan.json")
+>>> autoplan.load_plan("plan.json") == plan
+True
+
+`print(plan)` shows the decision table; `plan.to_dict()`, `plan.unit_table()` and
+`plan.timeline_table()` give plain data.
+"""
 
 __version__ = "0.1.0"
 
+from . import plots  # noqa: E402  (matplotlib itself is imported only when a figure is drawn)
 from .errors import AutoplanError, InfeasibleError, PlanFileError, UsageError  # noqa: E402
+from .estimate import STRATEGIES, Estimate, estimate  # noqa: E402
+from .frontier import FrontierPoint, frontier  # noqa: E402
 from .plan import Plan, load_plan  # noqa: E402
 from .profiles import DeviceProfile, available_profiles, load_profile  # noqa: E402
-from .search import search  # noqa: E402
+from .search import TracedModel, search, trace  # noqa: E402
 from .sizes import parse_mem_bytes  # noqa: E402
+from .trace import TraceError  # noqa: E402
+from .tracing import TRACERS, ExampleInputs  # noqa: E402
 
 __all__ = [
-    "AutoplanError", "DeviceProfile", "InfeasibleError", "Plan", "PlanFileError", "UsageError",
-    "available_profiles", "load_plan", "load_profile", "parse_mem_bytes", "search",
+    "AutoplanError", "DeviceProfile", "Estimate", "ExampleInputs", "FrontierPoint", "InfeasibleError", "Plan",
+    "PlanFileError", "STRATEGIES", "TRACERS", "TraceError", "TracedModel", "UsageError", "available_profiles",
+    "estimate", "frontier", "load_plan", "load_profile", "parse_mem_bytes", "plots", "search", "trace",
 ]
