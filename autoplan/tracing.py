@@ -20,6 +20,9 @@ from .trace_dispatch import trace_dispatch
 
 TRACERS = ("fx", "dispatch")
 TRACED_BATCHES = (1, 2)
+TRACE_HINT = ("Tracing runs the model on meta tensors, which have shapes but no values: a forward that reads "
+              "values (x.item(), `if mask.any():`) cannot be traced; a forward that takes other inputs than "
+              "token ids [batch, seq] needs example_inputs (autoplan.trace(model, example_inputs=...)).")
 
 
 @dataclass(frozen=True)
@@ -113,7 +116,7 @@ def trace_pair(model: nn.Module, seq_len: int, dtype: str = "bf16", inputs: Exam
         except TraceError as exc:
             failures.append(f"{name}: {exc}")
     raise TraceError(f"cannot trace {type(model).__name__}; tried " + ", ".join((tracer,) if tracer else TRACERS)
-                     + ":\n  " + "\n  ".join(failures))
+                     + ":\n  " + "\n  ".join(failures) + "\n" + TRACE_HINT)
 
 
 __all__ = ["ExampleInputs", "TRACERS", "TracePair", "trace_pair"]
