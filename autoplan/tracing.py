@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map
 
 from .errors import UsageError
 from .trace import ModelTrace, TraceError, symbolic_trace, trace_model
@@ -67,9 +67,7 @@ class ExampleInputs:
 
 
 def _tensor_leaves(value) -> list[torch.Tensor]:
-    leaves: list[torch.Tensor] = []
-    tree_map(lambda v: leaves.append(v) if isinstance(v, torch.Tensor) else None, value)
-    return leaves
+    return [leaf for leaf in tree_flatten(value)[0] if isinstance(leaf, torch.Tensor)]
 
 
 @dataclass
