@@ -63,11 +63,16 @@ class OpTiming(_Strict):
 
 
 class OpFit(_Strict):
-    """time_s = intercept_s + s_per_unit * work, work being FLOPs or bytes moved, per op family."""
+    """time_s = intercept_s + s_per_unit * work, work being FLOPs or bytes moved, per op family.
+
+    family is an op kind ("Linear", "gelu") or a generic family ("matmul", "memory"); dtype is the
+    traced compute dtype the points were measured in (None: any dtype), since a bf16 matmul can run
+    at several times the FLOP/s of an fp32 one on the same device."""
 
     family: str
     direction: Literal["fwd", "bwd"]
     work: Literal["flops", "bytes"]
+    dtype: str | None = None
     intercept_s: float = Field(ge=0)
     s_per_unit: float = Field(ge=0)
 
