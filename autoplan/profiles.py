@@ -109,18 +109,18 @@ class DeviceProfile(_Strict):
         write_text_atomic(path, self.model_dump_json(indent=2) + "\n")
 
 
-def _shipped_dir() -> Path:
+def shipped_profile_dir() -> Path:
     return Path(str(resources.files("profiles")))
 
 
-def _local_dir() -> Path:
+def local_profile_dir() -> Path:
     return Path(os.environ.get(LOCAL_PROFILE_DIR_ENV, Path.home() / ".autoplan" / "profiles"))
 
 
 def available_profiles() -> dict[str, Path]:
     """Profile name -> file, shipped ones first; a local profile of the same name overrides."""
     found: dict[str, Path] = {}
-    for folder in (_shipped_dir(), _local_dir()):
+    for folder in (shipped_profile_dir(), local_profile_dir()):
         if folder.is_dir():
             for path in sorted(folder.glob("*.json")):
                 found[path.stem] = path

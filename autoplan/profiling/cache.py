@@ -1,9 +1,10 @@
-"""Measurement cache: one JSON file per (device, torch version, threads), entries by measurement key
-(an op key, a collective and size, ...). Written after every new entry, atomically, so an interrupted
-run resumes where it stopped and a repeated run re-measures nothing."""
+"""Measurement cache: one JSON file per scope (device, torch version, threads, repeat settings),
+entries by measurement key (an op key, a collective and size, ...). Written after every new entry,
+atomically, so an interrupted run resumes where it stopped and a repeated run re-measures nothing."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -19,18 +20,19 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get(CACHE_DIR_ENV, Path.home() / ".cache" / "autoplan"))
 
 
-def _slug(text: str) -> str:
-    return re.sub(r"[^A-Za-z0-9.]+", "-", text).strip("-").lower()
-
-
 class MeasurementCache:
-    """Dict-like store of JSON values; `directory=None` keeps nothing (a run that must re-measure)."""
+    """Dict-like store of JSON values for one scope; `directory=None` keeps nothing (re-measure all).
 
-    def __init__(self, directory: Path | None, device_name: str, torch_version: str, threads: int | None):
-        self.scope = {"format": CACHE_FORMAT, "device": device_name, "torch": torch_version, "threads": threads}
+    scope: what the measurements depend on besides their key, e.g. {"device": "...", "torch": "2.13"}.
+    It names the file (device slug + a hash of the scope), so runs in different scopes coexist."""
+
+    def __init__(self, directory: Path | None, scope: dict):
+        self.scope = {"format": CACHE_FORMAT, **scope}
         self.path = None
         if directory is not None:
-            self.path = Path(directory) / f"profile-{_slug(device_name)}-torch{_slug(torch_version)}-t{threads or 0}.json"
+            digest = hashlib.sha1(json.dumps(self.scope, sort_keys=True).encode()).hexdigest()[:12]
+            device = re.sub(r"[^a-z0-9]+", "-", str(scope.get("device", "device")).lower()).strip("-")
+            self.path = Path(directory) / f"profile-{device}-{digest}.json"
         self.entries: dict[str, object] = self._read()
 
     def _read(self) -> dict[str, object]:
@@ -53,4 +55,5 @@ class MeasurementCache:
     def put(self, key: str, value) -> None:
         self.entries[key] = value
         if self.path is not None:
-            write_text_atomic(self.path, json.dumps({"scope": self.scope, "entries": self.entries}, indent=0) + "\n")
+            text = json.dumps({"scope": self.scope, "entries": self.entries}, indent=0)
+            write_text_atomic(self.path, text + "\n")

@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from autoplan.errors import AutoplanError
 
-from .overlap import measure_overlap
+from .overlap import OVERLAP_PHASE_S, OVERLAP_TRIALS, measure_overlap
 from .timing import Repeats
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
@@ -44,6 +44,8 @@ class CommRequest:
     threads: int | None  # torch intra-op threads per rank (CPU)
     measurements: tuple[tuple[str, int, int], ...]  # (collective, group size, message bytes)
     overlap_bytes: int | None  # all-gather size for the overlap measurement; None: skip it
+    overlap_phase_s: float = OVERLAP_PHASE_S
+    overlap_trials: int = OVERLAP_TRIALS
     repeats: Repeats = field(default_factory=Repeats)
     show_progress: bool = True
 
@@ -93,7 +95,9 @@ def _worker(rank: int, request_fields: dict, store_path: str, result_path: str) 
                 seconds = _time_collective(collective, nbytes, groups[group_size], group_size, device, request.repeats)
                 collectives[measurement_key(collective, group_size, nbytes)] = seconds
             dist.barrier()
-        overlap = measure_overlap(device, request.overlap_bytes) if request.overlap_bytes else None
+        overlap = None
+        if request.overlap_bytes:
+            overlap = measure_overlap(device, request.overlap_bytes, request.overlap_phase_s, request.overlap_trials)
         if rank == 0:
             Path(result_path).write_text(json.dumps({"collectives": collectives, "overlap": overlap}))
     finally:

@@ -47,7 +47,8 @@ def _agree_max(value: float, device: torch.device, group=None) -> float:
     return float(tensor.item())
 
 
-def measure_overlap(device: torch.device, gather_bytes: int) -> dict[str, float]:
+def measure_overlap(device: torch.device, gather_bytes: int, phase_s: float = OVERLAP_PHASE_S,
+                    trials: int = OVERLAP_TRIALS) -> dict[str, float]:
     """{"compute_slowdown": ..., "comm_slowdown": ...}, each >= 1, the worst over the ranks."""
     world = dist.get_world_size()
     on_gpu = device.type == "cuda"
@@ -81,14 +82,14 @@ def measure_overlap(device: torch.device, gather_bytes: int) -> dict[str, float]
     for _ in range(3):  # warm-up
         compute_step(), wait_compute(), comm_step(), wait_comm()
 
-    # iteration counts for ~OVERLAP_PHASE_S each; every rank must issue the same number of collectives
+    # iteration counts for ~phase_s each; every rank must issue the same number of collectives
     compute_probe = _median_s(_timed_loop(compute_step, 3, wait_compute))
     comm_probe = _agree_max(_median_s(_timed_loop(comm_step, 3, wait_comm)), device)
-    compute_iterations = max(5, math.ceil(OVERLAP_PHASE_S / compute_probe))
-    comm_iterations = max(5, math.ceil(OVERLAP_PHASE_S / comm_probe))
+    compute_iterations = max(5, math.ceil(phase_s / compute_probe))
+    comm_iterations = max(5, math.ceil(phase_s / comm_probe))
 
     compute_slowdowns, comm_slowdowns = [], []
-    for _ in range(OVERLAP_TRIALS):
+    for _ in range(trials):
         compute_alone = _timed_loop(compute_step, compute_iterations, wait_compute)
         dist.barrier()
         comm_alone = _timed_loop(comm_step, comm_iterations, wait_comm)

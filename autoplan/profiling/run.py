@@ -20,8 +20,11 @@ from cost_models.comm import ring_factor
 
 from . import device as device_bench
 from .cache import MeasurementCache, default_cache_dir
-from .comm import COLLECTIVES, CommRequest, default_backend, group_sizes, measurement_key, message_bytes, run_comm_benchmark
+from .comm import (
+    COLLECTIVES, CommRequest, default_backend, group_sizes, measurement_key, message_bytes, run_comm_benchmark,
+)
 from .fit import FitReport, OpPoint, fit_affine, fit_op_families, leave_one_out_errors
+from .overlap import OVERLAP_PHASE_S, OVERLAP_TRIALS
 from .ops import OpCase, collect_cases, has_work, measure_case, sweep_workload, unique_cases, zoo_workload
 from .timing import Repeats
 
@@ -55,6 +58,8 @@ class ProfileSettings:
     threads: int | None = None  # CPU intra-op threads per rank; None: cores / nproc (what each rank gets)
     backend: str | None = None  # None: nccl on cuda, gloo on cpu
     repeats: Repeats = field(default_factory=Repeats)
+    overlap_phase_s: float = OVERLAP_PHASE_S  # seconds per loop and trial of the overlap measurement
+    overlap_trials: int = OVERLAP_TRIALS
     cache_dir: Path | None = field(default_factory=default_cache_dir)  # None: no cache
     name: str | None = None  # None: "<device>-<backend>-<nproc>"
     progress: bool = True
@@ -102,7 +107,13 @@ def measure_profile(settings: ProfileSettings) -> ProfileResult:
     kind = device.type
     name = settings.name or f"{kind}-{backend}-{settings.nproc}"
     device_name = device_bench.device_name(device)
-    cache = MeasurementCache(settings.cache_dir, device_name, torch.__version__, threads)
+    cache = MeasurementCache(settings.cache_dir, {
+        "device": device_name, "torch": torch.__version__, "threads": threads,
+        # a rougher run (--quick) keeps its own entries rather than passing them off to a full one
+        "repeats": [settings.repeats.warmup, settings.repeats.min_repeats, settings.repeats.max_repeats,
+                    settings.repeats.min_time_s],
+        "overlap": [settings.overlap_phase_s, settings.overlap_trials],
+    })
     previous_threads = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
@@ -233,6 +244,7 @@ def _measure_comm(settings: ProfileSettings, kind: str, backend: str, threads: i
         results = run_comm_benchmark(CommRequest(
             backend=backend, device_type=kind, world_size=settings.nproc, threads=threads, measurements=missing,
             overlap_bytes=OVERLAP_GATHER_BYTES[kind] if overlap_key not in cache else None,
+            overlap_phase_s=settings.overlap_phase_s, overlap_trials=settings.overlap_trials,
             repeats=settings.repeats, show_progress=settings.progress,
         ))
         for key, seconds in results["collectives"].items():
