@@ -1,9 +1,14 @@
 """Affine fits time = intercept + slope * work, for op families (work: FLOPs or bytes) and collectives
 (work: bytes; intercept = latency alpha, slope = per-byte cost beta).
 
-Least squares on relative error, minimising sum(((a + b x - y) / y)^2) with a, b >= 0: the points
-span four or more orders of magnitude in time, and an absolute-error fit would follow the largest
-points only and miss the small ops (which are most ops of a small model) by several times over.
+The fit minimises the sum of absolute relative errors, sum(|a + b x - y| / y), with a, b >= 0:
+- relative, because the points span four or more orders of magnitude in time, and an absolute-error
+  fit would follow the largest points only and miss the small ops (most ops of a small model) by
+  several times over;
+- absolute rather than squared (a median-like fit), because a few points sit far off any line for
+  reasons the work count does not see (an embedding's bytes count its whole table though it reads
+  a few rows; a kernel with a slow path at small sizes), and a squared loss lets them pull the line
+  away from all the others. Solved by iteratively reweighted least squares.
 """
 
 from __future__ import annotations
@@ -17,6 +22,9 @@ import numpy as np
 
 from autoplan.profiles import OpFit
 
+IRLS_ITERATIONS = 50
+IRLS_MIN_RESIDUAL = 1e-3  # caps a point's weight: an exact fit of one point must not take over
+
 
 @dataclass(frozen=True)
 class AffineFit:
@@ -28,31 +36,42 @@ class AffineFit:
 
 
 def fit_affine(work: Iterable[float], seconds: Iterable[float]) -> AffineFit:
-    """Non-negative intercept and slope minimising squared relative error (see module docstring)."""
+    """Non-negative intercept and slope minimising the sum of absolute relative errors."""
     x = np.asarray(list(work), dtype=float)
     y = np.asarray(list(seconds), dtype=float)
     if len(x) == 0 or len(x) != len(y) or np.any(y <= 0) or np.any(x < 0):
         raise ValueError("fit_affine needs matching, non-empty points with positive times and non-negative work")
+    weights = np.ones_like(y)
+    fit = _weighted_fit(x, y, weights)
+    for _ in range(IRLS_ITERATIONS):
+        # weight 1/|r| turns the squared loss sum(w r^2) into sum(|r|) at the fixed point
+        weights = 1.0 / np.maximum(np.abs((fit.predict(x) - y) / y), IRLS_MIN_RESIDUAL)
+        refit = _weighted_fit(x, y, weights)
+        converged = np.isclose(refit.intercept, fit.intercept, rtol=1e-9, atol=0.0) and np.isclose(
+            refit.slope, fit.slope, rtol=1e-9, atol=0.0)
+        fit = refit
+        if converged:
+            break
+    return fit
+
+
+def _weighted_fit(x: np.ndarray, y: np.ndarray, weights: np.ndarray) -> AffineFit:
+    """argmin sum(w ((a + b x - y) / y)^2) over a, b >= 0."""
+    root = np.sqrt(weights)
     if len(np.unique(x)) >= 2:
-        design = np.stack([1.0 / y, x / y], axis=1)
-        (intercept, slope), *_ = np.linalg.lstsq(design, np.ones_like(y), rcond=None)
+        design = np.stack([root / y, root * x / y], axis=1)
+        (intercept, slope), *_ = np.linalg.lstsq(design, root, rcond=None)
         if intercept >= 0 and slope >= 0:
             return AffineFit(float(intercept), float(slope))
     # a constraint is active: fit the one remaining parameter alone, keep the better of the two
-    slope_only = _through_origin(x / y)
-    intercept_only = _through_origin(1.0 / y)
-    candidates = [AffineFit(0.0, slope_only), AffineFit(intercept_only, 0.0)]
-    return min(candidates, key=lambda fit: _sq_rel_error(fit, x, y))
+    candidates = [AffineFit(0.0, _through_origin(x / y, weights)), AffineFit(_through_origin(1.0 / y, weights), 0.0)]
+    return min(candidates, key=lambda fit: float(np.sum(weights * ((fit.predict(x) - y) / y) ** 2)))
 
 
-def _through_origin(scaled: np.ndarray) -> float:
-    """argmin_c sum((c * s - 1)^2) over c >= 0."""
-    denominator = float(np.sum(scaled * scaled))
-    return max(0.0, float(np.sum(scaled)) / denominator) if denominator > 0 else 0.0
-
-
-def _sq_rel_error(fit: AffineFit, x: np.ndarray, y: np.ndarray) -> float:
-    return float(np.sum(((fit.intercept + fit.slope * x - y) / y) ** 2))
+def _through_origin(scaled: np.ndarray, weights: np.ndarray) -> float:
+    """argmin_c sum(w (c s - 1)^2) over c >= 0."""
+    denominator = float(np.sum(weights * scaled * scaled))
+    return max(0.0, float(np.sum(weights * scaled)) / denominator) if denominator > 0 else 0.0
 
 
 def relative_errors(fit: AffineFit, work: Iterable[float], seconds: Iterable[float]) -> list[float]:
