@@ -47,6 +47,9 @@ class CommRequest:
     overlap_phase_s: float = OVERLAP_PHASE_S
     overlap_trials: int = OVERLAP_TRIALS
     repeats: Repeats = field(default_factory=Repeats)
+    # each measurement is taken once per round, rounds one after the other, and the median over rounds
+    # kept: a neighbour's burst on a shared host then spoils one round of a size, not the size
+    rounds: int = 3
     show_progress: bool = True
 
 
@@ -88,13 +91,16 @@ def _worker(rank: int, request_fields: dict, store_path: str, result_path: str) 
     try:
         # every rank creates every group, in the same order, as torch.distributed requires
         groups = {size: dist.new_group(list(range(size))) for size in sorted({g for _, g, _ in request.measurements})}
-        collectives: dict[str, float] = {}
-        todo = tqdm(request.measurements, desc="collectives", unit="size", disable=rank != 0 or not request.show_progress)
-        for collective, group_size, nbytes in todo:
+        _warm_up(device)
+        rounds: dict[str, list[float]] = {}
+        todo = [m for _ in range(request.rounds) for m in request.measurements]
+        for collective, group_size, nbytes in tqdm(todo, desc="collectives", unit="call",
+                                                   disable=rank != 0 or not request.show_progress):
             if rank < group_size:
                 seconds = _time_collective(collective, nbytes, groups[group_size], group_size, device, request.repeats)
-                collectives[measurement_key(collective, group_size, nbytes)] = seconds
+                rounds.setdefault(measurement_key(collective, group_size, nbytes), []).append(seconds)
             dist.barrier()
+        collectives = {key: statistics.median(values) for key, values in rounds.items()}
         overlap = None
         if request.overlap_bytes:
             overlap = measure_overlap(device, request.overlap_bytes, request.overlap_phase_s, request.overlap_trials)
@@ -102,6 +108,14 @@ def _worker(rank: int, request_fields: dict, store_path: str, result_path: str) 
             Path(result_path).write_text(json.dumps({"collectives": collectives, "overlap": overlap}))
     finally:
         dist.destroy_process_group()
+
+
+def _warm_up(device: torch.device) -> None:
+    """The first collectives of a process group set up connections and buffers: not part of any size."""
+    buffer = torch.ones(1 << 20, device=device)
+    for _ in range(3):
+        dist.all_reduce(buffer)
+    dist.barrier()
 
 
 def _time_collective(collective: str, nbytes: int, group, group_size: int, device: torch.device,
