@@ -23,7 +23,7 @@ from .cache import MeasurementCache, default_cache_dir
 from .comm import (
     COLLECTIVES, CommRequest, default_backend, group_sizes, measurement_key, message_bytes, run_comm_benchmark,
 )
-from .fit import FitReport, OpPoint, fit_affine, fit_op_families, leave_one_out_errors
+from .fit import FitReport, OpPoint, fit_affine, fit_op_families, heldout_errors
 from .overlap import OVERLAP_PHASE_S, OVERLAP_TRIALS
 from .ops import OpCase, collect_cases, has_work, measure_case, sweep_workload, unique_cases, work, zoo_workload
 from .timing import Repeats
@@ -305,7 +305,7 @@ def _collective_fits(seconds: dict[tuple[str, int, int], float], backend: str) -
         work = [float(b) for b, _ in series]
         times = [t for _, t in series]
         fit = fit_affine(work, times)
-        errors = leave_one_out_errors(work, times) if len(series) >= 3 else []
+        errors = heldout_errors(work, times) if len(series) >= 3 else []
         reports.append(CollectiveReport(
             CollectiveFit(collective=collective, group_size=group_size, scope="intra_node",
                           alpha_s=fit.intercept, beta_s_per_byte=fit.slope),
