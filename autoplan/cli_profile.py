@@ -88,7 +88,6 @@ def settings_from_args(args: argparse.Namespace):
     from .models import UnknownModelError, get_config
     from .profiling import ProfileSettings
     from .profiling.cache import default_cache_dir
-    from .profiling.run import DEFAULT_MODELS
     from .profiling.timing import Repeats
 
     if args.micro_batch and not args.model:
@@ -114,8 +113,6 @@ def settings_from_args(args: argparse.Namespace):
         settings.comm_sizes_bytes = (4 << 10, 256 << 10, 4 << 20)
         settings.repeats = Repeats(warmup=1, min_repeats=3, max_repeats=5, min_time_s=0.0)
         settings.overlap_phase_s, settings.overlap_trials, settings.comm_rounds = 0.1, 1, 1
-    elif not args.model and args.micro_batch:
-        settings.models = {name: tuple(args.micro_batch) for name in DEFAULT_MODELS}
     return settings
 
 

@@ -104,6 +104,8 @@ def _resolve(settings: ProfileSettings) -> tuple[torch.device, str, int | None]:
 
 
 def measure_profile(settings: ProfileSettings) -> ProfileResult:
+    """Measure (or read from the cache) everything a profile holds, fit, and return the profile with the
+    fits' held-out quality. Raises UsageError for settings this host cannot run."""
     started = time.perf_counter()
     device, backend, threads = _resolve(settings)
     kind = device.type
@@ -130,7 +132,7 @@ def measure_profile(settings: ProfileSettings) -> ProfileResult:
         comm = _measure_comm(settings, kind, backend, threads, cache)
     finally:
         torch.set_num_threads(previous_threads)
-    collective_fits = _collective_fits(comm["collectives"], backend)
+    collective_fits = _collective_fits(comm["collectives"])
 
     peak_flops = {}
     for point in points:
@@ -153,6 +155,8 @@ def measure_profile(settings: ProfileSettings) -> ProfileResult:
         # the zero-work time of ops as the model runs them (Python call, dispatch, kernel launch);
         # the bare dispatch micro-benchmark only when no memory-op fit exists
         op_overhead_s=memory_fwd.intercept_s if memory_fwd else device_numbers["dispatch_overhead_s"],
+        # the link as the cost model's fallback sees it: bus bandwidth and latency of the all-reduce
+        # fit at the largest group measured (its beta holds the ring factor: bus = factor / beta)
         links={"intra_node": Link(
             bus_bandwidth_bytes_s=ring_factor("all_reduce", largest_all_reduce.group_size)
             / max(largest_all_reduce.beta_s_per_byte, 1e-30),
@@ -296,7 +300,8 @@ def _measure_comm(settings: ProfileSettings, kind: str, backend: str, threads: i
     }
 
 
-def _collective_fits(seconds: dict[tuple[str, int, int], float], backend: str) -> list[CollectiveReport]:
+def _collective_fits(seconds: dict[tuple[str, int, int], float]) -> list[CollectiveReport]:
+    """alpha + beta * bytes per (collective, group size), measured inside one node."""
     by_series: dict[tuple[str, int], list[tuple[int, float]]] = {}
     for (collective, group_size, nbytes), value in seconds.items():
         by_series.setdefault((collective, group_size), []).append((nbytes, value))
