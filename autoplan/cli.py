@@ -7,7 +7,7 @@ import os
 import sys
 import time
 
-from . import cli_estimate
+from . import cli_estimate, cli_profile
 from .errors import AutoplanError, UsageError
 from .sizes import ACCEPTED_FORMS, parse_mem_bytes
 
@@ -127,6 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_search(subparsers)
     _add_models(subparsers)
+    cli_profile.register(subparsers)
     cli_estimate.register(subparsers)
     return parser
 
