@@ -199,17 +199,22 @@ _MAX_VARIANT_CHARS = 160
 
 
 def _variant(gm: fx.GraphModule, node: fx.Node, args, kwargs) -> str:
+    if node.op == "call_module":
+        return op_variant(gm.get_submodule(node.target))
+    return op_variant(None, args, kwargs)
+
+
+def op_variant(module: nn.Module | None, args=(), kwargs=None) -> str:
     """Two ops with the same kind and input shapes can differ in work: Linear(64, 64) and Linear(64, 512)
     both read [B, S, 64]. The module's extra_repr, or the function's non-tensor arguments, tell them apart."""
-    if node.op == "call_module":
-        module = gm.get_submodule(node.target)
+    if module is not None:
         detail = module.extra_repr() or ",".join(
             f"{name}={'x'.join(map(str, p.shape))}" for name, p in module.named_parameters())
     else:
         def constants(value) -> list[str]:
             return [repr(leaf) for leaf in tree_flatten(value)[0] if not isinstance(leaf, torch.Tensor)]
 
-        detail = ",".join(constants(args) + [f"{k}={','.join(constants(v))}" for k, v in kwargs.items()])
+        detail = ",".join(constants(args) + [f"{k}={','.join(constants(v))}" for k, v in (kwargs or {}).items()])
     if len(detail) > _MAX_VARIANT_CHARS:
         detail = hashlib.sha1(detail.encode()).hexdigest()[:16]
     return f"({detail})" if detail else ""

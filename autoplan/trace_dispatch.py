@@ -26,8 +26,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from .trace import (
-    DTYPES, LOSS_NODE, ModelTrace, OpRecord, TraceError, _CostMode, _fused_sdpa, _loss, _needs_copy,
-    _storage_key, _tensor_bytes, default_inputs,
+    DTYPES, LOSS_NODE, ModelTrace, OpRecord, TraceError, _CostMode, _fused_sdpa, _logits, _loss, _needs_copy,
+    _storage_key, _tensor_bytes, default_inputs, op_variant,
 )
 
 
@@ -35,8 +35,19 @@ def _tensors(value) -> list[torch.Tensor]:
     return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
 
 
+# Python operators reach a torch function mode as Tensor methods (Tensor.__add__, Tensor.__rmul__)
+# and torch.fx as operator functions (operator.add, operator.mul): name both the fx way, so that op
+# keys (and measured op times in a profile) agree across tracers.
+_REFLECTED = {"add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "and", "or", "xor"}
+
+
 def _function_kind(func) -> str:
-    return getattr(func, "__name__", None) or str(func)
+    name = getattr(func, "__name__", None) or str(func)
+    if name.startswith("__") and name.endswith("__"):
+        name = name[2:-2]
+        if name.startswith("r") and name[1:] in _REFLECTED:
+            name = name[1:]
+    return name
 
 
 class _Recorder:
@@ -55,12 +66,13 @@ class _Recorder:
         self.last_call = ""  # what ran last, for error messages
         self.input_storages: dict[str, list[tuple[int, int]]] = {}
 
-    def begin(self, kind: str, inputs) -> str:
+    def begin(self, kind: str, inputs, variant: str) -> str:
         name = f"{kind}_{self.calls}"
         self.calls += 1
         module = self.module_stack[-1]
         tensors_in = _tensors(inputs)
-        self.records[name] = OpRecord(name, kind, module, tuple(tuple(t.shape) for t in tensors_in), self.dtype)
+        self.records[name] = OpRecord(name, kind, module, tuple(tuple(t.shape) for t in tensors_in), self.dtype,
+                                      variant=variant)
         self.input_storages[name] = [(_storage_key(t), t.untyped_storage().nbytes()) for t in tensors_in]
         self.mode.current = name
         self.last_call = f"{kind} in module {module or '<root>'!r}"
@@ -88,7 +100,7 @@ class _Recorder:
         self.module_stack.append(self.paths[id(module)])
         if id(module) in self.leaves:
             if self.leaf_depth == 0:
-                self.leaf_records.append(self.begin(type(module).__name__, (args, kwargs)))
+                self.leaf_records.append(self.begin(type(module).__name__, (args, kwargs), op_variant(module)))
             self.leaf_depth += 1
 
     def post_forward(self, module: nn.Module, args, kwargs, output):
@@ -113,7 +125,7 @@ class _FunctionMode(TorchFunctionMode):
             func = _fused_sdpa
         if self.recorder.leaf_depth:
             return func(*args, **kwargs)
-        name = self.recorder.begin(kind, (args, kwargs))
+        name = self.recorder.begin(kind, (args, kwargs), op_variant(None, args, kwargs))
         output = func(*args, **kwargs)
         self.recorder.end(name, output)
         return output
@@ -157,6 +169,7 @@ def trace_dispatch(
                 output = meta_model(*args, **kwargs)
             mode.current = LOSS_NODE
             recorder.last_call = "the loss (cross-entropy over the model's output)"
+            records[LOSS_NODE].input_shapes = (tuple(_logits(output).shape),)
             loss = _loss(output)
         mode.backward = True
         recorder.last_call = "the backward pass"
