@@ -50,6 +50,12 @@ def _function_kind(func) -> str:
     return name
 
 
+def _call_label(func) -> str:
+    """How the user's code spells the call, for error messages: Tensor.__bool__, cat, linear."""
+    qualname = getattr(func, "__qualname__", None) or str(func)
+    return "Tensor." + qualname.split(".")[-1] if "Tensor" in qualname.split(".")[0] else qualname.split(".")[-1]
+
+
 class _Recorder:
     """Opens one OpRecord per leaf-module call or top-level torch function call, in execution order."""
 
@@ -66,7 +72,7 @@ class _Recorder:
         self.last_call = ""  # what ran last, for error messages
         self.input_storages: dict[str, list[tuple[int, int]]] = {}
 
-    def begin(self, kind: str, inputs, variant: str) -> str:
+    def begin(self, kind: str, inputs, variant: str, label: str | None = None) -> str:
         name = f"{kind}_{self.calls}"
         self.calls += 1
         module = self.module_stack[-1]
@@ -75,7 +81,7 @@ class _Recorder:
                                       variant=variant)
         self.input_storages[name] = [(_storage_key(t), t.untyped_storage().nbytes()) for t in tensors_in]
         self.mode.current = name
-        self.last_call = f"{kind} in module {module or '<root>'!r}"
+        self.last_call = f"{label or kind} in module {module or '<root>'!r}"
         return name
 
     def end(self, name: str, output) -> None:
@@ -120,12 +126,12 @@ class _FunctionMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        kind = _function_kind(func)
+        kind, label = _function_kind(func), _call_label(func)
         if func is F.scaled_dot_product_attention:
             func = _fused_sdpa
         if self.recorder.leaf_depth:
             return func(*args, **kwargs)
-        name = self.recorder.begin(kind, (args, kwargs), op_variant(None, args, kwargs))
+        name = self.recorder.begin(kind, (args, kwargs), op_variant(None, args, kwargs), label)
         output = func(*args, **kwargs)
         self.recorder.end(name, output)
         return output
