@@ -79,34 +79,35 @@ def build_report(plan: Plan, plan_path: str, spec: RunSpec, nproc: int, launched
 def failure_messages(plan: Plan, nproc: int, launched: LaunchResult) -> list[str]:
     """One line per rank that did not finish: which rank, what happened, predicted and measured memory.
 
-    The rank the launcher saw fail first comes first; ranks it stopped afterwards (SIGTERM) are said
-    to be stopped, not to have failed.
+    Causes come before consequences: a rank killed by a signal first (its peers' collectives fail
+    because it is gone), then ranks out of memory, ranks with an error, and last the ranks the
+    launcher stopped (SIGTERM) once another had failed.
     """
     predicted_mem = format_bytes(plan.predicted.peak_mem_bytes)
     first = launched.first_failed_rank
-    order = sorted(range(nproc), key=lambda rank: (rank != first, rank))
-    messages = []
-    for rank in order:
+    entries: list[tuple[int, int, str]] = []  # (order, rank, message)
+    for rank in range(nproc):
         result, failure = launched.ranks.get(rank), launched.failures.get(rank)
         if result is not None and result.status == "ok":
             if failure is not None:
-                messages.append(f"rank {rank} finished and wrote its results, then exited with status "
-                                f"{failure.exitcode} ({failure.signal or 'no signal'}) while shutting down")
+                entries.append((4, rank, f"rank {rank} finished and wrote its results, then exited with status "
+                                         f"{failure.exitcode} ({failure.signal or 'no signal'}) while shutting down"))
             continue
         where = "while starting" if result is None or result.phase == "starting" else f"at step {result.steps_done + 1}"
         measured = (f"measured peak so far {format_bytes(result.peak_mem_bytes)} ({result.mem_source})"
                     if result is not None else "nothing measured")
         stopped = failure is None or (failure.signal == "SIGTERM" and first is not None and first != rank)
         if result is not None and result.status == "oom":
-            messages.append(f"rank {rank} ran out of memory {where}: {result.error}; predicted peak {predicted_mem}, {measured}")
+            entries.append((1, rank, f"rank {rank} ran out of memory {where}: {result.error}; "
+                                     f"predicted peak {predicted_mem}, {measured}"))
         elif result is not None and result.status == "failed":
-            messages.append(f"rank {rank} failed {where}: {result.error}; predicted peak {predicted_mem}, {measured}")
+            entries.append((2, rank, f"rank {rank} failed {where}: {result.error}; predicted peak {predicted_mem}, {measured}"))
         elif not stopped:
             how = f"was killed by {failure.signal}" if failure.signal else f"exited with status {failure.exitcode}"
-            messages.append(f"rank {rank} died {where}: it {how}; predicted peak {predicted_mem}, {measured}")
+            entries.append((0, rank, f"rank {rank} died {where}: it {how}; predicted peak {predicted_mem}, {measured}"))
         else:
-            after = f" after rank {first} failed" if first is not None and first != rank else ""
-            messages.append(f"rank {rank} was stopped by the launcher {where}{after}; {measured}")
+            entries.append((3, rank, f"rank {rank} was stopped by the launcher {where}, after another rank failed; {measured}"))
+    messages = [message for _, _, message in sorted(entries)]
     if not messages and launched.returncode != 0:
         messages.append(f"every rank finished and wrote its results, but the launcher exited with status {launched.returncode}")
     return messages
