@@ -124,6 +124,7 @@ class SolverInfo(_Strict):
 class Baseline(_Strict):
     name: str  # "all-shard", "all-shard+ckpt", "all-replicate", ...
     fits: bool
+    micro_batch_size: int  # the best one that fits (the smallest tried when none fits)
     peak_mem_bytes: int
     step_time_s: float
     throughput_samples_s: float

@@ -7,6 +7,7 @@ objective is exactly the cost model's prediction for the plan it returns (up to 
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Sequence
@@ -127,9 +128,18 @@ def solve_min_time(table: CostTable, mem_limit_bytes: int, time_limit_s: float =
     return _result(table, model, choose, solver, status, wall, NS_PER_S)
 
 
-def solve_min_memory(table: CostTable, time_limit_s: float = DEFAULT_TIME_LIMIT_S) -> SolveResult:
-    """[Objective] minimise the peak memory (the smallest limit any plan fits in)."""
-    model, choose, _step_s, peak = _build(table, None)
+def solve_min_memory(
+    table: CostTable,
+    time_limit_s: float = DEFAULT_TIME_LIMIT_S,
+    max_step_s: float | None = None,
+    mem_limit_bytes: int | None = None,
+) -> SolveResult:
+    """[Objective] minimise the peak memory (the smallest limit any plan fits in), optionally among
+    plans no slower than `max_step_s`: the tie-break that keeps memory headroom at no cost in time."""
+    model, choose, step_s, peak = _build(table, mem_limit_bytes)
+    if max_step_s is not None:
+        # [Constraint] step time <= the optimum found (rounded up to the next ns)
+        model.add(step_s <= math.ceil(max_step_s * NS_PER_S))
     model.minimize(peak)
     solver, status, wall = _run(model, time_limit_s)
     return _result(table, model, choose, solver, status, wall, 1)

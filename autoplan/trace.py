@@ -131,6 +131,9 @@ class _CostMode(TorchDispatchMode):
         self.backward = False
         self.matmul_flops: dict[str, int] = {}
         self.storage_producer: dict[int, str] = {}
+        # Storages are keyed by address; holding every output storage until the trace ends keeps an
+        # address from being reused by a later tensor (meta storages cost no memory).
+        self.keep_alive: list = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -148,6 +151,7 @@ class _CostMode(TorchDispatchMode):
                 record.fwd_max_alloc_bytes = max(record.fwd_max_alloc_bytes, largest)
             if not self.backward:
                 for tensor in outputs:
+                    self.keep_alive.append(tensor.untyped_storage())
                     self.storage_producer.setdefault(_storage_key(tensor), self.current)
         if self.backward:
             record.bwd_flops += flops

@@ -37,3 +37,22 @@ def step_time(table: CostTable, alg: Algebra) -> StepTime:
     micro = _sum(unit_times) + exposed
     optimizer = _sum([alg.pick_time(u, _values(table, u, "optimizer_s")) for u in range(len(table.units))])
     return StepTime(micro, optimizer, micro * table.grad_accum_steps + optimizer)
+
+
+def lower_bound_step_s(table: CostTable) -> float:
+    """The step time with no memory limit. The step time is a sum of per-unit terms, each depending
+    only on that unit's option, so the unconstrained optimum is each unit's best option: an exact
+    lower bound for any memory-limited plan at this micro-batch size."""
+    best_total = 0.0
+    for unit in range(len(table.units)):
+        best = float("inf")
+        for choice in range(len(table.options[unit])):
+            cost = table.costs[unit][choice]
+            if unit == table.root:
+                per_micro = cost.fwd_s + cost.bwd_s + cost.comm_fwd_s + cost.comm_bwd_s
+            else:
+                per_micro = max(cost.fwd_s, cost.comm_fwd_s) + max(cost.bwd_s, cost.comm_bwd_s)
+            best = min(best, per_micro * table.grad_accum_steps + cost.optimizer_s)
+        best_total += best
+    return best_total
+

@@ -1,0 +1,27 @@
+# Set-up on a fresh machine: `make demo` (install + the main job) and `make test` (install + tests).
+# The venv gets the CPU build of torch when it has no torch; GPU users install their own torch
+# first (e.g. VENV_FLAGS=--system-site-packages to reuse a system-wide CUDA torch).
+VENV ?= .venv
+VENV_FLAGS ?=
+PY := $(VENV)/bin/python
+TORCH_CPU := torch==2.13.0
+
+.PHONY: demo test install clean
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV_FLAGS) $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH_CPU)
+	$(PY) -m pip install -q -e ".[test]"
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: $(VENV)/.installed
+	$(VENV)/bin/autoplan search --model gpt2-1.5b --mem 8GB
+
+test: $(VENV)/.installed
+	$(PY) -m pytest
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,311 @@
+"""search: model -> trace -> units -> cost tables per micro-batch -> CP-SAT -> Plan.
+
+The micro-batch sweep solves one CP-SAT model per candidate size (powers of two, or the divisors
+a fixed global batch allows) and keeps the plan with the highest throughput. Memory grows with the
+micro-batch, so the sweep stops at the first size nothing fits in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.nn as nn
+
+from cost_models.evaluate import Evaluation, evaluate, uniform_choices
+from cost_models.memory import CATEGORIES, total
+from cost_models.step import lower_bound_step_s
+from cost_models.table import ClusterShape, CostTable, activation_keep_bytes, build_cost_table
+
+from . import __version__
+from .errors import InfeasibleError, UsageError
+from .fingerprint import model_fingerprint
+from .models import UnknownModelError, build_model, count_params, get_config, load_factory
+from .plan import (
+    Baseline, ClusterSpec, MemoryBreakdown, ModelRef, Plan, Prediction, SolverInfo, SweepEntry,
+    TimelinePoint, TrainingSpec, UnitDecision, UnitPrediction,
+)
+from .profiles import DeviceProfile, load_profile
+from .sizes import format_bytes, parse_mem_bytes
+from .solver import DEFAULT_TIME_LIMIT_S, solve_min_memory, solve_min_time
+from .trace import extrapolate_ops, symbolic_trace, trace_model
+from .units import build_units
+
+DEFAULT_MODEL = "gpt2-1.5b"
+DEFAULT_PROFILE = "a100-sxm4-80gb"
+DEFAULT_GPUS_PER_NODE = 8
+MAX_MICRO_BATCH = 256
+DTYPES = ("bf16-mixed", "bf16", "fp32")
+OPTIMIZERS = ("adamw", "adam", "sgd")
+BASELINES = (("all-shard", "shard", False), ("all-shard+ckpt", "shard", True), ("all-replicate", "replicate", False))
+
+
+@dataclass
+class ResolvedModel:
+    module: nn.Module  # on the meta device
+    name: str
+    config: dict | None
+
+
+def resolve_model(model: str | nn.Module) -> ResolvedModel:
+    """A zoo name, a "package.module:factory" spec, or a module object."""
+    if isinstance(model, nn.Module):
+        return ResolvedModel(model, type(model).__name__, None)
+    if ":" in model:
+        try:
+            module = load_factory(model, device="meta")
+        except (ValueError, ImportError) as exc:
+            raise UsageError(f"cannot build model {model!r}: {exc}") from exc
+        return ResolvedModel(module, model, None)
+    try:
+        config = get_config(model)
+    except UnknownModelError as exc:
+        raise UsageError(str(exc)) from exc
+    return ResolvedModel(build_model(config, device="meta"), model, config.to_dict())
+
+
+@dataclass(frozen=True)
+class Cluster:
+    shape: ClusterShape
+    profile: DeviceProfile
+    profile_name: str
+    is_default: bool
+
+
+def resolve_cluster(gpus: int | None, nodes: int | None, gpus_per_node: int | None, profile: str | None) -> Cluster:
+    for label, value in (("--gpus", gpus), ("--nodes", nodes), ("--gpus-per-node", gpus_per_node)):
+        if value is not None and value < 1:
+            raise UsageError(f"{label} must be at least 1, got {value}")
+    is_default = gpus is None and nodes is None and gpus_per_node is None and profile is None
+    nodes = nodes or 1
+    if gpus_per_node is None:
+        if gpus is not None and gpus % nodes:
+            raise UsageError(f"--gpus {gpus} is not a multiple of --nodes {nodes}")
+        gpus_per_node = gpus // nodes if gpus is not None else DEFAULT_GPUS_PER_NODE
+    if gpus is not None and gpus != nodes * gpus_per_node:
+        raise UsageError(f"--gpus {gpus} does not equal --nodes {nodes} x --gpus-per-node {gpus_per_node}")
+    profile_name = profile or DEFAULT_PROFILE
+    return Cluster(ClusterShape(nodes * gpus_per_node, nodes, gpus_per_node), load_profile(profile_name),
+                   profile_name, is_default)
+
+
+def micro_batch_candidates(world_size: int, batch_size: int | None, global_batch: int | None) -> list[tuple[int, int]]:
+    """(micro_batch_size, grad_accum_steps) pairs to try, smallest micro-batch first."""
+    if global_batch is not None and global_batch < 1:
+        raise UsageError(f"--global-batch must be positive, got {global_batch}")
+    if batch_size is not None and batch_size < 1:
+        raise UsageError(f"--batch-size must be positive, got {batch_size}")
+    if global_batch is None:
+        sizes = [batch_size] if batch_size else [2**k for k in range(MAX_MICRO_BATCH.bit_length()) if 2**k <= MAX_MICRO_BATCH]
+        return [(size, 1) for size in sizes]
+    if global_batch % world_size:
+        raise UsageError(f"--global-batch {global_batch} is not divisible by the {world_size} GPUs")
+    per_rank = global_batch // world_size
+    if batch_size is not None:
+        if per_rank % batch_size:
+            raise UsageError(
+                f"--global-batch {global_batch} is not a multiple of --batch-size {batch_size} x {world_size} GPUs")
+        return [(batch_size, per_rank // batch_size)]
+    return [(size, per_rank // size) for size in range(1, min(per_rank, MAX_MICRO_BATCH) + 1) if per_rank % size == 0]
+
+
+class _TraceCache:
+    """Op costs at any micro-batch from two traces (micro-batch 1 and 2): they are affine in it."""
+
+    def __init__(self, model: nn.Module, seq_len: int, compute_dtype: str, granularity: str):
+        graph_module = symbolic_trace(model)
+        self.trace_1 = trace_model(model, 1, seq_len, compute_dtype, graph_module=graph_module)
+        self.trace_2 = trace_model(model, 2, seq_len, compute_dtype, graph_module=graph_module)
+        self.units = build_units(model, self.trace_1, granularity)
+        self.keep_1 = activation_keep_bytes(self.trace_1, self.units)
+        self.keep_2 = activation_keep_bytes(self.trace_2, self.units)
+
+    def table(self, micro_batch_size: int, grad_accum_steps: int, cluster: Cluster, seq_len: int,
+              dtype: str, optimizer: str) -> CostTable:
+        ops = extrapolate_ops(self.trace_1.ops, self.trace_2.ops, micro_batch_size)
+        keep = [a + (b - a) * (micro_batch_size - 1) for a, b in zip(self.keep_1, self.keep_2)]
+        return build_cost_table(self.units, ops, keep, cluster.profile, cluster.shape, micro_batch_size,
+                                grad_accum_steps, seq_len, dtype, optimizer)
+
+
+def _breakdown(point) -> MemoryBreakdown:
+    return MemoryBreakdown(**{f"{c}_bytes": int(point.parts[c]) for c in CATEGORIES})
+
+
+def _prediction(table: CostTable, result: Evaluation) -> Prediction:
+    samples = table.samples_per_step
+    return Prediction(
+        peak_mem_bytes=result.peak_mem_bytes,
+        peak_point=result.peak_point.label,
+        breakdown=_breakdown(result.peak_point),
+        step_time_s=result.step_time_s,
+        throughput_samples_s=samples / result.step_time_s,
+        throughput_tokens_s=samples * table.seq_len / result.step_time_s,
+        timeline=[TimelinePoint(point=p.label, total_bytes=int(total(p)), breakdown=_breakdown(p))
+                  for p in result.points],
+    )
+
+
+def _unit_decisions(table: CostTable, choices: list[int]) -> list[UnitDecision]:
+    decisions = []
+    for unit, options, costs, choice in zip(table.units, table.options, table.costs, choices):
+        option, cost = options[choice], costs[choice]
+        decisions.append(UnitDecision(
+            module=unit.path, sharding=option.sharding, checkpoint=option.checkpoint,
+            reshard_after_forward=option.kind.reshard_after_forward, params=unit.numel,
+            param_shapes={p.name: list(p.shape) for p in unit.params},
+            predicted=UnitPrediction(
+                persistent_bytes=cost.param_bytes + cost.optimizer_bytes, grad_bytes=cost.grad_bytes,
+                gathered_bytes=cost.gathered_bytes, activation_bytes=cost.activation_bytes,
+                fwd_s=cost.fwd_s, bwd_s=cost.bwd_s, comm_s=cost.comm_fwd_s + cost.comm_bwd_s,
+                optimizer_s=cost.optimizer_s,
+            ),
+        ))
+    return decisions
+
+
+def _baselines(tables: list[CostTable], mem_limit_bytes: int) -> list[Baseline]:
+    baselines = []
+    for name, sharding, checkpoint in BASELINES:
+        best: tuple[CostTable, Evaluation] | None = None
+        smallest: tuple[CostTable, Evaluation] | None = None
+        for table in tables:
+            choices = uniform_choices(table, sharding, checkpoint)
+            result = evaluate(table, choices)
+            smallest = smallest or (table, result)
+            if result.fits(mem_limit_bytes):
+                throughput = table.samples_per_step / result.step_time_s
+                if best is None or throughput > best[0].samples_per_step / best[1].step_time_s:
+                    best = (table, result)
+        table, result = best or smallest
+        baselines.append(Baseline(
+            name=name, fits=best is not None, micro_batch_size=table.micro_batch_size,
+            peak_mem_bytes=result.peak_mem_bytes, step_time_s=result.step_time_s,
+            throughput_samples_s=table.samples_per_step / result.step_time_s,
+        ))
+    return baselines
+
+
+def _infeasible(table: CostTable, mem_limit_bytes: int, model_name: str, cluster: Cluster, time_limit_s: float,
+                fixed_batch: bool) -> InfeasibleError:
+    smallest = solve_min_memory(table, time_limit_s=time_limit_s)
+    needed = int(smallest.objective_s) if smallest.objective_s is not None else None
+    lean = evaluate(table, smallest.choices) if smallest.choices else None
+    state = ""
+    if lean is not None:
+        parts = lean.peak_point.parts
+        state = (f" (at its peak: parameters, gradients and optimizer states "
+                 f"{format_bytes(parts['params'] + parts['grads'] + parts['optimizer'])}, activations "
+                 f"{format_bytes(parts['activations'])}, gathered parameters {format_bytes(parts['gathered'])}, "
+                 f"temporaries {format_bytes(parts['temporaries'])})")
+    helps = [f"a limit of at least {format_bytes(needed)}" if needed else "a larger limit",
+             f"more GPUs (sharding divides parameters, gradients and optimizer states over {cluster.shape.world_size} "
+             "now)", "a shorter --seq-len", "--dtype bf16 (no fp32 master weights)"]
+    if fixed_batch and table.micro_batch_size > 1:
+        helps.insert(1, "a smaller --batch-size")
+    return InfeasibleError(
+        f"no plan for {model_name} fits in {format_bytes(mem_limit_bytes)} per GPU: the smallest peak any plan "
+        f"reaches (all units sharded, checkpointing where it helps, micro-batch {table.micro_batch_size}) is "
+        f"{format_bytes(needed) if needed else 'unknown'}{state}. What would help: " + "; ".join(helps) + ".",
+        min_mem_bytes=needed,
+    )
+
+
+def search(
+    model: str | nn.Module = DEFAULT_MODEL,
+    mem: str | int = "8GB",
+    *,
+    gpus: int | None = None,
+    nodes: int | None = None,
+    gpus_per_node: int | None = None,
+    profile: str | None = None,
+    seq_len: int | None = None,
+    batch_size: int | None = None,
+    global_batch: int | None = None,
+    dtype: str = "bf16-mixed",
+    optimizer: str = "adamw",
+    granularity: str = "block",
+    time_limit_s: float = DEFAULT_TIME_LIMIT_S,
+) -> Plan:
+    """The fastest plan whose predicted per-rank peak memory is at most `mem`. Raises InfeasibleError
+    (with the smallest limit that would fit) when none does, UsageError for bad input."""
+    mem_limit_bytes = parse_mem_bytes(mem)
+    if dtype not in DTYPES:
+        raise UsageError(f"unknown --dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    if optimizer not in OPTIMIZERS:
+        raise UsageError(f"unknown --optimizer {optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
+    if time_limit_s <= 0:
+        raise UsageError(f"--time-limit must be positive, got {time_limit_s}")
+    resolved = resolve_model(model)
+    cluster = resolve_cluster(gpus, nodes, gpus_per_node, profile)
+    if seq_len is None:
+        if resolved.config is None:
+            raise UsageError("give --seq-len (the sequence length to plan for) for a model outside the zoo")
+        seq_len = resolved.config["max_seq_len"]
+    if seq_len < 1:
+        raise UsageError(f"--seq-len must be positive, got {seq_len}")
+    candidates = micro_batch_candidates(cluster.shape.world_size, batch_size, global_batch)
+
+    compute_dtype = "fp32" if dtype == "fp32" else "bf16"
+    traced = _TraceCache(resolved.module, seq_len, compute_dtype, granularity)
+
+    sweep: list[SweepEntry] = []
+    tables: list[CostTable] = []
+    best = None  # (throughput, table, result)
+    wall_s, num_vars, num_cons = 0.0, 0, 0
+    for micro_batch_size, accum in candidates:
+        table = traced.table(micro_batch_size, accum, cluster, seq_len, dtype, optimizer)
+        if best is not None and table.samples_per_step / lower_bound_step_s(table) <= best[0]:
+            # even with no memory limit this micro-batch cannot beat the best plan: skip the solve
+            sweep.append(SweepEntry(micro_batch_size=micro_batch_size, grad_accum_steps=accum,
+                                    status="PRUNED", step_time_s=None, throughput_samples_s=None))
+            tables.append(table)
+            continue
+        result = solve_min_time(table, mem_limit_bytes, time_limit_s)
+        wall_s += result.wall_time_s
+        num_vars, num_cons = result.num_variables, result.num_constraints
+        if result.choices is None:
+            sweep.append(SweepEntry(micro_batch_size=micro_batch_size, grad_accum_steps=accum, status=result.status,
+                                    step_time_s=None, throughput_samples_s=None))
+            if tables:
+                break  # a larger micro-batch needs more memory still
+            tables.append(table)
+            break
+        tables.append(table)
+        throughput = table.samples_per_step / result.objective_s
+        sweep.append(SweepEntry(micro_batch_size=micro_batch_size, grad_accum_steps=accum, status=result.status,
+                                step_time_s=result.objective_s, throughput_samples_s=throughput))
+        if best is None or throughput > best[0] * (1 + 1e-9):
+            best = (throughput, table, result)
+    if best is None:
+        raise _infeasible(tables[0], mem_limit_bytes, resolved.name, cluster, time_limit_s, batch_size is not None)
+
+    _, table, result = best
+    # Among plans as fast as the best, prefer the one with the lowest peak memory.
+    lean = solve_min_memory(table, time_limit_s=time_limit_s, max_step_s=result.objective_s,
+                            mem_limit_bytes=mem_limit_bytes)
+    wall_s += lean.wall_time_s
+    choices = lean.choices or result.choices
+    chosen = evaluate(table, choices)
+    fitting_tables = [t for t, entry in zip(tables, sweep) if entry.status != "INFEASIBLE"]
+
+    return Plan(
+        autoplan_version=__version__,
+        model=ModelRef(name=resolved.name, config=resolved.config, n_params=count_params(resolved.module),
+                       fingerprint=model_fingerprint(resolved.module)),
+        cluster=ClusterSpec(world_size=cluster.shape.world_size, nodes=cluster.shape.nodes,
+                            gpus_per_node=cluster.shape.gpus_per_node, profile=cluster.profile_name,
+                            device_mem_bytes=cluster.profile.mem_bytes, mem_limit_bytes=mem_limit_bytes),
+        training=TrainingSpec(micro_batch_size=table.micro_batch_size, grad_accum_steps=table.grad_accum_steps,
+                              global_batch_size=table.samples_per_step, seq_len=seq_len, dtype=dtype,
+                              optimizer=optimizer, granularity=granularity),
+        units=_unit_decisions(table, choices),
+        predicted=_prediction(table, chosen),
+        solver=SolverInfo(status=result.status, objective_s=result.objective_s, bound_s=result.bound_s,
+                          wall_time_s=wall_s, num_variables=num_vars, num_constraints=num_cons,
+                          micro_batch_sweep=sweep),
+        baselines=_baselines(fitting_tables or tables, mem_limit_bytes),
+    )
+
+
+__all__ = ["search", "resolve_model", "resolve_cluster", "micro_batch_candidates", "DEFAULT_MODEL",
+           "DEFAULT_PROFILE"]

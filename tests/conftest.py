@@ -1,0 +1,20 @@
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def run_cli(tmp_path):
+    """Run the `autoplan` CLI in a subprocess (as a user would) from a scratch directory."""
+
+    def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+        env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        return subprocess.run([sys.executable, "-m", "autoplan", *args], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=timeout)
+
+    return run

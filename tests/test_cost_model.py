@@ -1,0 +1,95 @@
+"""Memory and time model checked against numbers computed by hand."""
+
+import pytest
+
+from autoplan.models import build_model, count_params
+from autoplan.search import _TraceCache, resolve_cluster
+from autoplan.solver import solve_min_time
+from cost_models.evaluate import evaluate, uniform_choices
+
+
+@pytest.fixture(scope="module")
+def tiny_gpt2_trace():
+    model = build_model("gpt2-tiny")
+    return model, _TraceCache(model, seq_len=64, compute_dtype="fp32", granularity="block")
+
+
+def _table(traced, gpus, micro_batch=2, dtype="bf16-mixed", optimizer="adamw"):
+    cluster = resolve_cluster(gpus, None, None, "a100-sxm4-80gb")
+    return traced.table(micro_batch, 1, cluster, 64, dtype, optimizer)
+
+
+def _step_point(result):
+    return next(p for p in result.points if p.label == "optimizer step")
+
+
+def test_all_shard_persistent_bytes_are_exactly_a_world_fraction(tiny_gpt2_trace):
+    # every gpt2-tiny parameter's first dimension is even: FSDP2 pads nothing over 2 ranks
+    model, traced = tiny_gpt2_trace
+    n_params = count_params(model)
+    table = _table(traced, gpus=2)
+    parts = _step_point(evaluate(table, uniform_choices(table, "shard", False))).parts
+    # fp32 master params (4 B) + fp32 grads (4 B) + AdamW's two fp32 states (8 B), over 2 ranks
+    assert parts["params"] == n_params * 4 // 2
+    assert parts["grads"] == n_params * 4 // 2
+    assert parts["optimizer"] == n_params * 8 // 2
+    assert parts["params"] + parts["grads"] + parts["optimizer"] == n_params * 16 // 2
+
+
+def test_all_replicate_holds_everything_and_pure_bf16_halves_it(tiny_gpt2_trace):
+    model, traced = tiny_gpt2_trace
+    n_params = count_params(model)
+    table = _table(traced, gpus=2)
+    parts = _step_point(evaluate(table, uniform_choices(table, "replicate", False))).parts
+    assert parts["params"] + parts["grads"] + parts["optimizer"] == n_params * 16
+    bf16 = _table(traced, gpus=2, dtype="bf16")
+    parts = _step_point(evaluate(bf16, uniform_choices(bf16, "replicate", False))).parts
+    assert parts["params"] + parts["grads"] + parts["optimizer"] == n_params * 8
+    sgd = _table(traced, gpus=2, optimizer="sgd")
+    parts = _step_point(evaluate(sgd, uniform_choices(sgd, "replicate", False))).parts
+    assert parts["optimizer"] == 0
+
+
+def test_padding_follows_fsdp2_dim0_chunks(tiny_gpt2_trace):
+    # over 3 ranks, a (512, 64) embedding holds ceil(512/3) = 171 rows per rank
+    _, traced = tiny_gpt2_trace
+    table = _table(traced, gpus=3)
+    shard = uniform_choices(table, "shard", False)
+    expected = sum(-(-(p.shape or (1,))[0] // 3) * max(1, p.numel // (p.shape or (1,))[0])
+                   for unit in table.units for p in unit.params)
+    assert sum(table.costs[u][c].local_numel for u, c in enumerate(shard)) == expected
+
+
+def test_checkpointing_keeps_less_and_recomputes(tiny_gpt2_trace):
+    _, traced = tiny_gpt2_trace
+    table = _table(traced, gpus=2, micro_batch=4)
+    plain = evaluate(table, uniform_choices(table, "shard", False))
+    ckpt = evaluate(table, uniform_choices(table, "shard", True))
+    fwd_end = lambda r: max(p.parts["activations"] for p in r.points)  # noqa: E731
+    assert fwd_end(ckpt) < fwd_end(plain)
+    assert ckpt.step_time_s > plain.step_time_s
+    block = next(u for u, unit in enumerate(table.units) if unit.path == "transformer.h.0")
+    costs = {o.label: c for o, c in zip(table.options[block], table.costs[block])}
+    assert costs["shard+ckpt"].bwd_s == pytest.approx(costs["shard"].bwd_s + costs["shard"].fwd_s)
+
+
+def test_activations_scale_linearly_with_micro_batch(tiny_gpt2_trace):
+    _, traced = tiny_gpt2_trace
+    acts = []
+    for micro_batch in (1, 2, 4):
+        table = _table(traced, gpus=2, micro_batch=micro_batch)
+        result = evaluate(table, uniform_choices(table, "shard", False))
+        acts.append(max(p.parts["activations"] for p in result.points))
+    assert acts[2] - acts[1] == 2 * (acts[1] - acts[0])
+
+
+def test_solver_objective_is_the_cost_model_prediction(tiny_gpt2_trace):
+    _, traced = tiny_gpt2_trace
+    table = _table(traced, gpus=2, micro_batch=4)
+    shard = evaluate(table, uniform_choices(table, "shard", False))
+    result = solve_min_time(table, shard.peak_mem_bytes)
+    chosen = evaluate(table, result.choices)
+    assert result.status == "OPTIMAL"
+    assert chosen.step_time_s == pytest.approx(result.objective_s, abs=1e-8)
+    assert chosen.peak_mem_bytes <= shard.peak_mem_bytes
+    assert chosen.step_time_s <= shard.step_time_s + 1e-9

@@ -1,0 +1,91 @@
+"""search through the Python API: plans are optimal for the cost model, monotone, deterministic."""
+
+import json
+
+import pytest
+
+from autoplan.errors import InfeasibleError, UsageError
+from autoplan.models import build_model
+from autoplan.search import search
+
+TINY = dict(model="gpt2-tiny", gpus=2, seq_len=64, profile="a100-sxm4-80gb")
+
+
+def test_looser_limit_never_gives_a_slower_plan():
+    times = []
+    for limit_mb in (40, 60, 90, 150, 400):
+        try:
+            times.append(search(mem=f"{limit_mb}MB", batch_size=8, **TINY).predicted.step_time_s)
+        except InfeasibleError:
+            times.append(float("inf"))
+    assert any(t < float("inf") for t in times)
+    assert all(later <= earlier + 1e-12 for earlier, later in zip(times, times[1:])), times
+
+
+def test_plan_fits_its_limit_and_beats_or_matches_every_fitting_baseline():
+    plan = search(mem="60MB", batch_size=8, **TINY)
+    assert plan.predicted.peak_mem_bytes <= plan.cluster.mem_limit_bytes
+    for baseline in plan.baselines:
+        if baseline.fits:
+            assert plan.predicted.throughput_samples_s >= baseline.throughput_samples_s * (1 - 1e-9)
+
+
+def test_all_replicate_is_picked_where_it_fits_and_is_fastest():
+    plan = search(mem="80GB", **TINY)
+    replicate = next(b for b in plan.baselines if b.name == "all-replicate")
+    assert replicate.fits
+    assert {u.sharding for u in plan.units} == {"replicate"}
+    assert not any(u.checkpoint for u in plan.units)
+    assert plan.predicted.throughput_samples_s == pytest.approx(replicate.throughput_samples_s)
+
+
+def test_limit_below_the_smallest_plan_reports_the_needed_amount():
+    with pytest.raises(InfeasibleError) as info:
+        search(mem="1MB", **TINY)
+    needed = info.value.min_mem_bytes
+    assert needed and needed > 10**6
+    assert "what would help" in str(info.value).lower() and "more GPUs" in str(info.value)
+    plan = search(mem=needed, batch_size=1, **TINY)  # exactly that much fits
+    assert plan.predicted.peak_mem_bytes <= needed
+
+
+def test_identical_inputs_give_identical_plans():
+    first = search(mem="60MB", **TINY).model_dump(mode="json")
+    second = search(mem="60MB", **TINY).model_dump(mode="json")
+    for plan in (first, second):
+        plan["solver"]["wall_time_s"] = 0
+    assert json.dumps(first, sort_keys=True) == json.dumps(second, sort_keys=True)
+
+
+def test_global_batch_uses_gradient_accumulation():
+    plan = search(mem="60MB", global_batch=64, **TINY)
+    t = plan.training
+    assert t.micro_batch_size * t.grad_accum_steps * plan.cluster.world_size == 64
+    with pytest.raises(UsageError, match="divisible"):
+        search(mem="60MB", global_batch=63, **TINY)
+
+
+def test_multi_node_offers_hybrid_sharding():
+    plan = search(model="gpt2-tiny", mem="80GB", nodes=2, gpus_per_node=4, seq_len=64,
+                  profile="a100-sxm4-80gb", batch_size=4)
+    assert plan.cluster.world_size == 8
+    # across nodes, all-reduce over the slow link makes sharding within a node worth it for big units
+    assert {u.sharding for u in plan.units} <= {"shard", "shard_keep", "replicate", "hybrid"}
+
+
+@pytest.mark.parametrize("model", ["llama-tiny", "bert-tiny"])
+def test_other_families_plan(model):
+    plan = search(model=model, mem="200MB", gpus=2, seq_len=64, granularity="fine")
+    paths = [u.module for u in plan.units]
+    assert paths[0] == "" and len(paths) > 3
+
+
+def test_bad_inputs_are_usage_errors():
+    with pytest.raises(UsageError, match="gpt2-xl.*package.module:factory"):
+        search(model="no-such-model", mem="8GB")
+    with pytest.raises(UsageError, match="a100-sxm4-80gb"):
+        search(model="gpt2-tiny", mem="8GB", profile="no-such-gpu")
+    with pytest.raises(UsageError, match="no_such_factory"):
+        search(model="autoplan.models:no_such_factory", mem="8GB")
+    with pytest.raises(UsageError, match="seq-len"):  # a model object outside the zoo: no default length
+        search(model=build_model("gpt2-tiny"), mem="8GB")
