@@ -1,4 +1,7 @@
-"""`autoplan apply`: run a plan as a measured training run and print predicted beside measured."""
+"""`autoplan apply`: run a plan as a measured training run and print predicted beside measured.
+
+Registered on the `autoplan` command by cli.py.
+"""
 
 from __future__ import annotations
 
@@ -11,10 +14,10 @@ import torch
 
 from .apply import DEFAULT_LR, check_model_matches, check_world_size, model_for_plan
 from .data import AlpacaTokens, BatchShape, vocab_size_of
-from .errors import AutoplanError, UsageError
+from .errors import UsageError
 from .fileio import write_text_atomic
 from .launch import launch, torchrun_args
-from .plan import load_plan
+from .plan import Plan, load_plan
 from .runreport import build_report, format_report
 from .sizes import parse_mem_bytes
 from .worker import RunSpec
@@ -76,14 +79,10 @@ def run_apply(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.timeout <= 0:
         parser.error(f"--timeout must be positive, got {args.timeout}")
     try:
-        spec, nproc = prepare_run(args)
-    except AutoplanError as exc:
-        if isinstance(exc, UsageError):
-            parser.error(str(exc))
-        print(f"autoplan apply: error: {exc}", file=sys.stderr)
-        return exc.exit_code
+        plan, spec, nproc = prepare_run(args)
+    except UsageError as exc:
+        parser.error(str(exc))  # other AutoplanErrors (a bad plan file) are reported by cli.main
 
-    plan = load_plan(args.plan)
     backend = "nccl" if spec.device == "cuda" else "gloo"
     print(f"autoplan apply: {args.plan} ({plan.model.name}) on {nproc} rank(s), {spec.device} + {backend}, "
           f"{spec.warmup_steps} warm-up + {spec.steps} timed steps", flush=True)
@@ -107,7 +106,7 @@ def run_apply(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return 0
 
 
-def prepare_run(args: argparse.Namespace) -> tuple[RunSpec, int]:
+def prepare_run(args: argparse.Namespace) -> tuple[Plan, RunSpec, int]:
     """Everything checked before any rank starts: plan file, model, world size, data, limit."""
     plan = load_plan(args.plan)
     model = model_for_plan(plan, args.model)
@@ -136,22 +135,7 @@ def prepare_run(args: argparse.Namespace) -> tuple[RunSpec, int]:
 
     spec = RunSpec(
         plan_path=str(Path(args.plan).resolve()), run_dir="", device=device, steps=args.steps, warmup_steps=args.warmup,
-        dry_run=nproc < planned, seed=args.seed, lr=args.lr, data_path=args.data, model_factory=args.model,
+        dry_run=nproc < planned, seed=args.seed, lr=args.lr, data_path=args.data and str(Path(args.data).resolve()), model_factory=args.model,
         mem_limit_bytes=mem_limit_bytes, timeout_s=args.timeout,
     )
-    return spec, nproc
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Entry point while `apply` is the only subcommand here: python -m autoplan.cli_apply apply ..."""
-    parser = argparse.ArgumentParser(prog="autoplan")
-    register(parser.add_subparsers(dest="command", required=True))
-    try:
-        args = parser.parse_args(argv)
-        return args.handler(args)
-    except SystemExit as exc:  # argparse's usage errors (exit 2) and --help (exit 0)
-        return exc.code if isinstance(exc.code, int) else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return plan, spec, nproc

@@ -9,12 +9,38 @@ from __future__ import annotations
 
 import statistics
 
+from .errors import AutoplanError
 from .plan import Plan
+from .profiles import load_profile
 from .sizes import format_bytes
 from .launch import LaunchResult
 from .worker import RunSpec
 
 REPORT_VERSION = 1
+PHASES = ("forward", "backward", "optimizer")
+_PHASE_OF_POINT = {"fwd": "forward", "bwd": "backward", "optimizer": "optimizer"}
+
+
+def predicted_phase_peaks(plan: Plan) -> dict[str, int] | None:
+    """The largest predicted timeline point of each phase ("fwd ...", "bwd ...", "optimizer step")."""
+    peaks: dict[str, int] = {}
+    for point in plan.predicted.timeline:
+        phase = _PHASE_OF_POINT.get(point.point.split(" ", 1)[0])
+        if phase is not None:
+            peaks[phase] = max(peaks.get(phase, 0), point.total_bytes)
+    return peaks if set(peaks) == set(PHASES) else None
+
+
+def profile_note(plan: Plan, device: str) -> str | None:
+    """Say so when the plan was costed for another kind of device than the one running it."""
+    try:
+        profile = load_profile(plan.cluster.profile)
+    except AutoplanError:
+        return f"profile {plan.cluster.profile!r} is not available here; cannot tell which device it describes"
+    if profile.device_type != device:
+        return (f"the plan was costed with profile {profile.name} ({profile.source}, {profile.device_type}) "
+                f"and this run is on {device}: compare memory, not time")
+    return None
 
 
 def build_report(plan: Plan, plan_path: str, spec: RunSpec, nproc: int, launched: LaunchResult) -> dict:
@@ -38,6 +64,10 @@ def build_report(plan: Plan, plan_path: str, spec: RunSpec, nproc: int, launched
         "peak_mem_bytes": max((r.peak_mem_bytes for r in results), default=None),
         "peak_mem_bytes_per_rank": {str(r.rank): r.peak_mem_bytes for r in results},
         "peak_mem_bytes_by_step": [max(r.peak_mem_bytes_by_step[i] for r in results) for i in range(steps_all_ranks)],
+        # the last step's phases: optimizer states exist from the second step on
+        "phase_peak_bytes": {
+            phase: max(r.phase_peak_bytes_by_step[steps_all_ranks - 1][phase] for r in results) for phase in PHASES
+        } if steps_all_ranks else None,
         "peak_mem_source": results[0].mem_source if results else None,
         "peak_rss_bytes_per_rank": {str(r.rank): r.peak_rss_bytes for r in results},
         "losses": losses,
@@ -69,7 +99,10 @@ def build_report(plan: Plan, plan_path: str, spec: RunSpec, nproc: int, launched
             "step_time_s": predicted.step_time_s,
             "throughput_samples_s": predicted.throughput_samples_s,
             "throughput_tokens_s": predicted.throughput_tokens_s,
+            "phase_peak_bytes": predicted_phase_peaks(plan),
         },
+        "profile": plan.cluster.profile,
+        "profile_note": profile_note(plan, spec.device),
         "measured": measured,
         "launcher_returncode": launched.returncode,
         "failures": failure_messages(plan, nproc, launched),
@@ -135,9 +168,14 @@ def format_report(report: dict) -> str:
         ("peak memory per rank", predicted["peak_mem_bytes"], measured["peak_mem_bytes"], format_bytes),
     ]
     lines.append(f"{'':24}{'predicted':>14}{'measured':>14}{'measured/predicted':>21}")
+    phase_pred, phase_meas = predicted["phase_peak_bytes"] or {}, measured["phase_peak_bytes"] or {}
+    for phase in PHASES:
+        rows.append((f"  in {phase}", phase_pred.get(phase), phase_meas.get(phase), format_bytes))
     for label, pred, meas, fmt in rows:
         ratio = f"{meas / pred:.2f}" if meas is not None and pred else "-"
         lines.append(f"{label:24}{_or_dash(pred, fmt):>14}{_or_dash(meas, fmt):>14}{ratio:>21}")
+    if report["profile_note"]:
+        lines.append(f"  note: {report['profile_note']}")
     lines.append(f"  predicted peak at: {predicted['peak_point']}")
     lines.append(f"  measured memory: {measured['peak_mem_source']}, max over ranks")
     rss = measured["peak_rss_bytes_per_rank"]

@@ -65,6 +65,8 @@ class RankResult:
     losses: list[float] = field(default_factory=list)  # per step: this rank's mean loss
     step_times_s: list[float] = field(default_factory=list)  # per step, warm-up included
     peak_mem_bytes_by_step: list[int] = field(default_factory=list)
+    # per step, the peak within each phase: forward (loss included), backward, optimizer step
+    phase_peak_bytes_by_step: list[dict[str, int]] = field(default_factory=list)
     peak_mem_bytes: int = 0  # since the start, materialisation included
     peak_rss_bytes: int = 0
     mem_source: str = ""  # what peak_mem_bytes counts
@@ -153,20 +155,24 @@ def train(spec: RunSpec, rank: int, world_size: int, result: RankResult) -> None
 
         for step in range(spec.warmup_steps + spec.steps):
             micro_batches = rank_micro_batches(data.global_batch(step, shape), rank, shape)
+            phase_peaks = {"forward": 0, "backward": 0, "optimizer": 0}
             start_s = time.perf_counter()
             loss_sum = torch.zeros((), device=device)
             for input_ids, labels in micro_batches:
                 loss = next_token_loss(model(input_ids.to(device)), labels.to(device)) / len(micro_batches)
+                phase_peaks["forward"] = max(phase_peaks["forward"], memory.peak_and_reset())
                 loss.backward()
+                phase_peaks["backward"] = max(phase_peaks["backward"], memory.peak_and_reset())
                 loss_sum += loss.detach()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            phase_peaks["optimizer"] = memory.peak_and_reset()
             step_loss = loss_sum.item()  # waits for the device, so the step's time is all in
             result.step_times_s.append(time.perf_counter() - start_s)
             result.losses.append(step_loss)
-            step_peak = memory.peak_and_reset()
-            result.peak_mem_bytes_by_step.append(step_peak)
-            result.peak_mem_bytes = max(result.peak_mem_bytes, step_peak)
+            result.phase_peak_bytes_by_step.append(phase_peaks)
+            result.peak_mem_bytes_by_step.append(max(phase_peaks.values()))
+            result.peak_mem_bytes = max(result.peak_mem_bytes, *phase_peaks.values())
             result.peak_rss_bytes = _peak_rss_bytes()
             result.steps_done = step + 1
             result.save(spec.run_dir)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from autoplan.apply import apply, model_for_plan
-from autoplan.cli_apply import main
+from autoplan.cli import main
 from autoplan.errors import PlanFileError, UsageError
 from autoplan.models import build_model, get_config
 from planmaker import make_plan
@@ -54,7 +54,10 @@ def plan_path(tmp_path):
 
 
 def run_cli(capsys, *argv):
-    code = main(["apply", *map(str, argv)])
+    try:
+        code = main(["apply", *map(str, argv)])
+    except SystemExit as exc:  # argparse usage errors and --help
+        code = exc.code
     out, err = capsys.readouterr()
     return code, out, err
 
@@ -111,5 +114,5 @@ def test_cli_refuses_unusable_data_file(plan_path, tmp_path, capsys):
 
 
 def test_cli_help_has_examples(capsys):
-    assert main(["apply", "--help"]) == 0
-    assert "autoplan apply plan.json --nproc 1" in capsys.readouterr().out
+    code, out, _ = run_cli(capsys, "--help")
+    assert code == 0 and "autoplan apply plan.json --nproc 1" in out

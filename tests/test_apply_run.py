@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from autoplan.cli_apply import main
+from autoplan.cli import main
 from autoplan.models import build_model, load_factory
 from planmaker import make_plan
 
