@@ -166,8 +166,10 @@ def train(spec: RunSpec, rank: int, world_size: int, result: RankResult) -> None
                 loss_sum += loss.detach()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)  # FSDP2 works on several streams: wait for all of them
             phase_peaks["optimizer"] = memory.peak_and_reset()
-            step_loss = loss_sum.item()  # waits for the device, so the step's time is all in
+            step_loss = loss_sum.item()
             result.step_times_s.append(time.perf_counter() - start_s)
             result.losses.append(step_loss)
             result.phase_peak_bytes_by_step.append(phase_peaks)
