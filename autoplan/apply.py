@@ -19,6 +19,7 @@ objects (FSDP2 resets its shards in place), so the optimizer stays valid after m
 from __future__ import annotations
 
 import math
+import warnings
 from typing import NamedTuple
 
 import torch
@@ -62,16 +63,14 @@ def apply(
     if world_mesh.ndim != 1:
         raise UsageError(f"apply() takes a 1-D mesh over the plan's ranks, got a {world_mesh.ndim}-D mesh")
     check_world_size(world_mesh.size(), plan, dry_run=dry_run)
+    # Every unit's module is looked up (and every decision checked) before anything is wrapped.
+    units = [(decision, _unit_module(model, decision)) for decision in _leaves_first(plan.units)]
     meshes = _Meshes(world_mesh, plan)
 
     if plan.training.dtype == "bf16":
         model.to(torch.bfloat16)
     mp_policy = mixed_precision_policy(plan.training.dtype)
-    for decision in _leaves_first(plan.units):
-        _check_decision(decision)
-        # Look every module up before anything is wrapped; the composable checkpoint and
-        # fully_shard keep module paths as they are, so later lookups resolve too.
-        module = model.get_submodule(decision.module)
+    for decision, module in units:
         if decision.checkpoint:
             checkpoint_activations(module)
         fully_shard(
@@ -152,11 +151,14 @@ def check_world_size(world_size: int, plan: Plan, dry_run: bool = False) -> None
     )
 
 
-def _check_decision(decision: UnitDecision) -> None:
+def _unit_module(model: nn.Module, decision: UnitDecision) -> nn.Module:
+    name = decision.module or "<root>"
     if decision.sharding == "shard_keep" and decision.reshard_after_forward:
-        raise PlanFileError(
-            f"unit {decision.module or '<root>'}: sharding shard_keep contradicts reshard_after_forward=true"
-        )
+        raise PlanFileError(f"unit {name}: sharding shard_keep contradicts reshard_after_forward=true")
+    try:
+        return model.get_submodule(decision.module)
+    except AttributeError:
+        raise PlanFileError(f"the plan's unit module {name} is not in the model") from None
 
 
 def _leaves_first(units: list[UnitDecision]) -> list[UnitDecision]:
@@ -241,12 +243,19 @@ def model_for_plan(plan: Plan, factory: str | None = None) -> nn.Module:
 
 
 def materialise(model: nn.Module, device: torch.device | str, seed: int) -> None:
-    """Allocate a meta-built model on `device` and initialise it; the same seed on every rank."""
+    """Allocate a meta-built model on `device` and initialise it; the same seed on every rank.
+
+    On a CPU mesh each rank draws its shards from its own generator: the same seed keeps replicated
+    parameters equal across ranks (sharded ones are not the values a single process would draw).
+    DTensor warns about exactly that, so the warning is silenced here.
+    """
     model.to_empty(device=device)
     torch.manual_seed(seed)
-    if hasattr(model, "init_weights"):
-        model.init_weights()
-        return
-    for module in model.modules():  # a user model without init_weights: each layer's own init
-        if hasattr(module, "reset_parameters"):
-            module.reset_parameters()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="DTensor random operators")
+        if hasattr(model, "init_weights"):
+            model.init_weights()
+            return
+        for module in model.modules():  # a user model without init_weights: each layer's own init
+            if hasattr(module, "reset_parameters"):
+                module.reset_parameters()

@@ -14,7 +14,6 @@ import resource
 import sys
 import time
 import traceback
-import warnings
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -192,9 +191,6 @@ def main(argv: list[str] | None = None) -> None:
     spec = RunSpec.load(argv[0])
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     result = RankResult(rank=rank)
-    # init_weights on sharded CPU parameters draws each shard from the rank's own generator (same
-    # seed everywhere); DTensor warns about that on CPU meshes, which is expected here.
-    warnings.filterwarnings("ignore", message="DTensor random operators")
     exit_code = 1
     try:
         backend = "nccl" if spec.device == "cuda" else "gloo"

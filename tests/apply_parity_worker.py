@@ -13,7 +13,6 @@ import json
 import os
 import sys
 import traceback
-import warnings
 
 import torch
 import torch.distributed as dist
@@ -163,7 +162,6 @@ def refusal(plan, **kwargs) -> str | None:
 
 
 def main(out_path: str) -> None:
-    warnings.filterwarnings("ignore", message="DTensor random operators")
     dist.init_process_group("gloo")
     results: dict = {}
     for name, case in CASES.items():

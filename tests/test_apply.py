@@ -4,8 +4,10 @@ import json
 
 import pytest
 import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
-from autoplan.apply import apply, model_for_plan
+from autoplan.apply import apply, materialise, model_for_plan
 from autoplan.cli import main
 from autoplan.errors import PlanFileError, UsageError
 from autoplan.models import build_model, get_config
@@ -116,3 +118,35 @@ def test_cli_refuses_unusable_data_file(plan_path, tmp_path, capsys):
 def test_cli_help_has_examples(capsys):
     code, out, _ = run_cli(capsys, "--help")
     assert code == 0 and "autoplan apply plan.json --nproc 1" in out
+
+
+@pytest.fixture
+def one_rank_mesh(tmp_path):
+    """A process group of this process alone, and its 1-D mesh."""
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    yield init_device_mesh("cpu", (1,))
+    dist.destroy_process_group()
+
+
+def test_refuses_a_unit_that_names_no_module_before_touching_the_model(one_rank_mesh):
+    plan = make_plan("gpt2-tiny", {"transformer.h.0": "shard"})
+    plan.units[1].module = "transformer.h.9"  # fingerprint still matches; the unit does not
+    model = build_model("gpt2-tiny")
+    mesh = one_rank_mesh
+    with pytest.raises(PlanFileError, match=r"unit module transformer\.h\.9 is not in the model"):
+        apply(model, plan, mesh, dry_run=True)
+    assert type(model).__name__ == "GPT2"
+
+
+def test_optimizer_from_apply_trains_the_materialised_model(one_rank_mesh):
+    plan = make_plan("llama-tiny", {"layers.0": "shard", "layers.1": "replicate+ckpt"})
+    model, optimizer = apply(build_model("llama-tiny"), plan, one_rank_mesh, dry_run=True)
+    materialise(model, "cpu", seed=0)
+    params = list(model.parameters())
+    assert not any(p.is_meta for p in params)
+    assert [id(p) for group in optimizer.param_groups for p in group["params"]] == [id(p) for p in params]
+    before = [p.detach().full_tensor().clone() for p in params]
+    ids = torch.randint(0, 512, (2, 17))
+    torch.nn.functional.cross_entropy(model(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten()).backward()
+    optimizer.step()
+    assert all(not torch.equal(b, p.detach().full_tensor()) for b, p in zip(before, params))
