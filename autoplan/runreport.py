@@ -10,10 +10,10 @@ from __future__ import annotations
 import statistics
 
 from .errors import AutoplanError
+from .launch import LaunchResult
 from .plan import Plan
 from .profiles import load_profile
 from .sizes import format_bytes
-from .launch import LaunchResult
 from .worker import RunSpec
 
 REPORT_VERSION = 1
