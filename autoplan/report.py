@@ -89,7 +89,8 @@ def format_plan(plan: Plan, cluster_is_default: bool = False) -> str:
                          f"at micro-batch {base.micro_batch_size})")
     s = plan.solver
     tried = ", ".join(f"{e.micro_batch_size}:{e.status.lower()}" for e in s.micro_batch_sweep)
-    gap = "" if s.status == "OPTIMAL" else f", optimality gap {100 * (s.objective_s - s.bound_s) / s.objective_s:.2f}%"
+    gap_pct = 100 * (s.objective_s - s.bound_s) / s.objective_s if s.objective_s else 0.0
+    gap = f", optimality gap {gap_pct:.3f}%" if gap_pct > 0 else ""
     lines.append(f"solver: {s.status}{gap} in {s.wall_time_s:.2f} s ({s.num_variables} variables); "
                  f"micro-batches tried {tried}")
     return "\n".join(lines)

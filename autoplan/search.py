@@ -26,7 +26,7 @@ from .plan import (
 )
 from .profiles import DeviceProfile, load_profile
 from .sizes import format_bytes, parse_mem_bytes
-from .solver import DEFAULT_TIME_LIMIT_S, solve_min_memory, solve_min_time
+from .solver import DEFAULT_TIME_LIMIT_S, AffineModel, solve_min_memory, solve_min_time
 from .trace import extrapolate_ops, symbolic_trace, trace_model
 from .units import build_units
 
@@ -188,7 +188,7 @@ def _baselines(tables: list[CostTable], mem_limit_bytes: int) -> list[Baseline]:
 def _infeasible(table: CostTable, mem_limit_bytes: int, model_name: str, cluster: Cluster, time_limit_s: float,
                 fixed_batch: bool) -> InfeasibleError:
     smallest = solve_min_memory(table, time_limit_s=time_limit_s)
-    needed = int(smallest.objective_s) if smallest.objective_s is not None else None
+    needed = int(smallest.objective) if smallest.objective is not None else None
     lean = evaluate(table, smallest.choices) if smallest.choices else None
     state = ""
     if lean is not None:
@@ -260,7 +260,8 @@ def search(
                                     status="PRUNED", step_time_s=None, throughput_samples_s=None))
             tables.append(table)
             continue
-        result = solve_min_time(table, mem_limit_bytes, time_limit_s)
+        affine = AffineModel.of(table)
+        result = solve_min_time(table, mem_limit_bytes, time_limit_s, affine=affine)
         wall_s += result.wall_time_s
         num_vars, num_cons = result.num_variables, result.num_constraints
         if result.choices is None:
@@ -271,18 +272,18 @@ def search(
             tables.append(table)
             break
         tables.append(table)
-        throughput = table.samples_per_step / result.objective_s
+        throughput = table.samples_per_step / result.objective
         sweep.append(SweepEntry(micro_batch_size=micro_batch_size, grad_accum_steps=accum, status=result.status,
-                                step_time_s=result.objective_s, throughput_samples_s=throughput))
+                                step_time_s=result.objective, throughput_samples_s=throughput))
         if best is None or throughput > best[0] * (1 + 1e-9):
-            best = (throughput, table, result)
+            best = (throughput, table, result, affine)
     if best is None:
         raise _infeasible(tables[0], mem_limit_bytes, resolved.name, cluster, time_limit_s, batch_size is not None)
 
-    _, table, result = best
+    _, table, result, affine = best
     # Among plans as fast as the best, prefer the one with the lowest peak memory.
-    lean = solve_min_memory(table, time_limit_s=time_limit_s, max_step_s=result.objective_s,
-                            mem_limit_bytes=mem_limit_bytes)
+    lean = solve_min_memory(table, time_limit_s=time_limit_s, max_step_s=result.objective,
+                            mem_limit_bytes=mem_limit_bytes, affine=affine)
     wall_s += lean.wall_time_s
     choices = lean.choices or result.choices
     chosen = evaluate(table, choices)
@@ -300,7 +301,7 @@ def search(
                               optimizer=optimizer, granularity=granularity),
         units=_unit_decisions(table, choices),
         predicted=_prediction(table, chosen),
-        solver=SolverInfo(status=result.status, objective_s=result.objective_s, bound_s=result.bound_s,
+        solver=SolverInfo(status=result.status, objective_s=result.objective, bound_s=result.bound,
                           wall_time_s=wall_s, num_variables=num_vars, num_constraints=num_cons,
                           micro_batch_sweep=sweep),
         baselines=_baselines(fitting_tables or tables, mem_limit_bytes),

@@ -1,8 +1,12 @@
 """CP-SAT model: one option per unit, memory under the limit at every time point, minimum step time.
 
-Variables, constraints and objective are built separately; the formulas themselves live in
-cost_models (memory.timeline, step.step_time) and are shared with the evaluator, so the solver's
-objective is exactly the cost model's prediction for the plan it returns (up to the 1 ns rounding).
+The memory and time formulas live in cost_models (memory.timeline, step.step_time) and are shared
+with the evaluator; here they are taken as affine rows over the one-hot option literals:
+    memory(point p) = c_p + sum_l A[p, l] x_l        step time = sum_l t_l x_l
+Memory constraints are added lazily: most of a step's time points never bind, so the model starts
+with the peaks of a few reference plans, and each solution is checked against every point; a point
+it violates is added and the model solved again. The final plan satisfies every constraint and is
+optimal for the full model (an optimum of a relaxation that is feasible for the full model).
 """
 
 from __future__ import annotations
@@ -10,11 +14,12 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Sequence
 
+import numpy as np
 from ortools.sat.python import cp_model
 
-from cost_models.memory import CATEGORIES, timeline
+from cost_models.algebra import AffineAlgebra
+from cost_models.memory import timeline, total
 from cost_models.step import step_time
 from cost_models.table import CostTable
 
@@ -23,123 +28,166 @@ NS_PER_S = 1_000_000_000
 # the same plan, byte for byte.
 DEFAULT_TIME_LIMIT_S = 10.0
 NUM_WORKERS = 1
+POINTS_ADDED_PER_ROUND = 4
+# Stop once the plan is proven within 0.01% of the optimum: far below the cost model's own error,
+# and it spares the search from proving optimality across many identical blocks. The gap
+# (objective - bound) is reported with every plan.
+RELATIVE_GAP_LIMIT = 1e-4
 
 
 @dataclass
 class SolveResult:
-    status: str  # OPTIMAL | FEASIBLE | INFEASIBLE | UNKNOWN
+    status: str  # OPTIMAL | FEASIBLE (time limit hit) | INFEASIBLE | UNKNOWN
     choices: list[int] | None
-    objective_s: float | None
-    bound_s: float | None
+    objective: float | None  # seconds (min time) or bytes (min memory)
+    bound: float | None  # best proven bound, same unit
     wall_time_s: float
     num_variables: int
-    num_constraints: int
+    num_constraints: int  # memory points in the final model (of `num_points`)
+    num_points: int
 
 
-class _CpSatAlgebra:
-    """Builds the cost formulas as CP-SAT linear expressions over the option variables."""
+@dataclass
+class AffineModel:
+    """The cost model of one table as matrices: memory rows per time point and a step-time row."""
 
-    def __init__(self, model: cp_model.CpModel, choose: list[list[cp_model.IntVar]], horizon: int):
-        self.model = model
-        self.choose = choose
-        self.horizon = horizon
+    algebra: AffineAlgebra
+    mem_coef: np.ndarray  # [points, literals], bytes
+    mem_const: np.ndarray  # [points]
+    step_coef_ns: np.ndarray  # [literals], integer nanoseconds
+    step_const_ns: int
 
-    def _linear(self, unit: int, values: Sequence[int]):
-        base = min(values)
-        expr = base
-        for var, value in zip(self.choose[unit], values):
-            if value != base:
-                expr = expr + (value - base) * var
-        return expr
+    @classmethod
+    def of(cls, table: CostTable) -> "AffineModel":
+        alg = AffineAlgebra([len(options) for options in table.options])
+        rows = [total(point) for point in timeline(table, alg)]
+        step = step_time(table, alg).step_s
+        return cls(
+            alg, np.stack([row.coef for row in rows]), np.array([row.const for row in rows], dtype=np.int64),
+            np.round(step.coef * NS_PER_S).astype(np.int64), int(round(step.const * NS_PER_S)),
+        )
 
-    def pick(self, unit: int, values: Sequence[int]):
-        return self._linear(unit, [int(v) for v in values])
+    def memory(self, choices) -> np.ndarray:
+        return self.mem_coef @ self.algebra.literals(choices) + self.mem_const
 
-    def pick_time(self, unit: int, values: Sequence[float]):
-        return self._linear(unit, [round(v * NS_PER_S) for v in values])
+    def unconstrained_fastest(self) -> list[int]:
+        offsets = self.algebra.offsets
+        return [int(np.argmin(self.step_coef_ns[offsets[u]:offsets[u + 1]])) for u in range(len(offsets) - 1)]
 
-    def define(self, expr, name: str):
-        if isinstance(expr, int):
-            return expr
-        var = self.model.new_int_var(0, self.horizon, name)
-        self.model.add(var == expr)
-        return var
-
-    def maximum(self, exprs, name: str):
-        if all(isinstance(e, int) for e in exprs):
-            return max(exprs)
-        var = self.model.new_int_var(0, self.horizon, name)
-        for expr in exprs:
-            # [Constraint] t >= expr  (linearises t = max(compute, communication))
-            self.model.add(var >= expr)
-        return var
+    def leanest_each(self) -> list[int]:
+        """Per unit, the option with the smallest total memory coefficient (a rough min-memory plan)."""
+        weight = self.mem_coef.max(axis=0)
+        offsets = self.algebra.offsets
+        return [int(np.argmin(weight[offsets[u]:offsets[u + 1]])) for u in range(len(offsets) - 1)]
 
 
-def _build(table: CostTable, mem_limit_bytes: int | None):
-    model = cp_model.CpModel()
-    # [Variables] choose[u][o] = 1 iff unit u takes option o
-    choose = [
-        [model.new_bool_var(f"x_{u}_{o}") for o in range(len(options))]
-        for u, options in enumerate(table.options)
-    ]
-    for u, row in enumerate(choose):
-        # [Constraint] exactly one option per unit
-        model.add_exactly_one(row)
-    horizon = 2**50  # bytes or ns: 1 PB, 13 days; sums stay far from int64 overflow
-    alg = _CpSatAlgebra(model, choose, horizon)
-    points = timeline(table, alg)
-    peak = model.new_int_var(0, horizon, "peak_mem_bytes")
-    for point in points:
-        point_total = sum((point.parts[c] for c in CATEGORIES), 0)
-        # [Constraint] memory(point) <= peak <= limit, at every time point of the step
-        model.add(point_total <= peak)
-    if mem_limit_bytes is not None:
-        model.add(peak <= mem_limit_bytes)
-    step = step_time(table, alg)
-    return model, choose, step.step_s, peak
+def _top_points(memory: np.ndarray, count: int) -> list[int]:
+    return [int(p) for p in np.argsort(-memory, kind="stable")[:count]]
 
 
-def _run(model: cp_model.CpModel, time_limit_s: float) -> tuple[cp_model.CpSolver, int, float]:
-    solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = time_limit_s
-    solver.parameters.num_workers = NUM_WORKERS
+class _Model:
+    def __init__(self, affine: AffineModel):
+        self.affine = affine
+        self.model = cp_model.CpModel()
+        offsets = affine.algebra.offsets
+        # [Variables] x[l] = 1 iff the option of literal l is chosen for its unit
+        self.x = [self.model.new_bool_var(f"x_{l}") for l in range(affine.algebra.size)]
+        for unit in range(len(offsets) - 1):
+            # [Constraint] exactly one option per unit
+            self.model.add_exactly_one(self.x[offsets[unit]:offsets[unit + 1]])
+        self.points: list[int] = []
+
+    def expr(self, coef: np.ndarray, const: int):
+        nonzero = np.flatnonzero(coef)
+        return cp_model.LinearExpr.weighted_sum([self.x[i] for i in nonzero], [int(coef[i]) for i in nonzero]) + const
+
+    def add_point(self, point: int, bound) -> None:
+        # [Constraint] memory(point) <= bound  (the limit, or the peak variable)
+        self.model.add(self.expr(self.affine.mem_coef[point], int(self.affine.mem_const[point])) <= bound)
+        self.points.append(point)
+
+    def step_ns(self):
+        return self.expr(self.affine.step_coef_ns, self.affine.step_const_ns)
+
+    def choices(self, solver: cp_model.CpSolver) -> list[int]:
+        offsets = self.affine.algebra.offsets
+        values = [solver.value(v) for v in self.x]
+        return [int(np.argmax(values[offsets[u]:offsets[u + 1]])) for u in range(len(offsets) - 1)]
+
+
+def _solve_lazily(affine: AffineModel, build, check, time_limit_s: float, seeds: list[list[int]]) -> SolveResult:
+    """Solve, check the solution against every point, add violated points, repeat."""
     start = time.perf_counter()
-    status = solver.solve(model)
-    return solver, status, time.perf_counter() - start
+    active: set[int] = set()
+    for seed in seeds:
+        active.update(_top_points(affine.memory(seed), 2))
+    while True:
+        model, objective_scale = build(sorted(active))
+        solver = cp_model.CpSolver()
+        solver.parameters.max_time_in_seconds = max(0.01, time_limit_s - (time.perf_counter() - start))
+        solver.parameters.num_workers = NUM_WORKERS
+        solver.parameters.relative_gap_limit = RELATIVE_GAP_LIMIT
+        status = solver.solve(model.model)
+        wall = time.perf_counter() - start
+        name = solver.status_name(status)
+        stats = (len(model.x), len(model.points), len(affine.mem_const))
+        if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+            return SolveResult(name, None, None, None, wall, *stats)
+        choices = model.choices(solver)
+        violated = check(choices, solver)
+        new_points = [p for p in violated if p not in active][:POINTS_ADDED_PER_ROUND]
+        if not new_points:
+            return SolveResult(name, choices, solver.objective_value / objective_scale,
+                               solver.best_objective_bound / objective_scale, wall, *stats)
+        if wall >= time_limit_s:
+            return SolveResult("UNKNOWN", None, None, None, wall, *stats)
+        active.update(new_points)
 
 
-def _result(table, model, choose, solver, status, wall, scale) -> SolveResult:
-    stats = model.proto
-    name = solver.status_name(status)
-    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        return SolveResult(name, None, None, None, wall, len(stats.variables), len(stats.constraints))
-    choices = [next(o for o, var in enumerate(row) if solver.value(var)) for row in choose]
-    return SolveResult(
-        name, choices, solver.objective_value / scale, solver.best_objective_bound / scale, wall,
-        len(stats.variables), len(stats.constraints),
-    )
+def solve_min_time(table: CostTable, mem_limit_bytes: int, time_limit_s: float = DEFAULT_TIME_LIMIT_S,
+                   affine: AffineModel | None = None) -> SolveResult:
+    """[Objective] minimise the step time subject to memory(p) <= mem_limit_bytes at every point p."""
+    affine = affine or AffineModel.of(table)
+
+    def build(points):
+        model = _Model(affine)
+        for point in points:
+            model.add_point(point, mem_limit_bytes)
+        model.model.minimize(model.step_ns())
+        return model, NS_PER_S
+
+    def check(choices, solver):
+        memory = affine.memory(choices)
+        return [p for p in np.argsort(-memory, kind="stable") if memory[p] > mem_limit_bytes]
+
+    return _solve_lazily(affine, build, check, time_limit_s,
+                         [affine.unconstrained_fastest(), affine.leanest_each()])
 
 
-def solve_min_time(table: CostTable, mem_limit_bytes: int, time_limit_s: float = DEFAULT_TIME_LIMIT_S) -> SolveResult:
-    """[Objective] minimise the step time subject to peak memory <= mem_limit_bytes."""
-    model, choose, step_s, _peak = _build(table, mem_limit_bytes)
-    model.minimize(step_s)
-    solver, status, wall = _run(model, time_limit_s)
-    return _result(table, model, choose, solver, status, wall, NS_PER_S)
-
-
-def solve_min_memory(
-    table: CostTable,
-    time_limit_s: float = DEFAULT_TIME_LIMIT_S,
-    max_step_s: float | None = None,
-    mem_limit_bytes: int | None = None,
-) -> SolveResult:
+def solve_min_memory(table: CostTable, time_limit_s: float = DEFAULT_TIME_LIMIT_S, max_step_s: float | None = None,
+                     mem_limit_bytes: int | None = None, affine: AffineModel | None = None) -> SolveResult:
     """[Objective] minimise the peak memory (the smallest limit any plan fits in), optionally among
     plans no slower than `max_step_s`: the tie-break that keeps memory headroom at no cost in time."""
-    model, choose, step_s, peak = _build(table, mem_limit_bytes)
-    if max_step_s is not None:
-        # [Constraint] step time <= the optimum found (rounded up to the next ns)
-        model.add(step_s <= math.ceil(max_step_s * NS_PER_S))
-    model.minimize(peak)
-    solver, status, wall = _run(model, time_limit_s)
-    return _result(table, model, choose, solver, status, wall, 1)
+    affine = affine or AffineModel.of(table)
+    horizon = int(affine.mem_const.max() + np.abs(affine.mem_coef).sum(axis=1).max())
+    state = {}
+
+    def build(points):
+        model = _Model(affine)
+        peak = model.model.new_int_var(0, mem_limit_bytes if mem_limit_bytes is not None else horizon, "peak")
+        for point in points:
+            model.add_point(point, peak)
+        if max_step_s is not None:
+            # [Constraint] step time <= the optimum found (rounded up to the next ns)
+            model.model.add(model.step_ns() <= math.ceil(max_step_s * NS_PER_S))
+        model.model.minimize(peak)
+        state["peak"] = peak
+        return model, 1
+
+    def check(choices, solver):
+        memory = affine.memory(choices)
+        peak = solver.value(state["peak"])
+        return [p for p in np.argsort(-memory, kind="stable") if memory[p] > peak]
+
+    seeds = [affine.leanest_each()] if max_step_s is None else [affine.leanest_each(), affine.unconstrained_fastest()]
+    return _solve_lazily(affine, build, check, time_limit_s, seeds)
