@@ -7,7 +7,7 @@ import os
 import sys
 import time
 
-from . import cli_apply
+from . import cli_apply, cli_profile
 from .errors import AutoplanError, UsageError
 from .sizes import ACCEPTED_FORMS, parse_mem_bytes
 
@@ -126,6 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_search(subparsers)
     _add_models(subparsers)
+    cli_profile.register(subparsers)
     cli_apply.register(subparsers)
     return parser
 

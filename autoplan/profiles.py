@@ -63,11 +63,16 @@ class OpTiming(_Strict):
 
 
 class OpFit(_Strict):
-    """time_s = intercept_s + s_per_unit * work, work being FLOPs or bytes moved, per op family."""
+    """time_s = intercept_s + s_per_unit * work, work being FLOPs or bytes moved, per op family.
+
+    family is an op kind ("Linear", "gelu") or a generic family ("matmul", "memory"); dtype is the
+    traced compute dtype the points were measured in (None: any dtype), since a bf16 matmul can run
+    at several times the FLOP/s of an fp32 one on the same device."""
 
     family: str
     direction: Literal["fwd", "bwd"]
     work: Literal["flops", "bytes"]
+    dtype: str | None = None
     intercept_s: float = Field(ge=0)
     s_per_unit: float = Field(ge=0)
 
@@ -104,18 +109,18 @@ class DeviceProfile(_Strict):
         write_text_atomic(path, self.model_dump_json(indent=2) + "\n")
 
 
-def _shipped_dir() -> Path:
+def shipped_profile_dir() -> Path:
     return Path(str(resources.files("profiles")))
 
 
-def _local_dir() -> Path:
+def local_profile_dir() -> Path:
     return Path(os.environ.get(LOCAL_PROFILE_DIR_ENV, Path.home() / ".autoplan" / "profiles"))
 
 
 def available_profiles() -> dict[str, Path]:
     """Profile name -> file, shipped ones first; a local profile of the same name overrides."""
     found: dict[str, Path] = {}
-    for folder in (_shipped_dir(), _local_dir()):
+    for folder in (shipped_profile_dir(), local_profile_dir()):
         if folder.is_dir():
             for path in sorted(folder.glob("*.json")):
                 found[path.stem] = path

@@ -17,6 +17,7 @@ the log-sum-exp, so the tracer runs the fused CPU flash kernel in its place when
 from __future__ import annotations
 
 import copy
+import hashlib
 from dataclasses import dataclass, field
 
 import networkx as nx
@@ -64,12 +65,15 @@ class OpRecord:
     fwd_max_alloc_bytes: int = 0  # largest single tensor the forward allocates (a transient)
     bwd_max_alloc_bytes: int = 0
     is_matmul: bool = False  # dominated by matmul-like aten ops (for the compute model's fits)
+    # what besides input shapes decides the work: a module's configuration (Linear's out_features),
+    # a function's constant arguments (is_causal, a slice); "" when there is none
+    variant: str = ""
 
     @property
     def key(self) -> str:
-        """Identity of the op's work for measured timings: kind, input shapes, dtype."""
+        """Identity of the op's work for measured timings: kind, input shapes, dtype, variant."""
         shapes = ";".join("x".join(map(str, shape)) for shape in self.input_shapes)
-        return f"{self.kind}[{shapes}]{self.dtype}"
+        return f"{self.kind}[{shapes}]{self.dtype}{self.variant}"
 
 
 @dataclass
@@ -183,6 +187,26 @@ def _kind(gm: fx.GraphModule, node: fx.Node) -> str:
     return getattr(node.target, "__name__", str(node.target))
 
 
+_MAX_VARIANT_CHARS = 160
+
+
+def _variant(gm: fx.GraphModule, node: fx.Node, args, kwargs) -> str:
+    """Two ops with the same kind and input shapes can differ in work: Linear(64, 64) and Linear(64, 512)
+    both read [B, S, 64]. The module's extra_repr, or the function's non-tensor arguments, tell them apart."""
+    if node.op == "call_module":
+        module = gm.get_submodule(node.target)
+        detail = module.extra_repr() or ",".join(
+            f"{name}={'x'.join(map(str, p.shape))}" for name, p in module.named_parameters())
+    else:
+        def constants(value) -> list[str]:
+            return [repr(leaf) for leaf in tree_flatten(value)[0] if not isinstance(leaf, torch.Tensor)]
+
+        detail = ",".join(constants(args) + [f"{k}={','.join(constants(v))}" for k, v in kwargs.items()])
+    if len(detail) > _MAX_VARIANT_CHARS:
+        detail = hashlib.sha1(detail.encode()).hexdigest()[:16]
+    return f"({detail})" if detail else ""
+
+
 def _module_path(node: fx.Node) -> str:
     if node.op == "call_module":
         return str(node.target)
@@ -207,9 +231,13 @@ def default_inputs(model: nn.Module, micro_batch_size: int, seq_len: int) -> tup
     return (torch.zeros(micro_batch_size, seq_len, dtype=torch.long, device="meta"),)
 
 
+def _logits(output) -> torch.Tensor:
+    return output[0] if isinstance(output, (tuple, list)) else output
+
+
 def _loss(output) -> torch.Tensor:
     """The training loss the run uses: next-token cross-entropy in fp32 over logits [B, S, V]."""
-    logits = output[0] if isinstance(output, (tuple, list)) else output
+    logits = _logits(output)
     if logits.dim() == 3:
         labels = torch.zeros(logits.shape[:2], dtype=torch.long, device=logits.device)
         return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
@@ -264,6 +292,7 @@ def trace_model(
             args, kwargs = self.fetch_args_kwargs_from_env(node)
             tensors_in = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
             records[node.name].input_shapes = tuple(tuple(t.shape) for t in tensors_in)
+            records[node.name].variant = _variant(gm, node, args, kwargs)
             input_storages[node.name] = [(_storage_key(t), t.untyped_storage().nbytes()) for t in tensors_in]
             out = super().run_node(node)
             outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
@@ -282,6 +311,7 @@ def trace_model(
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), mode:
             output = _Interpreter(gm).run(*inputs)
             mode.current = LOSS_NODE
+            records[LOSS_NODE].input_shapes = (tuple(_logits(output).shape),)
             loss = _loss(output)
         mode.backward = True
         with mode:
@@ -329,8 +359,10 @@ def extrapolate_ops(ops_at_1: list[OpRecord], ops_at_2: list[OpRecord], micro_ba
                   for f in _SCALED_FIELDS}
         shapes = tuple((micro_batch_size,) + s[1:] if s and s[0] == 1 and s != t else s
                        for s, t in zip(one.input_shapes, two.input_shapes))
+        # constant arguments can hold the batch size (a view's sizes); batch 2's are the nearer guess
+        variant = one.variant if micro_batch_size == 1 else two.variant
         result.append(OpRecord(one.name, one.kind, one.module, shapes, one.dtype,
-                               is_matmul=one.is_matmul, **values))
+                               is_matmul=one.is_matmul, variant=variant, **values))
     return result
 
 

@@ -1,0 +1,223 @@
+"""Re-run the traced graph's ops on real tensors, one distinct op at a time, forward and backward.
+
+A model's fx graph is run once on the meta device to capture each node's arguments (shapes,
+strides, dtypes, which tensors require grad, constant arguments). To time a node, those arguments
+are rebuilt as random tensors on the device with the same strides (a transposed input makes
+`flatten` copy, a contiguous one would not), the node's target (the submodule, the function, the
+method) is called on them, and its backward is run from a random output gradient.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils._pytree import tree_flatten, tree_map
+
+from autoplan.models import build_model, get_config
+from autoplan.trace import DTYPES, LOSS_NODE, OpRecord, _loss, default_inputs, symbolic_trace, trace_model
+
+from .timing import Repeats, median_time_s
+
+TRAINING_LOSS = _loss  # the loss the tracer charges to the "loss" op; re-run as it is
+
+
+@dataclass
+class OpCase:
+    """One distinct op (by OpRecord.key) and what it takes to re-run it."""
+
+    record: OpRecord
+    target: object  # an nn.Module on meta (call_module), a function, or a method name
+    args: tuple
+    kwargs: dict
+
+    @property
+    def key(self) -> str:
+        return self.record.key
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A model to trace at some micro-batch sizes; `make_inputs(batch, seq)` gives meta inputs."""
+
+    name: str
+    build: Callable[[], nn.Module]
+    micro_batch_sizes: tuple[int, ...]
+    seq_len: int
+    make_inputs: Callable[[nn.Module, int, int], tuple[torch.Tensor, ...]] = default_inputs
+
+
+def zoo_workload(name: str, micro_batch_sizes: tuple[int, ...], seq_len: int | None = None) -> Workload:
+    """A zoo model at the planning sequence length (its context length unless given)."""
+    config = get_config(name)
+    return Workload(name, lambda: build_model(config), micro_batch_sizes, seq_len or config.max_seq_len)
+
+
+class SweepMLP(nn.Module):
+    """Pre-norm MLP block of a chosen width: Linear, LayerNorm, GELU and add at sizes the tiny zoo
+    models do not reach, so the per-family fits see large problems too."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.up = nn.Linear(width, 4 * width)
+        self.down = nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+def sweep_workload(width: int, tokens: int) -> Workload:
+    def hidden_states(model: nn.Module, batch: int, seq: int) -> tuple[torch.Tensor, ...]:
+        dtype = next(model.parameters()).dtype
+        # requires grad: in a network these ops sit after the embedding, so backward computes input grads
+        return (torch.empty(batch, seq, width, dtype=dtype, device="meta", requires_grad=True),)
+
+    return Workload(f"sweep-mlp-{width}x{tokens}", lambda: SweepMLP(width), (1,), tokens, hidden_states)
+
+
+def collect_cases(workload: Workload, dtype: str) -> list[OpCase]:
+    """Every op of the workload's graph at each of its micro-batch sizes, in graph order (duplicates kept)."""
+    with torch.device("meta"):
+        meta_model = workload.build()
+    meta_model = meta_model.to(device="meta", dtype=DTYPES[dtype])
+    graph_module = symbolic_trace(meta_model)
+    cases: list[OpCase] = []
+    for batch in workload.micro_batch_sizes:
+        inputs = workload.make_inputs(meta_model, batch, workload.seq_len)
+        trace = trace_model(meta_model, batch, workload.seq_len, dtype, inputs=inputs, graph_module=graph_module)
+        captured, output = _capture(graph_module, inputs)
+        for record in trace.ops:
+            if record.name == LOSS_NODE:
+                cases.append(OpCase(record, TRAINING_LOSS, (output,), {}))
+                continue
+            node, args, kwargs = captured[record.name]
+            if node.op == "call_module":
+                target = graph_module.get_submodule(node.target)
+            elif node.op == "call_method":
+                target = str(node.target)
+            else:
+                target = node.target
+            cases.append(OpCase(record, target, args, kwargs))
+    return cases
+
+
+def _capture(graph_module: fx.GraphModule, inputs: tuple[torch.Tensor, ...]):
+    """Each call node's (node, args, kwargs) as meta values, and the graph's output."""
+    captured: dict[str, tuple[fx.Node, tuple, dict]] = {}
+
+    class Capture(fx.Interpreter):
+        def run_node(self, node: fx.Node):
+            if node.op in ("call_module", "call_function", "call_method"):
+                args, kwargs = self.fetch_args_kwargs_from_env(node)
+                captured[node.name] = (node, args, kwargs)
+            return super().run_node(node)
+
+    with torch.enable_grad():
+        output = Capture(graph_module).run(*inputs)
+    return captured, output
+
+
+def has_work(record: OpRecord, direction: str) -> bool:
+    if direction == "fwd":
+        return record.fwd_flops > 0 or record.fwd_bytes > 0
+    return record.bwd_flops > 0 or record.bwd_bytes > 0
+
+
+def _real_tensor(meta: torch.Tensor, device: torch.device, int_high: int) -> torch.Tensor:
+    """A random tensor with the meta tensor's shape, strides, offset, dtype and requires_grad."""
+    span = meta.storage_offset() + sum((size - 1) * stride for size, stride in zip(meta.shape, meta.stride())) + 1
+    span = span if meta.numel() else 0
+    if meta.dtype.is_floating_point or meta.dtype.is_complex:
+        base = torch.randn(span, dtype=meta.dtype, device=device)
+    elif meta.dtype == torch.bool:
+        base = torch.rand(span, device=device) > 0.5
+    else:
+        base = torch.randint(0, max(int_high, 1), (span,), dtype=meta.dtype, device=device)
+    with torch.no_grad():
+        real = base.as_strided(meta.shape, meta.stride(), meta.storage_offset())
+    if meta.requires_grad:
+        real.requires_grad_()
+    return real
+
+
+def _real_module(meta_module: nn.Module, device: torch.device) -> nn.Module:
+    module = copy.deepcopy(meta_module).to_empty(device=device)
+    with torch.no_grad():
+        for tensor in list(module.parameters()) + list(module.buffers()):
+            if tensor.dtype.is_floating_point:
+                tensor.normal_(0.0, 0.02)
+            else:
+                tensor.zero_()
+    return module
+
+
+def materialize(case: OpCase, device: torch.device) -> tuple[Callable[[], object], list[torch.Tensor]]:
+    """A zero-argument forward call on real tensors, and the leaves (inputs, parameters) it differentiates."""
+    target = case.target
+    int_high = target.num_embeddings if isinstance(target, nn.Embedding) else 1
+
+    def real(value):
+        if isinstance(value, torch.Tensor):
+            return _real_tensor(value, device, int_high)
+        if isinstance(value, torch.device) and value.type == "meta":
+            return device  # e.g. torch.arange(n, device=x.device), captured on meta
+        return value
+
+    args, kwargs = tree_map(real, (case.args, case.kwargs))
+    leaves = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+    if isinstance(target, nn.Module):
+        module = _real_module(target, device)
+        leaves += [p for p in module.parameters() if p.requires_grad]
+        return (lambda: module(*args, **kwargs)), leaves
+    if isinstance(target, str):
+        return (lambda: getattr(args[0], target)(*args[1:], **kwargs)), leaves
+    return (lambda: target(*args, **kwargs)), leaves
+
+
+@dataclass
+class OpMeasurement:
+    """Median seconds per direction; None where the op has no work (or its backward cannot be reached)."""
+
+    fwd_s: float | None
+    bwd_s: float | None
+
+
+def measure_case(case: OpCase, device: torch.device, repeats: Repeats) -> OpMeasurement:
+    forward, leaves = materialize(case, device)
+    fwd_s = median_time_s(forward, device, repeats) if has_work(case.record, "fwd") else None
+    bwd_s = None
+    if has_work(case.record, "bwd"):
+        outputs = [t for t in tree_flatten(forward())[0] if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        if outputs:
+            grads = [torch.randn_like(t) for t in outputs]
+
+            def clear_grads():
+                for leaf in leaves:
+                    leaf.grad = None  # the first micro-batch's backward assigns grads, no accumulation
+
+            bwd_s = median_time_s(
+                lambda: torch.autograd.backward(outputs, grads, retain_graph=True), device, repeats, clear_grads)
+    return OpMeasurement(fwd_s, bwd_s)
+
+
+def work(record: OpRecord, direction: str, unit: str) -> int:
+    """The op's FLOPs or bytes moved in one direction."""
+    if unit == "flops":
+        return record.fwd_flops if direction == "fwd" else record.bwd_flops
+    return record.fwd_bytes if direction == "fwd" else record.bwd_bytes
+
+
+def unique_cases(cases: list[OpCase]) -> list[OpCase]:
+    """First case per key, skipping ops with no work in either direction (the cost model charges 0)."""
+    seen: dict[str, OpCase] = {}
+    for case in cases:
+        if case.key not in seen and (has_work(case.record, "fwd") or has_work(case.record, "bwd")):
+            seen[case.key] = case
+    return list(seen.values())
+

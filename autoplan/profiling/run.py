@@ -1,0 +1,358 @@
+"""`autoplan profile` end to end: measure ops, collectives, overlap and the optimizer step on this
+device (from the cache where already measured), fit, and assemble a DeviceProfile."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from autoplan.errors import UsageError
+from autoplan.profiles import CollectiveFit, DeviceProfile, Link, OpTiming, Overlap, Provenance
+from cost_models.comm import ring_factor
+
+from . import device as device_bench
+from .cache import MeasurementCache, default_cache_dir
+from .comm import (
+    COLLECTIVES, CommRequest, default_backend, group_sizes, measurement_key, message_bytes, run_comm_benchmark,
+)
+from .fit import FitReport, OpPoint, fit_affine, fit_op_families, heldout_errors
+from .overlap import OVERLAP_PHASE_S, OVERLAP_TRIALS
+from .ops import OpCase, collect_cases, has_work, measure_case, sweep_workload, unique_cases, work, zoo_workload
+from .timing import Repeats
+
+# zoo model -> micro-batch sizes. The search traces at micro-batch 1 and 2 (and extrapolates to
+# others), so these keys match a search over these models directly; other shapes go through the fits.
+DEFAULT_MODELS: dict[str, tuple[int, ...]] = {
+    "gpt2-tiny": (1, 2), "llama-tiny": (1, 2), "bert-tiny": (1, 2), "gpt2": (1,),
+}
+DEFAULT_DTYPES = ("fp32", "bf16")
+# (width, tokens) of the sweep MLP blocks: problem sizes between the tiny models and real ones
+DEFAULT_SWEEP = {
+    "cpu": tuple((w, t) for w in (256, 512, 1024) for t in (512, 2048)),
+    "cuda": tuple((w, t) for w in (1024, 4096, 8192) for t in (2048, 8192)),
+}
+DEFAULT_COMM_SIZES_BYTES = {
+    "cpu": tuple(4 ** k for k in range(6, 14)),  # 4 KiB .. 64 MiB
+    "cuda": tuple(4 ** k for k in range(6, 16)),  # 4 KiB .. 1 GiB
+}
+OVERLAP_GATHER_BYTES = {"cpu": 16 << 20, "cuda": 256 << 20}
+
+
+@dataclass
+class ProfileSettings:
+    device: str = "cpu"
+    nproc: int = 2
+    models: dict[str, tuple[int, ...]] = field(default_factory=lambda: dict(DEFAULT_MODELS))
+    seq_len: int | None = None  # None: each model's context length, as the search plans with
+    dtypes: tuple[str, ...] = DEFAULT_DTYPES
+    sweep: tuple[tuple[int, int], ...] | None = None  # None: DEFAULT_SWEEP for the device
+    comm_sizes_bytes: tuple[int, ...] | None = None  # None: DEFAULT_COMM_SIZES_BYTES for the device
+    threads: int | None = None  # CPU intra-op threads per rank; None: cores / nproc (what each rank gets)
+    backend: str | None = None  # None: nccl on cuda, gloo on cpu
+    repeats: Repeats = field(default_factory=Repeats)
+    overlap_phase_s: float = OVERLAP_PHASE_S  # seconds per loop and trial of the overlap measurement
+    overlap_trials: int = OVERLAP_TRIALS
+    comm_rounds: int = 3  # each collective size measured once per round, median over rounds
+    cache_dir: Path | None = field(default_factory=default_cache_dir)  # None: no cache
+    name: str | None = None  # None: "<device>-<backend>-<nproc>"
+    progress: bool = True
+
+
+@dataclass(frozen=True)
+class CollectiveReport:
+    fit: CollectiveFit
+    points: int
+    heldout_median_rel_err: float | None
+    heldout_max_rel_err: float | None
+
+
+@dataclass
+class ProfileResult:
+    profile: DeviceProfile
+    op_fits: list[FitReport]
+    collective_fits: list[CollectiveReport]
+    ops_measured: int  # measured in this run
+    ops_cached: int  # taken from the cache
+    ops_remeasured: int  # measured a second time for being far off their kind's fit
+    wall_s: float
+
+
+def _resolve(settings: ProfileSettings) -> tuple[torch.device, str, int | None]:
+    if settings.device not in ("cpu", "cuda"):
+        raise UsageError(f"unknown device {settings.device!r}; use cpu or cuda")
+    if settings.nproc < 2:
+        raise UsageError(f"--nproc {settings.nproc}: collectives need at least 2 processes")
+    if settings.device == "cuda":
+        if not torch.cuda.is_available():
+            raise UsageError("--device cuda, but torch sees no CUDA device here (use --device cpu)")
+        if settings.nproc > torch.cuda.device_count():
+            raise UsageError(f"--nproc {settings.nproc} needs {settings.nproc} GPUs; "
+                             f"this host has {torch.cuda.device_count()}")
+    backend = settings.backend or default_backend(settings.device)
+    threads = settings.threads
+    if settings.device == "cpu" and threads is None:
+        threads = max(1, (os.cpu_count() or 1) // settings.nproc)
+    return torch.device(settings.device), backend, threads
+
+
+def measure_profile(settings: ProfileSettings) -> ProfileResult:
+    """Measure (or read from the cache) everything a profile holds, fit, and return the profile with the
+    fits' held-out quality. Raises UsageError for settings this host cannot run."""
+    started = time.perf_counter()
+    device, backend, threads = _resolve(settings)
+    kind = device.type
+    name = settings.name or f"{kind}-{backend}-{settings.nproc}"
+    device_name = device_bench.device_name(device)
+    cache = MeasurementCache(settings.cache_dir, {
+        "device": device_name, "torch": torch.__version__, "threads": threads,
+        # a rougher run (--quick) keeps its own entries rather than passing them off to a full one
+        "repeats": [settings.repeats.warmup, settings.repeats.min_repeats, settings.repeats.max_repeats,
+                    settings.repeats.min_time_s],
+        "overlap": [settings.overlap_phase_s, settings.overlap_trials],
+        "comm_rounds": settings.comm_rounds,
+    })
+    previous_threads = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        cases = _op_cases(settings, kind)
+        op_seconds, fresh = _measure_ops(cases, device, settings, cache)
+        remeasured = _remeasure_outliers(cases, op_seconds, fresh, device, settings, cache)
+        points, op_times = _points_and_timings(cases, op_seconds)
+        op_fits = fit_op_families(points)
+        device_numbers = _device_numbers(device, settings.repeats, cache)
+        comm = _measure_comm(settings, kind, backend, threads, cache)
+    finally:
+        torch.set_num_threads(previous_threads)
+    collective_fits = _collective_fits(comm["collectives"])
+
+    peak_flops = {}
+    for point in points:
+        if point.family == "matmul" and point.direction == "fwd":
+            peak_flops[point.dtype] = max(peak_flops.get(point.dtype, 0.0), point.flops / point.seconds)
+    memory_fwd = next((r.fit for r in op_fits if r.fit.family == "memory" and r.fit.direction == "fwd"
+                       and r.fit.dtype == settings.dtypes[0]), None)
+    largest_all_reduce = max((r.fit for r in collective_fits if r.fit.collective == "all_reduce"),
+                             key=lambda f: f.group_size)
+    profile = DeviceProfile(
+        name=name,
+        source="measured",
+        provenance=_provenance(settings, kind, backend, threads, device_name),
+        device_type=kind,
+        mem_bytes=device_bench.device_mem_bytes(device),
+        peak_flops=peak_flops,
+        matmul_efficiency=1.0,  # peak_flops is the best achieved, not a datasheet number
+        mem_bandwidth_bytes_s=device_numbers["copy_bandwidth_bytes_s"],
+        mem_bandwidth_efficiency=1.0,
+        # the zero-work time of ops as the model runs them (Python call, dispatch, kernel launch);
+        # the bare dispatch micro-benchmark only when no memory-op fit exists
+        op_overhead_s=memory_fwd.intercept_s if memory_fwd else device_numbers["dispatch_overhead_s"],
+        # the link as the cost model's fallback sees it: bus bandwidth and latency of the all-reduce
+        # fit at the largest group measured (its beta holds the ring factor: bus = factor / beta)
+        links={"intra_node": Link(
+            bus_bandwidth_bytes_s=ring_factor("all_reduce", largest_all_reduce.group_size)
+            / max(largest_all_reduce.beta_s_per_byte, 1e-30),
+            latency_s=largest_all_reduce.alpha_s,
+        )},
+        collectives=[r.fit for r in collective_fits],
+        overlap=Overlap(**comm["overlap"]),
+        optimizer_bytes_s=device_numbers["adamw_bytes_s"],
+        op_times=op_times,
+        op_fits=[r.fit for r in op_fits],
+    )
+    return ProfileResult(profile, op_fits, collective_fits, len(fresh), len(cases) - len(fresh), remeasured,
+                         time.perf_counter() - started)
+
+
+def _op_cases(settings: ProfileSettings, kind: str) -> list[OpCase]:
+    workloads = [zoo_workload(model, batches, settings.seq_len) for model, batches in settings.models.items()]
+    sweep = DEFAULT_SWEEP[kind] if settings.sweep is None else settings.sweep
+    workloads += [sweep_workload(width, tokens) for width, tokens in sweep]
+    cases: list[OpCase] = []
+    for dtype in settings.dtypes:
+        for workload in workloads:
+            cases += collect_cases(workload, dtype)
+    return unique_cases(cases)
+
+
+def _measure_ops(cases: list[OpCase], device: torch.device, settings: ProfileSettings,
+                 cache: MeasurementCache) -> tuple[dict[str, dict], set[str]]:
+    """op key -> {"fwd_s", "bwd_s"} (None where not measurable), and the keys measured in this run."""
+    seconds: dict[str, dict] = {}
+    fresh: set[str] = set()
+    for case in tqdm(cases, desc="ops", unit="op", disable=not settings.progress):
+        key = f"op:{case.key}"
+        if key not in cache:
+            result = measure_case(case, device, settings.repeats)
+            cache.put(key, {"fwd_s": result.fwd_s, "bwd_s": result.bwd_s})
+            fresh.add(case.key)
+        seconds[case.key] = cache.get(key)
+    return seconds, fresh
+
+
+REMEASURE_REL_ERR = 0.3  # a fresh point this far off its kind's fit is timed again
+
+
+def _remeasure_outliers(cases: list[OpCase], seconds: dict[str, dict], fresh: set[str], device: torch.device,
+                        settings: ProfileSettings, cache: MeasurementCache) -> int:
+    """Time again the ops measured in this run that sit far off their kind's fit, keeping the lower of
+    the two medians: on a shared machine a neighbour's burst can cover a whole measurement (all its
+    repeats), and only a second measurement, later, tells that apart from an op that is really slow.
+    Updates `seconds` in place; returns how many ops were re-measured."""
+    series: dict[tuple[str, str, str], list[tuple[str, float, float]]] = {}
+    for case in cases:
+        record = case.record
+        unit = "flops" if record.is_matmul else "bytes"
+        for direction in ("fwd", "bwd"):
+            value, amount = seconds[case.key][f"{direction}_s"], work(record, direction, unit)
+            if value and amount:
+                series.setdefault((record.kind, direction, record.dtype), []).append((case.key, amount, value))
+    suspects: set[str] = set()
+    for points in series.values():
+        if len(points) >= 3:
+            fit = fit_affine([amount for _, amount, _ in points], [value for _, _, value in points])
+            suspects |= {key for key, amount, value in points
+                         if key in fresh and abs(fit.predict(amount) - value) / value > REMEASURE_REL_ERR}
+    again = [case for case in cases if case.key in suspects]
+    for case in tqdm(again, desc="re-measuring outliers", unit="op", disable=not settings.progress):
+        result = measure_case(case, device, settings.repeats)
+        entry = dict(seconds[case.key])
+        for direction, value in (("fwd_s", result.fwd_s), ("bwd_s", result.bwd_s)):
+            if value is not None and entry[direction] is not None:
+                entry[direction] = min(entry[direction], value)
+        cache.put(f"op:{case.key}", entry)
+        seconds[case.key] = entry
+    return len(again)
+
+
+def _points_and_timings(cases: list[OpCase], seconds: dict[str, dict]) -> tuple[list[OpPoint], list[OpTiming]]:
+    """Fit points per measured direction, and an OpTiming for each op measured in every direction that
+    has work (an op whose backward could not be re-run alone is left to the fits)."""
+    points, timings = [], []
+    for case in cases:
+        record, times = case.record, seconds[case.key]
+        complete = True
+        for direction in ("fwd", "bwd"):
+            if not has_work(record, direction):
+                continue
+            value = times[f"{direction}_s"]
+            if value is None or value <= 0:
+                complete = False
+                continue
+            points.append(OpPoint(
+                kind=record.kind, family="matmul" if record.is_matmul else "memory", dtype=record.dtype,
+                direction=direction, flops=record.fwd_flops if direction == "fwd" else record.bwd_flops,
+                bytes=record.fwd_bytes if direction == "fwd" else record.bwd_bytes, seconds=value,
+            ))
+        if complete:
+            timings.append(OpTiming(key=case.key, fwd_s=times["fwd_s"] or 0.0, bwd_s=times["bwd_s"] or 0.0))
+    return points, timings
+
+
+def _cached(cache: MeasurementCache, key: str, measure):
+    if key not in cache:
+        cache.put(key, measure())
+    return cache.get(key)
+
+
+def _device_numbers(device: torch.device, repeats: Repeats, cache: MeasurementCache) -> dict[str, float]:
+    return {
+        "copy_bandwidth_bytes_s": _cached(cache, "device:copy_bandwidth_bytes_s",
+                                          lambda: device_bench.copy_bandwidth_bytes_s(device, repeats)),
+        "dispatch_overhead_s": _cached(cache, "device:dispatch_overhead_s",
+                                       lambda: device_bench.op_overhead_s(device, repeats)),
+        "adamw_bytes_s": _cached(cache, "device:adamw_bytes_s", lambda: device_bench.adamw_bytes_s(device, repeats)),
+    }
+
+
+def _measure_comm(settings: ProfileSettings, kind: str, backend: str, threads: int | None,
+                  cache: MeasurementCache) -> dict:
+    """{"collectives": {(collective, group, bytes): seconds}, "overlap": {...}}; spawns the ranks only
+    for what the cache lacks."""
+    sizes = DEFAULT_COMM_SIZES_BYTES[kind] if settings.comm_sizes_bytes is None else settings.comm_sizes_bytes
+    wanted = sorted({(c, g, message_bytes(s, g)) for g in group_sizes(settings.nproc) for c in COLLECTIVES
+                     for s in sizes}, key=lambda m: (COLLECTIVES.index(m[0]), m[1], m[2]))
+    prefix = f"comm:{backend}:"
+    overlap_key = f"overlap:{backend}:n{settings.nproc}:{OVERLAP_GATHER_BYTES[kind]}"
+    missing = tuple(m for m in wanted if prefix + measurement_key(*m) not in cache)
+    if missing or overlap_key not in cache:
+        results = run_comm_benchmark(CommRequest(
+            backend=backend, device_type=kind, world_size=settings.nproc, threads=threads, measurements=missing,
+            overlap_bytes=OVERLAP_GATHER_BYTES[kind] if overlap_key not in cache else None,
+            overlap_phase_s=settings.overlap_phase_s, overlap_trials=settings.overlap_trials, rounds=settings.comm_rounds,
+            repeats=settings.repeats, show_progress=settings.progress,
+        ))
+        for key, seconds in results["collectives"].items():
+            cache.put(prefix + key, seconds)
+        if results["overlap"] is not None:
+            cache.put(overlap_key, results["overlap"])
+    return {
+        "collectives": {m: cache.get(prefix + measurement_key(*m)) for m in wanted},
+        "overlap": cache.get(overlap_key),
+    }
+
+
+def _collective_fits(seconds: dict[tuple[str, int, int], float]) -> list[CollectiveReport]:
+    """alpha + beta * bytes per (collective, group size), measured inside one node."""
+    by_series: dict[tuple[str, int], list[tuple[int, float]]] = {}
+    for (collective, group_size, nbytes), value in seconds.items():
+        by_series.setdefault((collective, group_size), []).append((nbytes, value))
+    reports = []
+    for (collective, group_size), series in sorted(by_series.items()):
+        work = [float(b) for b, _ in series]
+        times = [t for _, t in series]
+        fit = fit_affine(work, times)
+        errors = heldout_errors(work, times) if len(series) >= 3 else []
+        reports.append(CollectiveReport(
+            CollectiveFit(collective=collective, group_size=group_size, scope="intra_node",
+                          alpha_s=fit.intercept, beta_s_per_byte=fit.slope),
+            points=len(series),
+            heldout_median_rel_err=statistics.median(errors) if errors else None,
+            heldout_max_rel_err=max(errors) if errors else None,
+        ))
+    return reports
+
+
+def _provenance(settings: ProfileSettings, kind: str, backend: str, threads: int | None,
+                device_name: str) -> Provenance:
+    sweep = DEFAULT_SWEEP[kind] if settings.sweep is None else settings.sweep
+    sizes = DEFAULT_COMM_SIZES_BYTES[kind] if settings.comm_sizes_bytes is None else settings.comm_sizes_bytes
+    host = platform.node()
+    return Provenance(
+        description=(
+            f"measured by `autoplan profile` on {host} ({device_name}): per-op forward/backward times of the "
+            f"models' traced ops and of sweep MLP blocks, per-family fits, {backend} collectives over "
+            f"{settings.nproc} processes, compute/communication overlap, AdamW step throughput. "
+            "peak_flops is the best achieved matmul FLOP/s and mem_bandwidth a large copy, so both "
+            "efficiencies are 1.0."
+        ),
+        host=host,
+        device_name=device_name,
+        torch_version=torch.__version__,
+        date=datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0).isoformat(),
+        settings={
+            "device": kind,
+            "nproc": settings.nproc,
+            "backend": backend,
+            "threads_per_rank": threads,
+            "dtypes": ",".join(settings.dtypes),
+            "models": ";".join(f"{m}@mb{','.join(map(str, b))}" for m, b in settings.models.items()),
+            "seq_len": settings.seq_len,
+            "sweep_mlp_width_x_tokens": ";".join(f"{w}x{t}" for w, t in sweep),
+            "comm_sizes_bytes": ",".join(map(str, sizes)),
+            "warmup": settings.repeats.warmup,
+            "min_repeats": settings.repeats.min_repeats,
+            "max_repeats": settings.repeats.max_repeats,
+            "min_time_s": settings.repeats.min_time_s,
+            "statistic": "median of repeats; ops far off their kind's fit timed twice, lower median kept",
+            "comm_rounds": settings.comm_rounds,
+        },
+    )
