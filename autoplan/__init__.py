@@ -1,7 +1,7 @@
 """autoplan: find the fastest FSDP2 sharding plan that fits a per-device memory budget.
 
 The Python API, as a notebook uses it (each step is also a CLI command: `autoplan search`,
-`autoplan estimate`):
+`autoplan estimate`, `autoplan apply`):
 
 >>> import autoplan
 >>> traced = autoplan.trace("gpt2-tiny", seq_len=64)   # a zoo name, "hf:dir/config.json", "pkg.mod:factory", a module
@@ -24,13 +24,16 @@ True
 >>> autoplan.load_plan("plan.json") == plan
 True
 
-`print(plan)` shows the decision table; `plan.to_dict()`, `plan.unit_table()` and
+In a training script under torchrun, `model, optimizer = autoplan.apply(model, plan)` wraps a
+meta-device model with one FSDP2 `fully_shard` per unit (see `autoplan apply --help` for a measured
+run). `print(plan)` shows the decision table; `plan.to_dict()`, `plan.unit_table()` and
 `plan.timeline_table()` give plain data.
 """
 
 __version__ = "0.1.0"
 
-from . import plots  # noqa: E402  (matplotlib itself is imported only when a figure is drawn)
+from . import plots  # noqa: E402
+from .apply import apply  # noqa: E402  (matplotlib itself is imported only when a figure is drawn)
 from .errors import AutoplanError, InfeasibleError, PlanFileError, UsageError  # noqa: E402
 from .estimate import STRATEGIES, Estimate, estimate  # noqa: E402
 from .frontier import FrontierPoint, frontier  # noqa: E402
@@ -42,7 +45,7 @@ from .trace import TraceError  # noqa: E402
 from .tracing import TRACERS, ExampleInputs  # noqa: E402
 
 __all__ = [
-    "AutoplanError", "DeviceProfile", "Estimate", "ExampleInputs", "FrontierPoint", "InfeasibleError", "Plan",
+    "AutoplanError", "DeviceProfile", "apply", "Estimate", "ExampleInputs", "FrontierPoint", "InfeasibleError", "Plan",
     "PlanFileError", "STRATEGIES", "TRACERS", "TraceError", "TracedModel", "UsageError", "available_profiles",
     "estimate", "frontier", "load_plan", "load_profile", "parse_mem_bytes", "plots", "search", "trace",
 ]

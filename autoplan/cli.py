@@ -7,7 +7,7 @@ import os
 import sys
 import time
 
-from . import cli_estimate, cli_profile
+from . import cli_apply, cli_estimate, cli_profile
 from .errors import AutoplanError, UsageError
 from .sizes import ACCEPTED_FORMS, parse_mem_bytes
 
@@ -129,6 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_models(subparsers)
     cli_profile.register(subparsers)
     cli_estimate.register(subparsers)
+    cli_apply.register(subparsers)
     return parser
 
 

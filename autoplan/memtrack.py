@@ -1,0 +1,138 @@
+"""Peak bytes of live tensors on the CPU, where no allocator keeps statistics.
+
+On CUDA `torch.cuda.max_memory_allocated()` answers the question; on the CPU nothing does, and the
+process RSS counts the interpreter, libraries and freed-but-cached pages. This tracker counts what
+the cost model counts: bytes of tensor storages that are alive, at every moment, and their peak.
+
+How: a TorchDispatchMode sees every tensor an aten op makes or touches (parameters made by
+`to_empty`, gradients, optimizer states, activations, collective buffers; tensor subclasses such as
+DTensor are unwrapped to their local tensors). Each storage is counted once, with a weakref finalizer
+that subtracts it when the storage is freed. FSDP2 frees and re-allocates gathered parameters by
+resizing storages in place, which does not pass through the dispatcher, so `UntypedStorage.resize_`
+is wrapped while the tracker is active. Not seen: scratch memory that C++ code allocates without
+making a tensor (e.g. inside a gloo collective), and tensors made on other threads outside autograd.
+
+With `limit_bytes`, an allocation that takes the live bytes over the limit raises
+MemoryLimitExceeded, the CPU's stand-in for a CUDA out-of-memory error.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._pytree import tree_flatten
+
+
+class MemoryLimitExceeded(RuntimeError):
+    def __init__(self, live_bytes: int, limit_bytes: int):
+        super().__init__(f"live tensors reached {live_bytes} bytes, over the limit of {limit_bytes} bytes")
+        self.live_bytes = live_bytes
+        self.limit_bytes = limit_bytes
+
+
+def _plain_tensors(tensor: torch.Tensor):
+    """The tensors that own memory: a wrapper subclass (DTensor) owns none, its inner tensors do."""
+    if is_traceable_wrapper_subclass(tensor):
+        inner_names, _ = tensor.__tensor_flatten__()
+        for name in inner_names:
+            inner = getattr(tensor, name)
+            if isinstance(inner, torch.Tensor):  # DTensor also lists its device mesh here
+                yield from _plain_tensors(inner)
+    else:
+        yield tensor
+
+
+class LiveTensorTracker(TorchDispatchMode):
+    """Context manager: `live_bytes` now, `peak_bytes` since entry (or since `reset_peak()`)."""
+
+    def __init__(self, limit_bytes: int | None = None):
+        super().__init__()
+        self.limit_bytes = limit_bytes
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        self._bytes_by_storage: dict[int, int] = {}  # StorageImpl address -> bytes counted
+        # Finalizers can run on another thread (a gloo work object dropping its tensors).
+        self._lock = threading.RLock()
+        self._original_resize = None
+
+    # -- public -------------------------------------------------------------------------------
+
+    def track(self, *tensors: torch.Tensor) -> None:
+        """Count tensors made before the tracker was entered (parameters of a built model, ...)."""
+        for tensor in tensors:
+            self._track_tensor(tensor)
+
+    def reset_peak(self) -> None:
+        with self._lock:
+            self.peak_bytes = self.live_bytes
+
+    # -- context ------------------------------------------------------------------------------
+
+    def __enter__(self):
+        self._wrap_resize()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._unwrap_resize()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        # Outputs are the new allocations; inputs catch tensors made before the tracker started
+        # and storages an in-place op (aten.resize_) has grown.
+        for value in tree_flatten((out, args, kwargs))[0]:
+            if isinstance(value, torch.Tensor):
+                self._track_tensor(value)
+        return out
+
+    # -- bookkeeping --------------------------------------------------------------------------
+
+    def _track_tensor(self, tensor: torch.Tensor) -> None:
+        for plain in _plain_tensors(tensor):
+            if plain.device.type == "meta" or plain.layout != torch.strided:
+                continue
+            self._track_storage(plain.untyped_storage())
+
+    def _track_storage(self, storage: torch.UntypedStorage) -> None:
+        key = storage._cdata
+        with self._lock:
+            if key not in self._bytes_by_storage:
+                self._bytes_by_storage[key] = 0
+                weakref.finalize(storage, self._forget, key)
+            if storage.nbytes() != self._bytes_by_storage[key]:
+                self._set_size(key, storage.nbytes())
+
+    def _forget(self, key: int) -> None:
+        with self._lock:
+            self.live_bytes -= self._bytes_by_storage.pop(key, 0)
+
+    def _set_size(self, key: int, nbytes: int) -> None:
+        grown = nbytes - self._bytes_by_storage[key]
+        self._bytes_by_storage[key] = nbytes
+        self.live_bytes += grown
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        if self.limit_bytes is not None and grown > 0 and self.live_bytes > self.limit_bytes:
+            raise MemoryLimitExceeded(self.live_bytes, self.limit_bytes)
+
+    def _wrap_resize(self) -> None:
+        original = torch.UntypedStorage.resize_
+        tracker = self
+
+        def resize_(storage, size):
+            result = original(storage, size)
+            if storage.device.type != "meta":
+                tracker._track_storage(storage)
+            return result
+
+        self._original_resize = original
+        torch.UntypedStorage.resize_ = resize_
+
+    def _unwrap_resize(self) -> None:
+        if self._original_resize is not None:
+            torch.UntypedStorage.resize_ = self._original_resize
+            self._original_resize = None

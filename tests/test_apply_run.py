@@ -1,0 +1,92 @@
+"""`autoplan apply` as a measured training run: real torchrun launches, 2 gloo ranks on the CPU."""
+
+import json
+import math
+import os
+from pathlib import Path
+
+import pytest
+
+from autoplan.cli import main
+from autoplan.models import build_model, load_factory
+from planmaker import make_plan
+
+TESTS_DIR = Path(__file__).parent
+
+
+@pytest.fixture(autouse=True)
+def ranks_import_test_factories(monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")])))
+
+
+def alpaca_file(path: Path) -> Path:
+    records = [
+        {"instruction": f"Give an example of the number {i}.", "input": "", "output": f"{i} is a number " * 5}
+        for i in range(20)
+    ]
+    path.write_text(json.dumps(records))
+    return path
+
+
+def test_run_reports_predicted_beside_measured(tmp_path, capfd):
+    plan_path, report_path = tmp_path / "plan.json", tmp_path / "r.json"
+    make_plan("gpt2-tiny", {"transformer.h.0": "shard+ckpt", "transformer.h.1": "replicate"},
+              grad_accum_steps=2).save(plan_path)
+    code = main(["apply", str(plan_path), "--steps", "2", "--warmup", "1", "--report", str(report_path),
+                 "--data", str(alpaca_file(tmp_path / "alpaca.json"))])
+    out, err = capfd.readouterr()
+    assert code == 0, err[-3000:]
+    assert "predicted" in out and "measured" in out and "peak memory per rank" in out
+
+    report = json.loads(report_path.read_text())
+    assert report["status"] == "ok" and report["world_size"] == 2 and not report["dry_run"]
+    assert report["global_batch_size"] == 2 * 2 * 2
+    measured = report["measured"]
+    assert len(measured["losses"]) == 3 and all(math.isfinite(loss) for loss in measured["losses"])
+    assert measured["step_time_s"] > 0 and report["predicted"]["step_time_s"] == pytest.approx(0.1)
+    assert measured["peak_mem_bytes"] == max(measured["peak_mem_bytes_per_rank"].values())
+    # Persistent state alone is parameters + gradients + two AdamW states: 16 bytes per parameter,
+    # the blocks' share halved by sharding on 2 ranks, minus the replicated block 1 (held in full).
+    n_params = sum(p.numel() for p in build_model("gpt2-tiny").parameters())
+    assert 16 * n_params / 2 < measured["peak_mem_bytes"] < 16 * n_params * 3
+    assert "live tensor" in measured["peak_mem_source"]
+
+
+def test_factory_plan_dry_run_on_fewer_ranks(tmp_path, capfd):
+    plan_path, report_path = tmp_path / "plan.json", tmp_path / "r.json"
+    factory_model = build_model("gpt2-tiny")  # same structure as factory_models.tiny_gpt2
+    make_plan(factory_model=factory_model, name="factory_models:tiny_gpt2",
+              decisions={"transformer.h.0": "shard_keep", "transformer.h.1": "hybrid"}, nodes=2).save(plan_path)
+    code = main(["apply", str(plan_path), "--model", "factory_models:tiny_gpt2", "--nproc", "1",
+                 "--steps", "1", "--warmup", "1", "--report", str(report_path)])
+    out, err = capfd.readouterr()
+    assert code == 0, err[-3000:]
+    assert "DRY RUN" in out
+    report = json.loads(report_path.read_text())
+    assert report["dry_run"] and report["world_size"] == 1 and report["planned_world_size"] == 2
+    assert len(report["measured"]["losses"]) == 2
+
+
+def test_run_over_memory_limit_fails_with_a_clear_message(tmp_path, capfd):
+    plan_path, report_path = tmp_path / "plan.json", tmp_path / "r.json"
+    make_plan("gpt2-tiny", {"transformer.h.0": "shard"}, predicted_peak_mem_bytes=1_500_000).save(plan_path)
+    code = main(["apply", str(plan_path), "--steps", "1", "--mem-limit", "1.2MB", "--report", str(report_path)])
+    _, err = capfd.readouterr()
+    assert code == 1
+    assert "ran out of memory" in err and "over the limit of 1200000 bytes" in err
+    assert "predicted peak 1.50 MB" in err and "measured peak so far" in err
+    report = json.loads(report_path.read_text())
+    assert report["status"] == "failed" and report["failures"]
+
+
+def test_a_rank_that_dies_stops_the_run(tmp_path, capfd):
+    plan_path = tmp_path / "plan.json"
+    make_plan(factory_model=load_factory("factory_models:dying_gpt2", device="meta"), name="factory_models:dying_gpt2",
+              decisions={"transformer.h.0": "shard"}).save(plan_path)
+    code = main(["apply", str(plan_path), "--model", "factory_models:dying_gpt2", "--steps", "3", "--timeout", "60"])
+    _, err = capfd.readouterr()
+    assert code == 1
+    failures = err[err.index("the run failed:"):].splitlines()[1:]
+    assert "rank 1 died at step 2: it was killed by SIGKILL" in failures[0]
+    # rank 0 either sees its collective fail on the lost peer, or is stopped by the launcher first
+    assert "rank 0 failed at step 2" in failures[1] or "rank 0 was stopped by the launcher" in failures[1]

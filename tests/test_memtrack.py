@@ -1,0 +1,68 @@
+"""The live-tensor memory tracker counts known allocations exactly."""
+
+import pytest
+import torch
+
+from autoplan.memtrack import LiveTensorTracker, MemoryLimitExceeded
+
+
+def test_counts_live_storages_and_peak():
+    with LiveTensorTracker() as tracker:
+        a = torch.empty(1000)  # 4000 bytes
+        b = torch.zeros(250, dtype=torch.float64)  # 2000 bytes
+        assert tracker.live_bytes == 6000
+        view = a[10:]  # a view shares its base's storage: nothing new
+        del a
+        assert tracker.live_bytes == 6000
+        del view
+        assert tracker.live_bytes == 2000
+        c = torch.ones(100, dtype=torch.int8)
+        assert tracker.live_bytes == 2100
+        assert tracker.peak_bytes == 6000
+        tracker.reset_peak()
+        assert tracker.peak_bytes == 2100
+        del b, c
+    assert tracker.live_bytes == 0
+
+
+def test_follows_storage_resize_as_fsdp_does():
+    # FSDP2 frees and re-allocates gathered parameters with UntypedStorage.resize_.
+    with LiveTensorTracker() as tracker:
+        t = torch.empty(1000)
+        t.untyped_storage().resize_(0)
+        assert tracker.live_bytes == 0
+        t.untyped_storage().resize_(8000)
+        assert tracker.live_bytes == 8000
+    assert torch.UntypedStorage.resize_ is torch._C.StorageBase.resize_  # unwrapped on exit
+
+
+def test_counts_parameters_gradients_and_optimizer_states():
+    with LiveTensorTracker() as tracker:
+        linear = torch.nn.Linear(100, 100)  # 40_400 bytes of parameters
+        optimizer = torch.optim.Adam(linear.parameters())
+        assert tracker.live_bytes == 40_400
+        x = torch.randn(8, 100)
+        linear(x).sum().backward()
+        optimizer.step()
+        del x
+        # parameters + gradients + two Adam states, and one 4-byte step counter per parameter
+        assert tracker.live_bytes == 4 * 40_400 + 2 * 4
+        optimizer.zero_grad(set_to_none=True)
+        assert tracker.live_bytes == 3 * 40_400 + 2 * 4
+
+
+def test_tracks_tensors_made_before_it_started():
+    weights = torch.empty(500)
+    with LiveTensorTracker() as tracker:
+        tracker.track(weights)
+        assert tracker.live_bytes == 2000
+        weights.mul_(2)  # seen again: counted once
+        assert tracker.live_bytes == 2000
+
+
+def test_limit_raises_like_out_of_memory():
+    with pytest.raises(MemoryLimitExceeded, match="over the limit of 10000 bytes") as info:
+        with LiveTensorTracker(limit_bytes=10_000):
+            a = torch.empty(2000)  # 8000 bytes
+            b = torch.empty(2000)  # 16000 > 10000
+    assert info.value.live_bytes == 16_000
