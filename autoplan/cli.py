@@ -73,6 +73,9 @@ def _add_search(subparsers) -> None:
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw", help="optimizer (default adamw)")
     parser.add_argument("--granularity", choices=GRANULARITIES, default="block",
                         help="unit size: one per block (default), attention/MLP apart (fine), every module (leaf)")
+    parser.add_argument("--strategy", choices=("shard", "shard_keep", "replicate", "hybrid"),
+                        help="no solver: every unit takes this sharding (a uniform plan to run or compare)")
+    parser.add_argument("--checkpoint", action="store_true", help="with --strategy: checkpoint every block")
     parser.add_argument("--time-limit", type=_positive_float, default=10.0, help="solver seconds per micro-batch size")
     parser.add_argument("-o", "--out", default="plan.json", help="plan file to write (default plan.json)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON instead of the table")
@@ -86,10 +89,13 @@ def _run_search(args) -> int:
 
     start = time.perf_counter()
     mem = args.mem if args.mem is not None else load_profile(args.profile or DEFAULT_PROFILE).mem_bytes
+    if args.checkpoint and not args.strategy:
+        raise UsageError("--checkpoint goes with --strategy; without it the solver decides checkpointing per unit")
     plan = search(
         args.model, mem, gpus=args.gpus, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
         profile=args.profile, seq_len=args.seq_len, batch_size=args.batch_size, global_batch=args.global_batch,
         dtype=args.dtype, optimizer=args.optimizer, granularity=args.granularity, time_limit_s=args.time_limit,
+        strategy=args.strategy, checkpoint=args.checkpoint,
     )
     plan.save(args.out)
     if args.json:

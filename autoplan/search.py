@@ -10,6 +10,9 @@ and estimates of one model trace it once.
 
 from __future__ import annotations
 
+import json
+import re
+
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,13 +28,14 @@ from .errors import InfeasibleError, UsageError
 from .fingerprint import model_fingerprint
 from .hf import HF_PREFIX, build_hf_model
 from .models import UnknownModelError, build_model, count_params, get_config, load_factory
+from .options import SHARDING_KINDS
 from .plan import (
     Baseline, ClusterSpec, MemoryBreakdown, ModelRef, Plan, Prediction, SolverInfo, SweepEntry,
     TimelinePoint, TrainingSpec, UnitDecision, UnitPrediction,
 )
 from .profiles import DeviceProfile, load_profile
 from .sizes import format_bytes, parse_mem_bytes
-from .solver import DEFAULT_TIME_LIMIT_S, AffineModel, solve_min_memory, solve_min_time
+from .solver import DEFAULT_TIME_LIMIT_S, AffineModel, SolveResult, solve_min_memory, solve_min_time
 from .trace import extrapolate_ops
 from .tracing import ExampleInputs, TracePair, trace_pair
 from .units import build_units
@@ -53,6 +57,24 @@ class ResolvedModel:
     max_seq_len: int | None = None  # the default sequence length, when the model says
 
 
+def parse_zoo_spec(spec: str) -> tuple[str, dict[str, int | float | bool]]:
+    """'gpt2-tiny[n_layers=4,d_model=128]' -> ('gpt2-tiny', {'n_layers': 4, 'd_model': 128})."""
+    match = re.fullmatch(r"\s*([^\[\]]+?)\s*(?:\[(.*)\])?\s*", spec)
+    if match is None:
+        raise UsageError(f"cannot read model {spec!r}: write NAME or NAME[field=value,...], e.g. gpt2-tiny[n_layers=4]")
+    overrides: dict[str, int | float | bool] = {}
+    for item in filter(None, (part.strip() for part in (match.group(2) or "").split(","))):
+        field, sep, text = item.partition("=")
+        if not sep:
+            raise UsageError(f"model override {item!r} in {spec!r} is not field=value")
+        try:
+            value = json.loads(text.strip().lower())
+        except json.JSONDecodeError:
+            raise UsageError(f"model override {item!r} in {spec!r}: {text!r} is not a number or true/false") from None
+        overrides[field.strip()] = value
+    return match.group(1), overrides
+
+
 def resolve_model(model: str | nn.Module) -> ResolvedModel:
     """A zoo name, "hf:path/to/config.json" (or its directory), a "package.module:factory" spec, or a
     module object."""
@@ -61,16 +83,19 @@ def resolve_model(model: str | nn.Module) -> ResolvedModel:
     if model.startswith(HF_PREFIX):
         built = build_hf_model(model[len(HF_PREFIX):])
         return ResolvedModel(built.module, model, None, built.max_seq_len)
-    if ":" in model:
+    if ":" in model and "[" not in model:
         try:
             module = load_factory(model, device="meta")
         except (ValueError, ImportError) as exc:
             raise UsageError(f"cannot build model {model!r}: {exc}") from exc
         return ResolvedModel(module, model, None)
+    name, overrides = parse_zoo_spec(model)
     try:
-        config = get_config(model)
+        config = get_config(name, **overrides)
     except UnknownModelError as exc:
         raise UsageError(str(exc)) from exc
+    except (TypeError, ValueError) as exc:
+        raise UsageError(f"cannot build {model!r}: {exc}") from exc
     return ResolvedModel(build_model(config, device="meta"), model, config.to_dict(), config.max_seq_len)
 
 
@@ -330,6 +355,8 @@ def search(
     granularity: str = "block",
     time_limit_s: float = DEFAULT_TIME_LIMIT_S,
     example_inputs: Any = None,
+    strategy: str | None = None,
+    checkpoint: bool = False,
 ) -> Plan:
     """The fastest plan whose predicted per-rank peak memory is at most `mem`. Raises InfeasibleError
     (with the smallest limit that would fit) when none does, UsageError for bad input.
@@ -338,7 +365,9 @@ def search(
     TracedModel (from `autoplan.trace`) to reuse its traces. `mem`: bytes or a size such as "8GB".
     The cluster is `gpus` in `nodes` x `gpus_per_node` with a device `profile`; without `batch_size`
     the micro-batch is swept; `global_batch` fixes the samples per step (gradient accumulation fills
-    it). `example_inputs`: see TracedModel.
+    it). `example_inputs`: see TracedModel. `strategy` ("shard", "shard_keep", "replicate",
+    "hybrid"), with `checkpoint`, skips the solver: every unit takes that option (the plan to run a
+    uniform baseline), and only the micro-batch is searched.
 
     >>> import autoplan
     >>> plan = autoplan.search("gpt2-tiny", "60MB", gpus=2, seq_len=64)
@@ -352,6 +381,8 @@ def search(
         raise UsageError(f"unknown --optimizer {optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
     if time_limit_s <= 0:
         raise UsageError(f"--time-limit must be positive, got {time_limit_s}")
+    if strategy is not None and strategy not in SHARDING_KINDS:
+        raise UsageError(f"unknown --strategy {strategy!r}; choose one of {', '.join(SHARDING_KINDS)}")
     session = reuse_traced(model, seq_len, example_inputs)
     resolved, seq_len = session.resolved, session.seq_len
     cluster = resolve_cluster(gpus, nodes, gpus_per_node, profile)
@@ -372,7 +403,10 @@ def search(
             tables.append(table)
             continue
         affine = AffineModel.of(table)
-        result = solve_min_time(table, mem_limit_bytes, time_limit_s, affine=affine)
+        if strategy is None:
+            result = solve_min_time(table, mem_limit_bytes, time_limit_s, affine=affine)
+        else:
+            result = _fixed_strategy(table, affine, strategy, checkpoint, mem_limit_bytes)
         wall_s += result.wall_time_s
         num_vars, num_cons = result.num_variables, result.num_constraints
         if result.choices is None:
@@ -392,11 +426,13 @@ def search(
         raise _infeasible(tables[0], mem_limit_bytes, resolved.name, cluster, time_limit_s, batch_size is not None)
 
     _, table, result, affine = best
-    # Among plans as fast as the best, prefer the one with the lowest peak memory.
-    lean = solve_min_memory(table, time_limit_s=time_limit_s, max_step_s=result.objective,
-                            mem_limit_bytes=mem_limit_bytes, affine=affine)
-    wall_s += lean.wall_time_s
-    choices = lean.choices or result.choices
+    choices = result.choices
+    if strategy is None:
+        # Among plans as fast as the best, prefer the one with the lowest peak memory.
+        lean = solve_min_memory(table, time_limit_s=time_limit_s, max_step_s=result.objective,
+                                mem_limit_bytes=mem_limit_bytes, affine=affine)
+        wall_s += lean.wall_time_s
+        choices = lean.choices or result.choices
     chosen = evaluate(table, choices)
     fitting_tables = [t for t, entry in zip(tables, sweep) if entry.status != "INFEASIBLE"]
 
@@ -417,6 +453,20 @@ def search(
                           micro_batch_sweep=sweep),
         baselines=_baselines(fitting_tables or tables, mem_limit_bytes),
     )
+
+
+def _fixed_strategy(table: CostTable, affine: AffineModel, strategy: str, checkpoint: bool,
+                    mem_limit_bytes: int) -> SolveResult:
+    """A uniform plan evaluated in place of a solve, reported in the solver's terms."""
+    choices = uniform_choices(table, strategy, checkpoint, exact=True)
+    if choices is None:
+        raise UsageError(f"--strategy {strategy} is not available here (hybrid needs --nodes 2 or more)")
+    result = evaluate(table, choices)
+    fits = result.peak_mem_bytes <= mem_limit_bytes
+    stats = (affine.algebra.size, 0, len(affine.mem_const))
+    if not fits:
+        return SolveResult("INFEASIBLE", None, None, None, 0.0, *stats)
+    return SolveResult("FIXED", choices, result.step_time_s, result.step_time_s, 0.0, *stats)
 
 
 def reuse_traced(model: str | nn.Module | TracedModel, seq_len: int | None, example_inputs: Any) -> TracedModel:

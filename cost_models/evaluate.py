@@ -40,12 +40,16 @@ def evaluate(table: CostTable, choices: list[int]) -> Evaluation:
     return Evaluation(list(choices), points, peak, float(step.step_s), float(step.micro_batch_s), float(step.optimizer_s))
 
 
-def uniform_choices(table: CostTable, sharding: str, checkpoint: bool) -> list[int] | None:
-    """Option index per unit for a uniform strategy (units without ckpt options run without it)."""
+def uniform_choices(table: CostTable, sharding: str, checkpoint: bool, exact: bool = False) -> list[int] | None:
+    """Option index per unit for a uniform strategy. Units without a checkpointing option run
+    without it; the root, which FSDP2 never reshards after forward, takes plain "shard" for
+    "shard_keep". With `exact`, None when the sharding kind itself is not offered (hybrid on one node)."""
     choices = []
     for options in table.options:
         match = [i for i, o in enumerate(options) if o.sharding == sharding and o.checkpoint == checkpoint]
         match = match or [i for i, o in enumerate(options) if o.sharding == sharding and not o.checkpoint]
+        if exact and not match and not any(o.sharding == sharding for opts in table.options for o in opts):
+            return None
         match = match or [i for i, o in enumerate(options) if o.sharding == "shard" and not o.checkpoint]
         if not match:
             return None

@@ -1,0 +1,82 @@
+"""Fidelity: do predictions match measurement? Each plan of a grid (models of several depths and
+widths x micro-batches x plan kinds) is executed with `autoplan apply` on this machine (CPU, gloo,
+2 ranks, the measured cpu-gloo-2 profile) and its predicted peak memory per rank and step time are
+compared with the measured ones.
+
+    python benchmarks/fidelity.py            # full grid (~10-20 min on 2 cores)
+    python benchmarks/fidelity.py --quick    # one model, one micro-batch
+
+Targets (issue 5): memory error at most 5% median and 10% worst; step time 10% median, 20% worst.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections import defaultdict
+
+from common import UNIFORM, execute, make_plan, rel_error, summarize, write_results
+
+MODELS = [
+    "gpt2-tiny[n_layers=2,d_model=64]",
+    "gpt2-tiny[n_layers=4,d_model=128]",
+    "llama-tiny[n_layers=4,d_model=128,n_heads=4,n_kv_heads=2,ffn_hidden=352]",
+]
+MICRO_BATCHES = [4, 16]
+SEQ_LEN = 128
+KINDS = ["all-shard", "all-shard+ckpt", "all-shard_keep", "all-replicate", "autoplan"]
+
+
+def mixed_limit(model: str, batch_size: int) -> str:
+    """A limit halfway between the leanest plan and all-replicate, where the solver must mix."""
+    lean = make_plan(model, "100GB", batch_size, SEQ_LEN, "all-shard+ckpt")["predicted"]["peak_mem_bytes"]
+    full = make_plan(model, "100GB", batch_size, SEQ_LEN, "all-replicate")["predicted"]["peak_mem_bytes"]
+    return str((lean + full) // 2)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    models, batches = (MODELS[:1], MICRO_BATCHES[:1]) if args.quick else (MODELS, MICRO_BATCHES)
+
+    rows = []
+    print(f"{'model':<62} {'mb':>3} {'plan':<16} {'peak pred MB':>12} {'meas MB':>9} {'err':>7} "
+          f"{'step pred ms':>12} {'meas ms':>9} {'err':>7}")
+    for model in models:
+        for batch_size in batches:
+            limit = mixed_limit(model, batch_size)
+            for kind in KINDS:
+                plan = make_plan(model, limit if kind == "autoplan" else "100GB", batch_size, SEQ_LEN, kind)
+                run = execute(plan, kind)
+                if run.report is None:
+                    print(f"{model:<62} {batch_size:>3} {kind:<16} FAILED: {run.error}")
+                    continue
+                mem_err = rel_error(run.predicted_peak, run.measured_peak)
+                time_err = rel_error(run.predicted_step_s, run.measured_step_s)
+                rows.append(dict(model=model, micro_batch=batch_size, kind=kind,
+                                 predicted_peak_bytes=run.predicted_peak, measured_peak_bytes=run.measured_peak,
+                                 predicted_step_s=run.predicted_step_s, measured_step_s=run.measured_step_s,
+                                 mem_error=mem_err, time_error=time_err,
+                                 measured_phases=run.report["measured"].get("phase_peak_mem_bytes")))
+                print(f"{model:<62} {batch_size:>3} {kind:<16} {run.predicted_peak / 1e6:>12.1f} "
+                      f"{run.measured_peak / 1e6:>9.1f} {100 * mem_err:>6.1f}% {run.predicted_step_s * 1e3:>12.1f} "
+                      f"{run.measured_step_s * 1e3:>9.1f} {100 * time_err:>6.1f}%", flush=True)
+
+    by_kind = defaultdict(list)
+    for row in rows:
+        by_kind[row["kind"]].append(row)
+    print(f"\n{'plan kind':<16} {'n':>3} {'mem median':>11} {'mem worst':>10} {'time median':>12} {'time worst':>11}")
+    summary = {}
+    for kind, group in list(by_kind.items()) + [("all", rows)]:
+        mem_med, mem_worst = summarize([r["mem_error"] for r in group])
+        time_med, time_worst = summarize([r["time_error"] for r in group])
+        summary[kind] = dict(n=len(group), mem_median=mem_med, mem_worst=mem_worst,
+                             time_median=time_med, time_worst=time_worst)
+        print(f"{kind:<16} {len(group):>3} {100 * mem_med:>10.1f}% {100 * mem_worst:>9.1f}% "
+              f"{100 * time_med:>11.1f}% {100 * time_worst:>10.1f}%")
+    path = write_results("fidelity" + ("_quick" if args.quick else ""), {"rows": rows, "summary": summary})
+    print(f"written to {path}")
+
+
+if __name__ == "__main__":
+    main()
