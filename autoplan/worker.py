@@ -63,6 +63,8 @@ class RankResult:
     steps_done: int = 0
     losses: list[float] = field(default_factory=list)  # per step: this rank's mean loss
     step_times_s: list[float] = field(default_factory=list)  # per step, warm-up included
+    # CPU: steps after those above, timed with the live-tensor tracker off (see train)
+    untracked_step_times_s: list[float] = field(default_factory=list)
     peak_mem_bytes_by_step: list[int] = field(default_factory=list)
     # per step, the peak within each phase: forward (loss included), backward, optimizer step
     phase_peak_bytes_by_step: list[dict[str, int]] = field(default_factory=list)
@@ -155,21 +157,12 @@ def train(spec: RunSpec, rank: int, world_size: int, result: RankResult) -> None
         for step in range(spec.warmup_steps + spec.steps):
             micro_batches = rank_micro_batches(data.global_batch(step, shape), rank, shape)
             phase_peaks = {"forward": 0, "backward": 0, "optimizer": 0}
-            start_s = time.perf_counter()
-            loss_sum = torch.zeros((), device=device)
-            for input_ids, labels in micro_batches:
-                loss = next_token_loss(model(input_ids.to(device)), labels.to(device)) / len(micro_batches)
-                phase_peaks["forward"] = max(phase_peaks["forward"], memory.peak_and_reset())
-                loss.backward()
-                phase_peaks["backward"] = max(phase_peaks["backward"], memory.peak_and_reset())
-                loss_sum += loss.detach()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)  # FSDP2 works on several streams: wait for all of them
-            phase_peaks["optimizer"] = memory.peak_and_reset()
-            step_loss = loss_sum.item()
-            result.step_times_s.append(time.perf_counter() - start_s)
+
+            def phase_done(phase: str) -> None:
+                phase_peaks[phase] = max(phase_peaks[phase], memory.peak_and_reset())
+
+            step_s, step_loss = _train_step(model, optimizer, micro_batches, device, phase_done)
+            result.step_times_s.append(step_s)
             result.losses.append(step_loss)
             result.phase_peak_bytes_by_step.append(phase_peaks)
             result.peak_mem_bytes_by_step.append(max(phase_peaks.values()))
@@ -181,9 +174,46 @@ def train(spec: RunSpec, rank: int, world_size: int, result: RankResult) -> None
                 phase = "warm-up" if step < spec.warmup_steps else "timed"
                 print(
                     f"[autoplan apply] step {step + 1}/{spec.warmup_steps + spec.steps} ({phase}): "
-                    f"loss {step_loss:.4f} (rank 0), {result.step_times_s[-1]:.3f} s",
+                    f"loss {step_loss:.4f} (rank 0), {step_s:.3f} s",
                     flush=True,
                 )
+
+    if memory.tracker is None:
+        return
+    # The live-tensor tracker runs Python on every op, which on a small model more than doubles the
+    # step; the step time is measured again over as many steps with the tracker off.
+    total = spec.warmup_steps + spec.steps
+    for step in range(total, total + spec.steps):
+        micro_batches = rank_micro_batches(data.global_batch(step, shape), rank, shape)
+        step_s, step_loss = _train_step(model, optimizer, micro_batches, device)
+        result.untracked_step_times_s.append(step_s)
+        result.save(spec.run_dir)
+        if rank == 0:
+            print(f"[autoplan apply] untracked step {step + 1 - total}/{spec.steps}: "
+                  f"loss {step_loss:.4f} (rank 0), {step_s:.3f} s", flush=True)
+
+
+def _train_step(model, optimizer, micro_batches, device: torch.device, phase_done=None) -> tuple[float, float]:
+    """One optimizer step over this rank's micro-batches: (seconds, mean loss on this rank).
+    `phase_done(phase)` is called as forward (loss included), backward and the optimizer step end."""
+    start_s = time.perf_counter()
+    loss_sum = torch.zeros((), device=device)
+    for input_ids, labels in micro_batches:
+        loss = next_token_loss(model(input_ids.to(device)), labels.to(device)) / len(micro_batches)
+        if phase_done:
+            phase_done("forward")
+        loss.backward()
+        if phase_done:
+            phase_done("backward")
+        loss_sum += loss.detach()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # FSDP2 works on several streams: wait for all of them
+    if phase_done:
+        phase_done("optimizer")
+    step_loss = loss_sum.item()
+    return time.perf_counter() - start_s, step_loss
 
 
 def main(argv: list[str] | None = None) -> None:
