@@ -78,10 +78,22 @@ class OpFit(_Strict):
 
 
 class Overlap(_Strict):
-    """Slowdown factors (>= 1) of compute and of communication while the two run concurrently."""
+    """Whether FSDP2 runs a unit's collectives concurrently with compute (CUDA: collectives on their
+    own streams; CPU + gloo: no, the unit waits for its all-gather, and comm and compute add up), and
+    the slowdown factors (>= 1) of compute and of communication while the two run concurrently."""
 
+    enabled: bool = True
     compute_slowdown: float = Field(default=1.0, ge=1.0)
     comm_slowdown: float = Field(default=1.0, ge=1.0)
+
+
+class FsdpOverhead(_Strict):
+    """FSDP2's own time per unit and micro-batch, beyond its ops and collectives: the pre/post
+    forward and backward hooks, DTensor handling, all-gather copy-in/copy-out and reduce-scatter
+    pre/post processing. Measured by `autoplan profile` (profiling/fsdp.py); 0 = not modelled."""
+
+    unit_fwd_s: float = Field(default=0.0, ge=0)
+    unit_bwd_s: float = Field(default=0.0, ge=0)
 
 
 class DeviceProfile(_Strict):
@@ -100,6 +112,9 @@ class DeviceProfile(_Strict):
     collectives: list[CollectiveFit] = Field(default_factory=list)
     overlap: Overlap = Field(default_factory=Overlap)
     optimizer_bytes_s: float | None = Field(default=None, gt=0)  # measured AdamW throughput, bytes of state touched
+    # the optimizer step's fixed cost per parameter tensor (per-tensor kernels, DTensor dispatch)
+    optimizer_tensor_s: float = Field(default=0.0, ge=0)
+    fsdp: FsdpOverhead = Field(default_factory=FsdpOverhead)
     op_times: list[OpTiming] = Field(default_factory=list)
     op_fits: list[OpFit] = Field(default_factory=list)
 

@@ -1,7 +1,9 @@
 """Step time: per unit, FSDP2 overlaps communication with compute, so each unit's forward costs
 max(compute, all-gather) and its backward max(compute [+ recompute], all-gather + reduce-scatter
 [+ all-reduce]). The root unit's collectives have nothing to hide behind (its all-gather opens the
-forward, its reduction closes the backward) and are exposed. Each micro-batch repeats this; the
+forward, its reduction closes the backward) and are exposed. Where the profile says FSDP2 does not
+overlap (CPU + gloo: no streams), every unit's compute and collectives add up. Each unit also costs
+FSDP2's fixed per-unit overhead (hooks, copy-in/out) in its forward and backward, exposed either way. Each micro-batch repeats this; the
 optimizer step runs once per step over the local shard (replicated units cost N times more).
 
 Every term depends on one unit's option only, so the step time is a sum of per-unit, per-option
@@ -24,24 +26,27 @@ class StepTime:
     step_s: object
 
 
-def micro_batch_s(cost: OptionCost, is_root: bool) -> float:
+def micro_batch_s(cost: OptionCost, is_root: bool, overlap: bool = True) -> float:
     """One unit's share of a micro-batch's forward + backward under one option."""
-    if is_root:
-        return cost.fwd_s + cost.bwd_s + cost.comm_fwd_s + cost.comm_bwd_s
-    return max(cost.fwd_s, cost.comm_fwd_s) + max(cost.bwd_s, cost.comm_bwd_s)
+    overhead = cost.overhead_fwd_s + cost.overhead_bwd_s
+    if is_root or not overlap:
+        return cost.fwd_s + cost.bwd_s + cost.comm_fwd_s + cost.comm_bwd_s + overhead
+    return max(cost.fwd_s, cost.comm_fwd_s) + max(cost.bwd_s, cost.comm_bwd_s) + overhead
 
 
 def unit_step_s(table: CostTable, unit: int) -> list[float]:
     """Per option: the unit's contribution to the step (all micro-batches plus its optimizer step)."""
     is_root = unit == table.root
-    return [micro_batch_s(cost, is_root) * table.grad_accum_steps + cost.optimizer_s for cost in table.costs[unit]]
+    return [micro_batch_s(cost, is_root, table.overlap_enabled) * table.grad_accum_steps + cost.optimizer_s
+            for cost in table.costs[unit]]
 
 
 def step_time(table: CostTable, alg: Algebra) -> StepTime:
     micro, optimizer, step = 0, 0, 0
     for unit in range(len(table.units)):
         is_root = unit == table.root
-        micro = micro + alg.pick_time(unit, [micro_batch_s(c, is_root) for c in table.costs[unit]])
+        micro = micro + alg.pick_time(
+            unit, [micro_batch_s(c, is_root, table.overlap_enabled) for c in table.costs[unit]])
         optimizer = optimizer + alg.pick_time(unit, [c.optimizer_s for c in table.costs[unit]])
         step = step + alg.pick_time(unit, unit_step_s(table, unit))
     return StepTime(micro, optimizer, step)

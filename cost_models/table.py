@@ -47,6 +47,8 @@ class OptionCost:
     comm_fwd_s: float
     comm_bwd_s: float
     optimizer_s: float
+    overhead_fwd_s: float  # FSDP2's per-unit time per micro-batch beyond ops and collectives
+    overhead_bwd_s: float  # (a checkpointed unit's backward re-runs its forward hooks too)
     optimizer_temp_bytes: int  # scratch the optimizer step allocates (foreach AdamW: one state's size)
     local_numel: int
 
@@ -77,6 +79,7 @@ class CostTable:
     root: int  # index of the root unit
     overlap_compute: float
     overlap_comm: float
+    overlap_enabled: bool = True  # False: a unit's collectives and compute add up (CPU + gloo)
 
     @property
     def samples_per_step(self) -> int:
@@ -139,7 +142,10 @@ def build_cost_table(
     op_index = {op.name: i for i, op in enumerate(ops)}
     by_name = {op.name: op for op in ops}
     root = next(i for i, unit in enumerate(units) if unit.is_root)
-    cs, ms = profile.overlap.compute_slowdown, profile.overlap.comm_slowdown
+    overlap = profile.overlap.enabled
+    # slowdowns apply only where compute and communication run at the same time
+    cs, ms = (profile.overlap.compute_slowdown, profile.overlap.comm_slowdown) if overlap else (1.0, 1.0)
+    unit_fwd, unit_bwd = profile.fsdp.unit_fwd_s, profile.fsdp.unit_bwd_s
     opt_rate = profile.optimizer_bytes_s or profile.mem_bandwidth_bytes_s * profile.mem_bandwidth_efficiency
 
     all_options: list[list[Option]] = []
@@ -181,7 +187,10 @@ def build_cost_table(
                 bwd_s=bwd_total * (cs if comm_bwd > 0 else 1.0),
                 comm_fwd_s=comm_fwd * (ms if fwd_s > 0 else 1.0),
                 comm_bwd_s=comm_bwd * (ms if bwd_total > 0 else 1.0),
-                optimizer_s=local * OPTIMIZER_TOUCHES[optimizer] * precision.master_bytes / opt_rate,
+                optimizer_s=local * OPTIMIZER_TOUCHES[optimizer] * precision.master_bytes / opt_rate
+                + (len(unit.params) * profile.optimizer_tensor_s if unit.params else 0.0),
+                overhead_fwd_s=unit_fwd,
+                overhead_bwd_s=unit_bwd + (unit_fwd if option.checkpoint else 0.0),
                 optimizer_temp_bytes=local * precision.state_bytes if OPTIMIZER_STATES[optimizer] else 0,
                 local_numel=local,
             ))
@@ -210,4 +219,5 @@ def build_cost_table(
         units=units, options=all_options, costs=all_costs, segments=segments,
         micro_batch_size=micro_batch_size, grad_accum_steps=grad_accum_steps, seq_len=seq_len,
         cluster=cluster, precision=precision, root=root, overlap_compute=cs, overlap_comm=ms,
+        overlap_enabled=overlap,
     )

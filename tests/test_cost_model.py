@@ -93,3 +93,46 @@ def test_solver_objective_is_the_cost_model_prediction(tiny_gpt2_trace):
     assert chosen.step_time_s == pytest.approx(result.objective, abs=1e-8)
     assert chosen.peak_mem_bytes <= shard.peak_mem_bytes
     assert chosen.step_time_s <= shard.step_time_s + 1e-9
+
+
+def _with_profile(cluster, **changes):
+    from dataclasses import replace
+
+    return replace(cluster, profile=cluster.profile.model_copy(update=changes, deep=True))
+
+
+def test_fsdp_unit_overhead_and_per_tensor_optimizer_cost_add_per_unit(tiny_gpt2_trace):
+    from autoplan.profiles import FsdpOverhead
+    from cost_models.step import unit_step_s
+
+    _, traced = tiny_gpt2_trace
+    cluster = resolve_cluster(2, None, None, "a100-sxm4-80gb")
+    bare = _with_profile(cluster, fsdp=FsdpOverhead(), optimizer_tensor_s=0.0)
+    loaded = _with_profile(cluster, fsdp=FsdpOverhead(unit_fwd_s=1e-3, unit_bwd_s=2e-3), optimizer_tensor_s=1e-4)
+    base = traced.table(2, 1, bare, 64, "bf16-mixed", "adamw")
+    more = traced.table(2, 1, loaded, 64, "bf16-mixed", "adamw")
+    for unit in range(len(base.units)):
+        for option, (a, b) in enumerate(zip(unit_step_s(base, unit), unit_step_s(more, unit))):
+            recompute = 1e-3 if base.options[unit][option].checkpoint else 0.0  # its forward hooks run again
+            tensors = len(base.units[unit].params)
+            assert b - a == pytest.approx(1e-3 + 2e-3 + recompute + tensors * 1e-4)
+
+
+def test_without_overlap_compute_and_communication_add_up(tiny_gpt2_trace):
+    from autoplan.profiles import FsdpOverhead, Overlap
+    from cost_models.step import unit_step_s
+
+    _, traced = tiny_gpt2_trace
+    cluster = resolve_cluster(2, None, None, "a100-sxm4-80gb")
+    serial = _with_profile(cluster, fsdp=FsdpOverhead(), optimizer_tensor_s=0.0,
+                           overlap=Overlap(enabled=False, compute_slowdown=1.5, comm_slowdown=2.0))
+    table = traced.table(2, 1, serial, 64, "bf16-mixed", "adamw")
+    assert not table.overlap_enabled
+    for unit in range(len(table.units)):
+        for option, cost in enumerate(table.costs[unit]):
+            expected = cost.fwd_s + cost.bwd_s + cost.comm_fwd_s + cost.comm_bwd_s + cost.optimizer_s
+            assert unit_step_s(table, unit)[option] == pytest.approx(expected)
+    # the slowdowns of concurrent compute and communication do not apply when nothing runs concurrently
+    plain = traced.table(2, 1, _with_profile(cluster, fsdp=FsdpOverhead(), optimizer_tensor_s=0.0,
+                                             overlap=Overlap(enabled=False)), 64, "bf16-mixed", "adamw")
+    assert [[c.fwd_s for c in u] for u in table.costs] == [[c.fwd_s for c in u] for u in plain.costs]

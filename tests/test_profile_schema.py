@@ -93,3 +93,25 @@ def test_collective_fit_bytes_are_the_full_buffer():
     from cost_models.comm import CommModel
 
     assert CommModel(profile).collective_s("all_gather", 1e6, 2, "intra_node") == pytest.approx(1e-4 + 1e-3)
+
+
+def test_profile_without_fsdp_overheads_loads_with_zero_overheads_and_overlap(tmp_path):
+    """Profiles written before the FSDP2 overhead fields load: nothing extra modelled, overlap on."""
+    data = json.loads(load_profile("a100-sxm4-80gb").model_dump_json())
+    for name in ("fsdp", "optimizer_tensor_s"):
+        data.pop(name)
+    data["overlap"].pop("enabled")
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(data))
+    profile = load_profile(str(path))
+    assert profile.fsdp.unit_fwd_s == profile.fsdp.unit_bwd_s == profile.optimizer_tensor_s == 0.0
+    assert profile.overlap.enabled
+
+
+def test_shipped_cpu_profile_has_fsdp_overheads_and_no_overlap():
+    profile = load_profile("cpu-gloo-2")
+    assert not profile.overlap.enabled  # gloo on CPU: FSDP2 waits for each all-gather
+    assert profile.fsdp.unit_fwd_s > 0 and profile.fsdp.unit_bwd_s > 0 and profile.optimizer_tensor_s > 0
+    for name in ("a100-sxm4-80gb", "h100-sxm-80gb", "v100-sxm2-32gb"):
+        gpu = load_profile(name)
+        assert gpu.overlap.enabled and 0 < gpu.fsdp.unit_fwd_s < 1e-4

@@ -25,6 +25,7 @@ from tqdm import tqdm
 
 from autoplan.errors import AutoplanError
 
+from .fsdp import measure_fsdp
 from .overlap import OVERLAP_PHASE_S, OVERLAP_TRIALS, measure_overlap
 from .timing import Repeats
 
@@ -51,6 +52,7 @@ class CommRequest:
     # kept: a neighbour's burst on a shared host then spoils one round of a size, not the size
     rounds: int = 3
     show_progress: bool = True
+    fsdp: bool = False  # also measure FSDP2's own overheads (fsdp.py)
 
 
 def measurement_key(collective: str, group_size: int, nbytes: int) -> str:
@@ -64,7 +66,7 @@ def message_bytes(nbytes: int, group_size: int) -> int:
 
 
 def run_comm_benchmark(request: CommRequest) -> dict:
-    """{"collectives": {measurement_key: seconds}, "overlap": {...} or None}, measured in
+    """{"collectives": {measurement_key: seconds}, "overlap": {...} or None, "fsdp": {...} or None}, measured in
     request.world_size spawned processes."""
     with tempfile.TemporaryDirectory(prefix="autoplan-comm-") as tmp:
         store, result = Path(tmp) / "store", Path(tmp) / "result.json"
@@ -104,8 +106,9 @@ def _worker(rank: int, request_fields: dict, store_path: str, result_path: str) 
         overlap = None
         if request.overlap_bytes:
             overlap = measure_overlap(device, request.overlap_bytes, request.overlap_phase_s, request.overlap_trials)
+        fsdp = measure_fsdp(device, request.repeats) if request.fsdp else None
         if rank == 0:
-            Path(result_path).write_text(json.dumps({"collectives": collectives, "overlap": overlap}))
+            Path(result_path).write_text(json.dumps({"collectives": collectives, "overlap": overlap, "fsdp": fsdp}))
     finally:
         dist.destroy_process_group()
 

@@ -15,7 +15,7 @@ import torch
 from tqdm import tqdm
 
 from autoplan.errors import UsageError
-from autoplan.profiles import CollectiveFit, DeviceProfile, Link, OpTiming, Overlap, Provenance
+from autoplan.profiles import CollectiveFit, DeviceProfile, FsdpOverhead, Link, OpTiming, Overlap, Provenance
 from cost_models.comm import ring_factor
 
 from . import device as device_bench
@@ -163,8 +163,10 @@ def measure_profile(settings: ProfileSettings) -> ProfileResult:
             latency_s=largest_all_reduce.alpha_s,
         )},
         collectives=[r.fit for r in collective_fits],
-        overlap=Overlap(**comm["overlap"]),
+        overlap=Overlap(enabled=comm["fsdp"]["overlap_enabled"], **comm["overlap"]),
         optimizer_bytes_s=device_numbers["adamw_bytes_s"],
+        optimizer_tensor_s=comm["fsdp"]["optimizer_tensor_s"],
+        fsdp=FsdpOverhead(unit_fwd_s=comm["fsdp"]["unit_fwd_s"], unit_bwd_s=comm["fsdp"]["unit_bwd_s"]),
         op_times=op_times,
         op_fits=[r.fit for r in op_fits],
     )
@@ -282,21 +284,25 @@ def _measure_comm(settings: ProfileSettings, kind: str, backend: str, threads: i
                      for s in sizes}, key=lambda m: (COLLECTIVES.index(m[0]), m[1], m[2]))
     prefix = f"comm:{backend}:"
     overlap_key = f"overlap:{backend}:n{settings.nproc}:{OVERLAP_GATHER_BYTES[kind]}"
+    fsdp_key = f"fsdp:{backend}:n{settings.nproc}"
     missing = tuple(m for m in wanted if prefix + measurement_key(*m) not in cache)
-    if missing or overlap_key not in cache:
+    if missing or overlap_key not in cache or fsdp_key not in cache:
         results = run_comm_benchmark(CommRequest(
             backend=backend, device_type=kind, world_size=settings.nproc, threads=threads, measurements=missing,
             overlap_bytes=OVERLAP_GATHER_BYTES[kind] if overlap_key not in cache else None,
             overlap_phase_s=settings.overlap_phase_s, overlap_trials=settings.overlap_trials, rounds=settings.comm_rounds,
-            repeats=settings.repeats, show_progress=settings.progress,
+            repeats=settings.repeats, show_progress=settings.progress, fsdp=fsdp_key not in cache,
         ))
         for key, seconds in results["collectives"].items():
             cache.put(prefix + key, seconds)
         if results["overlap"] is not None:
             cache.put(overlap_key, results["overlap"])
+        if results.get("fsdp") is not None:
+            cache.put(fsdp_key, results["fsdp"])
     return {
         "collectives": {m: cache.get(prefix + measurement_key(*m)) for m in wanted},
         "overlap": cache.get(overlap_key),
+        "fsdp": cache.get(fsdp_key),
     }
 
 
@@ -330,7 +336,7 @@ def _provenance(settings: ProfileSettings, kind: str, backend: str, threads: int
         description=(
             f"measured by `autoplan profile` on {host} ({device_name}): per-op forward/backward times of the "
             f"models' traced ops and of sweep MLP blocks, per-family fits, {backend} collectives over "
-            f"{settings.nproc} processes, compute/communication overlap, AdamW step throughput. "
+            f"{settings.nproc} processes, compute/communication overlap, FSDP2 per-unit and per-tensor optimizer overheads (profiling/fsdp.py), AdamW step throughput. "
             "peak_flops is the best achieved matmul FLOP/s and mem_bandwidth a large copy, so both "
             "efficiencies are 1.0."
         ),
