@@ -225,7 +225,7 @@ def build_cost_table(
             seg = Segment(owner[op.name], position, position, 0, 0, 0)
             segments.append(seg)
         seg.saved_bytes += op.saved_bytes
-        seg.fwd_temp_bytes = max(seg.fwd_temp_bytes, op.fwd_max_alloc_bytes)
+        seg.fwd_temp_bytes = max(seg.fwd_temp_bytes, op.fwd_max_alloc_bytes, op.fwd_transient_bytes)
         # a gradient in flight and the one it produces are alive together
         seg.bwd_temp_bytes = max(seg.bwd_temp_bytes, 2 * op.bwd_max_alloc_bytes)
 
