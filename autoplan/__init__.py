@@ -32,8 +32,7 @@ run). `print(plan)` shows the decision table; `plan.to_dict()`, `plan.unit_table
 
 __version__ = "0.1.0"
 
-from . import plots  # noqa: E402
-from .apply import apply  # noqa: E402  (matplotlib itself is imported only when a figure is drawn)
+from . import plots  # noqa: E402  (matplotlib itself is imported only when a figure is drawn)
 from .errors import AutoplanError, InfeasibleError, PlanFileError, UsageError  # noqa: E402
 from .estimate import STRATEGIES, Estimate, estimate  # noqa: E402
 from .frontier import FrontierPoint, frontier  # noqa: E402
@@ -49,3 +48,12 @@ __all__ = [
     "PlanFileError", "STRATEGIES", "TRACERS", "TraceError", "TracedModel", "UsageError", "available_profiles",
     "estimate", "frontier", "load_plan", "load_profile", "parse_mem_bytes", "plots", "search", "trace",
 ]
+
+
+def __getattr__(name: str):
+    # `apply` pulls in torch.distributed.fsdp (~0.4 s): import it only when used, not for `search`
+    if name == "apply":
+        from .apply import apply
+
+        return apply
+    raise AttributeError(f"module 'autoplan' has no attribute {name!r}")

@@ -63,6 +63,7 @@ class OpRecord:
     bwd_bytes: int = 0
     saved_bytes: int = 0  # bytes first saved for backward by this op (excluding parameters)
     fwd_max_alloc_bytes: int = 0  # largest single tensor the forward allocates (a transient)
+    fwd_transient_bytes: int = 0  # held while the op runs beyond saved activations (see fill_forward_transients)
     bwd_max_alloc_bytes: int = 0
     is_matmul: bool = False  # dominated by matmul-like aten ops (for the compute model's fits)
     # what besides input shapes decides the work: a module's configuration (Linear's out_features),
@@ -138,6 +139,8 @@ class _CostMode(TorchDispatchMode):
         # Storages are keyed by address; holding every output storage until the trace ends keeps an
         # address from being reused by a later tensor (meta storages cost no memory).
         self.keep_alive: list = []
+        self.storage_bytes: dict[int, int] = {}  # forward allocations: storage -> bytes
+        self.fwd_allocs: dict[str, list[int]] = {}  # node -> storages its forward allocated
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -156,7 +159,10 @@ class _CostMode(TorchDispatchMode):
             if not self.backward:
                 for tensor in outputs:
                     self.keep_alive.append(tensor.untyped_storage())
-                    self.storage_producer.setdefault(_storage_key(tensor), self.current)
+                    key = _storage_key(tensor)
+                    self.storage_producer.setdefault(key, self.current)
+                    self.storage_bytes.setdefault(key, tensor.untyped_storage().nbytes())
+                    self.fwd_allocs.setdefault(self.current, []).append(key)
         if self.backward:
             record.bwd_flops += flops
             record.bwd_bytes += moved
@@ -345,6 +351,7 @@ def trace_model(
             output = _Interpreter(gm).run(*inputs)
             mode.current = LOSS_NODE
             records[LOSS_NODE].input_shapes = (tuple(_logits(output).shape),)
+            input_storages[LOSS_NODE] = [(_storage_key(_logits(output)), _logits(output).untyped_storage().nbytes())]
             loss = _loss(output)
         mode.backward = True
         with mode:
@@ -356,6 +363,7 @@ def trace_model(
 
     for storage, (nbytes, name) in saved.items():
         records[name].saved_bytes += nbytes
+    fill_forward_transients(records, mode, saved, input_storages)
     for name, record in records.items():
         total = record.fwd_flops + record.bwd_flops
         record.is_matmul = total > 0 and mode.matmul_flops.get(name, 0) >= 0.5 * total
@@ -376,9 +384,22 @@ def trace_model(
     )
 
 
+def fill_forward_transients(records: dict[str, OpRecord], mode: _CostMode, saved: dict[int, tuple[int, str]],
+                            input_storages: dict[str, list[tuple[int, int]]]) -> None:
+    """What each op holds beyond the saved activations while it runs: its activation inputs that
+    nothing saves (still referenced by the op) and the tensors it allocates that nothing saves (its
+    output and intermediates). E.g. the loss holds the bf16 logits, their fp32 copy and the saved
+    log-softmax at once."""
+    for name, record in records.items():
+        allocated = sum(mode.storage_bytes[key] for key in set(mode.fwd_allocs.get(name, [])) if key not in saved)
+        inputs = sum(nbytes for key, nbytes in dict(input_storages.get(name, [])).items()
+                     if key not in saved and mode.storage_producer.get(key, name) != name)
+        record.fwd_transient_bytes = allocated + inputs
+
+
 _SCALED_FIELDS = (
     "out_bytes", "fwd_flops", "bwd_flops", "fwd_bytes", "bwd_bytes", "saved_bytes",
-    "fwd_max_alloc_bytes", "bwd_max_alloc_bytes",
+    "fwd_max_alloc_bytes", "bwd_max_alloc_bytes", "fwd_transient_bytes",
 )
 
 

@@ -26,6 +26,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from .trace import (
+    fill_forward_transients,
     DTYPES, LOSS_NODE, ModelTrace, OpRecord, TraceError, _CostMode, _fused_sdpa, _logits, _loss, _needs_copy,
     _storage_key, _tensor_bytes, default_inputs, op_variant,
 )
@@ -176,6 +177,8 @@ def trace_dispatch(
             mode.current = LOSS_NODE
             recorder.last_call = "the loss (cross-entropy over the model's output)"
             records[LOSS_NODE].input_shapes = (tuple(_logits(output).shape),)
+            logits = _logits(output)
+            recorder.input_storages[LOSS_NODE] = [(_storage_key(logits), logits.untyped_storage().nbytes())]
             loss = _loss(output)
         mode.backward = True
         recorder.last_call = "the backward pass"
@@ -190,6 +193,7 @@ def trace_dispatch(
 
     for nbytes, name in saved.values():
         records[name].saved_bytes += nbytes
+    fill_forward_transients(records, mode, saved, recorder.input_storages)
     graph = nx.DiGraph()
     for name, record in records.items():
         work = record.fwd_flops + record.bwd_flops

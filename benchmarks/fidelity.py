@@ -35,9 +35,12 @@ def mixed_limit(model: str, batch_size: int) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="one model, one micro-batch")
+    parser.add_argument("--model", action="append", help="models to run instead of the grid (repeatable)")
+    parser.add_argument("--batch-size", type=int, action="append", help="micro-batches instead of the grid's")
     args = parser.parse_args()
     models, batches = (MODELS[:1], MICRO_BATCHES[:1]) if args.quick else (MODELS, MICRO_BATCHES)
+    models, batches = args.model or models, args.batch_size or batches
 
     rows = []
     print(f"{'model':<62} {'mb':>3} {'plan':<16} {'peak pred MB':>12} {'meas MB':>9} {'err':>7} "
@@ -57,7 +60,8 @@ def main() -> None:
                                  predicted_peak_bytes=run.predicted_peak, measured_peak_bytes=run.measured_peak,
                                  predicted_step_s=run.predicted_step_s, measured_step_s=run.measured_step_s,
                                  mem_error=mem_err, time_error=time_err,
-                                 measured_phases=run.report["measured"].get("phase_peak_mem_bytes")))
+                                 predicted_phases=run.report["predicted"].get("phase_peak_bytes"),
+                                 measured_phases=run.report["measured"].get("phase_peak_bytes")))
                 print(f"{model:<62} {batch_size:>3} {kind:<16} {run.predicted_peak / 1e6:>12.1f} "
                       f"{run.measured_peak / 1e6:>9.1f} {100 * mem_err:>6.1f}% {run.predicted_step_s * 1e3:>12.1f} "
                       f"{run.measured_step_s * 1e3:>9.1f} {100 * time_err:>6.1f}%", flush=True)
@@ -74,7 +78,8 @@ def main() -> None:
                              time_median=time_med, time_worst=time_worst)
         print(f"{kind:<16} {len(group):>3} {100 * mem_med:>10.1f}% {100 * mem_worst:>9.1f}% "
               f"{100 * time_med:>11.1f}% {100 * time_worst:>10.1f}%")
-    path = write_results("fidelity" + ("_quick" if args.quick else ""), {"rows": rows, "summary": summary})
+    partial = args.quick or args.model or args.batch_size
+    path = write_results("fidelity" + ("_partial" if partial else ""), {"rows": rows, "summary": summary})
     print(f"written to {path}")
 
 

@@ -9,8 +9,10 @@ reverse order, and the optimizer step. At the forward of segment s (ops a..b, ow
     (prefetched), plus those kept gathered by finished units with reshard_after_forward=False
   + the largest tensor the segment allocates.
 At the backward of s: the same activations (those of later segments are freed), the recomputed
-activations when u is checkpointed, reduced gradients of units whose backward finished, u's
-unsharded gradients and reduction buffer, and the largest gradient temporaries.
+activations when u is checkpointed, reduced gradients of units whose backward finished, the
+unsharded gradients (compute dtype) of every unit whose backward is running, and the largest
+gradient temporaries. When a unit's backward is done, FSDP2 reshards it and copies its gradients
+into the reduction input (reduce dtype): a "reduce" point with that unit's activations freed.
 """
 
 from __future__ import annotations
@@ -84,11 +86,30 @@ def timeline(table: CostTable, alg: Algebra) -> list[MemoryPoint]:
     def count_before(order: list[int], key, position: int) -> int:
         return sum(1 for u in order if key(units[u]) < position)
 
+    index_of = {unit.path: u for u, unit in enumerate(units)}
+
+    def enclosing(unit: int) -> list[int]:
+        """Units strictly around `unit` (its parent, the parent's parent, ...)."""
+        chain, parent = [], units[unit].parent
+        while parent is not None:
+            chain.append(index_of[parent])
+            parent = units[index_of[parent]].parent
+        return chain
+
+    segment_of_op = {}
+    for index, seg in enumerate(segments):
+        for position in range(seg.first_op, seg.last_op + 1):
+            segment_of_op[position] = index
+    # a unit is reduced once the backward of its subtree's first op is done (innermost units first)
+    reduced_after: dict[int, list[int]] = {}
+    for u in sorted(range(n_units), key=lambda u: -len(enclosing(u))):
+        reduced_after.setdefault(segment_of_op.get(units[u].first_op, 0), []).append(u)
+
+    grads_in_step = grads_all if table.grad_accum_steps > 1 else 0
     fwd_points, bwd_points = [], []
     for index, seg in enumerate(segments):
         around = running_units(seg.first_op)
         held_done = held_upto[count_before(by_last, lambda u: u.last_op, seg.first_op)]
-        grads_in_step = grads_all if table.grad_accum_steps > 1 else 0
 
         upcoming = [u for u in range(n_units) if units[u].first_op > seg.last_op]
         prefetch_fwd = min(upcoming, key=lambda u: units[u].first_op) if upcoming else None
@@ -103,27 +124,41 @@ def timeline(table: CostTable, alg: Algebra) -> list[MemoryPoint]:
 
         finished = [u for u in range(n_units) if units[u].last_op < seg.first_op]
         prefetch_bwd = max(finished, key=lambda u: units[u].last_op) if finished else None
-        gathered_bwd = _sum([pick(u, "gathered_bytes") for u in around]) + held_done
+        gathered_bwd = held_done
         if prefetch_bwd is not None:  # prefetched for the next backward unless already held
             gathered_bwd = gathered_bwd + alg.pick(prefetch_bwd, [
                 c.gathered_bytes - c.held_bytes for c in table.costs[prefetch_bwd]])
         done_rank = count_before(by_first, lambda u: -u.first_op, -seg.last_op)  # units starting after b
         grads_done = grads_all if table.grad_accum_steps > 1 else grads_from[n_units - done_rank]
-        enclosing = [u for u in around if u != seg.unit]
-        temporaries_bwd = (seg.bwd_temp_bytes + pick(seg.unit, "grad_buffer_bytes")
-                           + _sum([pick(u, "gathered_bytes") for u in enclosing]))
-        bwd_points.append(MemoryPoint(f"bwd {units[seg.unit].path or '<root>'}", {
+        # the gradients of every unit whose backward is running accumulate unsharded until its reduction
+        bwd_here = [MemoryPoint(f"bwd {units[seg.unit].path or '<root>'}", {
             "params": params_all, "grads": grads_done, "optimizer": optimizer_all,
             "activations": activations_upto[index] + pick(seg.unit, "recompute_bytes"),
-            "gathered": gathered_bwd, "temporaries": temporaries_bwd,
-        }))
+            "gathered": gathered_bwd + _sum([pick(u, "gathered_bytes") for u in around]),
+            "temporaries": seg.bwd_temp_bytes + _sum([pick(u, "unsharded_grad_bytes") for u in around]),
+        })]
+        for u in reduced_after.get(index, []):
+            # [Point] FSDP2's post-backward: u is resharded, its gradients copied into the reduction
+            # input; the activations of its subtree are freed by now
+            outer = enclosing(u)
+            later_rank = count_before(by_first, lambda v: -v.first_op, -units[u].first_op)
+            bwd_here.append(MemoryPoint(f"reduce {units[u].path or '<root>'}", {
+                "params": params_all,
+                "grads": grads_all if table.grad_accum_steps > 1 else grads_from[n_units - later_rank],
+                "optimizer": optimizer_all,
+                "activations": activations_upto[index - 1] if index > 0 else 0,
+                "gathered": gathered_bwd + _sum([pick(v, "gathered_bytes") for v in outer]),
+                "temporaries": pick(u, "unsharded_grad_bytes") + pick(u, "reduce_buffer_bytes")
+                + _sum([pick(v, "unsharded_grad_bytes") for v in outer]),
+            }))
+        bwd_points.append(bwd_here)
 
-    optimizer_temp = _sum([pick(u, "optimizer_temp_bytes") for u in range(n_units)])
+    optimizer_temp = _sum([pick(u, "optimizer_temp_bytes") for u in range(n_units)]) + table.optimizer_scratch_bytes
     step_point = MemoryPoint("optimizer step", {
         "params": params_all, "grads": grads_all, "optimizer": optimizer_all,
         "activations": 0, "gathered": 0, "temporaries": optimizer_temp,
     })
-    return fwd_points + bwd_points[::-1] + [step_point]
+    return fwd_points + [p for points in bwd_points[::-1] for p in points] + [step_point]
 
 
 def total(point: MemoryPoint):

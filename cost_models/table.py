@@ -41,7 +41,8 @@ class OptionCost:
     held_bytes: int  # gathered bytes kept from its forward to its backward (reshard_after_forward=False)
     activation_bytes: int  # saved for backward per micro-batch
     recompute_bytes: int  # extra activations rematerialised during its backward (checkpointing)
-    grad_buffer_bytes: int  # unsharded gradients + reduction buffer during its backward
+    unsharded_grad_bytes: int  # gradients as backward computes them (compute dtype, all rows)
+    reduce_buffer_bytes: int  # reduce-scatter / all-reduce input FSDP2 copies them into (reduce dtype)
     fwd_s: float
     bwd_s: float
     comm_fwd_s: float
@@ -49,7 +50,7 @@ class OptionCost:
     optimizer_s: float
     overhead_fwd_s: float  # FSDP2's per-unit time per micro-batch beyond ops and collectives
     overhead_bwd_s: float  # (a checkpointed unit's backward re-runs its forward hooks too)
-    optimizer_temp_bytes: int  # scratch the optimizer step allocates (foreach AdamW: one state's size)
+    optimizer_temp_bytes: int  # scratch the optimizer step allocates for this unit's parameters
     local_numel: int
 
 
@@ -79,6 +80,7 @@ class CostTable:
     root: int  # index of the root unit
     overlap_compute: float
     overlap_comm: float
+    optimizer_scratch_bytes: int = 0  # plan-independent optimizer temporaries (per-tensor steps)
     overlap_enabled: bool = True  # False: a unit's collectives and compute add up (CPU + gloo)
 
     @property
@@ -103,6 +105,26 @@ def _local_numel(unit: Unit, shard: int) -> int:
         rows = math.ceil(shape[0] / shard)
         total += rows * math.prod(shape[1:])
     return total
+
+
+def _optimizer_temp_bytes(unit: Unit, shard: int, precision: Precision, optimizer: str, device_type: str) -> int:
+    """Scratch of the optimizer step on CUDA, where torch's AdamW runs foreach and allocates a
+    state-sized temporary over all parameters of a group (sqrt of the second moment). On the CPU it
+    runs one tensor at a time: see `per_tensor_optimizer_scratch_bytes`."""
+    if not OPTIMIZER_STATES[optimizer]:
+        return 0
+    if device_type == "cuda":
+        return _local_numel(unit, shard) * precision.state_bytes
+    return 0
+
+
+def per_tensor_optimizer_scratch_bytes(units: list[Unit], precision: Precision, optimizer: str,
+                                       device_type: str) -> int:
+    """On the CPU, AdamW steps one tensor at a time: only the largest parameter's temporary (its full,
+    unsharded size: an upper bound whatever the plan) is ever alive."""
+    if device_type == "cuda" or not OPTIMIZER_STATES[optimizer]:
+        return 0
+    return max((p.numel for unit in units for p in unit.params), default=0) * precision.state_bytes
 
 
 def _keep_bytes(trace: ModelTrace, unit: Unit, owned: set[str]) -> int:
@@ -182,7 +204,8 @@ def build_cost_table(
                 held_bytes=0 if option.kind.reshard_after_forward else gathered,
                 activation_bytes=keep_bytes[index] if option.checkpoint else saved,
                 recompute_bytes=saved if option.checkpoint else 0,
-                grad_buffer_bytes=padded * (precision.compute_bytes + precision.reduce_bytes),
+                unsharded_grad_bytes=padded * precision.compute_bytes,
+                reduce_buffer_bytes=padded * precision.reduce_bytes,
                 fwd_s=fwd_s * (cs if comm_fwd > 0 else 1.0),
                 bwd_s=bwd_total * (cs if comm_bwd > 0 else 1.0),
                 comm_fwd_s=comm_fwd * (ms if fwd_s > 0 else 1.0),
@@ -191,7 +214,7 @@ def build_cost_table(
                 + (len(unit.params) * profile.optimizer_tensor_s if unit.params else 0.0),
                 overhead_fwd_s=unit_fwd,
                 overhead_bwd_s=unit_bwd + (unit_fwd if option.checkpoint else 0.0),
-                optimizer_temp_bytes=local * precision.state_bytes if OPTIMIZER_STATES[optimizer] else 0,
+                optimizer_temp_bytes=_optimizer_temp_bytes(unit, shard, precision, optimizer, profile.device_type),
                 local_numel=local,
             ))
         all_options.append(options)
@@ -211,7 +234,7 @@ def build_cost_table(
             seg = Segment(owner[op.name], position, position, 0, 0, 0)
             segments.append(seg)
         seg.saved_bytes += op.saved_bytes
-        seg.fwd_temp_bytes = max(seg.fwd_temp_bytes, op.fwd_max_alloc_bytes)
+        seg.fwd_temp_bytes = max(seg.fwd_temp_bytes, op.fwd_max_alloc_bytes, op.fwd_transient_bytes)
         # a gradient in flight and the one it produces are alive together
         seg.bwd_temp_bytes = max(seg.bwd_temp_bytes, 2 * op.bwd_max_alloc_bytes)
 
@@ -219,5 +242,6 @@ def build_cost_table(
         units=units, options=all_options, costs=all_costs, segments=segments,
         micro_batch_size=micro_batch_size, grad_accum_steps=grad_accum_steps, seq_len=seq_len,
         cluster=cluster, precision=precision, root=root, overlap_compute=cs, overlap_comm=ms,
+        optimizer_scratch_bytes=per_tensor_optimizer_scratch_bytes(units, precision, optimizer, profile.device_type),
         overlap_enabled=overlap,
     )
