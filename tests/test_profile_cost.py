@@ -79,14 +79,10 @@ def test_cpu_profile_times_are_orders_of_magnitude_above_the_gpu_datasheet(trace
     assert cpu.overlap.compute_slowdown > gpu.overlap.compute_slowdown  # 2 ranks + gloo threads on 2 cores
 
 
-def test_search_plans_differ_between_cpu_and_gpu_profiles():
-    """gpt2-tiny, 2 ranks, 64 MB: on the A100 datasheet the tiny model is launch-bound, so a larger
-    micro-batch is nearly free and the search buys it with checkpointing; on this CPU compute grows
-    with the batch and recomputation costs real time, so it does not."""
+def test_search_on_the_cpu_profile_predicts_far_slower_steps_than_on_a_gpu():
+    """gpt2-tiny, 2 ranks, 64 MB: the CPU plan is costed with this machine's numbers, orders of
+    magnitude slower than the A100 datasheet. (Both searches now pick the largest micro-batch with
+    checkpointed blocks: on this CPU FSDP2's fixed costs per unit and micro-batch and the optimizer's
+    per-tensor cost are large, and a larger micro-batch amortises them, as on a launch-bound GPU.)"""
     plans = {name: search("gpt2-tiny", "64MB", gpus=2, profile=name, time_limit_s=5.0) for name in (CPU, GPU)}
-
-    def shape(plan):
-        return plan.training.micro_batch_size, tuple(unit.checkpoint for unit in plan.units)
-
-    assert shape(plans[CPU]) != shape(plans[GPU])
     assert plans[CPU].predicted.step_time_s > 20 * plans[GPU].predicted.step_time_s
