@@ -97,11 +97,16 @@ def settings_from_args(args: argparse.Namespace):
     settings = ProfileSettings(device=args.device, nproc=args.nproc, seq_len=args.seq_len, threads=args.threads,
                                backend=args.backend, name=args.name, progress=not args.no_progress)
     if args.model:
+        from .search import parse_zoo_spec
+
         for name in args.model:
+            base, overrides = parse_zoo_spec(name)
             try:
-                get_config(name)
+                get_config(base, **overrides)
             except UnknownModelError as exc:
                 raise UsageError(str(exc)) from exc
+            except (TypeError, ValueError) as exc:
+                raise UsageError(f"cannot build {name!r}: {exc}") from exc
         settings.models = {name: tuple(args.micro_batch or (1, 2)) for name in args.model}
     if args.dtype:
         settings.dtypes = tuple(dict.fromkeys(args.dtype))

@@ -66,7 +66,10 @@ def execute_many(plans: list[dict]) -> list[dict | None]:
                 print(f"  a plan failed: {error}", file=sys.stderr)
                 measured.append(None)
                 continue
-            steps = [max(r.step_times_s[i] for r in ranks) for i in range(WARMUP_STEPS, WARMUP_STEPS + TIMED_STEPS)]
+            # on the CPU the worker times extra steps with the memory tracker off: those are the step times
+            untracked = all(r.untracked_step_times_s for r in ranks)
+            times = [r.untracked_step_times_s if untracked else r.step_times_s[WARMUP_STEPS:] for r in ranks]
+            steps = [max(t[i] for t in times) for i in range(min(map(len, times)))]
             measured.append({"step_time_s": statistics.median(steps),
                              "peak_mem_bytes": max(r.peak_mem_bytes for r in ranks)})
         return measured

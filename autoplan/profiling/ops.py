@@ -54,7 +54,10 @@ class Workload:
 
 def zoo_workload(name: str, micro_batch_sizes: tuple[int, ...], seq_len: int | None = None) -> Workload:
     """A zoo model at the planning sequence length (its context length unless given)."""
-    config = get_config(name)
+    from autoplan.search import parse_zoo_spec
+
+    base, overrides = parse_zoo_spec(name)
+    config = get_config(base, **overrides)
     return Workload(name, lambda: build_model(config), micro_batch_sizes, seq_len or config.max_seq_len)
 
 
