@@ -9,7 +9,8 @@ import time
 
 from . import cli_apply, cli_estimate, cli_profile
 from .errors import AutoplanError, UsageError
-from .sizes import ACCEPTED_FORMS, parse_mem_bytes
+from .cli_args import mem_arg, positive_float, positive_int
+from .sizes import ACCEPTED_FORMS
 
 SEARCH_EXAMPLES = """examples:
   autoplan search --model gpt2-1.5b --mem 8GB
@@ -17,33 +18,6 @@ SEARCH_EXAMPLES = """examples:
   autoplan search --model gpt2 --mem 2GB --gpus 2 --seq-len 128 --global-batch 64 -o plan.json
   autoplan search --model mypkg.models:build --seq-len 2048 --mem 40GiB --json
 """
-
-
-def _mem_arg(text: str) -> int:
-    try:
-        return parse_mem_bytes(text)
-    except UsageError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from exc
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be at least 1")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be positive")
-    return value
 
 
 def _add_search(subparsers) -> None:
@@ -59,15 +33,15 @@ def _add_search(subparsers) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL,
                         help=f"zoo name (see `autoplan models`), hf:path/to/config.json (a Hugging Face config, "
                              f"nothing downloaded) or package.module:factory (default {DEFAULT_MODEL})")
-    parser.add_argument("--mem", type=_mem_arg, default=None,
+    parser.add_argument("--mem", type=mem_arg, default=None,
                         help=f"per-GPU memory limit: {ACCEPTED_FORMS} (default: the profile's device memory)")
-    parser.add_argument("--gpus", type=_positive_int, help="total GPUs (default 8: one node of 8)")
-    parser.add_argument("--nodes", type=_positive_int, help="number of nodes (default 1)")
-    parser.add_argument("--gpus-per-node", type=_positive_int, help="GPUs per node")
+    parser.add_argument("--gpus", type=positive_int, help="total GPUs (default 8: one node of 8)")
+    parser.add_argument("--nodes", type=positive_int, help="number of nodes (default 1)")
+    parser.add_argument("--gpus-per-node", type=positive_int, help="GPUs per node")
     parser.add_argument("--profile", help="device profile name or path (see `autoplan profiles`; default a100-sxm4-80gb)")
-    parser.add_argument("--seq-len", type=_positive_int, help="sequence length (default: the model's context)")
-    parser.add_argument("--batch-size", type=_positive_int, help="fixed micro-batch per GPU (default: swept)")
-    parser.add_argument("--global-batch", type=_positive_int,
+    parser.add_argument("--seq-len", type=positive_int, help="sequence length (default: the model's context)")
+    parser.add_argument("--batch-size", type=positive_int, help="fixed micro-batch per GPU (default: swept)")
+    parser.add_argument("--global-batch", type=positive_int,
                         help="samples per optimizer step over all GPUs (gradient accumulation fills the gap)")
     parser.add_argument("--dtype", choices=DTYPES, default="bf16-mixed", help="training precision (default bf16-mixed)")
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw", help="optimizer (default adamw)")
@@ -76,7 +50,7 @@ def _add_search(subparsers) -> None:
     parser.add_argument("--strategy", choices=("shard", "shard_keep", "replicate", "hybrid"),
                         help="no solver: every unit takes this sharding (a uniform plan to run or compare)")
     parser.add_argument("--checkpoint", action="store_true", help="with --strategy: checkpoint every block")
-    parser.add_argument("--time-limit", type=_positive_float, default=10.0, help="solver seconds per micro-batch size")
+    parser.add_argument("--time-limit", type=positive_float, default=10.0, help="solver seconds per micro-batch size")
     parser.add_argument("-o", "--out", default="plan.json", help="plan file to write (default plan.json)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON instead of the table")
     parser.set_defaults(handler=_run_search)

@@ -17,7 +17,7 @@ EXAMPLES = """examples:
 
 
 def register(subparsers) -> None:
-    from .cli import _mem_arg, _positive_int  # here: cli imports this module
+    from .cli_args import mem_arg, positive_int
     from .estimate import STRATEGIES
     from .search import DEFAULT_MODEL, DTYPES, OPTIMIZERS
     from .units import GRANULARITIES
@@ -38,18 +38,18 @@ def register(subparsers) -> None:
                            "; ".join(f"{name}: {text}" for name, text in STRATEGIES.items()))
     what.add_argument("--plan", help="a plan file from `autoplan search`: estimate its decisions")
     parser.add_argument("--checkpoint", action="store_true", help="activation checkpointing on every unit but the root")
-    parser.add_argument("--gpus", type=_positive_int, help="total GPUs, the world size (default 8: one node of 8)")
-    parser.add_argument("--nodes", type=_positive_int, help="number of nodes (default 1)")
-    parser.add_argument("--gpus-per-node", type=_positive_int, help="GPUs per node")
+    parser.add_argument("--gpus", type=positive_int, help="total GPUs, the world size (default 8: one node of 8)")
+    parser.add_argument("--nodes", type=positive_int, help="number of nodes (default 1)")
+    parser.add_argument("--gpus-per-node", type=positive_int, help="GPUs per node")
     parser.add_argument("--profile", help="device profile name or path (default a100-sxm4-80gb)")
-    parser.add_argument("--batch-size", type=_positive_int, help="micro-batch per GPU (default 1)")
-    parser.add_argument("--global-batch", type=_positive_int,
+    parser.add_argument("--batch-size", type=positive_int, help="micro-batch per GPU (default 1)")
+    parser.add_argument("--global-batch", type=positive_int,
                         help="samples per optimizer step over all GPUs (gradient accumulation fills the gap)")
-    parser.add_argument("--seq-len", type=_positive_int, help="sequence length (default: the model's context)")
+    parser.add_argument("--seq-len", type=positive_int, help="sequence length (default: the model's context)")
     parser.add_argument("--dtype", choices=DTYPES, help="training precision (default bf16-mixed)")
     parser.add_argument("--optimizer", choices=OPTIMIZERS, help="optimizer (default adamw)")
     parser.add_argument("--granularity", choices=GRANULARITIES, help="unit size (default block)")
-    parser.add_argument("--mem", type=_mem_arg, help=f"a per-GPU limit to compare with: {ACCEPTED_FORMS} "
+    parser.add_argument("--mem", type=mem_arg, help=f"a per-GPU limit to compare with: {ACCEPTED_FORMS} "
                                                      "(default: the profile's device memory)")
     parser.add_argument("--timeline", action="store_true", help="also print memory at every time point of the step")
     parser.add_argument("--json", action="store_true", help="print the estimate as JSON")

@@ -8,6 +8,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from .cli_args import positive_int
 from .errors import AutoplanError, UsageError
 
 PROFILE_EXAMPLES = """examples:
@@ -22,16 +23,6 @@ PROFILES_EXAMPLES = """examples:
   autoplan profiles
   AUTOPLAN_PROFILE_DIR=./my-profiles autoplan profiles
 """
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be at least 1")
-    return value
 
 
 def register(subparsers) -> None:
@@ -49,16 +40,16 @@ def register(subparsers) -> None:
     )
     default_models = " ".join(f"{m}(mb {','.join(map(str, b))})" for m, b in DEFAULT_MODELS.items())
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="device to measure (default cpu)")
-    parser.add_argument("--nproc", type=_positive_int, default=2,
+    parser.add_argument("--nproc", type=positive_int, default=2,
                         help="processes (ranks) for the collectives, at least 2 (default 2)")
     parser.add_argument("--model", nargs="+", metavar="NAME",
                         help=f"zoo models whose ops to time (default: {default_models})")
-    parser.add_argument("--micro-batch", nargs="+", type=_positive_int, metavar="N",
+    parser.add_argument("--micro-batch", nargs="+", type=positive_int, metavar="N",
                         help="micro-batch sizes for --model (default 1 2: the sizes search traces at)")
-    parser.add_argument("--seq-len", type=_positive_int, help="sequence length (default: each model's context)")
+    parser.add_argument("--seq-len", type=positive_int, help="sequence length (default: each model's context)")
     parser.add_argument("--dtype", nargs="+", choices=sorted(DTYPES), metavar="DTYPE",
                         help=f"compute dtypes to time ops in (default {' '.join(DEFAULT_DTYPES)})")
-    parser.add_argument("--threads", type=_positive_int,
+    parser.add_argument("--threads", type=positive_int,
                         help="CPU threads per rank (default: cores / nproc, what each rank of a run gets)")
     parser.add_argument("--backend", choices=("gloo", "nccl"), help="collective backend (default gloo on cpu, nccl on cuda)")
     parser.add_argument("--name", help="profile name (default <device>-<backend>-<nproc>, e.g. cpu-gloo-2)")
