@@ -174,6 +174,23 @@ class _CostMode(TorchDispatchMode):
         return out
 
 
+def saved_tensor_recorder(model: nn.Module, mode: _CostMode):
+    """A saved_tensors_hooks pack function that records each storage saved for backward, once, for
+    the op that saved it first (mode.current); parameters are not activations. Returns (saved, pack):
+    saved maps storage key -> (bytes, op name)."""
+    param_storages = {_storage_key(p) for p in model.parameters()}
+    saved: dict[int, tuple[int, str]] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        if not mode.backward:
+            storage = _storage_key(tensor)
+            if storage not in param_storages and storage not in saved:
+                saved[storage] = (tensor.untyped_storage().nbytes(), mode.current)
+        return tensor
+
+    return saved, pack
+
+
 def _fused_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     """Stand-in for F.scaled_dot_product_attention that saves what a fused training kernel saves.
 
@@ -306,17 +323,9 @@ def trace_model(
             records[node.name] = OpRecord(node.name, _kind(gm, node), _module_path(node), (), dtype)
     records[LOSS_NODE] = OpRecord(LOSS_NODE, "cross_entropy", "", (), dtype)
 
-    param_storages = {_storage_key(p) for p in meta_model.parameters()}
-    saved: dict[int, tuple[int, str]] = {}
     mode = _CostMode(records)
+    saved, pack = saved_tensor_recorder(meta_model, mode)
     input_storages: dict[str, list[tuple[int, int]]] = {}
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        if not mode.backward:
-            storage = _storage_key(tensor)
-            if storage not in param_storages and storage not in saved:
-                saved[storage] = (tensor.untyped_storage().nbytes(), mode.current)
-        return tensor
 
     def make_prehook(name: str):
         def prehook(grad_outputs):

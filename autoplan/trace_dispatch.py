@@ -26,6 +26,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from .trace import (
+    saved_tensor_recorder,
     fill_forward_transients,
     DTYPES, LOSS_NODE, ModelTrace, OpRecord, TraceError, _CostMode, _fused_sdpa, _logits, _loss, _needs_copy,
     _storage_key, _tensor_bytes, default_inputs, op_variant,
@@ -156,15 +157,7 @@ def trace_dispatch(
     records: dict[str, OpRecord] = {LOSS_NODE: OpRecord(LOSS_NODE, "cross_entropy", "", (), dtype)}
     mode = _CostMode(records)
     recorder = _Recorder(meta_model, mode, records, dtype)
-    param_storages = {_storage_key(p) for p in meta_model.parameters()}
-    saved: dict[int, tuple[int, str]] = {}
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        if not mode.backward:
-            storage = _storage_key(tensor)
-            if storage not in param_storages and storage not in saved:
-                saved[storage] = (tensor.untyped_storage().nbytes(), mode.current)
-        return tensor
+    saved, pack = saved_tensor_recorder(meta_model, mode)
 
     handles = []
     for module in meta_model.modules():
