@@ -24,7 +24,7 @@ from cost_models.step import lower_bound_step_s
 from cost_models.table import ClusterShape, CostTable, activation_keep_bytes, build_cost_table
 
 from . import __version__
-from .errors import InfeasibleError, UsageError
+from .errors import AutoplanError, InfeasibleError, UsageError
 from .fingerprint import model_fingerprint
 from .hf import HF_PREFIX, build_hf_model
 from .models import UnknownModelError, build_model, count_params, get_config, load_factory
@@ -412,6 +412,9 @@ def search(
         if result.choices is None:
             sweep.append(SweepEntry(micro_batch_size=micro_batch_size, grad_accum_steps=accum, status=result.status,
                                     step_time_s=None, throughput_samples_s=None))
+            if result.status != "INFEASIBLE":
+                tables.append(table)
+                continue  # the time limit ran out: no verdict on this size, try the next
             if tables:
                 break  # a larger micro-batch needs more memory still
             tables.append(table)
@@ -422,6 +425,11 @@ def search(
                                 step_time_s=result.objective, throughput_samples_s=throughput))
         if best is None or throughput > best[0] * (1 + 1e-9):
             best = (throughput, table, result, affine)
+    if best is None and any(entry.status not in ("INFEASIBLE", "PRUNED") for entry in sweep):
+        raise AutoplanError(
+            f"the solver found no plan within --time-limit {time_limit_s:g} s per micro-batch size "
+            f"({', '.join(f'{e.micro_batch_size}: {e.status.lower()}' for e in sweep)}); raise --time-limit, or "
+            "give --batch-size to try a single micro-batch size")
     if best is None:
         raise _infeasible(tables[0], mem_limit_bytes, resolved.name, cluster, time_limit_s, batch_size is not None)
 
