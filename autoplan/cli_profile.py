@@ -204,19 +204,3 @@ def run_profiles(args: argparse.Namespace) -> int:
     print(f"\nlocal profiles live in {local_profile_dir()} (set $AUTOPLAN_PROFILE_DIR to change); "
           "`autoplan profile` writes one there")
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m autoplan.cli_profile profile ...`: the two subcommands without the rest of the CLI."""
-    parser = argparse.ArgumentParser(prog="autoplan")
-    register(parser.add_subparsers(dest="command", metavar="COMMAND", required=True))
-    args = parser.parse_args(argv)
-    try:
-        return args.handler(args)
-    except AutoplanError as exc:
-        print(f"autoplan {args.command}: error: {exc}", file=sys.stderr)
-        return exc.exit_code
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
