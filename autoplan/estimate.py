@@ -21,7 +21,8 @@ from .errors import PlanFileError, UsageError
 from .fingerprint import model_fingerprint
 from .plan import ClusterSpec, ModelRef, Plan, Prediction, TrainingSpec, UnitDecision, _Strict, load_plan
 from .search import (
-    DEFAULT_MODEL, DTYPES, OPTIMIZERS, TracedModel, _prediction, _unit_decisions, compute_dtype_of, micro_batch_candidates,
+    DEFAULT_MODEL, DTYPES, OPTIMIZERS, TracedModel, _prediction, _unit_decisions, check_choice, compute_dtype_of,
+    micro_batch_candidates,
     resolve_cluster, reuse_traced,
 )
 from .sizes import format_bytes, parse_mem_bytes
@@ -67,11 +68,6 @@ class Estimate(_Strict):
 
     def _repr_pretty_(self, printer, cycle: bool) -> None:  # IPython / Jupyter display
         printer.text(self.table())
-
-
-def _check_choice(flag: str, value: str, choices) -> None:
-    if value not in choices:
-        raise UsageError(f"unknown {flag} {value!r}; choose one of {', '.join(choices)}")
 
 
 def _plan_choices(table: CostTable, plan: Plan) -> list[int]:
@@ -146,9 +142,9 @@ def estimate(
             model = plan.model.name
     strategy = strategy or "shard"
     dtype, optimizer, granularity = dtype or "bf16-mixed", optimizer or "adamw", granularity or "block"
-    _check_choice("strategy", strategy, STRATEGIES)
-    _check_choice("--dtype", dtype, DTYPES)
-    _check_choice("--optimizer", optimizer, OPTIMIZERS)
+    check_choice("strategy", strategy, STRATEGIES)
+    check_choice("--dtype", dtype, DTYPES)
+    check_choice("--optimizer", optimizer, OPTIMIZERS)
 
     session = reuse_traced(model if model is not None else DEFAULT_MODEL, seq_len, example_inputs)
     if plan is not None and model_fingerprint(session.module) != plan.model.fingerprint:

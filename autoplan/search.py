@@ -49,6 +49,12 @@ OPTIMIZERS = ("adamw", "adam", "sgd")
 BASELINES = (("all-shard", "shard", False), ("all-shard+ckpt", "shard", True), ("all-replicate", "replicate", False))
 
 
+def check_choice(flag: str, value: str, choices) -> None:
+    """UsageError naming the flag, the bad value and the accepted ones."""
+    if value not in choices:
+        raise UsageError(f"unknown {flag} {value!r}; choose one of {', '.join(choices)}")
+
+
 @dataclass
 class ResolvedModel:
     module: nn.Module  # on the meta device
@@ -245,8 +251,7 @@ def trace(model: str | nn.Module, *, seq_len: int | None = None, example_inputs:
     >>> traced.tracer, traced.n_params
     ('fx', 141056)
     """
-    if dtype not in DTYPES:
-        raise UsageError(f"unknown --dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    check_choice("--dtype", dtype, DTYPES)
     traced = TracedModel(model, seq_len=seq_len, example_inputs=example_inputs, tracer=tracer)
     traced.traces(compute_dtype_of(dtype))
     return traced
@@ -375,14 +380,12 @@ def search(
     True
     """
     mem_limit_bytes = parse_mem_bytes(mem)
-    if dtype not in DTYPES:
-        raise UsageError(f"unknown --dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
-    if optimizer not in OPTIMIZERS:
-        raise UsageError(f"unknown --optimizer {optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
+    check_choice("--dtype", dtype, DTYPES)
+    check_choice("--optimizer", optimizer, OPTIMIZERS)
     if time_limit_s <= 0:
         raise UsageError(f"--time-limit must be positive, got {time_limit_s}")
-    if strategy is not None and strategy not in SHARDING_KINDS:
-        raise UsageError(f"unknown --strategy {strategy!r}; choose one of {', '.join(SHARDING_KINDS)}")
+    if strategy is not None:
+        check_choice("--strategy", strategy, SHARDING_KINDS)
     session = reuse_traced(model, seq_len, example_inputs)
     resolved, seq_len = session.resolved, session.seq_len
     cluster = resolve_cluster(gpus, nodes, gpus_per_node, profile)
