@@ -88,12 +88,24 @@ class Overlap(_Strict):
 
 
 class FsdpOverhead(_Strict):
-    """FSDP2's own time per unit and micro-batch, beyond its ops and collectives: the pre/post
-    forward and backward hooks, DTensor handling, all-gather copy-in/copy-out and reduce-scatter
-    pre/post processing. Measured by `autoplan profile` (profiling/fsdp.py); 0 = not modelled."""
+    """How a real FSDP2 training step differs from the sum of its separately timed parts.
+
+    unit_*_s: each unit's own time per micro-batch beyond its ops and collectives (hooks, DTensor
+    handling, copy-in/copy-out);
+    collective_*_s: each collective call's cost inside a step beyond its time on idle ranks (waiting
+    for the peers at the synchronisation point, the collective's threads competing for the cores);
+    compute_*_scale: how much longer the ops take inside a step than timed one at a time (ranks'
+    collectives competing for the cores, cold caches). Fitted by `autoplan profile` on whole
+    training steps of a calibration model (profiling/calibration.py), whose record `calibration`
+    keeps; 0 and 1 = not modelled."""
 
     unit_fwd_s: float = Field(default=0.0, ge=0)
     unit_bwd_s: float = Field(default=0.0, ge=0)
+    collective_fwd_s: float = Field(default=0.0, ge=0)
+    collective_bwd_s: float = Field(default=0.0, ge=0)
+    compute_fwd_scale: float = Field(default=1.0, gt=0)
+    compute_bwd_scale: float = Field(default=1.0, gt=0)
+    calibration: dict | None = None
 
 
 class DeviceProfile(_Strict):

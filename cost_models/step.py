@@ -3,7 +3,10 @@ max(compute, all-gather) and its backward max(compute [+ recompute], all-gather 
 [+ all-reduce]). The root unit's collectives have nothing to hide behind (its all-gather opens the
 forward, its reduction closes the backward) and are exposed. Where the profile says FSDP2 does not
 overlap (CPU + gloo: no streams), every unit's compute and collectives add up. Each unit also costs
-FSDP2's fixed per-unit overhead (hooks, copy-in/out) in its forward and backward, exposed either way. Each micro-batch repeats this; the
+FSDP2's fixed per-unit overhead (hooks, copy-in/out) and each of its collective calls a fixed cost
+inside a step, in its forward and backward, exposed either way; op times are scaled to how they run
+inside a step (all three fitted on whole training steps, see autoplan/profiling/calibration.py).
+Each micro-batch repeats this; the
 optimizer step runs once per step over the local shard (replicated units cost N times more).
 
 Every term depends on one unit's option only, so the step time is a sum of per-unit, per-option

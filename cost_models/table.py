@@ -49,9 +49,11 @@ class OptionCost:
     comm_bwd_s: float
     optimizer_s: float
     overhead_fwd_s: float  # FSDP2's per-unit time per micro-batch beyond ops and collectives
-    overhead_bwd_s: float  # (a checkpointed unit's backward re-runs its forward hooks too)
+    overhead_bwd_s: float  # (both include the in-step cost of each collective call, see FsdpOverhead)
     optimizer_temp_bytes: int  # scratch the optimizer step allocates for this unit's parameters
     local_numel: int
+    collectives_fwd: int = 0  # collective calls across ranks per micro-batch (groups of one excluded)
+    collectives_bwd: int = 0
 
 
 @dataclass
@@ -168,14 +170,18 @@ def build_cost_table(
     # slowdowns apply only where compute and communication run at the same time
     cs, ms = (profile.overlap.compute_slowdown, profile.overlap.comm_slowdown) if overlap else (1.0, 1.0)
     unit_fwd, unit_bwd = profile.fsdp.unit_fwd_s, profile.fsdp.unit_bwd_s
+    fwd_scale, bwd_scale = profile.fsdp.compute_fwd_scale, profile.fsdp.compute_bwd_scale
+    call_fwd, call_bwd = profile.fsdp.collective_fwd_s, profile.fsdp.collective_bwd_s
     opt_rate = profile.optimizer_bytes_s or profile.mem_bandwidth_bytes_s * profile.mem_bandwidth_efficiency
 
     all_options: list[list[Option]] = []
     all_costs: list[list[OptionCost]] = []
     for index, unit in enumerate(units):
         unit_ops = [by_name[name] for name in unit.ops]
-        fwd_s = sum(compute.op_time_s(op, "fwd") for op in unit_ops)
-        bwd_s = sum(compute.op_time_s(op, "bwd") for op in unit_ops)
+        # ops as they run inside a training step, not one at a time (see FsdpOverhead)
+        fwd_s = fwd_scale * sum(compute.op_time_s(op, "fwd") for op in unit_ops)
+        bwd_s = bwd_scale * sum(compute.op_time_s(op, "bwd") for op in unit_ops)
+        recompute_s = bwd_scale * sum(compute.op_time_s(op, "fwd") for op in unit_ops)
         saved = sum(op.saved_bytes for op in unit_ops)
         options = options_for(unit.is_leaf, unit.is_root, cluster.nodes)
         costs = []
@@ -193,9 +199,15 @@ def build_cost_table(
                 "all_reduce", local * precision.reduce_bytes, replicas, _scope(replicas, cluster, shard == 1 or
                                                                                option.kind.shard_group == "node")
             )
-            regather = all_gather if option.kind.reshard_after_forward and not unit.is_root else 0.0
+            regathers = option.kind.reshard_after_forward and not unit.is_root
+            regather = all_gather if regathers else 0.0
             comm_fwd, comm_bwd = all_gather, regather + reduce_scatter + all_reduce
-            bwd_total = bwd_s + (fwd_s if option.checkpoint else 0.0)
+            has_params = bool(unit.params)
+            calls_fwd = int(has_params and shard > 1)
+            calls_bwd = int(has_params and shard > 1) * (1 + int(regathers)) + int(has_params and replicas > 1)
+            # a checkpointed unit re-runs its forward ops within the backward; measured on CPU + gloo, the
+            # recompute costs its ops and no further per-unit time (its collectives are not repeated)
+            bwd_total = bwd_s + (recompute_s if option.checkpoint else 0.0)
             costs.append(OptionCost(
                 param_bytes=local * precision.master_bytes,
                 optimizer_bytes=local * OPTIMIZER_STATES[optimizer] * precision.state_bytes,
@@ -212,10 +224,12 @@ def build_cost_table(
                 comm_bwd_s=comm_bwd * (ms if bwd_total > 0 else 1.0),
                 optimizer_s=local * OPTIMIZER_TOUCHES[optimizer] * precision.master_bytes / opt_rate
                 + (len(unit.params) * profile.optimizer_tensor_s if unit.params else 0.0),
-                overhead_fwd_s=unit_fwd,
-                overhead_bwd_s=unit_bwd + (unit_fwd if option.checkpoint else 0.0),
+                overhead_fwd_s=unit_fwd + calls_fwd * call_fwd,
+                overhead_bwd_s=unit_bwd + calls_bwd * call_bwd,
                 optimizer_temp_bytes=_optimizer_temp_bytes(unit, shard, precision, optimizer, profile.device_type),
                 local_numel=local,
+                collectives_fwd=calls_fwd,
+                collectives_bwd=calls_bwd,
             ))
         all_options.append(options)
         all_costs.append(costs)

@@ -113,9 +113,27 @@ def test_fsdp_unit_overhead_and_per_tensor_optimizer_cost_add_per_unit(tiny_gpt2
     more = traced.table(2, 1, loaded, 64, "bf16-mixed", "adamw")
     for unit in range(len(base.units)):
         for option, (a, b) in enumerate(zip(unit_step_s(base, unit), unit_step_s(more, unit))):
-            recompute = 1e-3 if base.options[unit][option].checkpoint else 0.0  # its forward hooks run again
-            tensors = len(base.units[unit].params)
-            assert b - a == pytest.approx(1e-3 + 2e-3 + recompute + tensors * 1e-4)
+            tensors = len(base.units[unit].params)  # a checkpointed unit's recompute adds no unit cost
+            assert b - a == pytest.approx(1e-3 + 2e-3 + tensors * 1e-4)
+
+
+def test_compute_scales_stretch_ops_and_recompute_not_collectives(tiny_gpt2_trace):
+    from autoplan.profiles import FsdpOverhead
+
+    _, traced = tiny_gpt2_trace
+    cluster = resolve_cluster(2, None, None, "a100-sxm4-80gb")
+    base = traced.table(2, 1, _with_profile(cluster, fsdp=FsdpOverhead()), 64, "bf16-mixed", "adamw")
+    scaled = traced.table(2, 1, _with_profile(cluster, fsdp=FsdpOverhead(compute_fwd_scale=1.5, compute_bwd_scale=1.2)),
+                          64, "bf16-mixed", "adamw")
+    for unit in range(len(base.units)):
+        plain = next(c for c, o in zip(base.costs[unit], base.options[unit]) if not o.checkpoint)
+        for option, (a, b) in enumerate(zip(base.costs[unit], scaled.costs[unit])):
+            assert b.fwd_s == pytest.approx(1.5 * a.fwd_s)
+            # the recomputed forward runs inside the backward, at the backward's scale
+            recompute_s = plain.fwd_s if base.options[unit][option].checkpoint else 0.0
+            assert b.bwd_s == pytest.approx(1.2 * a.bwd_s)
+            assert a.bwd_s == pytest.approx(plain.bwd_s + recompute_s)
+            assert (b.comm_fwd_s, b.comm_bwd_s) == (a.comm_fwd_s, a.comm_bwd_s)
 
 
 def test_without_overlap_compute_and_communication_add_up(tiny_gpt2_trace):

@@ -40,14 +40,40 @@ def test_quick_profile_measures_ops_collectives_overlap_optimizer(quick):
     assert profile.source == "measured" and profile.name == "cpu-gloo-2"
     assert result.ops_cached == 0
     # every op with work is timed; only a getitem whose backward the tracer charges to the split
-    # it reads (its own output has no grad_fn to re-run) stays without an OpTiming
-    assert result.ops_measured - 1 <= len(profile.op_times) <= result.ops_measured
+    # it reads (its own output has no grad_fn to re-run) stays without an OpTiming: one per traced
+    # shape (gpt2-tiny at micro-batch 1, the calibration model at 2 and 8)
+    assert result.ops_measured - 3 <= len(profile.op_times) <= result.ops_measured
     assert {f.collective for f in profile.collectives} == {"all_gather", "reduce_scatter", "all_reduce"}
     assert profile.overlap.compute_slowdown >= 1.0 and profile.overlap.comm_slowdown >= 1.0
     assert profile.optimizer_bytes_s > 1e8  # AdamW streams at least 100 MB/s of state on any CPU
     assert profile.peak_flops["fp32"] > 1e9
     assert profile.links["intra_node"].bus_bandwidth_bytes_s > 0
     assert any(f.family == "Linear" and f.dtype == "fp32" for f in profile.op_fits)
+
+
+def test_quick_profile_calibrates_on_whole_training_steps(quick):
+    """The calibration model was trained on the ranks under each plan, depth and micro-batch, its ops
+    were timed too (so the fit compares like with like), and the fit is recorded beside its inputs."""
+    _, result = quick
+    fsdp = result.profile.fsdp
+    cases = fsdp.calibration["cases"]
+    assert {(c["strategy"], c["depth"], c["micro_batch"]) for c in cases} == {
+        (s, d, mb) for s in ("shard", "shard_keep", "replicate") for d in (2, 4) for mb in (2, 8)}
+    for case in cases:
+        assert case["units"] == case["depth"] + 1  # one per block and the root
+        # all-gather per unit (none replicated); backward: reduce-scatter, all-gather again unless kept
+        # or the root, all-reduce when replicated
+        expected_calls = {"shard": (case["units"], 2 * case["units"] - 1),
+                          "shard_keep": (case["units"], case["units"]),
+                          "replicate": (0, case["units"])}[case["strategy"]]
+        assert (case["calls_fwd"], case["calls_bwd"]) == expected_calls
+        assert case["ops_fwd_s"] > 0 and case["ops_bwd_s"] > case["ops_fwd_s"]
+        assert all(case["measured"][phase] > 0 for phase in ("fwd", "bwd", "step"))
+        # a real step is never faster than its ops and collectives timed one by one would allow by much
+        assert case["measured"]["bwd"] > 0.5 * case["ops_bwd_s"]
+    assert fsdp.compute_fwd_scale > 0 and fsdp.compute_bwd_scale > 0
+    assert min(fsdp.unit_fwd_s, fsdp.unit_bwd_s, fsdp.collective_fwd_s, fsdp.collective_bwd_s) >= 0
+    assert fsdp.calibration["compute_fwd_scale"] == fsdp.compute_fwd_scale
 
 
 def test_measured_keys_are_the_keys_search_looks_up(quick):

@@ -105,6 +105,7 @@ def test_profile_without_fsdp_overheads_loads_with_zero_overheads_and_overlap(tm
     path.write_text(json.dumps(data))
     profile = load_profile(str(path))
     assert profile.fsdp.unit_fwd_s == profile.fsdp.unit_bwd_s == profile.optimizer_tensor_s == 0.0
+    assert profile.fsdp.compute_fwd_scale == profile.fsdp.compute_bwd_scale == 1.0
     assert profile.overlap.enabled
 
 
@@ -112,6 +113,9 @@ def test_shipped_cpu_profile_has_fsdp_overheads_and_no_overlap():
     profile = load_profile("cpu-gloo-2")
     assert not profile.overlap.enabled  # gloo on CPU: FSDP2 waits for each all-gather
     assert profile.fsdp.unit_fwd_s > 0 and profile.fsdp.unit_bwd_s > 0 and profile.optimizer_tensor_s > 0
+    # calibrated on whole training steps: ops run slower inside a two-rank step than one at a time
+    assert profile.fsdp.compute_fwd_scale > 1 and profile.fsdp.compute_bwd_scale > 1
+    assert len(profile.fsdp.calibration["cases"]) == 12
     for name in ("a100-sxm4-80gb", "h100-sxm-80gb", "v100-sxm2-32gb"):
         gpu = load_profile(name)
         assert gpu.overlap.enabled and 0 < gpu.fsdp.unit_fwd_s < 1e-4

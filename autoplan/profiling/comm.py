@@ -25,6 +25,7 @@ from tqdm import tqdm
 
 from autoplan.errors import AutoplanError
 
+from .calibration import measure_training_steps
 from .fsdp import measure_fsdp
 from .overlap import OVERLAP_PHASE_S, OVERLAP_TRIALS, measure_overlap
 from .timing import Repeats
@@ -53,6 +54,7 @@ class CommRequest:
     rounds: int = 3
     show_progress: bool = True
     fsdp: bool = False  # also measure FSDP2's own overheads (fsdp.py)
+    calibration: bool = False  # also time whole training steps of the calibration model (calibration.py)
 
 
 def measurement_key(collective: str, group_size: int, nbytes: int) -> str:
@@ -66,7 +68,7 @@ def message_bytes(nbytes: int, group_size: int) -> int:
 
 
 def run_comm_benchmark(request: CommRequest) -> dict:
-    """{"collectives": {measurement_key: seconds}, "overlap": {...} or None, "fsdp": {...} or None}, measured in
+    """{"collectives": {measurement_key: seconds}, "overlap", "fsdp", "calibration": {...} or None}, measured in
     request.world_size spawned processes."""
     with tempfile.TemporaryDirectory(prefix="autoplan-comm-") as tmp:
         store, result = Path(tmp) / "store", Path(tmp) / "result.json"
@@ -107,8 +109,10 @@ def _worker(rank: int, request_fields: dict, store_path: str, result_path: str) 
         if request.overlap_bytes:
             overlap = measure_overlap(device, request.overlap_bytes, request.overlap_phase_s, request.overlap_trials)
         fsdp = measure_fsdp(device, request.repeats) if request.fsdp else None
+        calibration = measure_training_steps(device) if request.calibration else None
         if rank == 0:
-            Path(result_path).write_text(json.dumps({"collectives": collectives, "overlap": overlap, "fsdp": fsdp}))
+            Path(result_path).write_text(json.dumps({"collectives": collectives, "overlap": overlap, "fsdp": fsdp,
+                                                     "calibration": calibration}))
     finally:
         dist.destroy_process_group()
 

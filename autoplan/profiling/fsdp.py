@@ -1,6 +1,8 @@
 """FSDP2's own costs, measured on the ranks of the collective benchmark: what a unit costs beyond its
 ops and its collectives, what the optimizer step costs per parameter tensor, and whether FSDP2 hides
-its collectives behind compute on this device.
+its collectives behind compute on this device. The per-unit numbers measured here on tiny units are
+kept for the record; the profile's per-unit cost is fitted on whole training steps (calibration.py),
+which also catch what tiny units cannot (on CPU + gloo, compute slowing while ranks communicate).
 
 A stack of K identical units (one Linear each, `fully_shard` per unit and on the root, bf16-mixed as
 `autoplan apply` runs it) is timed forward, backward and through an AdamW step, at two depths; the

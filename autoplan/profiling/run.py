@@ -23,6 +23,7 @@ from .cache import MeasurementCache, default_cache_dir
 from .comm import (
     COLLECTIVES, CommRequest, default_backend, group_sizes, measurement_key, message_bytes, run_comm_benchmark,
 )
+from .calibration import CALIBRATION_SEQ_LEN, CALIBRATION_WIDTH, calibration_cases, calibration_workloads, fit_calibration
 from .fit import FitReport, OpPoint, fit_affine, fit_op_families, heldout_errors
 from .overlap import OVERLAP_PHASE_S, OVERLAP_TRIALS
 from .ops import OpCase, collect_cases, has_work, measure_case, sweep_workload, unique_cases, work, zoo_workload
@@ -166,10 +167,17 @@ def measure_profile(settings: ProfileSettings) -> ProfileResult:
         overlap=Overlap(enabled=comm["fsdp"]["overlap_enabled"], **comm["overlap"]),
         optimizer_bytes_s=device_numbers["adamw_bytes_s"],
         optimizer_tensor_s=comm["fsdp"]["optimizer_tensor_s"],
-        fsdp=FsdpOverhead(unit_fwd_s=comm["fsdp"]["unit_fwd_s"], unit_bwd_s=comm["fsdp"]["unit_bwd_s"]),
+        fsdp=FsdpOverhead(),  # calibrated below, against this profile's own prediction of the steps' parts
         op_times=op_times,
         op_fits=[r.fit for r in op_fits],
     )
+    calibration = fit_calibration(profile, comm["calibration"], settings.nproc)
+    profile = profile.model_copy(update={"fsdp": FsdpOverhead(
+        unit_fwd_s=calibration["unit_fwd_s"], unit_bwd_s=calibration["unit_bwd_s"],
+        collective_fwd_s=calibration["collective_fwd_s"], collective_bwd_s=calibration["collective_bwd_s"],
+        compute_fwd_scale=calibration["compute_fwd_scale"], compute_bwd_scale=calibration["compute_bwd_scale"],
+        calibration=calibration,
+    )})
     return ProfileResult(profile, op_fits, collective_fits, len(fresh), len(cases) - len(fresh), remeasured,
                          time.perf_counter() - started)
 
@@ -182,6 +190,9 @@ def _op_cases(settings: ProfileSettings, kind: str) -> list[OpCase]:
     for dtype in settings.dtypes:
         for workload in workloads:
             cases += collect_cases(workload, dtype)
+    # the calibration steps (calibration.py) run bf16-mixed: their ops are predicted from these timings
+    for model, batches in calibration_workloads(kind).items():
+        cases += collect_cases(zoo_workload(model, batches, CALIBRATION_SEQ_LEN[kind]), "bf16")
     return unique_cases(cases)
 
 
@@ -285,13 +296,16 @@ def _measure_comm(settings: ProfileSettings, kind: str, backend: str, threads: i
     prefix = f"comm:{backend}:"
     overlap_key = f"overlap:{backend}:n{settings.nproc}:{OVERLAP_GATHER_BYTES[kind]}"
     fsdp_key = f"fsdp:{backend}:n{settings.nproc}"
+    calibration_key = (f"calibration:{backend}:n{settings.nproc}:"
+                       + ",".join(f"{s}x{d}x{mb}" for s, d, mb in calibration_cases(kind)) + f":w{CALIBRATION_WIDTH[kind]}")
     missing = tuple(m for m in wanted if prefix + measurement_key(*m) not in cache)
-    if missing or overlap_key not in cache or fsdp_key not in cache:
+    if missing or overlap_key not in cache or fsdp_key not in cache or calibration_key not in cache:
         results = run_comm_benchmark(CommRequest(
             backend=backend, device_type=kind, world_size=settings.nproc, threads=threads, measurements=missing,
             overlap_bytes=OVERLAP_GATHER_BYTES[kind] if overlap_key not in cache else None,
             overlap_phase_s=settings.overlap_phase_s, overlap_trials=settings.overlap_trials, rounds=settings.comm_rounds,
             repeats=settings.repeats, show_progress=settings.progress, fsdp=fsdp_key not in cache,
+            calibration=calibration_key not in cache,
         ))
         for key, seconds in results["collectives"].items():
             cache.put(prefix + key, seconds)
@@ -299,10 +313,13 @@ def _measure_comm(settings: ProfileSettings, kind: str, backend: str, threads: i
             cache.put(overlap_key, results["overlap"])
         if results.get("fsdp") is not None:
             cache.put(fsdp_key, results["fsdp"])
+        if results.get("calibration") is not None:
+            cache.put(calibration_key, results["calibration"])
     return {
         "collectives": {m: cache.get(prefix + measurement_key(*m)) for m in wanted},
         "overlap": cache.get(overlap_key),
         "fsdp": cache.get(fsdp_key),
+        "calibration": cache.get(calibration_key),
     }
 
 
@@ -336,7 +353,7 @@ def _provenance(settings: ProfileSettings, kind: str, backend: str, threads: int
         description=(
             f"measured by `autoplan profile` on {host} ({device_name}): per-op forward/backward times of the "
             f"models' traced ops and of sweep MLP blocks, per-family fits, {backend} collectives over "
-            f"{settings.nproc} processes, compute/communication overlap, FSDP2 per-unit and per-tensor optimizer overheads (profiling/fsdp.py), AdamW step throughput. "
+            f"{settings.nproc} processes, compute/communication overlap, per-tensor optimizer overhead (profiling/fsdp.py), whole FSDP2 training steps of a calibration model fitted for the in-step compute scale and per-unit cost (profiling/calibration.py), AdamW step throughput. "
             "peak_flops is the best achieved matmul FLOP/s and mem_bandwidth a large copy, so both "
             "efficiencies are 1.0."
         ),

@@ -1,0 +1,203 @@
+"""Whole training steps measured against the sum of their parts.
+
+Ops timed one at a time, collectives timed on idle ranks and FSDP2's hooks timed on tiny units do
+not add up to a real multi-rank training step. On CPU + gloo, for example, a step of two ranks runs
+~30-50% longer than its parts: the units' forward compute runs slower while the ranks' collectives
+compete with it for the cores, and every unit pays several milliseconds of waiting at its
+collectives' synchronisation points. So `autoplan profile` also trains a calibration model, a small
+GPT-2 at two depths and two micro-batch sizes, under three uniform plans (shard, shard_keep,
+replicate) exactly as `autoplan apply` runs them, and times forward, backward and optimizer step on
+every rank at once. Per phase, a non-negative least-squares fit
+
+    measured - collectives' own time = compute_scale * (sum of the ops' isolated times)
+                                       + unit_s * units + collective_s * collective calls
+
+gives how much slower ops run inside the step (compute_scale), what each FSDP2 unit costs beyond its
+ops and collectives (unit_s) and what each collective call costs beyond its time on idle ranks
+(collective_s). Micro-batch sizes separate the compute from the constants; the plans (all-gathers
+and a reduce-scatter per unit, the same without the backward all-gather, one all-reduce per unit)
+separate the calls from the units. The calibration model is not one the fidelity benchmark checks:
+the fit is tested on other models, sizes and plans.
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+CALIBRATION_DEPTHS = (2, 4)
+CALIBRATION_STRATEGIES = ("shard", "shard_keep", "replicate")
+CALIBRATION_MICRO_BATCHES = {"cpu": (2, 8), "cuda": (4, 16)}
+CALIBRATION_WIDTH = {"cpu": 96, "cuda": 1024}
+CALIBRATION_SEQ_LEN = {"cpu": 128, "cuda": 1024}
+WARMUP_STEPS, TIMED_STEPS = 3, 10
+
+
+def calibration_model(depth: int, device_type: str) -> str:
+    """The zoo spec of the calibration model at one depth (GPT-2 blocks, 4 heads, vocabulary 512)."""
+    return f"gpt2-tiny[n_layers={depth},d_model={CALIBRATION_WIDTH[device_type]}]"
+
+
+def calibration_workloads(device_type: str) -> dict[str, tuple[int, ...]]:
+    """Models and micro-batches whose ops the profile must time for the fit (every depth has the same ops)."""
+    return {calibration_model(max(CALIBRATION_DEPTHS), device_type): CALIBRATION_MICRO_BATCHES[device_type]}
+
+
+def calibration_cases(device_type: str) -> list[tuple[str, int, int]]:
+    """(strategy, depth, micro-batch) of every calibration step."""
+    return [(strategy, depth, mb) for strategy in CALIBRATION_STRATEGIES for depth in CALIBRATION_DEPTHS
+            for mb in CALIBRATION_MICRO_BATCHES[device_type]]
+
+
+def case_key(strategy: str, depth: int, micro_batch: int) -> str:
+    return f"{strategy}/{depth}/{micro_batch}"
+
+
+def _uniform_plan(traced, strategy: str, world_size: int, micro_batch: int):
+    """The plan `autoplan search --strategy S` writes (decisions only: any profile will do)."""
+    from autoplan.search import search
+
+    return search(traced, mem="1TB", gpus=world_size, batch_size=micro_batch, strategy=strategy,
+                  profile="a100-sxm4-80gb")
+
+
+def _timed_steps(model, optimizer, data, shape, rank: int, device: torch.device) -> dict[str, float]:
+    """Median seconds of forward (loss included), backward and optimizer step over the timed steps."""
+    from autoplan.data import rank_micro_batches
+    from autoplan.worker import next_token_loss
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    phases: dict[str, list[float]] = {"fwd": [], "bwd": [], "step": []}
+    for step in range(WARMUP_STEPS + TIMED_STEPS):
+        [(input_ids, labels)] = rank_micro_batches(data.global_batch(step, shape), rank, shape)
+        input_ids, labels = input_ids.to(device), labels.to(device)
+        sync()
+        start = time.perf_counter()
+        loss = next_token_loss(model(input_ids), labels)
+        sync()
+        forward_end = time.perf_counter()
+        loss.backward()
+        sync()
+        backward_end = time.perf_counter()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        sync()
+        if step >= WARMUP_STEPS:
+            phases["fwd"].append(forward_end - start)
+            phases["bwd"].append(backward_end - forward_end)
+            phases["step"].append(time.perf_counter() - backward_end)
+    return {phase: statistics.median(values) for phase, values in phases.items()}
+
+
+def measure_training_steps(device: torch.device) -> dict[str, dict[str, float]]:
+    """On every rank of the default group: phase times of each calibration case, the slowest rank's,
+    keyed by `case_key`."""
+    from autoplan.apply import apply, materialise, model_for_plan
+    from autoplan.data import BatchShape, SyntheticTokens, vocab_size_of
+    from autoplan.search import TracedModel
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    seq_len = CALIBRATION_SEQ_LEN[device.type]
+    traced = {depth: TracedModel(calibration_model(depth, device.type), seq_len=seq_len)
+              for depth in CALIBRATION_DEPTHS}
+    results = {}
+    for strategy, depth, micro_batch in calibration_cases(device.type):
+        plan = _uniform_plan(traced[depth], strategy, world, micro_batch)
+        model = model_for_plan(plan)
+        data = SyntheticTokens(vocab_size_of(model), seed=0)
+        model, optimizer = apply(model, plan, lr=1e-4)
+        materialise(model, device, seed=0)
+        shape = BatchShape(micro_batch, 1, world, seq_len)
+        dist.barrier()
+        times = _timed_steps(model, optimizer, data, shape, rank, device)
+        slowest = torch.tensor([times["fwd"], times["bwd"], times["step"]], dtype=torch.float64, device=device)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        results[case_key(strategy, depth, micro_batch)] = dict(zip(("fwd", "bwd", "step"), slowest.tolist()))
+        del model, optimizer
+    return results
+
+
+@dataclass(frozen=True)
+class PhaseFit:
+    compute_scale: float
+    unit_s: float
+    collective_s: float
+    max_rel_err: float  # of the fit on the calibration cases
+
+
+def _nonnegative_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """min |x c - y| over c >= 0, exactly, by trying every subset of columns (there are three)."""
+    best, best_residual = np.zeros(x.shape[1]), float(np.sum(y ** 2))
+    for size in range(1, x.shape[1] + 1):
+        for columns in itertools.combinations(range(x.shape[1]), size):
+            coef, *_ = np.linalg.lstsq(x[:, columns], y, rcond=None)
+            if np.any(coef < 0):
+                continue
+            full = np.zeros(x.shape[1])
+            full[list(columns)] = coef
+            residual = float(np.sum((x @ full - y) ** 2))
+            if residual < best_residual:
+                best, best_residual = full, residual
+    return best
+
+
+def fit_phase(ops_s: list[float], units: list[int], calls: list[int], residual_s: list[float]) -> PhaseFit:
+    """residual = compute_scale * ops + unit_s * units + collective_s * calls, every coefficient >= 0,
+    fitted on relative errors (each case weighs the same, short steps as much as long ones). A scale
+    of 0 (ops that do not lengthen the step at all) is not physical: it is then fixed at 1."""
+    x = np.array([ops_s, units, calls], dtype=float).T
+    y = np.array(residual_s, dtype=float)
+    weight = 1.0 / np.maximum(y, 1e-12)
+    coef = _nonnegative_lstsq(x * weight[:, None], y * weight)
+    if coef[0] <= 0:
+        rest = _nonnegative_lstsq(x[:, 1:] * weight[:, None], (y - x[:, 0]) * weight)
+        coef = np.array([1.0, *rest])
+    max_rel_err = float(np.max(np.abs(x @ coef - y) * weight))
+    return PhaseFit(float(coef[0]), float(coef[1]), float(coef[2]), max_rel_err)
+
+
+def fit_calibration(profile, measured: dict[str, dict[str, float]], world_size: int) -> dict:
+    """Fit the forward and backward phases of the measured calibration steps against `profile`'s own
+    prediction of their parts (the profile must not be calibrated yet: scale 1, no per-unit or
+    per-call cost). Returns the fitted numbers and, for the record, each case's parts and measurement."""
+    from autoplan.search import Cluster, TracedModel
+    from cost_models.evaluate import uniform_choices
+    from cost_models.table import ClusterShape
+
+    device_type = profile.device_type
+    seq_len = CALIBRATION_SEQ_LEN[device_type]
+    cluster = Cluster(ClusterShape(world_size, 1, world_size), profile, profile.name, False)
+    traced = {depth: TracedModel(calibration_model(depth, device_type), seq_len=seq_len).cache("bf16", "block")
+              for depth in CALIBRATION_DEPTHS}
+    cases = []
+    for strategy, depth, micro_batch in calibration_cases(device_type):
+        table = traced[depth].table(micro_batch, 1, cluster, seq_len, "bf16-mixed", "adamw")
+        chosen = [table.costs[u][c] for u, c in enumerate(uniform_choices(table, strategy, False))]
+        cases.append({
+            "strategy": strategy, "depth": depth, "micro_batch": micro_batch, "units": len(chosen),
+            "ops_fwd_s": sum(c.fwd_s for c in chosen), "ops_bwd_s": sum(c.bwd_s for c in chosen),
+            "comm_fwd_s": sum(c.comm_fwd_s for c in chosen), "comm_bwd_s": sum(c.comm_bwd_s for c in chosen),
+            "calls_fwd": sum(c.collectives_fwd for c in chosen), "calls_bwd": sum(c.collectives_bwd for c in chosen),
+            "measured": measured[case_key(strategy, depth, micro_batch)],
+        })
+    fits = {}
+    for phase in ("fwd", "bwd"):
+        fits[phase] = fit_phase([c[f"ops_{phase}_s"] for c in cases], [c["units"] for c in cases],
+                                [c[f"calls_{phase}"] for c in cases],
+                                [c["measured"][phase] - c[f"comm_{phase}_s"] for c in cases])
+    return {
+        "compute_fwd_scale": fits["fwd"].compute_scale, "compute_bwd_scale": fits["bwd"].compute_scale,
+        "unit_fwd_s": fits["fwd"].unit_s, "unit_bwd_s": fits["bwd"].unit_s,
+        "collective_fwd_s": fits["fwd"].collective_s, "collective_bwd_s": fits["bwd"].collective_s,
+        "fit_max_rel_err": {phase: fit.max_rel_err for phase, fit in fits.items()},
+        "cases": cases,
+    }

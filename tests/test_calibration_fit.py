@@ -1,0 +1,34 @@
+"""The calibration fit (autoplan/profiling/calibration.py): whole-step times against their parts."""
+
+import numpy as np
+import pytest
+
+from autoplan.profiling.calibration import fit_phase
+
+# shard / shard_keep / replicate-like cases: 2 and 4 blocks, two micro-batch sizes
+OPS_S = [0.002, 0.008, 0.004, 0.016] * 3
+UNITS = [3, 3, 5, 5] * 3
+CALLS = [5, 5, 9, 9] + [3, 3, 5, 5] + [3, 3, 5, 5]
+
+
+def test_recovers_compute_scale_unit_and_call_costs_from_noisy_steps():
+    rng = np.random.default_rng(0)
+    calls = [5, 5, 9, 9] + [3, 3, 5, 5] + [0, 0, 0, 0]  # forward all-gathers: none when replicated
+    residual_s = [(1.4 * o + 0.003 * u + 0.001 * c) * (1 + rng.normal(0, 0.02))
+                  for o, u, c in zip(OPS_S, UNITS, calls)]
+    fit = fit_phase(OPS_S, UNITS, calls, residual_s)
+    assert fit.compute_scale == pytest.approx(1.4, rel=0.1)
+    assert fit.unit_s == pytest.approx(0.003, rel=0.25)
+    assert fit.collective_s == pytest.approx(0.001, rel=0.3)
+    assert fit.max_rel_err < 0.06
+
+
+def test_never_fits_a_negative_coefficient():
+    # steps that get cheaper with more units (a negative unit cost would fit best): none is fitted
+    residual_s = [1.3 * o - 0.0002 * u for o, u in zip(OPS_S, UNITS)]
+    fit = fit_phase(OPS_S, UNITS, CALLS, residual_s)
+    assert fit.unit_s == 0.0 and fit.collective_s >= 0.0 and 1.0 < fit.compute_scale <= 1.3
+    # compute that does not lengthen the step (launch-bound ops): the scale stays 1, the rest is per unit
+    residual_s = [0.030 - o / 4 + 0.010 * (u - 3) for o, u in zip(OPS_S, UNITS)]
+    fit = fit_phase(OPS_S, UNITS, CALLS, residual_s)
+    assert fit.compute_scale == 1.0 and fit.unit_s + fit.collective_s > 0
