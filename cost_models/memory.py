@@ -13,6 +13,9 @@ activations when u is checkpointed, reduced gradients of units whose backward fi
 unsharded gradients (compute dtype) of every unit whose backward is running, and the largest
 gradient temporaries. When a unit's backward is done, FSDP2 reshards it and copies its gradients
 into the reduction input (reduce dtype): a "reduce" point with that unit's activations freed.
+FSDP2 keeps that reduction input alive until the next unit's post-backward (it frees the previous
+one just before allocating its own; reduce_scatter_max_input_buffers=1), so the backward points
+between two reductions hold the last reduced unit's reduction input too.
 """
 
 from __future__ import annotations
@@ -105,6 +108,14 @@ def timeline(table: CostTable, alg: Algebra) -> list[MemoryPoint]:
     for u in sorted(range(n_units), key=lambda u: -len(enclosing(u))):
         reduced_after.setdefault(segment_of_op.get(units[u].first_op, 0), []).append(u)
 
+    # the unit reduced last before the backward of segment s (its reduction input is still alive)
+    last_reduced_before: dict[int, int | None] = {}
+    last = None
+    for index in range(len(segments) - 1, -1, -1):
+        last_reduced_before[index] = last
+        if reduced_after.get(index):
+            last = reduced_after[index][-1]
+
     grads_in_step = grads_all if table.grad_accum_steps > 1 else 0
     fwd_points, bwd_points = [], []
     for index, seg in enumerate(segments):
@@ -131,15 +142,19 @@ def timeline(table: CostTable, alg: Algebra) -> list[MemoryPoint]:
         done_rank = count_before(by_first, lambda u: -u.first_op, -seg.last_op)  # units starting after b
         grads_done = grads_all if table.grad_accum_steps > 1 else grads_from[n_units - done_rank]
         # the gradients of every unit whose backward is running accumulate unsharded until its reduction
+        pending = last_reduced_before[index]
+        pending_reduce = pick(pending, "reduce_buffer_bytes") if pending is not None else 0
         bwd_here = [MemoryPoint(f"bwd {units[seg.unit].path or '<root>'}", {
             "params": params_all, "grads": grads_done, "optimizer": optimizer_all,
             "activations": activations_upto[index] + pick(seg.unit, "recompute_bytes"),
             "gathered": gathered_bwd + _sum([pick(u, "gathered_bytes") for u in around]),
-            "temporaries": seg.bwd_temp_bytes + _sum([pick(u, "unsharded_grad_bytes") for u in around]),
+            "temporaries": seg.bwd_temp_bytes + _sum([pick(u, "unsharded_grad_bytes") for u in around])
+            + pending_reduce,
         })]
         for u in reduced_after.get(index, []):
             # [Point] FSDP2's post-backward: u is resharded, its gradients copied into the reduction
-            # input; the activations of its subtree are freed by now
+            # input (the previous unit's input freed just before); the activations of its subtree
+            # are freed by now
             outer = enclosing(u)
             later_rank = count_before(by_first, lambda v: -v.first_op, -units[u].first_op)
             bwd_here.append(MemoryPoint(f"reduce {units[u].path or '<root>'}", {

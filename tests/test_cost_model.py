@@ -154,3 +154,28 @@ def test_without_overlap_compute_and_communication_add_up(tiny_gpt2_trace):
     plain = traced.table(2, 1, _with_profile(cluster, fsdp=FsdpOverhead(), optimizer_tensor_s=0.0,
                                              overlap=Overlap(enabled=False)), 64, "bf16-mixed", "adamw")
     assert [[c.fwd_s for c in u] for u in table.costs] == [[c.fwd_s for c in u] for u in plain.costs]
+
+
+def test_backward_holds_the_previous_units_reduction_input(tiny_gpt2_trace):
+    # FSDP2 keeps a unit's reduce-scatter input alive until the next unit's post-backward frees it
+    # (reduce_scatter_max_input_buffers=1): the backward of h.0 holds h.1's, measured with
+    # autoplan.memtrack on 2 gloo ranks. The reduce point of h.0 holds only its own.
+    _, traced = tiny_gpt2_trace
+    table = _table(traced, gpus=2, micro_batch=4)
+    for checkpoint in (False, True):
+        choices = uniform_choices(table, "shard", checkpoint)
+        points = {p.label: p.parts for p in evaluate(table, choices).points}
+        index = {unit.path: u for u, unit in enumerate(table.units)}
+        cost = {path: table.costs[u][choices[u]] for path, u in index.items()}
+        seg = next(s for s in table.segments if s.unit == index["transformer.h.0"])
+        running = cost["transformer.h.0"].unsharded_grad_bytes + cost[""].unsharded_grad_bytes
+        assert points["bwd transformer.h.0"]["temporaries"] == (
+            seg.bwd_temp_bytes + running + cost["transformer.h.1"].reduce_buffer_bytes)
+        assert points["reduce transformer.h.0"]["temporaries"] == (
+            running + cost["transformer.h.0"].reduce_buffer_bytes)
+    # nothing is reduced before the last block's backward
+    blocks = [unit.path for unit in table.units if unit.path.startswith("transformer.h.")]
+    last = max(blocks, key=lambda path: int(path.rsplit(".", 1)[1]))
+    seg = next(s for s in table.segments if s.unit == index[last])
+    assert points[f"bwd {last}"]["temporaries"] == (
+        seg.bwd_temp_bytes + cost[last].unsharded_grad_bytes + cost[""].unsharded_grad_bytes)
