@@ -6,7 +6,10 @@ run of that graph, forward and backward, gives each node's cost:
 - bytes read and written per aten op (views move nothing);
 - bytes saved for backward, caught with saved_tensors_hooks and deduplicated by storage, so a tensor
   saved by two ops counts once, for the op that saved it first; parameters are not activations;
-- backward work is attributed to the fx node whose output's grad_fn ran last before it.
+- backward work is attributed to the fx node whose output's grad_fn ran last before it;
+- what the backward holds: the storages it allocates are followed until freed, which gives each op
+  the gradient bytes alive while its backward runs and the parameter gradients it computes (see
+  fill_backward_liveness).
 Nothing is allocated: meta tensors carry shapes and dtypes only.
 
 Attention: on meta, F.scaled_dot_product_attention decomposes into the math path, which saves the
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import weakref
 from dataclasses import dataclass, field
 
 import networkx as nx
@@ -65,6 +69,11 @@ class OpRecord:
     fwd_max_alloc_bytes: int = 0  # largest single tensor the forward allocates (a transient)
     fwd_transient_bytes: int = 0  # held while the op runs beyond saved activations (see fill_forward_transients)
     bwd_max_alloc_bytes: int = 0
+    # the backward's own storages (gradients and temporaries; not parameter gradients) alive when this
+    # op's backward starts, and at most while it runs, and the parameter gradients it computes
+    bwd_in_bytes: int = 0
+    bwd_live_bytes: int = 0
+    param_grad_bytes: int = 0
     is_matmul: bool = False  # dominated by matmul-like aten ops (for the compute model's fits)
     # what besides input shapes decides the work: a module's configuration (Linear's out_features),
     # a function's constant arguments (is_causal, a slice); "" when there is none
@@ -132,8 +141,8 @@ class _CostMode(TorchDispatchMode):
     def __init__(self, records: dict[str, OpRecord]):
         super().__init__()
         self.records = records
-        self.current: str = LOSS_NODE
         self.backward = False
+        self.current = LOSS_NODE
         self.matmul_flops: dict[str, int] = {}
         self.storage_producer: dict[int, str] = {}
         # Storages are keyed by address; holding every output storage until the trace ends keeps an
@@ -141,6 +150,37 @@ class _CostMode(TorchDispatchMode):
         self.keep_alive: list = []
         self.storage_bytes: dict[int, int] = {}  # forward allocations: storage -> bytes
         self.fwd_allocs: dict[str, list[int]] = {}  # node -> storages its forward allocated
+        # the backward's allocations and frees, in order, with the op running at each (fill_backward_liveness):
+        # ("enter", op), ("alloc", id, bytes, op), ("free", id); ids number the allocations
+        self.bwd_events: list[tuple] = []
+        self.bwd_live: dict[int, int] = {}  # storage key -> allocation id, while alive
+        self._allocs = 0
+
+    @property
+    def current(self) -> str:
+        return self._current
+
+    @current.setter
+    def current(self, name: str) -> None:
+        self._current = name
+        if self.backward:
+            self.bwd_events.append(("enter", name))
+
+    def _track_backward_alloc(self, tensor: torch.Tensor) -> None:
+        key = _storage_key(tensor)
+        if key in self.storage_bytes or key in self.bwd_live:
+            return  # a forward storage (kept alive, never reused) or one already followed
+        storage = tensor.untyped_storage()
+        alloc = self._allocs
+        self._allocs += 1
+        self.bwd_live[key] = alloc
+        self.bwd_events.append(("alloc", alloc, storage.nbytes(), self._current))
+        weakref.finalize(storage, self._backward_free, key, alloc)
+
+    def _backward_free(self, key: int, alloc: int) -> None:
+        if self.bwd_live.get(key) == alloc:
+            del self.bwd_live[key]
+        self.bwd_events.append(("free", alloc))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -156,7 +196,10 @@ class _CostMode(TorchDispatchMode):
                 record.bwd_max_alloc_bytes = max(record.bwd_max_alloc_bytes, largest)
             else:
                 record.fwd_max_alloc_bytes = max(record.fwd_max_alloc_bytes, largest)
-            if not self.backward:
+            if self.backward:
+                for tensor in outputs:
+                    self._track_backward_alloc(tensor)
+            else:
                 for tensor in outputs:
                     self.keep_alive.append(tensor.untyped_storage())
                     key = _storage_key(tensor)
@@ -364,6 +407,7 @@ def trace_model(
             loss = _loss(output)
         mode.backward = True
         with mode:
+            _clear_grads(meta_model)
             loss.backward()
     except Exception as exc:
         failing = records.get(mode.current)
@@ -373,6 +417,7 @@ def trace_model(
     for storage, (nbytes, name) in saved.items():
         records[name].saved_bytes += nbytes
     fill_forward_transients(records, mode, saved, input_storages)
+    fill_backward_liveness(records, mode, meta_model)
     for name, record in records.items():
         total = record.fwd_flops + record.bwd_flops
         record.is_matmul = total > 0 and mode.matmul_flops.get(name, 0) >= 0.5 * total
@@ -406,9 +451,41 @@ def fill_forward_transients(records: dict[str, OpRecord], mode: _CostMode, saved
         record.fwd_transient_bytes = allocated + inputs
 
 
+def fill_backward_liveness(records: dict[str, OpRecord], mode: _CostMode, model: nn.Module) -> None:
+    """Replays the backward's allocations and frees (mode.bwd_events): each op's bwd_in_bytes and
+    bwd_live_bytes count the backward's storages alive when its backward starts and at most while it
+    runs (the gradient it receives, those it produces, its temporaries, the gradients of other ops
+    not consumed yet); the parameter gradients (the storages left in .grad) count apart, for the op
+    that computed them, in param_grad_bytes. Saved activations are not here: the cost model frees
+    them op by op from saved_bytes."""
+    param_grads = {mode.bwd_live.get(_storage_key(p.grad)) for p in model.parameters() if p.grad is not None}
+    sizes: dict[int, int] = {}
+    live = 0
+    entered: set[str] = set()
+    for event in mode.bwd_events:
+        if event[0] == "enter":
+            record = records.get(event[1])
+            if record is not None and event[1] not in entered:
+                entered.add(event[1])
+                record.bwd_in_bytes = live
+                record.bwd_live_bytes = max(record.bwd_live_bytes, live)
+        elif event[0] == "alloc":
+            _, alloc, nbytes, name = event
+            record = records[name]
+            if alloc in param_grads:
+                record.param_grad_bytes += nbytes
+                continue
+            sizes[alloc] = nbytes
+            live += nbytes
+            record.bwd_live_bytes = max(record.bwd_live_bytes, live)
+        else:
+            live -= sizes.pop(event[1], 0)
+
+
 _SCALED_FIELDS = (
     "out_bytes", "fwd_flops", "bwd_flops", "fwd_bytes", "bwd_bytes", "saved_bytes",
-    "fwd_max_alloc_bytes", "bwd_max_alloc_bytes", "fwd_transient_bytes",
+    "fwd_max_alloc_bytes", "bwd_max_alloc_bytes", "fwd_transient_bytes", "bwd_in_bytes", "bwd_live_bytes",
+    "param_grad_bytes",
 )
 
 
@@ -427,6 +504,12 @@ def extrapolate_ops(ops_at_1: list[OpRecord], ops_at_2: list[OpRecord], micro_ba
         result.append(OpRecord(one.name, one.kind, one.module, shapes, one.dtype,
                                is_matmul=one.is_matmul, variant=variant, **values))
     return result
+
+
+def _clear_grads(model: nn.Module) -> None:
+    """A model traced again (one already on meta) must not accumulate into the last trace's gradients."""
+    for param in model.parameters():
+        param.grad = None
 
 
 def _needs_copy(model: nn.Module, dtype: str) -> bool:

@@ -27,8 +27,9 @@ from torch.utils._pytree import tree_flatten
 
 from .trace import (
     saved_tensor_recorder,
+    fill_backward_liveness,
     fill_forward_transients,
-    DTYPES, LOSS_NODE, ModelTrace, OpRecord, TraceError, _CostMode, _fused_sdpa, _logits, _loss, _needs_copy,
+    DTYPES, LOSS_NODE, ModelTrace, OpRecord, TraceError, _CostMode, _fused_sdpa, _clear_grads, _logits, _loss, _needs_copy,
     _storage_key, _tensor_bytes, default_inputs, op_variant,
 )
 
@@ -176,6 +177,7 @@ def trace_dispatch(
         mode.backward = True
         recorder.last_call = "the backward pass"
         with mode:
+            _clear_grads(meta_model)
             loss.backward()
     except Exception as exc:
         raise TraceError(f"running {type(model).__name__} on the meta device failed at {recorder.last_call}: "
@@ -187,6 +189,7 @@ def trace_dispatch(
     for nbytes, name in saved.values():
         records[name].saved_bytes += nbytes
     fill_forward_transients(records, mode, saved, recorder.input_storages)
+    fill_backward_liveness(records, mode, meta_model)
     graph = nx.DiGraph()
     for name, record in records.items():
         work = record.fwd_flops + record.bwd_flops

@@ -8,10 +8,11 @@ reverse order, and the optimizer step. At the forward of segment s (ops a..b, ow
   + gathered params of every unit running at s (u and the units around it) and of the next unit
     (prefetched), plus those kept gathered by finished units with reshard_after_forward=False
   + the largest tensor the segment allocates.
-At the backward of s: the same activations (those of later segments are freed), the recomputed
-activations when u is checkpointed, reduced gradients of units whose backward finished, the
-unsharded gradients (compute dtype) of every unit whose backward is running, and the largest
-gradient temporaries. When a unit's backward is done, FSDP2 reshards it and copies its gradients
+At the backward of s: the activations of segments 1..s-1 (those of later segments are freed), the
+inputs a checkpointed u keeps, reduced gradients of units whose backward finished, the parameter
+gradients the units around u have computed so far (unsharded, compute dtype), and the peak of s's
+backward simulated op by op (table.backward_peak): s's saved or recomputed activations not yet
+consumed, gradients in flight and u's parameter gradients so far. When a unit's backward is done, FSDP2 reshards it and copies its gradients
 into the reduction input (reduce dtype): a "reduce" point with that unit's activations freed.
 FSDP2 keeps that reduction input alive until the next unit's post-backward (it frees the previous
 one just before allocating its own; reduce_scatter_max_input_buffers=1), so the backward points
@@ -144,12 +145,17 @@ def timeline(table: CostTable, alg: Algebra) -> list[MemoryPoint]:
         # the gradients of every unit whose backward is running accumulate unsharded until its reduction
         pending = last_reduced_before[index]
         pending_reduce = pick(pending, "reduce_buffer_bytes") if pending is not None else 0
+        # [Point] the segment's backward at its peak (table.backward_peak): its own activations and
+        # gradients as simulated op by op, the checkpointed unit's kept inputs, earlier segments' activations
+        peak = [seg.bwd_peak_checkpointed if option.checkpoint else seg.bwd_peak for option in table.options[seg.unit]]
+        kept = [cost.activation_bytes if option.checkpoint and index == first_segment_of[seg.unit] else 0
+                for option, cost in zip(table.options[seg.unit], table.costs[seg.unit])]
         bwd_here = [MemoryPoint(f"bwd {units[seg.unit].path or '<root>'}", {
             "params": params_all, "grads": grads_done, "optimizer": optimizer_all,
-            "activations": activations_upto[index] + pick(seg.unit, "recompute_bytes"),
+            "activations": (activations_upto[index - 1] if index > 0 else 0)
+            + alg.pick(seg.unit, [k + p.activations for k, p in zip(kept, peak)]),
             "gathered": gathered_bwd + _sum([pick(u, "gathered_bytes") for u in around]),
-            "temporaries": seg.bwd_temp_bytes + _sum([pick(u, "unsharded_grad_bytes") for u in around])
-            + pending_reduce,
+            "temporaries": alg.pick(seg.unit, [p.temporaries for p in peak]) + seg.outer_grad_bytes + pending_reduce,
         })]
         for u in reduced_after.get(index, []):
             # [Point] FSDP2's post-backward: u is resharded, its gradients copied into the reduction

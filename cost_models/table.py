@@ -56,6 +56,18 @@ class OptionCost:
     collectives_bwd: int = 0
 
 
+@dataclass(frozen=True)
+class BackwardPeak:
+    """What a segment's backward holds at its peak beyond the rest of the timeline (see backward_peak)."""
+
+    activations: int  # its saved (or recomputed) activations not consumed yet
+    temporaries: int  # gradients in flight and its unit's parameter gradients computed so far
+
+    @property
+    def total(self) -> int:
+        return self.activations + self.temporaries
+
+
 @dataclass
 class Segment:
     """A maximal run of consecutive ops owned by one unit (a unit nested around others has several)."""
@@ -65,7 +77,10 @@ class Segment:
     last_op: int
     saved_bytes: int
     fwd_temp_bytes: int
-    bwd_temp_bytes: int
+    bwd_peak: BackwardPeak = BackwardPeak(0, 0)  # its unit not checkpointed
+    bwd_peak_checkpointed: BackwardPeak = BackwardPeak(0, 0)
+    # parameter gradients that the units around its unit have computed when its backward runs
+    outer_grad_bytes: int = 0
 
 
 @dataclass
@@ -146,6 +161,48 @@ def _keep_bytes(trace: ModelTrace, unit: Unit, owned: set[str]) -> int:
 
 def activation_keep_bytes(trace: ModelTrace, units: list[Unit]) -> list[int]:
     return [_keep_bytes(trace, unit, set(unit.ops)) for unit in units]
+
+
+def backward_points(ops: list[OpRecord], owners: list[int], seg: Segment,
+                    checkpointed: bool) -> list[tuple[str, BackwardPeak]]:
+    """The backward of a segment, op by op in reverse order. While op j's backward runs it holds:
+    - the activations saved by the segment's ops up to j (an op's are freed once its backward ran;
+      a storage that several ops saved counts for the first, see trace.saved_tensor_recorder);
+    - the backward's own storages alive then, at their most during j (op.bwd_live_bytes: the gradient
+      coming in, those going out, temporaries; traced);
+    - the parameter gradients its unit has computed so far, unsharded (in later segments and j..last).
+    Activations of earlier segments are the timeline's. Checkpointed, the unit's saved activations
+    are recomputed when its backward first needs one, in the backward of its last op that saved
+    any: the recomputation's forward (saved activations so far plus the op's transients, as in the
+    forward) runs then, with that op's incoming gradients alive; and the activations of the unit's
+    earlier segments are recomputed ones, alive through this segment. Labelled by op name."""
+    unit = seg.unit
+    span = range(seg.first_op, seg.last_op + 1)
+
+    def grads_after(position: int) -> int:  # the unit's parameter gradients computed by ops after it
+        return sum(op.param_grad_bytes for op, u in zip(ops[position + 1:], owners[position + 1:]) if u == unit)
+
+    saved_upto = {}  # saved by the segment's ops up to and including each (and by earlier segments when recomputed)
+    running = sum(op.saved_bytes for op, u in zip(ops[:seg.first_op], owners[:seg.first_op])
+                  if u == unit) if checkpointed else 0
+    for position in span:
+        running += ops[position].saved_bytes
+        saved_upto[position] = running
+    points = [(ops[p].name, BackwardPeak(saved_upto[p], ops[p].bwd_live_bytes + ops[p].param_grad_bytes
+                                         + grads_after(p))) for p in reversed(span)]
+    last_saver = max((p for p, u in enumerate(owners) if u == unit and ops[p].saved_bytes), default=None)
+    if checkpointed and last_saver in span:
+        held = ops[last_saver].bwd_in_bytes + grads_after(last_saver)
+        points += [(f"recompute {ops[p].name}", BackwardPeak(
+            saved_upto[p], held + max(ops[p].fwd_max_alloc_bytes, ops[p].fwd_transient_bytes)))
+            for p in span if p <= last_saver]
+    return points
+
+
+def backward_peak(ops: list[OpRecord], owners: list[int], seg: Segment, checkpointed: bool) -> BackwardPeak:
+    """The most the segment's backward holds (see backward_points)."""
+    return max((point for _, point in backward_points(ops, owners, seg, checkpointed)),
+               key=lambda point: point.total, default=BackwardPeak(0, 0))
 
 
 def build_cost_table(
@@ -245,12 +302,18 @@ def build_cost_table(
             seg = segments[-1]
             seg.last_op = position
         else:
-            seg = Segment(owner[op.name], position, position, 0, 0, 0)
+            seg = Segment(owner[op.name], position, position, 0, 0)
             segments.append(seg)
         seg.saved_bytes += op.saved_bytes
         seg.fwd_temp_bytes = max(seg.fwd_temp_bytes, op.fwd_max_alloc_bytes, op.fwd_transient_bytes)
-        # a gradient in flight and the one it produces are alive together
-        seg.bwd_temp_bytes = max(seg.bwd_temp_bytes, 2 * op.bwd_max_alloc_bytes)
+    owners = [owner[op.name] for op in ops]
+    for seg in segments:
+        seg.bwd_peak = backward_peak(ops, owners, seg, checkpointed=False)
+        seg.bwd_peak_checkpointed = backward_peak(ops, owners, seg, checkpointed=True)
+        around = [u for u, unit in enumerate(units)
+                  if u != seg.unit and unit.first_op <= seg.first_op <= unit.last_op]
+        seg.outer_grad_bytes = sum(op.param_grad_bytes for op, u in zip(ops[seg.last_op + 1:], owners[seg.last_op + 1:])
+                                   if u in around)
 
     return CostTable(
         units=units, options=all_options, costs=all_costs, segments=segments,

@@ -1,6 +1,8 @@
 """Memory and time model checked against numbers computed by hand."""
 
 import pytest
+import torch.nn as nn
+import torch.nn.functional as F
 
 from autoplan.models import build_model, count_params
 from autoplan.search import _TraceCache, resolve_cluster
@@ -168,14 +170,68 @@ def test_backward_holds_the_previous_units_reduction_input(tiny_gpt2_trace):
         index = {unit.path: u for u, unit in enumerate(table.units)}
         cost = {path: table.costs[u][choices[u]] for path, u in index.items()}
         seg = next(s for s in table.segments if s.unit == index["transformer.h.0"])
-        running = cost["transformer.h.0"].unsharded_grad_bytes + cost[""].unsharded_grad_bytes
+        peak = seg.bwd_peak_checkpointed if checkpoint else seg.bwd_peak
         assert points["bwd transformer.h.0"]["temporaries"] == (
-            seg.bwd_temp_bytes + running + cost["transformer.h.1"].reduce_buffer_bytes)
+            peak.temporaries + seg.outer_grad_bytes + cost["transformer.h.1"].reduce_buffer_bytes)
+        running = cost["transformer.h.0"].unsharded_grad_bytes + cost[""].unsharded_grad_bytes
         assert points["reduce transformer.h.0"]["temporaries"] == (
             running + cost["transformer.h.0"].reduce_buffer_bytes)
     # nothing is reduced before the last block's backward
     blocks = [unit.path for unit in table.units if unit.path.startswith("transformer.h.")]
     last = max(blocks, key=lambda path: int(path.rsplit(".", 1)[1]))
     seg = next(s for s in table.segments if s.unit == index[last])
-    assert points[f"bwd {last}"]["temporaries"] == (
-        seg.bwd_temp_bytes + cost[last].unsharded_grad_bytes + cost[""].unsharded_grad_bytes)
+    assert points[f"bwd {last}"]["temporaries"] == seg.bwd_peak_checkpointed.temporaries + seg.outer_grad_bytes
+
+
+class Mlp(nn.Module):
+    """embed -> up (8 -> 32) -> gelu -> down (32 -> 8) -> head (8 -> 16); traced in bf16 at micro-batch 2,
+    sequence 4, a [2, 4, 8] activation is 128 bytes and a [2, 4, 32] one 512."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.up = nn.Linear(8, 32, bias=False)
+        self.down = nn.Linear(32, 8, bias=False)
+        self.head = nn.Linear(8, 16, bias=False)
+
+    def forward(self, ids):
+        return self.head(self.down(F.gelu(self.up(self.embed(ids)))))
+
+
+def test_tracer_follows_the_backwards_gradients_and_parameter_gradients():
+    from autoplan.trace import trace_model
+
+    ops = {op.name: op for op in trace_model(Mlp(), 2, 4, "bf16").ops}
+    # the loss's scalar gradient (4 bytes) lives through the whole backward
+    # down: receives d(down out) [2,4,8] and produces d(gelu out) [2,4,32]; its weight gradient apart
+    assert (ops["down"].bwd_in_bytes, ops["down"].bwd_live_bytes, ops["down"].param_grad_bytes) == (
+        4 + 128, 4 + 128 + 512, 32 * 8 * 2)
+    # gelu: d(down out) is consumed by then; receives d(gelu out), produces d(up out)
+    assert (ops["gelu"].bwd_in_bytes, ops["gelu"].bwd_live_bytes, ops["gelu"].param_grad_bytes) == (
+        4 + 512, 4 + 512 + 512, 0)
+    assert (ops["up"].saved_bytes, ops["gelu"].saved_bytes, ops["down"].saved_bytes) == (128, 512, 512)
+
+
+def test_backward_peak_frees_each_ops_saved_activations_once_its_backward_ran():
+    from autoplan.trace import trace_model
+    from cost_models.table import BackwardPeak, Segment, backward_peak, backward_points
+
+    ops = trace_model(Mlp(), 2, 4, "bf16").ops
+    assert [op.name for op in ops] == ["embed", "up", "gelu", "down", "head", "loss"]
+    owners = [0, 1, 1, 1, 0, 0]  # a unit of up, gelu and down inside the root
+    seg = Segment(1, 1, 3, saved_bytes=128 + 512 + 512, fwd_temp_bytes=512)
+    points = dict(backward_points(ops, owners, seg, checkpointed=False))
+    down_grad, up_grad = 32 * 8 * 2, 8 * 32 * 2
+    # down: every saved activation (x, up's output, gelu's output) alive, gradients in flight
+    assert points["down"] == BackwardPeak(128 + 512 + 512, 4 + 128 + 512 + down_grad)
+    # gelu: down's backward freed gelu's output it saved; d(up out) is being produced
+    assert points["gelu"] == BackwardPeak(128 + 512, 4 + 512 + 512 + down_grad)
+    assert points["up"] == BackwardPeak(128, 4 + 512 + 128 + down_grad + up_grad)
+    assert backward_peak(ops, owners, seg, False) == points["down"]
+    # the coarse charge (all saved + twice the largest gradient + all unit gradients) was 3200 bytes
+    assert points["down"].total == 2308 < (128 + 512 + 512) + 2 * 512 + down_grad + up_grad
+    # checkpointed: recomputed in down's backward (the last op that saves), with d(down out) alive;
+    # the recomputation's forward holds no more than the backward of down
+    checkpointed = dict(backward_points(ops, owners, seg, checkpointed=True))
+    assert checkpointed["recompute down"] == BackwardPeak(128 + 512 + 512, 4 + 128 + 128)
+    assert backward_peak(ops, owners, seg, True) == points["down"]
