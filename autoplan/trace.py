@@ -68,7 +68,6 @@ class OpRecord:
     saved_bytes: int = 0  # bytes first saved for backward by this op (excluding parameters)
     fwd_max_alloc_bytes: int = 0  # largest single tensor the forward allocates (a transient)
     fwd_transient_bytes: int = 0  # held while the op runs beyond saved activations (see fill_forward_transients)
-    bwd_max_alloc_bytes: int = 0
     # the backward's own storages (gradients and temporaries; not parameter gradients) alive when this
     # op's backward starts, and at most while it runs, and the parameter gradients it computes
     bwd_in_bytes: int = 0
@@ -191,15 +190,12 @@ class _CostMode(TorchDispatchMode):
             inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
             outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
             moved = sum(map(_tensor_bytes, inputs)) + sum(map(_tensor_bytes, outputs))
-            largest = max(map(_tensor_bytes, outputs), default=0)
-            if self.backward:
-                record.bwd_max_alloc_bytes = max(record.bwd_max_alloc_bytes, largest)
-            else:
-                record.fwd_max_alloc_bytes = max(record.fwd_max_alloc_bytes, largest)
             if self.backward:
                 for tensor in outputs:
                     self._track_backward_alloc(tensor)
             else:
+                largest = max(map(_tensor_bytes, outputs), default=0)
+                record.fwd_max_alloc_bytes = max(record.fwd_max_alloc_bytes, largest)
                 for tensor in outputs:
                     self.keep_alive.append(tensor.untyped_storage())
                     key = _storage_key(tensor)
@@ -484,7 +480,7 @@ def fill_backward_liveness(records: dict[str, OpRecord], mode: _CostMode, model:
 
 _SCALED_FIELDS = (
     "out_bytes", "fwd_flops", "bwd_flops", "fwd_bytes", "bwd_bytes", "saved_bytes",
-    "fwd_max_alloc_bytes", "bwd_max_alloc_bytes", "fwd_transient_bytes", "bwd_in_bytes", "bwd_live_bytes",
+    "fwd_max_alloc_bytes", "fwd_transient_bytes", "bwd_in_bytes", "bwd_live_bytes",
     "param_grad_bytes",
 )
 

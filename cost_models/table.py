@@ -40,7 +40,6 @@ class OptionCost:
     gathered_bytes: int
     held_bytes: int  # gathered bytes kept from its forward to its backward (reshard_after_forward=False)
     activation_bytes: int  # saved for backward per micro-batch
-    recompute_bytes: int  # extra activations rematerialised during its backward (checkpointing)
     unsharded_grad_bytes: int  # gradients as backward computes them (compute dtype, all rows)
     reduce_buffer_bytes: int  # reduce-scatter / all-reduce input FSDP2 copies them into (reduce dtype)
     fwd_s: float
@@ -272,7 +271,6 @@ def build_cost_table(
                 gathered_bytes=gathered,
                 held_bytes=0 if option.kind.reshard_after_forward else gathered,
                 activation_bytes=keep_bytes[index] if option.checkpoint else saved,
-                recompute_bytes=saved if option.checkpoint else 0,
                 unsharded_grad_bytes=padded * precision.compute_bytes,
                 reduce_buffer_bytes=padded * precision.reduce_bytes,
                 fwd_s=fwd_s * (cs if comm_fwd > 0 else 1.0),
