@@ -21,7 +21,7 @@ import torch.nn as nn
 from cost_models.evaluate import Evaluation, evaluate, uniform_choices
 from cost_models.memory import CATEGORIES, total
 from cost_models.step import lower_bound_step_s
-from cost_models.table import ClusterShape, CostTable, activation_keep_bytes, build_cost_table
+from cost_models.table import ClusterShape, CostTable, activation_keep_bytes, build_cost_table, kept_saved_bytes
 
 from . import __version__
 from .errors import AutoplanError, InfeasibleError, UsageError
@@ -161,13 +161,17 @@ class _TraceCache:
         self.units = build_units(model, self.trace_1, granularity)
         self.keep_1 = activation_keep_bytes(self.trace_1, self.units)
         self.keep_2 = activation_keep_bytes(self.trace_2, self.units)
+        self.kept_saved_1 = kept_saved_bytes(self.trace_1, self.units)
+        self.kept_saved_2 = kept_saved_bytes(self.trace_2, self.units)
 
     def table(self, micro_batch_size: int, grad_accum_steps: int, cluster: Cluster, seq_len: int,
               dtype: str, optimizer: str) -> CostTable:
         ops = extrapolate_ops(self.trace_1.ops, self.trace_2.ops, micro_batch_size)
         keep = [a + (b - a) * (micro_batch_size - 1) for a, b in zip(self.keep_1, self.keep_2)]
+        kept_saved = {name: a + (self.kept_saved_2.get(name, 0) - a) * (micro_batch_size - 1)
+                      for name, a in self.kept_saved_1.items()}
         return build_cost_table(self.units, ops, keep, cluster.profile, cluster.shape, micro_batch_size,
-                                grad_accum_steps, seq_len, dtype, optimizer)
+                                grad_accum_steps, seq_len, dtype, optimizer, kept_saved)
 
 
 class TracedModel:

@@ -143,9 +143,11 @@ def per_tensor_optimizer_scratch_bytes(units: list[Unit], precision: Precision, 
     return max((p.numel for unit in units for p in unit.params), default=0) * precision.state_bytes
 
 
-def _keep_bytes(trace: ModelTrace, unit: Unit, owned: set[str]) -> int:
-    """Bytes a checkpointed unit keeps: its inputs produced outside it, unless saved elsewhere already."""
-    keep: dict[int, int] = {}
+def _kept_inputs(trace: ModelTrace, unit: Unit) -> dict[int, tuple[int, str | None]]:
+    """What a checkpointed unit keeps: its inputs produced outside it, unless saved elsewhere already.
+    Storage -> (bytes, the unit's op that saved it first, if one did)."""
+    owned = set(unit.ops)
+    keep: dict[int, tuple[int, str | None]] = {}
     for name in unit.ops:
         for storage, nbytes in trace.input_storages.get(name, []):
             producer = trace.storage_producer.get(storage)
@@ -154,16 +156,28 @@ def _keep_bytes(trace: ModelTrace, unit: Unit, owned: set[str]) -> int:
             saver = trace.saved_storages.get(storage)
             if saver is not None and saver[1] not in owned:
                 continue  # already kept alive by an op outside this unit
-            keep[storage] = nbytes
-    return sum(keep.values())
+            keep[storage] = (nbytes, saver[1] if saver is not None else None)
+    return keep
 
 
 def activation_keep_bytes(trace: ModelTrace, units: list[Unit]) -> list[int]:
-    return [_keep_bytes(trace, unit, set(unit.ops)) for unit in units]
+    """Per unit, the bytes it keeps from its forward to its backward when checkpointed."""
+    return [sum(nbytes for nbytes, _ in _kept_inputs(trace, unit).values()) for unit in units]
 
 
-def backward_points(ops: list[OpRecord], owners: list[int], seg: Segment,
-                    checkpointed: bool) -> list[tuple[str, BackwardPeak]]:
+def kept_saved_bytes(trace: ModelTrace, units: list[Unit]) -> dict[str, int]:
+    """Per op, the bytes it saved first that its checkpointed unit keeps anyway (an input, e.g. a
+    block's first norm saves the block's input): counted in the unit's kept bytes, not recomputed."""
+    kept: dict[str, int] = {}
+    for unit in units:
+        for nbytes, saver in _kept_inputs(trace, unit).values():
+            if saver is not None:
+                kept[saver] = kept.get(saver, 0) + nbytes
+    return kept
+
+
+def backward_points(ops: list[OpRecord], owners: list[int], seg: Segment, checkpointed: bool,
+                    kept_saved: dict[str, int] | None = None) -> list[tuple[str, BackwardPeak]]:
     """The backward of a segment, op by op in reverse order. While op j's backward runs it holds:
     - the activations saved by the segment's ops up to j (an op's are freed once its backward ran;
       a storage that several ops saved counts for the first, see trace.saved_tensor_recorder);
@@ -174,18 +188,23 @@ def backward_points(ops: list[OpRecord], owners: list[int], seg: Segment,
     are recomputed when its backward first needs one, in the backward of its last op that saved
     any: the recomputation's forward (saved activations so far plus the op's transients, as in the
     forward) runs then, with that op's incoming gradients alive; and the activations of the unit's
-    earlier segments are recomputed ones, alive through this segment. Labelled by op name."""
+    earlier segments are recomputed ones, alive through this segment; what the unit keeps from the
+    forward (kept_saved, see kept_saved_bytes) is the timeline's. Labelled by op name."""
     unit = seg.unit
     span = range(seg.first_op, seg.last_op + 1)
+    kept_saved = kept_saved if checkpointed and kept_saved else {}
+
+    def saved(op: OpRecord) -> int:
+        return op.saved_bytes - kept_saved.get(op.name, 0)
 
     def grads_after(position: int) -> int:  # the unit's parameter gradients computed by ops after it
         return sum(op.param_grad_bytes for op, u in zip(ops[position + 1:], owners[position + 1:]) if u == unit)
 
     saved_upto = {}  # saved by the segment's ops up to and including each (and by earlier segments when recomputed)
-    running = sum(op.saved_bytes for op, u in zip(ops[:seg.first_op], owners[:seg.first_op])
+    running = sum(saved(op) for op, u in zip(ops[:seg.first_op], owners[:seg.first_op])
                   if u == unit) if checkpointed else 0
     for position in span:
-        running += ops[position].saved_bytes
+        running += saved(ops[position])
         saved_upto[position] = running
     points = [(ops[p].name, BackwardPeak(saved_upto[p], ops[p].bwd_live_bytes + ops[p].param_grad_bytes
                                          + grads_after(p))) for p in reversed(span)]
@@ -198,9 +217,10 @@ def backward_points(ops: list[OpRecord], owners: list[int], seg: Segment,
     return points
 
 
-def backward_peak(ops: list[OpRecord], owners: list[int], seg: Segment, checkpointed: bool) -> BackwardPeak:
+def backward_peak(ops: list[OpRecord], owners: list[int], seg: Segment, checkpointed: bool,
+                  kept_saved: dict[str, int] | None = None) -> BackwardPeak:
     """The most the segment's backward holds (see backward_points)."""
-    return max((point for _, point in backward_points(ops, owners, seg, checkpointed)),
+    return max((point for _, point in backward_points(ops, owners, seg, checkpointed, kept_saved)),
                key=lambda point: point.total, default=BackwardPeak(0, 0))
 
 
@@ -215,7 +235,9 @@ def build_cost_table(
     seq_len: int,
     dtype: str,
     optimizer: str,
+    kept_saved: dict[str, int] | None = None,
 ) -> CostTable:
+    """`keep_bytes` (per unit) and `kept_saved` (per op, see kept_saved_bytes) at this micro-batch."""
     precision = PRECISIONS[dtype]
     compute = ComputeModel(profile, precision.compute_dtype)
     comm = CommModel(profile)
@@ -307,7 +329,7 @@ def build_cost_table(
     owners = [owner[op.name] for op in ops]
     for seg in segments:
         seg.bwd_peak = backward_peak(ops, owners, seg, checkpointed=False)
-        seg.bwd_peak_checkpointed = backward_peak(ops, owners, seg, checkpointed=True)
+        seg.bwd_peak_checkpointed = backward_peak(ops, owners, seg, checkpointed=True, kept_saved=kept_saved)
         around = [u for u, unit in enumerate(units)
                   if u != seg.unit and unit.first_op <= seg.first_op <= unit.last_op]
         seg.outer_grad_bytes = sum(op.param_grad_bytes for op, u in zip(ops[seg.last_op + 1:], owners[seg.last_op + 1:])
