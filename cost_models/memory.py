@@ -120,22 +120,25 @@ def timeline(table: CostTable, alg: Algebra) -> list[MemoryPoint]:
     grads_in_step = grads_all if table.grad_accum_steps > 1 else 0
     fwd_points, bwd_points = [], []
     for index, seg in enumerate(segments):
-        around = running_units(seg.first_op)
+        # the loss runs after the model's forward returned and before its backward starts: FSDP2 holds no
+        # unit gathered then (apply sets reshard_after_forward explicitly, so the root reshards too)
+        around = [] if seg.outside_model else running_units(seg.first_op)
+        label = "loss" if seg.outside_model else units[seg.unit].path or "<root>"
         held_done = held_upto[count_before(by_last, lambda u: u.last_op, seg.first_op)]
 
         upcoming = [u for u in range(n_units) if units[u].first_op > seg.last_op]
-        prefetch_fwd = min(upcoming, key=lambda u: units[u].first_op) if upcoming else None
+        prefetch_fwd = min(upcoming, key=lambda u: units[u].first_op) if upcoming and not seg.outside_model else None
         gathered_fwd = _sum([pick(u, "gathered_bytes") for u in around]) + held_done
         if prefetch_fwd is not None:
             gathered_fwd = gathered_fwd + pick(prefetch_fwd, "gathered_bytes")
-        fwd_points.append(MemoryPoint(f"fwd {units[seg.unit].path or '<root>'}", {
+        fwd_points.append(MemoryPoint(f"fwd {label}", {
             "params": params_all, "grads": grads_in_step, "optimizer": optimizer_all,
             "activations": activations_upto[index], "gathered": gathered_fwd,
             "temporaries": seg.fwd_temp_bytes,
         }))
 
         finished = [u for u in range(n_units) if units[u].last_op < seg.first_op]
-        prefetch_bwd = max(finished, key=lambda u: units[u].last_op) if finished else None
+        prefetch_bwd = max(finished, key=lambda u: units[u].last_op) if finished and not seg.outside_model else None
         gathered_bwd = held_done
         if prefetch_bwd is not None:  # prefetched for the next backward unless already held
             gathered_bwd = gathered_bwd + alg.pick(prefetch_bwd, [
@@ -150,7 +153,7 @@ def timeline(table: CostTable, alg: Algebra) -> list[MemoryPoint]:
         peak = [seg.bwd_peak_checkpointed if option.checkpoint else seg.bwd_peak for option in table.options[seg.unit]]
         kept = [cost.activation_bytes if option.checkpoint and index == first_segment_of[seg.unit] else 0
                 for option, cost in zip(table.options[seg.unit], table.costs[seg.unit])]
-        bwd_here = [MemoryPoint(f"bwd {units[seg.unit].path or '<root>'}", {
+        bwd_here = [MemoryPoint(f"bwd {label}", {
             "params": params_all, "grads": grads_done, "optimizer": optimizer_all,
             "activations": (activations_upto[index - 1] if index > 0 else 0)
             + alg.pick(seg.unit, [k + p.activations for k, p in zip(kept, peak)]),

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from autoplan.options import Option, options_for
 from autoplan.profiles import DeviceProfile
-from autoplan.trace import ModelTrace, OpRecord
+from autoplan.trace import LOSS_NODE, ModelTrace, OpRecord
 from autoplan.units import Unit
 
 from .comm import CommModel
@@ -80,6 +80,7 @@ class Segment:
     bwd_peak_checkpointed: BackwardPeak = BackwardPeak(0, 0)
     # parameter gradients that the units around its unit have computed when its backward runs
     outer_grad_bytes: int = 0
+    outside_model: bool = False  # the loss, computed on the model's output (it is the root's op)
 
 
 @dataclass
@@ -318,11 +319,11 @@ def build_cost_table(
     segments: list[Segment] = []
     for op in ops:
         position = op_index[op.name]
-        if segments and segments[-1].unit == owner[op.name]:
+        if segments and segments[-1].unit == owner[op.name] and op.name != LOSS_NODE:
             seg = segments[-1]
             seg.last_op = position
         else:
-            seg = Segment(owner[op.name], position, position, 0, 0)
+            seg = Segment(owner[op.name], position, position, 0, 0, outside_model=op.name == LOSS_NODE)
             segments.append(seg)
         seg.saved_bytes += op.saved_bytes
         seg.fwd_temp_bytes = max(seg.fwd_temp_bytes, op.fwd_max_alloc_bytes, op.fwd_transient_bytes)

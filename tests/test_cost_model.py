@@ -235,3 +235,15 @@ def test_backward_peak_frees_each_ops_saved_activations_once_its_backward_ran():
     checkpointed = dict(backward_points(ops, owners, seg, checkpointed=True))
     assert checkpointed["recompute down"] == BackwardPeak(128 + 512 + 512, 4 + 128 + 128)
     assert backward_peak(ops, owners, seg, True) == points["down"]
+
+
+def test_the_loss_runs_with_nothing_gathered(tiny_gpt2_trace):
+    # apply() passes reshard_after_forward explicitly, so FSDP2 reshards the root after its forward too;
+    # the loss's forward and backward come between the model's forward and the root's pre-backward
+    # all-gather (and the prefetch of the last block). Measured with autoplan.memtrack on 2 gloo ranks.
+    _, traced = tiny_gpt2_trace
+    table = _table(traced, gpus=2, micro_batch=4)
+    for sharding in ("shard", "replicate"):
+        points = {p.label: p.parts for p in evaluate(table, uniform_choices(table, sharding, False)).points}
+        assert points["fwd loss"]["gathered"] == points["bwd loss"]["gathered"] == 0
+        assert points["bwd <root>"]["gathered"] > 0
