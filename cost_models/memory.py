@@ -12,8 +12,11 @@ At the backward of s: the activations of segments 1..s-1 (those of later segment
 inputs a checkpointed u keeps, reduced gradients of units whose backward finished, the parameter
 gradients the units around u have computed so far (unsharded, compute dtype), and the peak of s's
 backward simulated op by op (table.backward_peak): s's saved or recomputed activations not yet
-consumed, gradients in flight and u's parameter gradients so far. When a unit's backward is done, FSDP2 reshards it and copies its gradients
-into the reduction input (reduce dtype): a "reduce" point with that unit's activations freed.
+consumed, gradients in flight and u's parameter gradients so far.
+The loss is a segment of its own: it runs after the model's forward and before its backward, when
+FSDP2 holds no unit gathered (not even the root: apply sets reshard_after_forward explicitly).
+When a unit's backward is done, FSDP2 reshards it and copies its gradients into the reduction input
+(reduce dtype): a "reduce" point with that unit's activations freed.
 FSDP2 keeps that reduction input alive until the next unit's post-backward (it frees the previous
 one just before allocating its own; reduce_scatter_max_input_buffers=1), so the backward points
 between two reductions hold the last reduced unit's reduction input too.

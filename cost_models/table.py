@@ -198,9 +198,11 @@ def backward_points(ops: list[OpRecord], owners: list[int], seg: Segment, checkp
     def saved(op: OpRecord) -> int:
         return op.saved_bytes - kept_saved.get(op.name, 0)
 
-    def grads_after(position: int) -> int:  # the unit's parameter gradients computed by ops after it
-        return sum(op.param_grad_bytes for op, u in zip(ops[position + 1:], owners[position + 1:]) if u == unit)
-
+    grads_after = {}  # the unit's parameter gradients computed by the ops after each (its backward ran)
+    grads = sum(op.param_grad_bytes for op, u in zip(ops[seg.last_op + 1:], owners[seg.last_op + 1:]) if u == unit)
+    for position in reversed(span):
+        grads_after[position] = grads
+        grads += ops[position].param_grad_bytes
     saved_upto = {}  # saved by the segment's ops up to and including each (and by earlier segments when recomputed)
     running = sum(saved(op) for op, u in zip(ops[:seg.first_op], owners[:seg.first_op])
                   if u == unit) if checkpointed else 0
@@ -208,10 +210,10 @@ def backward_points(ops: list[OpRecord], owners: list[int], seg: Segment, checkp
         running += saved(ops[position])
         saved_upto[position] = running
     points = [(ops[p].name, BackwardPeak(saved_upto[p], ops[p].bwd_live_bytes + ops[p].param_grad_bytes
-                                         + grads_after(p))) for p in reversed(span)]
+                                         + grads_after[p])) for p in reversed(span)]
     last_saver = max((p for p, u in enumerate(owners) if u == unit and ops[p].saved_bytes), default=None)
     if checkpointed and last_saver in span:
-        held = ops[last_saver].bwd_in_bytes + grads_after(last_saver)
+        held = ops[last_saver].bwd_in_bytes + grads_after[last_saver]
         points += [(f"recompute {ops[p].name}", BackwardPeak(
             saved_upto[p], held + max(ops[p].fwd_max_alloc_bytes, ops[p].fwd_transient_bytes)))
             for p in span if p <= last_saver]
