@@ -175,8 +175,7 @@ def timeline(table: CostTable, alg: Algebra) -> list[MemoryPoint]:
                 "optimizer": optimizer_all,
                 "activations": activations_upto[index - 1] if index > 0 else 0,
                 "gathered": gathered_bwd + _sum([pick(v, "gathered_bytes") for v in outer]),
-                "temporaries": pick(u, "unsharded_grad_bytes") + pick(u, "reduce_buffer_bytes")
-                + _sum([pick(v, "unsharded_grad_bytes") for v in outer]),
+                "temporaries": pick(u, "reduce_peak_bytes") + _sum([pick(v, "unsharded_grad_bytes") for v in outer]),
             }))
         bwd_points.append(bwd_here)
 

@@ -42,6 +42,7 @@ class OptionCost:
     activation_bytes: int  # saved for backward per micro-batch
     unsharded_grad_bytes: int  # gradients as backward computes them (compute dtype, all rows)
     reduce_buffer_bytes: int  # reduce-scatter / all-reduce input FSDP2 copies them into (reduce dtype)
+    reduce_peak_bytes: int  # the most its post-backward holds of these (see _reduce_peak_bytes)
     fwd_s: float
     bwd_s: float
     comm_fwd_s: float
@@ -142,6 +143,16 @@ def per_tensor_optimizer_scratch_bytes(units: list[Unit], precision: Precision, 
     if device_type == "cuda" or not OPTIMIZER_STATES[optimizer]:
         return 0
     return max((p.numel for unit in units for p in unit.params), default=0) * precision.state_bytes
+
+
+def _reduce_peak_bytes(padded: int, local: int, shard: int, precision: Precision, device_type: str) -> int:
+    """FSDP2's post-backward (foreach_reduce) copies the unsharded gradients into the reduction input
+    and frees them, then allocates the reduction output (the new sharded gradient) and reduces. On the
+    CPU, gloo's reduce-scatter works on a copy of its input (measured with autoplan.memtrack: a second
+    reduce-dtype buffer of the input's size, alive during the call); NCCL reduces in place."""
+    reduction_input = padded * precision.reduce_bytes
+    scratch = reduction_input if device_type != "cuda" and shard > 1 else 0
+    return reduction_input + max(padded * precision.compute_bytes, local * precision.reduce_bytes + scratch)
 
 
 def _kept_inputs(trace: ModelTrace, unit: Unit) -> dict[int, tuple[int, str | None]]:
@@ -298,6 +309,7 @@ def build_cost_table(
                 activation_bytes=keep_bytes[index] if option.checkpoint else saved,
                 unsharded_grad_bytes=padded * precision.compute_bytes,
                 reduce_buffer_bytes=padded * precision.reduce_bytes,
+                reduce_peak_bytes=_reduce_peak_bytes(padded, local, shard, precision, profile.device_type),
                 fwd_s=fwd_s * (cs if comm_fwd > 0 else 1.0),
                 bwd_s=bwd_total * (cs if comm_bwd > 0 else 1.0),
                 comm_fwd_s=comm_fwd * (ms if fwd_s > 0 else 1.0),

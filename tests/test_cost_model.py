@@ -247,3 +247,22 @@ def test_the_loss_runs_with_nothing_gathered(tiny_gpt2_trace):
         points = {p.label: p.parts for p in evaluate(table, uniform_choices(table, sharding, False)).points}
         assert points["fwd loss"]["gathered"] == points["bwd loss"]["gathered"] == 0
         assert points["bwd <root>"]["gathered"] > 0
+
+
+def test_gloo_reduce_scatter_holds_a_copy_of_its_input(tiny_gpt2_trace):
+    # FSDP2's post-backward frees the unsharded gradients once copied into the reduction input, then
+    # allocates the output; gloo reduces a copy of the input (NCCL in place). Measured with
+    # autoplan.memtrack on 2 gloo ranks: input + copy + output at the reduce point.
+    _, traced = tiny_gpt2_trace
+    points = {}
+    for profile in ("a100-sxm4-80gb", "cpu-gloo-2"):
+        table = traced.table(4, 1, resolve_cluster(2, None, None, profile), 64, "bf16-mixed", "adamw")
+        choices = uniform_choices(table, "shard", False)
+        points[profile] = {p.label: p.parts for p in evaluate(table, choices).points}
+        block = next(u for u, unit in enumerate(table.units) if unit.path == "transformer.h.1")
+        cost = table.costs[block][choices[block]]
+        output = cost.local_numel * 4  # fp32 reduction of a bf16-mixed plan
+        copy = cost.reduce_buffer_bytes if profile == "cpu-gloo-2" else 0
+        assert cost.reduce_peak_bytes == cost.reduce_buffer_bytes + max(cost.unsharded_grad_bytes, output + copy)
+    assert (points["cpu-gloo-2"]["reduce transformer.h.1"]["temporaries"]
+            - points["a100-sxm4-80gb"]["reduce transformer.h.1"]["temporaries"] == cost.reduce_buffer_bytes)
