@@ -55,7 +55,7 @@ def options_for(is_leaf: bool, is_root: bool, nodes: int) -> list[Option]:
         if kind.multi_node_only and nodes < 2:
             continue
         if is_root and not kind.reshard_after_forward:
-            continue  # FSDP2 never reshards the root after forward: shard_keep is the same as shard
+            continue  # not offered for the root yet (apply reshards it after forward like any unit)
         options.append(Option(kind.name, False))
         if is_leaf and not is_root:
             options.append(Option(kind.name, True))

@@ -291,7 +291,7 @@ def build_cost_table(
                 "all_reduce", local * precision.reduce_bytes, replicas, _scope(replicas, cluster, shard == 1 or
                                                                                option.kind.shard_group == "node")
             )
-            regathers = option.kind.reshard_after_forward and not unit.is_root
+            regathers = option.kind.reshard_after_forward  # the root too: apply sets the flag explicitly
             regather = all_gather if regathers else 0.0
             comm_fwd, comm_bwd = all_gather, regather + reduce_scatter + all_reduce
             has_params = bool(unit.params)
