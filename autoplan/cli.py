@@ -51,6 +51,9 @@ def _add_search(subparsers) -> None:
                         help="no solver: every unit takes this sharding (a uniform plan to run or compare)")
     parser.add_argument("--checkpoint", action="store_true", help="with --strategy: checkpoint every block")
     parser.add_argument("--time-limit", type=positive_float, default=10.0, help="solver seconds per micro-batch size")
+    parser.add_argument("--headroom", type=float, default=None,
+                        help="fraction of --mem kept free against prediction error and run-to-run variation "
+                             "(default 0.02: plans fit 98%% of --mem)")
     parser.add_argument("-o", "--out", default="plan.json", help="plan file to write (default plan.json)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON instead of the table")
     parser.set_defaults(handler=_run_search)
@@ -70,6 +73,7 @@ def _run_search(args) -> int:
         profile=args.profile, seq_len=args.seq_len, batch_size=args.batch_size, global_batch=args.global_batch,
         dtype=args.dtype, optimizer=args.optimizer, granularity=args.granularity, time_limit_s=args.time_limit,
         strategy=args.strategy, checkpoint=args.checkpoint,
+        **({} if args.headroom is None else {"headroom": args.headroom}),
     )
     plan.save(args.out)
     if args.json:

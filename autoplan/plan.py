@@ -47,6 +47,7 @@ class ClusterSpec(_Strict):
     profile: str
     device_mem_bytes: int
     mem_limit_bytes: int
+    mem_headroom: float = 0.0  # the plan fits mem_limit_bytes * (1 - mem_headroom)
 
 
 class TrainingSpec(_Strict):

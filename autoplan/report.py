@@ -74,7 +74,8 @@ def format_plan(plan: Plan, cluster_is_default: bool = False) -> str:
     b = p.breakdown
     lines += [
         "",
-        f"peak memory per GPU {format_bytes(p.peak_mem_bytes)} of {format_bytes(c.mem_limit_bytes)}, at {p.peak_point}:",
+        f"peak memory per GPU {format_bytes(p.peak_mem_bytes)} of {format_bytes(c.mem_limit_bytes)}"
+        + (f" ({c.mem_headroom:.0%} kept free)" if c.mem_headroom else "") + f", at {p.peak_point}:",
         f"  params {format_bytes(b.params_bytes)} | grads {format_bytes(b.grads_bytes)} | optimizer "
         f"{format_bytes(b.optimizer_bytes)} | activations {format_bytes(b.activations_bytes)} | gathered params "
         f"{format_bytes(b.gathered_bytes)} | temporaries {format_bytes(b.temporaries_bytes)}",

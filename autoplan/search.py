@@ -11,6 +11,7 @@ and estimates of one model trace it once.
 from __future__ import annotations
 
 import json
+import math
 import re
 
 from dataclasses import dataclass
@@ -44,6 +45,10 @@ DEFAULT_MODEL = "gpt2-1.5b"
 DEFAULT_PROFILE = "a100-sxm4-80gb"
 DEFAULT_GPUS_PER_NODE = 8
 MAX_MICRO_BATCH = 256
+# plans are made to this fraction below --mem: predicted peaks land within ~1% of measured ones (see
+# benchmarks/RESULTS.md), and a run's peak varies by a little more between steps and runs
+DEFAULT_HEADROOM = 0.02
+MAX_HEADROOM = 0.5
 DTYPES = ("bf16-mixed", "bf16", "fp32")
 OPTIMIZERS = ("adamw", "adam", "sgd")
 BASELINES = (("all-shard", "shard", False), ("all-shard+ckpt", "shard", True), ("all-replicate", "replicate", False))
@@ -323,10 +328,11 @@ def _baselines(tables: list[CostTable], mem_limit_bytes: int) -> list[Baseline]:
     return baselines
 
 
-def _infeasible(table: CostTable, mem_limit_bytes: int, model_name: str, cluster: Cluster, time_limit_s: float,
-                fixed_batch: bool) -> InfeasibleError:
+def _infeasible(table: CostTable, mem_limit_bytes: int, headroom: float, model_name: str, cluster: Cluster,
+                time_limit_s: float, fixed_batch: bool) -> InfeasibleError:
     smallest = solve_min_memory(table, time_limit_s=time_limit_s)
-    needed = int(smallest.objective) if smallest.objective is not None else None
+    peak = int(smallest.objective) if smallest.objective is not None else None
+    needed = math.ceil(peak / (1 - headroom)) if peak is not None else None  # the limit that leaves the headroom
     lean = evaluate(table, smallest.choices) if smallest.choices else None
     state = ""
     if lean is not None:
@@ -341,9 +347,10 @@ def _infeasible(table: CostTable, mem_limit_bytes: int, model_name: str, cluster
     if fixed_batch and table.micro_batch_size > 1:
         helps.insert(1, "a smaller --batch-size")
     return InfeasibleError(
-        f"no plan for {model_name} fits in {format_bytes(mem_limit_bytes)} per GPU: the smallest peak any plan "
-        f"reaches (all units sharded, checkpointing where it helps, micro-batch {table.micro_batch_size}) is "
-        f"{format_bytes(needed) if needed else 'unknown'}{state}. What would help: " + "; ".join(helps) + ".",
+        f"no plan for {model_name} fits in {format_bytes(mem_limit_bytes)} per GPU less {headroom:.0%} headroom: the "
+        f"smallest peak any plan reaches (all units sharded, checkpointing where it helps, micro-batch "
+        f"{table.micro_batch_size}) is {format_bytes(peak) if peak else 'unknown'}{state}. What would help: "
+        + "; ".join(helps) + ".",
         min_mem_bytes=needed,
     )
 
@@ -366,8 +373,9 @@ def search(
     example_inputs: Any = None,
     strategy: str | None = None,
     checkpoint: bool = False,
+    headroom: float = DEFAULT_HEADROOM,
 ) -> Plan:
-    """The fastest plan whose predicted per-rank peak memory is at most `mem`. Raises InfeasibleError
+    """The fastest plan whose predicted per-rank peak memory is at most `mem` less a `headroom` fraction. Raises InfeasibleError
     (with the smallest limit that would fit) when none does, UsageError for bad input.
 
     `model`: a zoo name, "hf:path/to/config.json", "package.module:factory", an nn.Module, or a
@@ -384,6 +392,11 @@ def search(
     True
     """
     mem_limit_bytes = parse_mem_bytes(mem)
+    if not 0 <= headroom < MAX_HEADROOM:
+        raise UsageError(f"--headroom must be a fraction of the limit in [0, {MAX_HEADROOM}), got {headroom:g} "
+                         f"(e.g. 0.02 plans to 98% of --mem)")
+    # predictions land within ~1% of measured peaks; the headroom keeps plans under the limit when they run
+    planned_bytes = int(mem_limit_bytes * (1 - headroom))
     check_choice("--dtype", dtype, DTYPES)
     check_choice("--optimizer", optimizer, OPTIMIZERS)
     if time_limit_s <= 0:
@@ -411,9 +424,9 @@ def search(
             continue
         affine = AffineModel.of(table)
         if strategy is None:
-            result = solve_min_time(table, mem_limit_bytes, time_limit_s, affine=affine)
+            result = solve_min_time(table, planned_bytes, time_limit_s, affine=affine)
         else:
-            result = _fixed_strategy(table, affine, strategy, checkpoint, mem_limit_bytes)
+            result = _fixed_strategy(table, affine, strategy, checkpoint, planned_bytes)
         wall_s += result.wall_time_s
         num_vars, num_cons = result.num_variables, result.num_constraints
         if result.choices is None:
@@ -438,14 +451,15 @@ def search(
             f"({', '.join(f'{e.micro_batch_size}: {e.status.lower()}' for e in sweep)}); raise --time-limit, or "
             "give --batch-size to try a single micro-batch size")
     if best is None:
-        raise _infeasible(tables[0], mem_limit_bytes, resolved.name, cluster, time_limit_s, batch_size is not None)
+        raise _infeasible(tables[0], mem_limit_bytes, headroom, resolved.name, cluster, time_limit_s,
+                          batch_size is not None)
 
     _, table, result, affine = best
     choices = result.choices
     if strategy is None:
         # Among plans as fast as the best, prefer the one with the lowest peak memory.
         lean = solve_min_memory(table, time_limit_s=time_limit_s, max_step_s=result.objective,
-                                mem_limit_bytes=mem_limit_bytes, affine=affine)
+                                mem_limit_bytes=planned_bytes, affine=affine)
         wall_s += lean.wall_time_s
         choices = lean.choices or result.choices
     chosen = evaluate(table, choices)
@@ -457,7 +471,8 @@ def search(
                        fingerprint=model_fingerprint(resolved.module), tracer=traced.tracer),
         cluster=ClusterSpec(world_size=cluster.shape.world_size, nodes=cluster.shape.nodes,
                             gpus_per_node=cluster.shape.gpus_per_node, profile=cluster.profile_name,
-                            device_mem_bytes=cluster.profile.mem_bytes, mem_limit_bytes=mem_limit_bytes),
+                            device_mem_bytes=cluster.profile.mem_bytes, mem_limit_bytes=mem_limit_bytes,
+                            mem_headroom=headroom),
         training=TrainingSpec(micro_batch_size=table.micro_batch_size, grad_accum_steps=table.grad_accum_steps,
                               global_batch_size=table.samples_per_step, seq_len=seq_len, dtype=dtype,
                               optimizer=optimizer, granularity=granularity),
@@ -466,7 +481,7 @@ def search(
         solver=SolverInfo(status=result.status, objective_s=result.objective, bound_s=result.bound,
                           wall_time_s=wall_s, num_variables=num_vars, num_constraints=num_cons,
                           micro_batch_sweep=sweep),
-        baselines=_baselines(fitting_tables or tables, mem_limit_bytes),
+        baselines=_baselines(fitting_tables or tables, planned_bytes),
     )
 
 

@@ -61,10 +61,10 @@ def test_quick_profile_calibrates_on_whole_training_steps(quick):
         (s, d, mb) for s in ("shard", "shard_keep", "replicate") for d in (2, 4) for mb in (2, 8)}
     for case in cases:
         assert case["units"] == case["depth"] + 1  # one per block and the root
-        # all-gather per unit (none replicated); backward: reduce-scatter, all-gather again unless kept,
-        # all-reduce when replicated
+        # all-gather per unit (none replicated); backward: reduce-scatter, all-gather again unless kept
+        # (the root is not offered shard_keep), all-reduce when replicated
         expected_calls = {"shard": (case["units"], 2 * case["units"]),
-                          "shard_keep": (case["units"], case["units"]),
+                          "shard_keep": (case["units"], case["units"] + 1),
                           "replicate": (0, case["units"])}[case["strategy"]]
         assert (case["calls_fwd"], case["calls_bwd"]) == expected_calls
         assert case["ops_fwd_s"] > 0 and case["ops_bwd_s"] > case["ops_fwd_s"]

@@ -49,6 +49,28 @@ def test_limit_below_the_smallest_plan_reports_the_needed_amount():
     assert plan.predicted.peak_mem_bytes <= needed
 
 
+def test_headroom_keeps_a_fraction_of_the_limit_free():
+    exact = search(mem="1TB", strategy="replicate", batch_size=1, headroom=0.0, **TINY).predicted.peak_mem_bytes
+    # a limit exactly at the all-replicate peak: it fits with no headroom, not with the default 2%
+    assert search(mem=exact, strategy="replicate", batch_size=1, headroom=0.0, **TINY).cluster.mem_headroom == 0.0
+    with pytest.raises(InfeasibleError) as info:
+        search(mem=exact, strategy="replicate", batch_size=1, **TINY)
+    assert "2% headroom" in str(info.value)
+    plan = search(mem=exact, batch_size=1, **TINY)  # the solver finds something leaner instead
+    assert plan.predicted.peak_mem_bytes <= exact * 0.98 and plan.cluster.mem_headroom == 0.02
+    # the needed amount an infeasible search reports leaves the headroom free
+    with pytest.raises(InfeasibleError) as info:
+        search(mem="1MB", batch_size=1, headroom=0.1, **TINY)
+    lean = search(mem=info.value.min_mem_bytes, batch_size=1, headroom=0.1, **TINY)
+    assert lean.predicted.peak_mem_bytes <= info.value.min_mem_bytes * 0.9
+
+
+@pytest.mark.parametrize("headroom", [-0.1, 0.5, 2.0])
+def test_headroom_out_of_range_is_a_usage_error(headroom):
+    with pytest.raises(UsageError, match="--headroom"):
+        search(mem="60MB", headroom=headroom, **TINY)
+
+
 def test_identical_inputs_give_identical_plans():
     first = search(mem="60MB", **TINY).model_dump(mode="json")
     second = search(mem="60MB", **TINY).model_dump(mode="json")
