@@ -48,6 +48,10 @@ MAX_MICRO_BATCH = 256
 # plans are made to this fraction below --mem: predicted peaks land within ~1% of measured ones (see
 # benchmarks/RESULTS.md), and a run's peak varies by a little more between steps and runs
 DEFAULT_HEADROOM = 0.02
+# the tie-break towards lower memory is best-effort: proving the leanest of many equally fast plans
+# over near-identical blocks can take CP-SAT any time limit (405B: all 10 s); without it the fastest
+# plan found stands
+TIE_BREAK_TIME_S = 1.0
 MAX_HEADROOM = 0.5
 DTYPES = ("bf16-mixed", "bf16", "fp32")
 OPTIMIZERS = ("adamw", "adam", "sgd")
@@ -458,8 +462,8 @@ def search(
     choices = result.choices
     if strategy is None:
         # Among plans as fast as the best, prefer the one with the lowest peak memory.
-        lean = solve_min_memory(table, time_limit_s=time_limit_s, max_step_s=result.objective,
-                                mem_limit_bytes=planned_bytes, affine=affine)
+        lean = solve_min_memory(table, time_limit_s=min(time_limit_s, TIE_BREAK_TIME_S), max_step_s=result.objective,
+                                mem_limit_bytes=planned_bytes, affine=affine, start_from=result.choices)
         wall_s += lean.wall_time_s
         choices = lean.choices or result.choices
     chosen = evaluate(table, choices)

@@ -119,16 +119,17 @@ class _Model:
         return [int(np.argmax(values[offsets[u]:offsets[u + 1]])) for u in range(len(offsets) - 1)]
 
 
-def _solve_lazily(affine: AffineModel, build, check, time_limit_s: float, seeds: list[list[int]]) -> SolveResult:
-    """Solve, check the solution against every point, add violated points, repeat."""
+def _solve_lazily(affine: AffineModel, build, check, time_limit_s: float, seeds: list[list[int]],
+                  hint: list[int] | None = None) -> SolveResult:
+    """Solve, check the solution against every point, add violated points, repeat. `hint`: a plan
+    known to satisfy every constraint, to start the first round from."""
     start = time.perf_counter()
     active: set[int] = set()
     for seed in seeds:
         active.update(_top_points(affine.memory(seed), 2))
-    hint: list[int] | None = None
     while True:
         model, objective_scale = build(sorted(active))
-        if hint is not None:  # start from the last round's plan: it violates only the new points
+        if hint is not None:  # start from the last round's plan (it violates only the new points) or the given one
             model.hint(hint)
         solver = cp_model.CpSolver()
         solver.parameters.max_time_in_seconds = max(0.01, time_limit_s - (time.perf_counter() - start))
@@ -173,9 +174,12 @@ def solve_min_time(table: CostTable, mem_limit_bytes: int, time_limit_s: float =
 
 
 def solve_min_memory(table: CostTable, time_limit_s: float = DEFAULT_TIME_LIMIT_S, max_step_s: float | None = None,
-                     mem_limit_bytes: int | None = None, affine: AffineModel | None = None) -> SolveResult:
+                     mem_limit_bytes: int | None = None, affine: AffineModel | None = None,
+                     start_from: list[int] | None = None) -> SolveResult:
     """[Objective] minimise the peak memory (the smallest limit any plan fits in), optionally among
-    plans no slower than `max_step_s`: the tie-break that keeps memory headroom at no cost in time."""
+    plans no slower than `max_step_s`: the tie-break that keeps memory headroom at no cost in time.
+    `start_from` is a plan meeting both (the fastest plan found): without it, finding any plan exactly
+    as fast among many near-identical units can take CP-SAT the whole time limit."""
     affine = affine or AffineModel.of(table)
     horizon = int(affine.mem_const.max() + np.abs(affine.mem_coef).sum(axis=1).max())
     state = {}
@@ -189,6 +193,8 @@ def solve_min_memory(table: CostTable, time_limit_s: float = DEFAULT_TIME_LIMIT_
             # [Constraint] step time <= the optimum found (rounded up to the next ns)
             model.model.add(model.step_ns() <= math.ceil(max_step_s * NS_PER_S))
         model.model.minimize(peak)
+        if start_from is not None:  # complete the hint: CP-SAT follows a partial one poorly
+            model.model.add_hint(peak, int(affine.memory(start_from).max()))
         state["peak"] = peak
         return model, 1
 
@@ -198,4 +204,4 @@ def solve_min_memory(table: CostTable, time_limit_s: float = DEFAULT_TIME_LIMIT_
         return [p for p in np.argsort(-memory, kind="stable") if memory[p] > peak]
 
     seeds = [affine.leanest_each()] if max_step_s is None else [affine.leanest_each(), affine.unconstrained_fastest()]
-    return _solve_lazily(affine, build, check, time_limit_s, seeds)
+    return _solve_lazily(affine, build, check, time_limit_s, seeds, hint=start_from)
