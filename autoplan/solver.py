@@ -178,8 +178,9 @@ def solve_min_memory(table: CostTable, time_limit_s: float = DEFAULT_TIME_LIMIT_
                      start_from: list[int] | None = None) -> SolveResult:
     """[Objective] minimise the peak memory (the smallest limit any plan fits in), optionally among
     plans no slower than `max_step_s`: the tie-break that keeps memory headroom at no cost in time.
-    `start_from` is a plan meeting both (the fastest plan found): without it, finding any plan exactly
-    as fast among many near-identical units can take CP-SAT the whole time limit."""
+    `start_from` is a plan meeting both (the fastest plan found), given to CP-SAT as a hint. It helps on
+    some models; on others (405B at micro-batch 2) CP-SAT still spends its whole limit on this solve,
+    so the search gives it a short budget."""
     affine = affine or AffineModel.of(table)
     horizon = int(affine.mem_const.max() + np.abs(affine.mem_coef).sum(axis=1).max())
     state = {}

@@ -55,8 +55,10 @@ def decisions(plan: dict) -> tuple:
 def execute_many(plans: list[dict], rounds: int = ROUNDS) -> list[dict | None]:
     """Run every distinct plan `rounds` times in one torchrun launch; per plan: measured step time (fastest
     round) and peak (highest round); None: failed. Plans with the same decisions are run once."""
-    distinct = list(dict.fromkeys(decisions(plan) for plan in plans))
-    first = {key: next(p for p in plans if decisions(p) == key) for key in distinct}
+    first: dict[tuple, dict] = {}
+    for plan in plans:
+        first.setdefault(decisions(plan), plan)
+    distinct = list(first)
     runs = _execute_once([first[key] for _ in range(rounds) for key in distinct])
     measured = {}
     for index, key in enumerate(distinct):

@@ -172,12 +172,8 @@ def measure_profile(settings: ProfileSettings) -> ProfileResult:
         op_fits=[r.fit for r in op_fits],
     )
     calibration = fit_calibration(profile, comm["calibration"], settings.nproc)
-    profile = profile.model_copy(update={"fsdp": FsdpOverhead(
-        unit_fwd_s=calibration["unit_fwd_s"], unit_bwd_s=calibration["unit_bwd_s"],
-        collective_fwd_s=calibration["collective_fwd_s"], collective_bwd_s=calibration["collective_bwd_s"],
-        compute_fwd_scale=calibration["compute_fwd_scale"], compute_bwd_scale=calibration["compute_bwd_scale"],
-        calibration=calibration,
-    )})
+    fitted = {name: calibration[name] for name in FsdpOverhead.model_fields if name != "calibration"}
+    profile = profile.model_copy(update={"fsdp": FsdpOverhead(**fitted, calibration=calibration)})
     return ProfileResult(profile, op_fits, collective_fits, len(fresh), len(cases) - len(fresh), remeasured,
                          time.perf_counter() - started)
 
