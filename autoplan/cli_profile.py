@@ -109,6 +109,7 @@ def settings_from_args(args: argparse.Namespace):
         settings.comm_sizes_bytes = (4 << 10, 256 << 10, 4 << 20)
         settings.repeats = Repeats(warmup=1, min_repeats=3, max_repeats=5, min_time_s=0.0)
         settings.overlap_phase_s, settings.overlap_trials, settings.comm_rounds = 0.1, 1, 1
+        settings.calibration_rounds = 1
     return settings
 
 

@@ -95,7 +95,8 @@ class FsdpOverhead(_Strict):
     collective_*_s: each collective call's cost inside a step beyond its time on idle ranks (waiting
     for the peers at the synchronisation point, the collective's threads competing for the cores);
     compute_*_scale: how much longer the ops take inside a step than timed one at a time (ranks'
-    collectives competing for the cores, cold caches). Fitted by `autoplan profile` on whole
+    collectives competing for the cores, cold caches); compute_recompute_scale: the same for the
+    forward ops a checkpointed unit re-runs in its backward (None: as the backward's). Fitted by `autoplan profile` on whole
     training steps of a calibration model (profiling/calibration.py), whose record `calibration`
     keeps; 0 and 1 = not modelled."""
 
@@ -105,6 +106,7 @@ class FsdpOverhead(_Strict):
     collective_bwd_s: float = Field(default=0.0, ge=0)
     compute_fwd_scale: float = Field(default=1.0, gt=0)
     compute_bwd_scale: float = Field(default=1.0, gt=0)
+    compute_recompute_scale: float | None = Field(default=None, gt=0)
     calibration: dict | None = None
 
 

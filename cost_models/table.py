@@ -263,6 +263,7 @@ def build_cost_table(
     cs, ms = (profile.overlap.compute_slowdown, profile.overlap.comm_slowdown) if overlap else (1.0, 1.0)
     unit_fwd, unit_bwd = profile.fsdp.unit_fwd_s, profile.fsdp.unit_bwd_s
     fwd_scale, bwd_scale = profile.fsdp.compute_fwd_scale, profile.fsdp.compute_bwd_scale
+    recompute_scale = profile.fsdp.compute_recompute_scale or bwd_scale
     call_fwd, call_bwd = profile.fsdp.collective_fwd_s, profile.fsdp.collective_bwd_s
     opt_rate = profile.optimizer_bytes_s or profile.mem_bandwidth_bytes_s * profile.mem_bandwidth_efficiency
 
@@ -273,7 +274,7 @@ def build_cost_table(
         # ops as they run inside a training step, not one at a time (see FsdpOverhead)
         fwd_s = fwd_scale * sum(compute.op_time_s(op, "fwd") for op in unit_ops)
         bwd_s = bwd_scale * sum(compute.op_time_s(op, "bwd") for op in unit_ops)
-        recompute_s = bwd_scale * sum(compute.op_time_s(op, "fwd") for op in unit_ops)
+        recompute_s = recompute_scale * sum(compute.op_time_s(op, "fwd") for op in unit_ops)
         saved = sum(op.saved_bytes for op in unit_ops)
         options = options_for(unit.is_leaf, unit.is_root, cluster.nodes)
         costs = []
@@ -297,8 +298,8 @@ def build_cost_table(
             has_params = bool(unit.params)
             calls_fwd = int(has_params and shard > 1)
             calls_bwd = int(has_params and shard > 1) * (1 + int(regathers)) + int(has_params and replicas > 1)
-            # a checkpointed unit re-runs its forward ops within the backward; measured on CPU + gloo, the
-            # recompute costs its ops and no further per-unit time (its collectives are not repeated)
+            # a checkpointed unit re-runs its forward ops within the backward, at their in-backward speed
+            # (calibrated); no further per-unit time or collectives (the recompute finds it gathered)
             bwd_total = bwd_s + (recompute_s if option.checkpoint else 0.0)
             costs.append(OptionCost(
                 param_bytes=local * precision.master_bytes,

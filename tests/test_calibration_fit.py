@@ -32,3 +32,25 @@ def test_never_fits_a_negative_coefficient():
     residual_s = [0.030 - o / 4 + 0.010 * (u - 3) for o, u in zip(OPS_S, UNITS)]
     fit = fit_phase(OPS_S, UNITS, CALLS, residual_s)
     assert fit.compute_scale == 1.0 and fit.unit_s + fit.collective_s > 0
+
+
+def test_separates_the_recompute_of_checkpointed_units_from_the_backward():
+    """Backward cases with and without checkpointing: the forward ops re-run in the backward get their
+    own scale (they need not run at the backward ops' speed)."""
+    rng = np.random.default_rng(1)
+    bwd_ops = [2 * o for o in OPS_S] + [2 * o for o in OPS_S[:8]]
+    recompute = [0.0] * 12 + OPS_S[:8]  # shard+ckpt and replicate+ckpt: every block's forward again
+    units = UNITS + UNITS[:8]
+    calls = CALLS + CALLS[:4] + CALLS[8:]
+    residual_s = [(1.1 * b + 1.7 * r + 0.002 * u + 0.0015 * c) * (1 + rng.normal(0, 0.02))
+                  for b, r, u, c in zip(bwd_ops, recompute, units, calls)]
+    fit = fit_phase(bwd_ops, units, calls, residual_s, recompute_s=recompute)
+    assert fit.compute_scale == pytest.approx(1.1, rel=0.1)
+    assert fit.recompute_scale == pytest.approx(1.7, rel=0.15)
+    assert fit.unit_s == pytest.approx(0.002, rel=0.3)
+    # without checkpointed cases there is nothing to fit it on
+    assert fit_phase(bwd_ops[:12], units[:12], calls[:12], residual_s[:12]).recompute_scale is None
+    # recompute that costs nothing is not physical: held at the ops' own time, the rest refitted
+    residual_s = [1.1 * b + 0.002 * u for b, u in zip(bwd_ops, units)]
+    fit = fit_phase(bwd_ops, units, calls, residual_s, recompute_s=recompute)
+    assert fit.recompute_scale == 1.0 and fit.compute_scale > 0

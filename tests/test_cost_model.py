@@ -131,11 +131,19 @@ def test_compute_scales_stretch_ops_and_recompute_not_collectives(tiny_gpt2_trac
         plain = next(c for c, o in zip(base.costs[unit], base.options[unit]) if not o.checkpoint)
         for option, (a, b) in enumerate(zip(base.costs[unit], scaled.costs[unit])):
             assert b.fwd_s == pytest.approx(1.5 * a.fwd_s)
-            # the recomputed forward runs inside the backward, at the backward's scale
+            # without a scale of its own, the recomputed forward runs at the backward's
             recompute_s = plain.fwd_s if base.options[unit][option].checkpoint else 0.0
             assert b.bwd_s == pytest.approx(1.2 * a.bwd_s)
             assert a.bwd_s == pytest.approx(plain.bwd_s + recompute_s)
             assert (b.comm_fwd_s, b.comm_bwd_s) == (a.comm_fwd_s, a.comm_bwd_s)
+    # a profile calibrated on checkpointed steps gives the recompute its own scale
+    own = traced.table(2, 1, _with_profile(cluster, fsdp=FsdpOverhead(
+        compute_fwd_scale=1.5, compute_bwd_scale=1.2, compute_recompute_scale=2.0)), 64, "bf16-mixed", "adamw")
+    for unit in range(len(base.units)):
+        plain = next(c for c, o in zip(base.costs[unit], base.options[unit]) if not o.checkpoint)
+        for option, (a, c) in enumerate(zip(base.costs[unit], own.costs[unit])):
+            recompute_s = plain.fwd_s if base.options[unit][option].checkpoint else 0.0
+            assert c.bwd_s == pytest.approx(1.2 * plain.bwd_s + 2.0 * recompute_s)
 
 
 def test_without_overlap_compute_and_communication_add_up(tiny_gpt2_trace):

@@ -57,8 +57,9 @@ def test_quick_profile_calibrates_on_whole_training_steps(quick):
     _, result = quick
     fsdp = result.profile.fsdp
     cases = fsdp.calibration["cases"]
-    assert {(c["strategy"], c["depth"], c["micro_batch"]) for c in cases} == {
-        (s, d, mb) for s in ("shard", "shard_keep", "replicate") for d in (2, 4) for mb in (2, 8)}
+    plans = {("shard", False), ("shard_keep", False), ("replicate", False), ("shard", True), ("replicate", True)}
+    assert {(c["strategy"], c["checkpoint"], c["depth"], c["micro_batch"]) for c in cases} == {
+        (s, ckpt, d, mb) for s, ckpt in plans for d in (2, 4) for mb in (2, 8)}
     for case in cases:
         assert case["units"] == case["depth"] + 1  # one per block and the root
         # all-gather per unit (none replicated); backward: reduce-scatter, all-gather again unless kept
@@ -68,10 +69,12 @@ def test_quick_profile_calibrates_on_whole_training_steps(quick):
                           "replicate": (0, case["units"])}[case["strategy"]]
         assert (case["calls_fwd"], case["calls_bwd"]) == expected_calls
         assert case["ops_fwd_s"] > 0 and case["ops_bwd_s"] > case["ops_fwd_s"]
+        # checkpointed: every block's forward ops again in the backward (the root is not checkpointed)
+        assert (0 < case["ops_recompute_s"] < case["ops_fwd_s"]) if case["checkpoint"] else case["ops_recompute_s"] == 0
         assert all(case["measured"][phase] > 0 for phase in ("fwd", "bwd", "step"))
         # a real step is never faster than its ops and collectives timed one by one would allow by much
         assert case["measured"]["bwd"] > 0.5 * case["ops_bwd_s"]
-    assert fsdp.compute_fwd_scale > 0 and fsdp.compute_bwd_scale > 0
+    assert fsdp.compute_fwd_scale > 0 and fsdp.compute_bwd_scale > 0 and fsdp.compute_recompute_scale > 0
     assert min(fsdp.unit_fwd_s, fsdp.unit_bwd_s, fsdp.collective_fwd_s, fsdp.collective_bwd_s) >= 0
     assert fsdp.calibration["compute_fwd_scale"] == fsdp.compute_fwd_scale
 

@@ -115,7 +115,8 @@ def test_shipped_cpu_profile_has_fsdp_overheads_and_no_overlap():
     assert profile.fsdp.unit_fwd_s > 0 and profile.fsdp.unit_bwd_s > 0 and profile.optimizer_tensor_s > 0
     # calibrated on whole training steps: ops run slower inside a two-rank step than one at a time
     assert profile.fsdp.compute_fwd_scale > 1 and profile.fsdp.compute_bwd_scale > 1
-    assert len(profile.fsdp.calibration["cases"]) == 12
+    assert len(profile.fsdp.calibration["cases"]) == 20  # 5 plans x 2 depths x 2 micro-batches
+    assert profile.fsdp.compute_recompute_scale > 1  # a checkpointed block's forward again, inside the backward
     for name in ("a100-sxm4-80gb", "h100-sxm-80gb", "v100-sxm2-32gb"):
         gpu = load_profile(name)
         assert gpu.overlap.enabled and 0 < gpu.fsdp.unit_fwd_s < 1e-4

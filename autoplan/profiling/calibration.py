@@ -7,17 +7,24 @@ compete with it for the cores, and every unit pays several milliseconds of waiti
 collectives' synchronisation points. So `autoplan profile` also trains a calibration model, a small
 GPT-2 at two depths and two micro-batch sizes, under three uniform plans (shard, shard_keep,
 replicate) exactly as `autoplan apply` runs them, and times forward, backward and optimizer step on
-every rank at once. Per phase, a non-negative least-squares fit
+every rank at once; shard and replicate run again with every block checkpointed. Per phase, a
+non-negative least-squares fit
 
     measured - collectives' own time = compute_scale * (sum of the ops' isolated times)
+                                       [+ recompute_scale * (checkpointed units' forward ops), backward]
                                        + unit_s * units + collective_s * collective calls
 
-gives how much slower ops run inside the step (compute_scale), what each FSDP2 unit costs beyond its
-ops and collectives (unit_s) and what each collective call costs beyond its time on idle ranks
-(collective_s). Micro-batch sizes separate the compute from the constants; the plans (all-gathers
-and a reduce-scatter per unit, the same without the backward all-gather, one all-reduce per unit)
-separate the calls from the units. The calibration model is not one the fidelity benchmark checks:
-the fit is tested on other models, sizes and plans.
+gives how much slower ops run inside the step (compute_scale), how much the forward ops a
+checkpointed unit re-runs in its backward cost there (recompute_scale: they are forward ops, but
+they run amid the backward's collectives), what each FSDP2 unit costs beyond its ops and collectives
+(unit_s) and what each collective call costs beyond its time on idle ranks (collective_s).
+Micro-batch sizes separate the compute from the constants; the plans (all-gathers and a
+reduce-scatter per unit, the same without the backward all-gather, one all-reduce per unit)
+separate the calls from the units, and checkpointing the recompute from the rest. Every case runs
+in CALIBRATION_ROUNDS rounds, one after the other, and keeps its fastest: a neighbour's burst of
+load on a shared host only ever slows a round down (the benchmarks measure the same way). The
+calibration model is not one the fidelity benchmark checks: the fit is tested on other models,
+sizes and plans.
 """
 
 from __future__ import annotations
@@ -32,11 +39,13 @@ import torch
 import torch.distributed as dist
 
 CALIBRATION_DEPTHS = (2, 4)
-CALIBRATION_STRATEGIES = ("shard", "shard_keep", "replicate")
+# (sharding, checkpoint every block)
+CALIBRATION_PLANS = (("shard", False), ("shard_keep", False), ("replicate", False), ("shard", True), ("replicate", True))
 CALIBRATION_MICRO_BATCHES = {"cpu": (2, 8), "cuda": (4, 16)}
 CALIBRATION_WIDTH = {"cpu": 96, "cuda": 1024}
 CALIBRATION_SEQ_LEN = {"cpu": 128, "cuda": 1024}
 WARMUP_STEPS, TIMED_STEPS = 3, 10
+CALIBRATION_ROUNDS = 3
 
 
 def calibration_model(depth: int, device_type: str) -> str:
@@ -49,22 +58,22 @@ def calibration_workloads(device_type: str) -> dict[str, tuple[int, ...]]:
     return {calibration_model(max(CALIBRATION_DEPTHS), device_type): CALIBRATION_MICRO_BATCHES[device_type]}
 
 
-def calibration_cases(device_type: str) -> list[tuple[str, int, int]]:
-    """(strategy, depth, micro-batch) of every calibration step."""
-    return [(strategy, depth, mb) for strategy in CALIBRATION_STRATEGIES for depth in CALIBRATION_DEPTHS
-            for mb in CALIBRATION_MICRO_BATCHES[device_type]]
+def calibration_cases(device_type: str) -> list[tuple[str, bool, int, int]]:
+    """(strategy, checkpoint, depth, micro-batch) of every calibration step."""
+    return [(strategy, checkpoint, depth, mb) for strategy, checkpoint in CALIBRATION_PLANS
+            for depth in CALIBRATION_DEPTHS for mb in CALIBRATION_MICRO_BATCHES[device_type]]
 
 
-def case_key(strategy: str, depth: int, micro_batch: int) -> str:
-    return f"{strategy}/{depth}/{micro_batch}"
+def case_key(strategy: str, checkpoint: bool, depth: int, micro_batch: int) -> str:
+    return f"{strategy}{'+ckpt' if checkpoint else ''}/{depth}/{micro_batch}"
 
 
-def _uniform_plan(traced, strategy: str, world_size: int, micro_batch: int):
-    """The plan `autoplan search --strategy S` writes (decisions only: any profile will do)."""
+def _uniform_plan(traced, strategy: str, checkpoint: bool, world_size: int, micro_batch: int):
+    """The plan `autoplan search --strategy S [--checkpoint]` writes (decisions only: any profile will do)."""
     from autoplan.search import search
 
     return search(traced, mem="1TB", gpus=world_size, batch_size=micro_batch, strategy=strategy,
-                  profile="a100-sxm4-80gb")
+                  checkpoint=checkpoint, profile="a100-sxm4-80gb")
 
 
 def _timed_steps(model, optimizer, data, shape, rank: int, device: torch.device) -> dict[str, float]:
@@ -98,9 +107,9 @@ def _timed_steps(model, optimizer, data, shape, rank: int, device: torch.device)
     return {phase: statistics.median(values) for phase, values in phases.items()}
 
 
-def measure_training_steps(device: torch.device) -> dict[str, dict[str, float]]:
+def measure_training_steps(device: torch.device, rounds: int = CALIBRATION_ROUNDS) -> dict[str, dict[str, float]]:
     """On every rank of the default group: phase times of each calibration case, the slowest rank's,
-    keyed by `case_key`."""
+    each phase's fastest round, keyed by `case_key`."""
     from autoplan.apply import apply, materialise, model_for_plan
     from autoplan.data import BatchShape, SyntheticTokens, vocab_size_of
     from autoplan.search import TracedModel
@@ -109,9 +118,9 @@ def measure_training_steps(device: torch.device) -> dict[str, dict[str, float]]:
     seq_len = CALIBRATION_SEQ_LEN[device.type]
     traced = {depth: TracedModel(calibration_model(depth, device.type), seq_len=seq_len)
               for depth in CALIBRATION_DEPTHS}
-    results = {}
-    for strategy, depth, micro_batch in calibration_cases(device.type):
-        plan = _uniform_plan(traced[depth], strategy, world, micro_batch)
+    results: dict[str, dict[str, float]] = {}
+    for strategy, checkpoint, depth, micro_batch in calibration_cases(device.type) * rounds:
+        plan = _uniform_plan(traced[depth], strategy, checkpoint, world, micro_batch)
         model = model_for_plan(plan)
         data = SyntheticTokens(vocab_size_of(model), seed=0)
         model, optimizer = apply(model, plan, lr=1e-4)
@@ -121,7 +130,9 @@ def measure_training_steps(device: torch.device) -> dict[str, dict[str, float]]:
         times = _timed_steps(model, optimizer, data, shape, rank, device)
         slowest = torch.tensor([times["fwd"], times["bwd"], times["step"]], dtype=torch.float64, device=device)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-        results[case_key(strategy, depth, micro_batch)] = dict(zip(("fwd", "bwd", "step"), slowest.tolist()))
+        best = results.setdefault(case_key(strategy, checkpoint, depth, micro_batch), {})
+        for phase, seconds in zip(("fwd", "bwd", "step"), slowest.tolist()):
+            best[phase] = min(seconds, best.get(phase, seconds))
         del model, optimizer
     return results
 
@@ -132,10 +143,11 @@ class PhaseFit:
     unit_s: float
     collective_s: float
     max_rel_err: float  # of the fit on the calibration cases
+    recompute_scale: float | None = None  # backward only (None: no checkpointed case to fit it on)
 
 
 def _nonnegative_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """min |x c - y| over c >= 0, exactly, by trying every subset of columns (there are three)."""
+    """min |x c - y| over c >= 0, exactly, by trying every subset of columns (there are at most four)."""
     best, best_residual = np.zeros(x.shape[1]), float(np.sum(y ** 2))
     for size in range(1, x.shape[1] + 1):
         for columns in itertools.combinations(range(x.shape[1]), size):
@@ -150,19 +162,30 @@ def _nonnegative_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     return best
 
 
-def fit_phase(ops_s: list[float], units: list[int], calls: list[int], residual_s: list[float]) -> PhaseFit:
-    """residual = compute_scale * ops + unit_s * units + collective_s * calls, every coefficient >= 0,
-    fitted on relative errors (each case weighs the same, short steps as much as long ones). A scale
-    of 0 (ops that do not lengthen the step at all) is not physical: it is then fixed at 1."""
-    x = np.array([ops_s, units, calls], dtype=float).T
+def fit_phase(ops_s: list[float], units: list[int], calls: list[int], residual_s: list[float],
+              recompute_s: list[float] | None = None) -> PhaseFit:
+    """residual = compute_scale * ops [+ recompute_scale * recompute] + unit_s * units + collective_s * calls,
+    every coefficient >= 0, fitted on relative errors (each case weighs the same, short steps as much
+    as long ones). A scale of 0 (ops that do not lengthen the step at all) is not physical: such a
+    scale is then fixed at 1 and the rest refitted."""
+    scales = [ops_s] + ([recompute_s] if recompute_s is not None and any(recompute_s) else [])
+    x = np.array([*scales, units, calls], dtype=float).T
     y = np.array(residual_s, dtype=float)
     weight = 1.0 / np.maximum(y, 1e-12)
-    coef = _nonnegative_lstsq(x * weight[:, None], y * weight)
-    if coef[0] <= 0:
-        rest = _nonnegative_lstsq(x[:, 1:] * weight[:, None], (y - x[:, 0]) * weight)
-        coef = np.array([1.0, *rest])
+    fixed: dict[int, float] = {}  # scale column -> its value held at 1
+    while True:
+        free = [c for c in range(x.shape[1]) if c not in fixed]
+        target = y - sum((x[:, c] * value for c, value in fixed.items()), np.zeros_like(y))
+        coef = np.zeros(x.shape[1])
+        coef[free] = _nonnegative_lstsq(x[:, free] * weight[:, None], target * weight)
+        coef[list(fixed)] = list(fixed.values())
+        unphysical = [c for c in range(len(scales)) if c not in fixed and coef[c] <= 0]
+        if not unphysical:
+            break
+        fixed[unphysical[0]] = 1.0
     max_rel_err = float(np.max(np.abs(x @ coef - y) * weight))
-    return PhaseFit(float(coef[0]), float(coef[1]), float(coef[2]), max_rel_err)
+    return PhaseFit(float(coef[0]), float(coef[-2]), float(coef[-1]), max_rel_err,
+                    float(coef[1]) if len(scales) > 1 else None)
 
 
 def fit_calibration(profile, measured: dict[str, dict[str, float]], world_size: int) -> dict:
@@ -179,23 +202,29 @@ def fit_calibration(profile, measured: dict[str, dict[str, float]], world_size: 
     traced = {depth: TracedModel(calibration_model(depth, device_type), seq_len=seq_len).cache("bf16", "block")
               for depth in CALIBRATION_DEPTHS}
     cases = []
-    for strategy, depth, micro_batch in calibration_cases(device_type):
+    for strategy, checkpoint, depth, micro_batch in calibration_cases(device_type):
         table = traced[depth].table(micro_batch, 1, cluster, seq_len, "bf16-mixed", "adamw")
-        chosen = [table.costs[u][c] for u, c in enumerate(uniform_choices(table, strategy, False))]
+        choices = uniform_choices(table, strategy, checkpoint)
+        chosen = [table.costs[u][c] for u, c in enumerate(choices)]
+        # the uncalibrated table charges a checkpointed unit's recompute at scale 1: its forward ops again
+        recompute = sum(table.costs[u][c].fwd_s for u, c in enumerate(choices) if table.options[u][c].checkpoint)
         cases.append({
-            "strategy": strategy, "depth": depth, "micro_batch": micro_batch, "units": len(chosen),
-            "ops_fwd_s": sum(c.fwd_s for c in chosen), "ops_bwd_s": sum(c.bwd_s for c in chosen),
+            "strategy": strategy, "checkpoint": checkpoint, "depth": depth, "micro_batch": micro_batch,
+            "units": len(chosen), "ops_fwd_s": sum(c.fwd_s for c in chosen),
+            "ops_bwd_s": sum(c.bwd_s for c in chosen) - recompute, "ops_recompute_s": recompute,
             "comm_fwd_s": sum(c.comm_fwd_s for c in chosen), "comm_bwd_s": sum(c.comm_bwd_s for c in chosen),
             "calls_fwd": sum(c.collectives_fwd for c in chosen), "calls_bwd": sum(c.collectives_bwd for c in chosen),
-            "measured": measured[case_key(strategy, depth, micro_batch)],
+            "measured": measured[case_key(strategy, checkpoint, depth, micro_batch)],
         })
     fits = {}
     for phase in ("fwd", "bwd"):
         fits[phase] = fit_phase([c[f"ops_{phase}_s"] for c in cases], [c["units"] for c in cases],
                                 [c[f"calls_{phase}"] for c in cases],
-                                [c["measured"][phase] - c[f"comm_{phase}_s"] for c in cases])
+                                [c["measured"][phase] - c[f"comm_{phase}_s"] for c in cases],
+                                recompute_s=[c["ops_recompute_s"] for c in cases] if phase == "bwd" else None)
     return {
         "compute_fwd_scale": fits["fwd"].compute_scale, "compute_bwd_scale": fits["bwd"].compute_scale,
+        "compute_recompute_scale": fits["bwd"].recompute_scale,
         "unit_fwd_s": fits["fwd"].unit_s, "unit_bwd_s": fits["bwd"].unit_s,
         "collective_fwd_s": fits["fwd"].collective_s, "collective_bwd_s": fits["bwd"].collective_s,
         "fit_max_rel_err": {phase: fit.max_rel_err for phase, fit in fits.items()},

@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from autoplan.errors import AutoplanError
 
-from .calibration import measure_training_steps
+from .calibration import CALIBRATION_ROUNDS, measure_training_steps
 from .fsdp import measure_fsdp
 from .overlap import OVERLAP_PHASE_S, OVERLAP_TRIALS, measure_overlap
 from .timing import Repeats
@@ -55,6 +55,7 @@ class CommRequest:
     show_progress: bool = True
     fsdp: bool = False  # also measure FSDP2's own overheads (fsdp.py)
     calibration: bool = False  # also time whole training steps of the calibration model (calibration.py)
+    calibration_rounds: int = CALIBRATION_ROUNDS
 
 
 def measurement_key(collective: str, group_size: int, nbytes: int) -> str:
@@ -109,7 +110,7 @@ def _worker(rank: int, request_fields: dict, store_path: str, result_path: str) 
         if request.overlap_bytes:
             overlap = measure_overlap(device, request.overlap_bytes, request.overlap_phase_s, request.overlap_trials)
         fsdp = measure_fsdp(device, request.repeats) if request.fsdp else None
-        calibration = measure_training_steps(device) if request.calibration else None
+        calibration = measure_training_steps(device, request.calibration_rounds) if request.calibration else None
         if rank == 0:
             Path(result_path).write_text(json.dumps({"collectives": collectives, "overlap": overlap, "fsdp": fsdp,
                                                      "calibration": calibration}))

@@ -23,7 +23,9 @@ from .cache import MeasurementCache, default_cache_dir
 from .comm import (
     COLLECTIVES, CommRequest, default_backend, group_sizes, measurement_key, message_bytes, run_comm_benchmark,
 )
-from .calibration import CALIBRATION_SEQ_LEN, CALIBRATION_WIDTH, calibration_cases, calibration_workloads, fit_calibration
+from .calibration import (
+    CALIBRATION_ROUNDS, CALIBRATION_SEQ_LEN, CALIBRATION_WIDTH, calibration_cases, calibration_workloads, fit_calibration,
+)
 from .fit import FitReport, OpPoint, fit_affine, fit_op_families, heldout_errors
 from .overlap import OVERLAP_PHASE_S, OVERLAP_TRIALS
 from .ops import OpCase, collect_cases, has_work, measure_case, sweep_workload, unique_cases, work, zoo_workload
@@ -62,6 +64,7 @@ class ProfileSettings:
     overlap_phase_s: float = OVERLAP_PHASE_S  # seconds per loop and trial of the overlap measurement
     overlap_trials: int = OVERLAP_TRIALS
     comm_rounds: int = 3  # each collective size measured once per round, median over rounds
+    calibration_rounds: int = CALIBRATION_ROUNDS  # each calibration step timed once per round, fastest kept
     cache_dir: Path | None = field(default_factory=default_cache_dir)  # None: no cache
     name: str | None = None  # None: "<device>-<backend>-<nproc>"
     progress: bool = True
@@ -293,7 +296,8 @@ def _measure_comm(settings: ProfileSettings, kind: str, backend: str, threads: i
     overlap_key = f"overlap:{backend}:n{settings.nproc}:{OVERLAP_GATHER_BYTES[kind]}"
     fsdp_key = f"fsdp:{backend}:n{settings.nproc}"
     calibration_key = (f"calibration:{backend}:n{settings.nproc}:"
-                       + ",".join(f"{s}x{d}x{mb}" for s, d, mb in calibration_cases(kind)) + f":w{CALIBRATION_WIDTH[kind]}")
+                       + ",".join(f"{s}{'+ckpt' if ckpt else ''}x{d}x{mb}" for s, ckpt, d, mb in calibration_cases(kind))
+                       + f":w{CALIBRATION_WIDTH[kind]}:r{settings.calibration_rounds}")
     missing = tuple(m for m in wanted if prefix + measurement_key(*m) not in cache)
     if missing or overlap_key not in cache or fsdp_key not in cache or calibration_key not in cache:
         results = run_comm_benchmark(CommRequest(
@@ -301,7 +305,7 @@ def _measure_comm(settings: ProfileSettings, kind: str, backend: str, threads: i
             overlap_bytes=OVERLAP_GATHER_BYTES[kind] if overlap_key not in cache else None,
             overlap_phase_s=settings.overlap_phase_s, overlap_trials=settings.overlap_trials, rounds=settings.comm_rounds,
             repeats=settings.repeats, show_progress=settings.progress, fsdp=fsdp_key not in cache,
-            calibration=calibration_key not in cache,
+            calibration=calibration_key not in cache, calibration_rounds=settings.calibration_rounds,
         ))
         for key, seconds in results["collectives"].items():
             cache.put(prefix + key, seconds)
@@ -373,5 +377,6 @@ def _provenance(settings: ProfileSettings, kind: str, backend: str, threads: int
             "min_time_s": settings.repeats.min_time_s,
             "statistic": "median of repeats; ops far off their kind's fit timed twice, lower median kept",
             "comm_rounds": settings.comm_rounds,
+            "calibration_rounds": settings.calibration_rounds,
         },
     )
