@@ -19,7 +19,8 @@ When a unit's backward is done, FSDP2 reshards it and copies its gradients into 
 (reduce dtype): a "reduce" point with that unit's activations freed.
 FSDP2 keeps that reduction input alive until the next unit's post-backward (it frees the previous
 one just before allocating its own; reduce_scatter_max_input_buffers=1), so the backward points
-between two reductions hold the last reduced unit's reduction input too.
+between two reductions hold the last reduced unit's reduction input too (on the CPU, with gloo's copy
+of it: table._pending_reduce_bytes).
 """
 
 from __future__ import annotations
@@ -150,7 +151,7 @@ def timeline(table: CostTable, alg: Algebra) -> list[MemoryPoint]:
         grads_done = grads_all if table.grad_accum_steps > 1 else grads_from[n_units - done_rank]
         # the gradients of every unit whose backward is running accumulate unsharded until its reduction
         pending = last_reduced_before[index]
-        pending_reduce = pick(pending, "reduce_buffer_bytes") if pending is not None else 0
+        pending_reduce = pick(pending, "pending_reduce_bytes") if pending is not None else 0
         # [Point] the segment's backward at its peak (table.backward_peak): its own activations and
         # gradients as simulated op by op, the checkpointed unit's kept inputs, earlier segments' activations
         peak = [seg.bwd_peak_checkpointed if option.checkpoint else seg.bwd_peak for option in table.options[seg.unit]]

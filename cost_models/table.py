@@ -43,6 +43,7 @@ class OptionCost:
     unsharded_grad_bytes: int  # gradients as backward computes them (compute dtype, all rows)
     reduce_buffer_bytes: int  # reduce-scatter / all-reduce input FSDP2 copies them into (reduce dtype)
     reduce_peak_bytes: int  # the most its post-backward holds of these (see _reduce_peak_bytes)
+    pending_reduce_bytes: int  # what its reduction leaves alive through the next unit's backward (see there)
     fwd_s: float
     bwd_s: float
     comm_fwd_s: float
@@ -153,6 +154,16 @@ def _reduce_peak_bytes(padded: int, local: int, shard: int, precision: Precision
     reduction_input = padded * precision.reduce_bytes
     scratch = reduction_input if device_type != "cuda" and shard > 1 else 0
     return reduction_input + max(padded * precision.compute_bytes, local * precision.reduce_bytes + scratch)
+
+
+def _pending_reduce_bytes(padded: int, shard: int, precision: Precision, device_type: str) -> int:
+    """What a unit's reduction leaves alive through the next unit's backward: FSDP2 keeps the reduction
+    input until the next post-backward (reduce_scatter_max_input_buffers=1). On the CPU, gloo's copy
+    of that input is freed by gloo's worker thread once it lets go of the finished call, as late as the
+    scheduler runs that thread: measured alive well into the next unit's backward in about one step
+    of fifty (two ranks on two cores). A plan must fit then too, so the copy is counted."""
+    reduction_input = padded * precision.reduce_bytes
+    return reduction_input * (2 if device_type != "cuda" and shard > 1 else 1)
 
 
 def _kept_inputs(trace: ModelTrace, unit: Unit) -> dict[int, tuple[int, str | None]]:
@@ -311,6 +322,7 @@ def build_cost_table(
                 unsharded_grad_bytes=padded * precision.compute_bytes,
                 reduce_buffer_bytes=padded * precision.reduce_bytes,
                 reduce_peak_bytes=_reduce_peak_bytes(padded, local, shard, precision, profile.device_type),
+                pending_reduce_bytes=_pending_reduce_bytes(padded, shard, precision, profile.device_type),
                 fwd_s=fwd_s * (cs if comm_fwd > 0 else 1.0),
                 bwd_s=bwd_total * (cs if comm_bwd > 0 else 1.0),
                 comm_fwd_s=comm_fwd * (ms if fwd_s > 0 else 1.0),
