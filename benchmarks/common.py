@@ -1,5 +1,6 @@
-"""Shared by the benchmark scripts: make plans with `autoplan search`, execute them with
-`autoplan apply`, and collect predicted beside measured."""
+"""Shared by the benchmark scripts: make plans with `autoplan search`, execute many of them in one
+torchrun launch (multi_worker.py: the training loop and measurement of `autoplan apply`'s ranks),
+and compare predicted with measured."""
 
 from __future__ import annotations
 
@@ -8,12 +9,18 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
+
+from autoplan.worker import RankResult, RunSpec
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 PROFILE = "cpu-gloo-2"  # measured on this machine type: CPU, gloo, 2 ranks
+WARMUP_STEPS, TIMED_STEPS = 2, 5
+# every plan is run this many times, one round after the other in the same launch, and its fastest
+# round kept: a burst of load from a neighbour on this shared machine only ever slows a round down
+# (the profile's calibration steps are measured the same way)
+ROUNDS = 3
 UNIFORM = {  # plan kind -> search flags that fix every unit's option
     "all-shard": ["--strategy", "shard"],
     "all-shard+ckpt": ["--strategy", "shard", "--checkpoint"],
@@ -21,34 +28,6 @@ UNIFORM = {  # plan kind -> search flags that fix every unit's option
     "all-replicate": ["--strategy", "replicate"],
     "all-replicate+ckpt": ["--strategy", "replicate", "--checkpoint"],
 }
-
-
-@dataclass
-class Run:
-    kind: str
-    plan: dict
-    report: dict | None
-    error: str | None = None
-
-    @property
-    def predicted_peak(self) -> int:
-        return self.plan["predicted"]["peak_mem_bytes"]
-
-    @property
-    def measured_peak(self) -> int:
-        return self.report["measured"]["peak_mem_bytes"]
-
-    @property
-    def predicted_step_s(self) -> float:
-        return self.plan["predicted"]["step_time_s"]
-
-    @property
-    def measured_step_s(self) -> float:
-        return self.report["measured"]["step_time_s"]
-
-    @property
-    def measured_throughput(self) -> float:
-        return self.plan["training"]["global_batch_size"] / self.measured_step_s
 
 
 def cli(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
@@ -70,16 +49,6 @@ def make_plan(model: str, mem: str, batch_size: int, seq_len: int, kind: str, ex
         return json.loads(out.read_text())
 
 
-def execute(plan: dict, kind: str, steps: int = 5) -> Run:
-    with tempfile.TemporaryDirectory() as scratch:
-        plan_path, report_path = Path(scratch) / "plan.json", Path(scratch) / "report.json"
-        plan_path.write_text(json.dumps(plan))
-        proc = cli("apply", str(plan_path), "--steps", str(steps), "--report", str(report_path))
-        if proc.returncode != 0 or not report_path.exists():
-            return Run(kind, plan, None, (proc.stderr or proc.stdout)[-2000:])
-        return Run(kind, plan, json.loads(report_path.read_text()))
-
-
 def rel_error(predicted: float, measured: float) -> float:
     return (predicted - measured) / measured
 
@@ -95,3 +64,65 @@ def write_results(name: str, data) -> Path:
     path = RESULTS / f"{name}.json"
     path.write_text(json.dumps(data, indent=2) + "\n")
     return path
+
+
+def decisions(plan: dict) -> tuple:
+    return (plan["training"]["micro_batch_size"],
+            tuple((u["module"], u["sharding"], u["checkpoint"], u["reshard_after_forward"]) for u in plan["units"]))
+
+
+def execute_many(plans: list[dict], rounds: int = ROUNDS) -> list[dict | None]:
+    """Run every distinct plan `rounds` times in one torchrun launch; per plan: measured step time (fastest
+    round) and peak (highest round); None: failed. Plans with the same decisions are run once."""
+    first: dict[tuple, dict] = {}
+    for plan in plans:
+        first.setdefault(decisions(plan), plan)
+    distinct = list(first)
+    runs = _execute_once([first[key] for _ in range(rounds) for key in distinct])
+    measured = {}
+    for index, key in enumerate(distinct):
+        mine = [runs[r * len(distinct) + index] for r in range(rounds)]
+        if any(m is None for m in mine):
+            measured[key] = None
+            continue
+        measured[key] = {"step_time_s": min(m["step_time_s"] for m in mine),
+                         "peak_mem_bytes": max(m["peak_mem_bytes"] for m in mine),
+                         "phase_peak_bytes": {phase: max(m["phase_peak_bytes"][phase] for m in mine)
+                                              for phase in mine[0]["phase_peak_bytes"]}}
+    return [measured[decisions(plan)] for plan in plans]
+
+
+def _execute_once(plans: list[dict]) -> list[dict | None]:
+    """Run every plan in one torchrun launch; per plan: measured step time and peak (None: failed)."""
+    with tempfile.TemporaryDirectory() as scratch:
+        specs = []
+        for index, plan in enumerate(plans):
+            plan_path = Path(scratch) / f"plan{index}.json"
+            plan_path.write_text(json.dumps(plan))
+            run_dir = Path(scratch) / f"run{index}"
+            run_dir.mkdir()
+            specs.append(RunSpec(plan_path=str(plan_path), run_dir=str(run_dir), device="cpu",
+                                 steps=TIMED_STEPS, warmup_steps=WARMUP_STEPS, dry_run=False).__dict__)
+        spec_path = Path(scratch) / "specs.json"
+        spec_path.write_text(json.dumps(specs))
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                               str(REPO / "benchmarks" / "multi_worker.py"), str(spec_path)],
+                              cwd=REPO, capture_output=True, text=True, timeout=3600)
+        measured = []
+        for spec in specs:
+            ranks = [RankResult.load(spec["run_dir"], rank) for rank in (0, 1)]
+            if any(r is None or r.status != "ok" for r in ranks):
+                error = next((r.error for r in ranks if r is not None and r.error), proc.stderr[-500:])
+                print(f"  a plan failed: {error}", file=sys.stderr)
+                measured.append(None)
+                continue
+            # on the CPU the worker times extra steps with the memory tracker off: those are the step times
+            untracked = all(r.untracked_step_times_s for r in ranks)
+            times = [r.untracked_step_times_s if untracked else r.step_times_s[WARMUP_STEPS:] for r in ranks]
+            steps = [max(t[i] for t in times) for i in range(min(map(len, times)))]
+            last = min(len(r.phase_peak_bytes_by_step) for r in ranks) - 1  # optimizer states exist from step 2
+            measured.append({"step_time_s": statistics.median(steps),
+                             "peak_mem_bytes": max(r.peak_mem_bytes for r in ranks),
+                             "phase_peak_bytes": {phase: max(r.phase_peak_bytes_by_step[last][phase] for r in ranks)
+                                                  for phase in ranks[0].phase_peak_bytes_by_step[last]}})
+        return measured

@@ -1,9 +1,11 @@
 """Fidelity: do predictions match measurement? Each plan of a grid (models of several depths and
-widths x micro-batches x plan kinds) is executed with `autoplan apply` on this machine (CPU, gloo,
-2 ranks, the measured cpu-gloo-2 profile) and its predicted peak memory per rank and step time are
-compared with the measured ones.
+widths x micro-batches x plan kinds) is executed on this machine (CPU, gloo, 2 ranks, the measured
+cpu-gloo-2 profile) with the training loop and measurement of `autoplan apply`'s ranks, and its
+predicted peak memory per rank and step time are compared with the measured ones. The plans of one
+model and micro-batch run in one launch, in three rounds one after the other; each keeps its fastest
+round (common.execute_many), as the profile's calibration steps do.
 
-    python benchmarks/fidelity.py            # full grid (~10-20 min on 2 cores)
+    python benchmarks/fidelity.py            # full grid (~10 min on 2 cores)
     python benchmarks/fidelity.py --quick    # one model, one micro-batch
 
 Targets (issue 5): memory error at most 5% median and 10% worst; step time 10% median, 20% worst.
@@ -14,7 +16,10 @@ from __future__ import annotations
 import argparse
 from collections import defaultdict
 
-from common import UNIFORM, execute, make_plan, rel_error, summarize, write_results
+from common import execute_many, make_plan, rel_error, summarize, write_results
+
+from autoplan.plan import Plan
+from autoplan.runreport import predicted_phase_peaks
 
 MODELS = [
     "gpt2-tiny[n_layers=2,d_model=64]",
@@ -23,7 +28,7 @@ MODELS = [
 ]
 MICRO_BATCHES = [4, 16]
 SEQ_LEN = 128
-KINDS = ["all-shard", "all-shard+ckpt", "all-shard_keep", "all-replicate", "autoplan"]
+KINDS = ["all-shard", "all-shard+ckpt", "all-shard_keep", "all-replicate", "all-replicate+ckpt", "autoplan"]
 
 
 def mixed_limit(model: str, batch_size: int) -> str:
@@ -48,23 +53,26 @@ def main() -> None:
     for model in models:
         for batch_size in batches:
             limit = mixed_limit(model, batch_size)
-            for kind in KINDS:
-                plan = make_plan(model, limit if kind == "autoplan" else "100GB", batch_size, SEQ_LEN, kind)
-                run = execute(plan, kind)
-                if run.report is None:
-                    print(f"{model:<62} {batch_size:>3} {kind:<16} FAILED: {run.error}")
+            plans = {kind: make_plan(model, limit if kind == "autoplan" else "100GB", batch_size, SEQ_LEN, kind)
+                     for kind in KINDS}
+            for (kind, plan), measured in zip(plans.items(), execute_many(list(plans.values()))):
+                if measured is None:
+                    print(f"{model:<62} {batch_size:>3} {kind:<16} FAILED")
                     continue
-                mem_err = rel_error(run.predicted_peak, run.measured_peak)
-                time_err = rel_error(run.predicted_step_s, run.measured_step_s)
+                predicted = plan["predicted"]
+                mem_err = rel_error(predicted["peak_mem_bytes"], measured["peak_mem_bytes"])
+                time_err = rel_error(predicted["step_time_s"], measured["step_time_s"])
                 rows.append(dict(model=model, micro_batch=batch_size, kind=kind,
-                                 predicted_peak_bytes=run.predicted_peak, measured_peak_bytes=run.measured_peak,
-                                 predicted_step_s=run.predicted_step_s, measured_step_s=run.measured_step_s,
+                                 predicted_peak_bytes=predicted["peak_mem_bytes"],
+                                 measured_peak_bytes=measured["peak_mem_bytes"],
+                                 predicted_step_s=predicted["step_time_s"], measured_step_s=measured["step_time_s"],
                                  mem_error=mem_err, time_error=time_err,
-                                 predicted_phases=run.report["predicted"].get("phase_peak_bytes"),
-                                 measured_phases=run.report["measured"].get("phase_peak_bytes")))
-                print(f"{model:<62} {batch_size:>3} {kind:<16} {run.predicted_peak / 1e6:>12.1f} "
-                      f"{run.measured_peak / 1e6:>9.1f} {100 * mem_err:>6.1f}% {run.predicted_step_s * 1e3:>12.1f} "
-                      f"{run.measured_step_s * 1e3:>9.1f} {100 * time_err:>6.1f}%", flush=True)
+                                 predicted_phases=predicted_phase_peaks(Plan.model_validate(plan)),
+                                 measured_phases=measured["phase_peak_bytes"]))
+                print(f"{model:<62} {batch_size:>3} {kind:<16} {predicted['peak_mem_bytes'] / 1e6:>12.1f} "
+                      f"{measured['peak_mem_bytes'] / 1e6:>9.1f} {100 * mem_err:>6.1f}% "
+                      f"{predicted['step_time_s'] * 1e3:>12.1f} {measured['step_time_s'] * 1e3:>9.1f} "
+                      f"{100 * time_err:>6.1f}%", flush=True)
 
     by_kind = defaultdict(list)
     for row in rows:
