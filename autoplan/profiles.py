@@ -96,9 +96,9 @@ class FsdpOverhead(_Strict):
     for the peers at the synchronisation point, the collective's threads competing for the cores);
     compute_*_scale: how much longer the ops take inside a step than timed one at a time (ranks'
     collectives competing for the cores, cold caches); compute_recompute_scale: the same for the
-    forward ops a checkpointed unit re-runs in its backward (None: as the backward's). Fitted by `autoplan profile` on whole
-    training steps of a calibration model (profiling/calibration.py), whose record `calibration`
-    keeps; 0 and 1 = not modelled."""
+    forward ops a checkpointed unit re-runs in its backward (None: as the backward's). Fitted by
+    `autoplan profile` on whole training steps of a calibration model (profiling/calibration.py),
+    whose record `calibration` keeps; 0 and 1 = not modelled."""
 
     unit_fwd_s: float = Field(default=0.0, ge=0)
     unit_bwd_s: float = Field(default=0.0, ge=0)

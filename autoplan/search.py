@@ -45,8 +45,9 @@ DEFAULT_MODEL = "gpt2-1.5b"
 DEFAULT_PROFILE = "a100-sxm4-80gb"
 DEFAULT_GPUS_PER_NODE = 8
 MAX_MICRO_BATCH = 256
-# plans are made to this fraction below --mem: predicted peaks land within ~1% of measured ones (see
-# benchmarks/RESULTS.md), and a run's peak varies by a little more between steps and runs
+# plans are made to this fraction below --mem: predicted peaks land within ~1% of measured ones in a
+# typical step (see benchmarks/RESULTS.md), and now and then a buffer freed late by another thread
+# (gloo's) lifts a step's peak by up to ~2% more
 DEFAULT_HEADROOM = 0.02
 # the tie-break towards lower memory is best-effort: proving the leanest of many equally fast plans
 # over near-identical blocks can take CP-SAT any time limit (405B: all 10 s); without it the fastest
@@ -399,7 +400,7 @@ def search(
     if not 0 <= headroom < MAX_HEADROOM:
         raise UsageError(f"--headroom must be a fraction of the limit in [0, {MAX_HEADROOM}), got {headroom:g} "
                          f"(e.g. 0.02 plans to 98% of --mem)")
-    # predictions land within ~1% of measured peaks; the headroom keeps plans under the limit when they run
+    # the headroom keeps plans under the limit when they run (see DEFAULT_HEADROOM)
     planned_bytes = int(mem_limit_bytes * (1 - headroom))
     check_choice("--dtype", dtype, DTYPES)
     check_choice("--optimizer", optimizer, OPTIMIZERS)

@@ -42,7 +42,7 @@ def evaluate(table: CostTable, choices: list[int]) -> Evaluation:
 
 def uniform_choices(table: CostTable, sharding: str, checkpoint: bool, exact: bool = False) -> list[int] | None:
     """Option index per unit for a uniform strategy. Units without a checkpointing option run
-    without it; the root, which FSDP2 never reshards after forward, takes plain "shard" for
+    without it; the root, which is not offered shard_keep (options_for), takes plain "shard" for
     "shard_keep". With `exact`, None when the sharding kind itself is not offered (hybrid on one node)."""
     choices = []
     for options in table.options:

@@ -146,24 +146,26 @@ def per_tensor_optimizer_scratch_bytes(units: list[Unit], precision: Precision, 
     return max((p.numel for unit in units for p in unit.params), default=0) * precision.state_bytes
 
 
-def _reduce_peak_bytes(padded: int, local: int, shard: int, precision: Precision, device_type: str) -> int:
+def _gloo_copy_bytes(reduction_input: int, shard: int, device_type: str) -> int:
+    """On the CPU, gloo's reduce-scatter works on a copy of its input (measured with autoplan.memtrack:
+    a second reduce-dtype buffer of the input's size); NCCL reduces in place."""
+    return reduction_input if device_type != "cuda" and shard > 1 else 0
+
+
+def _reduce_peak_bytes(reduction_input: int, unsharded_grad: int, reduced_grad: int, gloo_copy: int) -> int:
     """FSDP2's post-backward (foreach_reduce) copies the unsharded gradients into the reduction input
-    and frees them, then allocates the reduction output (the new sharded gradient) and reduces. On the
-    CPU, gloo's reduce-scatter works on a copy of its input (measured with autoplan.memtrack: a second
-    reduce-dtype buffer of the input's size, alive during the call); NCCL reduces in place."""
-    reduction_input = padded * precision.reduce_bytes
-    scratch = reduction_input if device_type != "cuda" and shard > 1 else 0
-    return reduction_input + max(padded * precision.compute_bytes, local * precision.reduce_bytes + scratch)
+    and frees them, then allocates the reduction output (the new sharded gradient) and reduces, on
+    gloo's copy of the input while the call runs."""
+    return reduction_input + max(unsharded_grad, reduced_grad + gloo_copy)
 
 
-def _pending_reduce_bytes(padded: int, shard: int, precision: Precision, device_type: str) -> int:
+def _pending_reduce_bytes(reduction_input: int, gloo_copy: int) -> int:
     """What a unit's reduction leaves alive through the next unit's backward: FSDP2 keeps the reduction
-    input until the next post-backward (reduce_scatter_max_input_buffers=1). On the CPU, gloo's copy
-    of that input is freed by gloo's worker thread once it lets go of the finished call, as late as the
-    scheduler runs that thread: measured alive well into the next unit's backward in about one step
-    of fifty (two ranks on two cores). A plan must fit then too, so the copy is counted."""
-    reduction_input = padded * precision.reduce_bytes
-    return reduction_input * (2 if device_type != "cuda" and shard > 1 else 1)
+    input until the next post-backward (reduce_scatter_max_input_buffers=1). Gloo's copy of it is
+    freed by gloo's worker thread once it lets go of the finished call, as late as the scheduler runs
+    that thread: measured alive well into the next unit's backward in about one step of fifty (two
+    ranks on two cores). A plan must fit then too, so the copy is counted."""
+    return reduction_input + gloo_copy
 
 
 def _kept_inputs(trace: ModelTrace, unit: Unit) -> dict[int, tuple[int, str | None]]:
@@ -296,9 +298,9 @@ def build_cost_table(
             padded = local * shard
             gathered = padded * precision.compute_bytes
             all_gather = comm.collective_s("all_gather", gathered, shard, _scope(shard, cluster, False))
-            reduce_scatter = comm.collective_s(
-                "reduce_scatter", padded * precision.reduce_bytes, shard, _scope(shard, cluster, False)
-            )
+            reduction_input = padded * precision.reduce_bytes
+            gloo_copy = _gloo_copy_bytes(reduction_input, shard, profile.device_type)
+            reduce_scatter = comm.collective_s("reduce_scatter", reduction_input, shard, _scope(shard, cluster, False))
             all_reduce = comm.collective_s(
                 "all_reduce", local * precision.reduce_bytes, replicas, _scope(replicas, cluster, shard == 1 or
                                                                                option.kind.shard_group == "node")
@@ -320,9 +322,10 @@ def build_cost_table(
                 held_bytes=0 if option.kind.reshard_after_forward else gathered,
                 activation_bytes=keep_bytes[index] if option.checkpoint else saved,
                 unsharded_grad_bytes=padded * precision.compute_bytes,
-                reduce_buffer_bytes=padded * precision.reduce_bytes,
-                reduce_peak_bytes=_reduce_peak_bytes(padded, local, shard, precision, profile.device_type),
-                pending_reduce_bytes=_pending_reduce_bytes(padded, shard, precision, profile.device_type),
+                reduce_buffer_bytes=reduction_input,
+                reduce_peak_bytes=_reduce_peak_bytes(reduction_input, padded * precision.compute_bytes,
+                                                     local * precision.reduce_bytes, gloo_copy),
+                pending_reduce_bytes=_pending_reduce_bytes(reduction_input, gloo_copy),
                 fwd_s=fwd_s * (cs if comm_fwd > 0 else 1.0),
                 bwd_s=bwd_total * (cs if comm_bwd > 0 else 1.0),
                 comm_fwd_s=comm_fwd * (ms if fwd_s > 0 else 1.0),
