@@ -7,7 +7,7 @@ The Python API, as a notebook uses it (each step is also a CLI command: `autopla
 >>> traced = autoplan.trace("gpt2-tiny", seq_len=64)   # a zoo name, "hf:dir/config.json", "pkg.mod:factory", a module
 >>> traced.tracer                                       # torch.fx here; "dispatch" where fx cannot trace the model
 'fx'
->>> plan = traced.search("40MB", gpus=2)                # the fastest plan under 40 MB per GPU (InfeasibleError if none)
+>>> plan = autoplan.search(traced, "40MB", gpus=2)                # the fastest plan under 40 MB per GPU (InfeasibleError if none)
 >>> plan.predicted.peak_mem_bytes <= 40_000_000
 True
 >>> [row["module"] for row in plan.unit_table()]        # plain data: one dict per FSDP unit, "" is the root
@@ -30,18 +30,24 @@ run). `print(plan)` shows the decision table; `plan.to_dict()`, `plan.unit_table
 `plan.timeline_table()` give plain data.
 """
 
-__version__ = "0.1.0"
-
-from . import plots  # noqa: E402  (matplotlib itself is imported only when a figure is drawn)
-from .errors import AutoplanError, InfeasibleError, PlanFileError, UsageError  # noqa: E402
-from .estimate import STRATEGIES, Estimate, estimate  # noqa: E402
-from .frontier import FrontierPoint, frontier  # noqa: E402
-from .plan import Plan, load_plan  # noqa: E402
-from .profiles import DeviceProfile, available_profiles, load_profile  # noqa: E402
-from .search import TracedModel, search, trace  # noqa: E402
-from .sizes import parse_mem_bytes  # noqa: E402
-from .trace import TraceError  # noqa: E402
-from .tracing import TRACERS, ExampleInputs  # noqa: E402
+from autoplan import plots  # noqa: E402  (matplotlib itself is imported only when a figure is drawn)
+from autoplan.api.estimate import STRATEGIES, Estimate, estimate  # noqa: E402
+from autoplan.api.frontier import FrontierPoint, frontier  # noqa: E402
+from autoplan.api.search import search  # noqa: E402
+from autoplan.api.traced import TracedModel, trace
+from autoplan.errors import (  # noqa: E402
+    AutoplanError,
+    InfeasibleError,
+    PlanFileError,
+    TraceError,  # noqa: E402
+    UsageError,
+)
+from autoplan.plan.schema import Plan, load_plan  # noqa: E402
+from autoplan.profile_store import available_profiles, load_profile  # noqa: E402
+from autoplan.sizes import parse_mem_bytes  # noqa: E402
+from autoplan.tracing.tracer import TRACERS, ExampleInputs  # noqa: E402
+from autoplan.version import __version__  # noqa: E402,F401
+from cost_models.profile import DeviceProfile
 
 __all__ = [
     "AutoplanError", "DeviceProfile", "apply", "Estimate", "ExampleInputs", "FrontierPoint", "InfeasibleError", "Plan",
@@ -53,7 +59,7 @@ __all__ = [
 def __getattr__(name: str):
     # `apply` pulls in torch.distributed.fsdp (~0.4 s): import it only when used, not for `search`
     if name == "apply":
-        from .apply import apply
+        from autoplan.run.apply import apply
 
         return apply
     raise AttributeError(f"module 'autoplan' has no attribute {name!r}")

@@ -27,3 +27,9 @@ class PlanFileError(AutoplanError):
     """A plan file that cannot be read, is corrupt, or does not match the model it is applied to."""
 
     exit_code = 2
+
+
+class TraceError(AutoplanError):
+    """The model could not be traced; the message names the failing module or op."""
+
+    exit_code = 2

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from .errors import UsageError
-from .frontier import FrontierPoint
-from .plan import Prediction
+from autoplan.api.frontier import FrontierPoint
+from autoplan.errors import UsageError
+from autoplan.plan.schema import Prediction
 
 # category field of MemoryBreakdown -> (legend label, colour); stacked bottom to top in this order
 CATEGORY_STYLE = {

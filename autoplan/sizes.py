@@ -3,7 +3,7 @@
 import math
 import re
 
-from .errors import UsageError
+from autoplan.errors import UsageError
 
 _UNIT_BYTES = {
     "": 1, "b": 1,

@@ -11,7 +11,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from autoplan.worker import RankResult, RunSpec
+from autoplan.run.worker import RankResult, RunSpec
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"

@@ -18,8 +18,8 @@ from collections import defaultdict
 
 from common import execute_many, make_plan, rel_error, summarize, write_results
 
-from autoplan.plan import Plan
-from autoplan.runreport import predicted_phase_peaks
+from autoplan.plan.schema import Plan
+from autoplan.run.report import predicted_phase_peaks
 
 MODELS = [
     "gpt2-tiny[n_layers=2,d_model=64]",

@@ -13,7 +13,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from autoplan.worker import RankResult, RunSpec, train
+from autoplan.run.worker import RankResult, RunSpec, train
 
 
 def main() -> None:

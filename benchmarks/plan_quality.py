@@ -31,7 +31,7 @@ import statistics
 
 from common import RESULTS, UNIFORM, decisions, execute_many, make_plan, write_results
 
-from autoplan.search import DEFAULT_HEADROOM
+from autoplan.settings import DEFAULT_HEADROOM
 
 MODELS = [
     "gpt2-tiny[n_layers=4,d_model=128]",

@@ -8,7 +8,7 @@ all-gather and reduce-scatter move (n-1)/n of the buffer per rank, all-reduce 2(
 
 from __future__ import annotations
 
-from autoplan.profiles import DeviceProfile
+from cost_models.profile import DeviceProfile
 
 
 def ring_factor(collective: str, group_size: int) -> float:

@@ -9,8 +9,8 @@ plus a per-op launch overhead (Williams et al., "Roofline", CACM 2009).
 
 from __future__ import annotations
 
-from autoplan.profiles import DeviceProfile
-from autoplan.trace import OpRecord
+from cost_models.profile import DeviceProfile
+from cost_models.records import OpRecord
 
 
 class ComputeModel:

@@ -13,10 +13,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from autoplan.options import Option, options_for
-from autoplan.profiles import DeviceProfile
-from autoplan.trace import LOSS_NODE, ModelTrace, OpRecord
-from autoplan.units import Unit
+from cost_models.options import Option, options_for
+from cost_models.profile import DeviceProfile
+from cost_models.records import LOSS_NODE, ModelTrace, OpRecord, Unit
 
 from .comm import CommModel
 from .compute import ComputeModel

@@ -17,13 +17,13 @@ import traceback
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from planmaker import make_plan
 from torch.distributed.tensor import DTensor
 
-from autoplan.apply import apply
-from autoplan.data import BatchShape, SyntheticTokens, rank_micro_batches
 from autoplan.errors import PlanFileError
-from autoplan.models import build_model, get_config
-from planmaker import make_plan
+from autoplan.models.zoo import build_model, get_config
+from autoplan.run.apply import apply
+from autoplan.run.data import BatchShape, SyntheticTokens, rank_micro_batches
 
 STEPS = 3
 SEED = 1234

@@ -3,7 +3,7 @@
 import os
 import signal
 
-from autoplan.models import GPT2, get_config
+from autoplan.models.zoo import GPT2, get_config
 
 
 def tiny_gpt2():

@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 from autoplan import __version__
-from autoplan.fingerprint import model_fingerprint
-from autoplan.models import ModelConfig, build_model, count_params, get_config
-from autoplan.plan import (
-    ClusterSpec, MemoryBreakdown, ModelRef, Plan, Prediction, SolverInfo, TrainingSpec, UnitDecision,
+from autoplan.models.fingerprint import model_fingerprint
+from autoplan.models.zoo import ModelConfig, build_model, count_params, get_config
+from autoplan.plan.schema import (
+    ClusterSpec,
+    MemoryBreakdown,
+    ModelRef,
+    Plan,
+    Prediction,
+    SolverInfo,
+    TrainingSpec,
+    UnitDecision,
     UnitPrediction,
 )
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import autoplan
-import autoplan.tracing
+import autoplan.tracing.tracer
 from autoplan.errors import UsageError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -28,12 +28,12 @@ def test_the_api_is_exported():
 
 def test_a_traced_model_is_traced_once_and_searches_as_search_does(traced, monkeypatch):
     calls = []
-    original = autoplan.tracing.trace_pair
-    search_module = sys.modules["autoplan.search"]  # the package's `search` attribute is the function
-    monkeypatch.setattr(search_module, "trace_pair", lambda *a, **k: calls.append(a) or original(*a, **k))
+    original = autoplan.tracing.tracer.trace_pair
+    traced_module = sys.modules["autoplan.api.traced"]
+    monkeypatch.setattr(traced_module, "trace_pair", lambda *a, **k: calls.append(a) or original(*a, **k))
     fresh = autoplan.search("gpt2-tiny", "20MB", gpus=2, seq_len=64).model_dump(mode="json")
     assert len(calls) == 1
-    reused = [traced.search(limit, gpus=2).model_dump(mode="json") for limit in ("20MB", "40MB")]
+    reused = [autoplan.search(traced, limit, gpus=2).model_dump(mode="json") for limit in ("20MB", "40MB")]
     reused.append(autoplan.search(traced, "20MB", gpus=4, granularity="fine").model_dump(mode="json"))
     assert len(calls) == 1  # the TracedModel's bf16 traces served all three
     for plan in (fresh, reused[0]):
@@ -51,7 +51,7 @@ def test_a_traced_model_keeps_its_sequence_length(traced):
 
 
 def test_plan_prints_and_gives_plain_data(traced):
-    plan = traced.search("20MB", gpus=2)
+    plan = autoplan.search(traced, "20MB", gpus=2)
     assert str(plan) == plan.table()
     assert "peak memory per GPU" in plan.table() and "traced by fx" in plan.table()
     data = plan.to_dict()
@@ -65,7 +65,7 @@ def test_plan_prints_and_gives_plain_data(traced):
 
 
 def test_old_plan_files_without_a_tracer_still_load(traced, tmp_path):
-    data = traced.search("20MB", gpus=2).to_dict()
+    data = autoplan.search(traced, "20MB", gpus=2).to_dict()
     del data["model"]["tracer"]
     (tmp_path / "old.json").write_text(json.dumps(data))
     assert autoplan.load_plan(tmp_path / "old.json").model.tracer == "fx"
@@ -91,11 +91,9 @@ def _run_doctests(module, tmp_path, monkeypatch):
 
 def test_api_docstring_examples_run(tmp_path, monkeypatch):
     pytest.importorskip("matplotlib")
-    import autoplan.estimate
-    import autoplan.frontier
-    import autoplan.search
 
-    for name in ("autoplan", "autoplan.search", "autoplan.estimate", "autoplan.frontier"):
+    for name in ("autoplan", "autoplan.api.search", "autoplan.api.traced", "autoplan.api.estimate",
+                 "autoplan.api.frontier"):
         _run_doctests(sys.modules[name], tmp_path, monkeypatch)
 
 

@@ -5,13 +5,13 @@ import json
 import pytest
 import torch
 import torch.distributed as dist
+from planmaker import make_plan
 from torch.distributed.device_mesh import init_device_mesh
 
-from autoplan.apply import apply, materialise, model_for_plan
-from autoplan.cli import main
+from autoplan.cli.main import main
 from autoplan.errors import PlanFileError, UsageError
-from autoplan.models import build_model, get_config
-from planmaker import make_plan
+from autoplan.models.zoo import build_model, get_config
+from autoplan.run.apply import apply, materialise, model_for_plan
 
 
 def test_refuses_a_plan_for_another_model_naming_the_first_difference():

@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from apply_parity_worker import CASES
 
 TESTS_DIR = Path(__file__).parent

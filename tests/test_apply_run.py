@@ -6,10 +6,11 @@ import os
 from pathlib import Path
 
 import pytest
-
-from autoplan.cli import main
-from autoplan.models import build_model, load_factory
 from planmaker import make_plan
+
+from autoplan.cli.main import main
+from autoplan.models.factory import load_factory
+from autoplan.models.zoo import build_model
 
 TESTS_DIR = Path(__file__).parent
 

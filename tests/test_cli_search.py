@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from autoplan.plan import plan_json_schema
+from autoplan.plan.schema import plan_json_schema
 
 REQUIRED = [("predicted", "peak_mem_bytes"), ("predicted", "step_time_s"), ("predicted", "throughput_samples_s"),
             ("solver", "status"), ("solver", "wall_time_s"), ("cluster", "world_size"),
@@ -73,5 +73,5 @@ def test_models_lists_published_counts(run_cli):
 def test_checked_in_json_schema_matches_the_code():
     from pathlib import Path
 
-    checked_in = json.loads((Path(__file__).resolve().parents[1] / "autoplan" / "plan_schema.json").read_text())
-    assert checked_in == plan_json_schema(), "regenerate: python -m autoplan.plan > autoplan/plan_schema.json"
+    checked_in = json.loads((Path(__file__).resolve().parents[1] / "autoplan" / "plan" / "plan_schema.json").read_text())
+    assert checked_in == plan_json_schema(), "regenerate: python -m autoplan.plan.schema > autoplan/plan/plan_schema.json"

@@ -4,16 +4,17 @@ import pytest
 import torch.nn as nn
 import torch.nn.functional as F
 
-from autoplan.models import build_model, count_params
-from autoplan.search import _TraceCache, resolve_cluster
-from autoplan.solver import solve_min_time
+from autoplan.models.zoo import build_model, count_params
+from autoplan.solve.cluster import resolve_cluster
+from autoplan.solve.solver import solve_min_time
+from autoplan.solve.tables import CostTables
 from cost_models.evaluate import evaluate, uniform_choices
 
 
 @pytest.fixture(scope="module")
 def tiny_gpt2_trace():
     model = build_model("gpt2-tiny")
-    return model, _TraceCache(model, seq_len=64, compute_dtype="fp32", granularity="block")
+    return model, CostTables(model, seq_len=64, compute_dtype="fp32", granularity="block")
 
 
 def _table(traced, gpus, micro_batch=2, dtype="bf16-mixed", optimizer="adamw"):
@@ -104,7 +105,7 @@ def _with_profile(cluster, **changes):
 
 
 def test_fsdp_unit_overhead_and_per_tensor_optimizer_cost_add_per_unit(tiny_gpt2_trace):
-    from autoplan.profiles import FsdpOverhead
+    from cost_models.profile import FsdpOverhead
     from cost_models.step import unit_step_s
 
     _, traced = tiny_gpt2_trace
@@ -120,7 +121,7 @@ def test_fsdp_unit_overhead_and_per_tensor_optimizer_cost_add_per_unit(tiny_gpt2
 
 
 def test_compute_scales_stretch_ops_and_recompute_not_collectives(tiny_gpt2_trace):
-    from autoplan.profiles import FsdpOverhead
+    from cost_models.profile import FsdpOverhead
 
     _, traced = tiny_gpt2_trace
     cluster = resolve_cluster(2, None, None, "a100-sxm4-80gb")
@@ -147,7 +148,7 @@ def test_compute_scales_stretch_ops_and_recompute_not_collectives(tiny_gpt2_trac
 
 
 def test_without_overlap_compute_and_communication_add_up(tiny_gpt2_trace):
-    from autoplan.profiles import FsdpOverhead, Overlap
+    from cost_models.profile import FsdpOverhead, Overlap
     from cost_models.step import unit_step_s
 
     _, traced = tiny_gpt2_trace
@@ -207,7 +208,7 @@ class Mlp(nn.Module):
 
 
 def test_tracer_follows_the_backwards_gradients_and_parameter_gradients():
-    from autoplan.trace import trace_model
+    from autoplan.tracing.fx_tracer import trace_model
 
     ops = {op.name: op for op in trace_model(Mlp(), 2, 4, "bf16").ops}
     # the loss's scalar gradient (4 bytes) lives through the whole backward
@@ -221,7 +222,7 @@ def test_tracer_follows_the_backwards_gradients_and_parameter_gradients():
 
 
 def test_backward_peak_frees_each_ops_saved_activations_once_its_backward_ran():
-    from autoplan.trace import trace_model
+    from autoplan.tracing.fx_tracer import trace_model
     from cost_models.table import BackwardPeak, Segment, backward_peak, backward_points
 
     ops = trace_model(Mlp(), 2, 4, "bf16").ops

@@ -6,9 +6,9 @@ import textwrap
 import pytest
 
 import autoplan
-from autoplan.cli import main
+from autoplan.cli.main import main
 from autoplan.errors import PlanFileError, UsageError
-from autoplan.models import build_model, count_params
+from autoplan.models.zoo import build_model, count_params
 
 TINY = dict(gpus=2, seq_len=64, batch_size=8)
 FACTORY_SOURCE = textwrap.dedent('''
@@ -76,7 +76,7 @@ def test_checkpointing_trades_activations_for_time(traced):
 
 
 def test_estimate_of_a_plan_reproduces_its_prediction(traced, tmp_path):
-    plan = traced.search("20MB", gpus=2)
+    plan = autoplan.search(traced, "20MB", gpus=2)
     plan.save(tmp_path / "plan.json")
     for source in (plan, tmp_path / "plan.json"):
         result = autoplan.estimate(plan=source)  # model and settings from the plan
@@ -85,7 +85,7 @@ def test_estimate_of_a_plan_reproduces_its_prediction(traced, tmp_path):
 
 
 def test_estimate_of_a_plan_for_another_model_is_refused(traced):
-    plan = traced.search("20MB", gpus=2)
+    plan = autoplan.search(traced, "20MB", gpus=2)
     with pytest.raises(PlanFileError, match="different model"):
         autoplan.estimate("llama-tiny", plan=plan)
     with pytest.raises(UsageError, match="not both"):

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from autoplan.memtrack import LiveTensorTracker, MemoryLimitExceeded
+from autoplan.run.memtrack import LiveTensorTracker, MemoryLimitExceeded
 
 
 def test_counts_live_storages_and_peak():

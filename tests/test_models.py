@@ -8,7 +8,8 @@ import torch.fx
 import torch.nn.functional as F
 from torch import nn
 
-from autoplan.models import (
+from autoplan.models.factory import load_factory
+from autoplan.models.zoo import (
     ALIASES,
     PRESETS,
     ModelConfig,
@@ -16,7 +17,6 @@ from autoplan.models import (
     build_model,
     count_params,
     get_config,
-    load_factory,
     model_names,
 )
 

@@ -13,7 +13,7 @@ def traced():
 
 
 def test_memory_timeline_stacks_every_category_under_the_limit(traced):
-    plan = traced.search("20MB", gpus=2)
+    plan = autoplan.search(traced, "20MB", gpus=2)
     figure = autoplan.plots.plot_memory_timeline(plan)
     ax = figure.axes[0]
     points = plan.predicted.timeline
@@ -50,7 +50,7 @@ def test_figures_go_into_a_given_axes_and_leave_pyplot_alone(traced):
 
     figure = Figure()
     axes = figure.subplots(1, 2)
-    plan = traced.search("20MB", gpus=2)
+    plan = autoplan.search(traced, "20MB", gpus=2)
     assert autoplan.plots.plot_memory_timeline(plan, ax=axes[0]) is figure
     import matplotlib.pyplot as plt
 

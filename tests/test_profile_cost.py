@@ -4,12 +4,14 @@ instead of being launch-bound, and so the search picks different plans."""
 
 import pytest
 
-from autoplan.profiles import load_profile
-from autoplan.search import _TraceCache, resolve_model, search
-from autoplan.trace import extrapolate_ops
+from autoplan.api.search import search
+from autoplan.models.resolve import resolve_model
+from autoplan.profile_store import load_profile
+from autoplan.solve.tables import CostTables
 from cost_models.comm import CommModel
 from cost_models.compute import ComputeModel
 from cost_models.evaluate import evaluate, uniform_choices
+from cost_models.records import extrapolate_ops
 from cost_models.table import ClusterShape, build_cost_table
 
 CPU, GPU = "cpu-gloo-2", "a100-sxm4-80gb"
@@ -19,7 +21,7 @@ TWO_RANKS = ClusterShape(world_size=2, nodes=1, gpus_per_node=2)
 @pytest.fixture(scope="module")
 def traced():
     model = resolve_model("gpt2-tiny")
-    return _TraceCache(model.module, model.config["max_seq_len"], "bf16", "block")
+    return CostTables(model.module, model.config["max_seq_len"], "bf16", "block")
 
 
 def _block_ops(traced, micro_batch_size):

@@ -13,9 +13,14 @@ Tolerances:
 import numpy as np
 import pytest
 
-from autoplan.profiles import load_profile
+from autoplan.profile_store import load_profile
 from autoplan.profiling.fit import (
-    AffineFit, OpPoint, fit_affine, fit_op_families, leave_one_out_errors, relative_errors,
+    AffineFit,
+    OpPoint,
+    fit_affine,
+    fit_op_families,
+    leave_one_out_errors,
+    relative_errors,
 )
 from autoplan.profiling.ops import collect_cases, sweep_workload, unique_cases, zoo_workload
 

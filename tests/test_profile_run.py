@@ -8,14 +8,15 @@ import time
 import pytest
 import torch
 
-from autoplan import cli_profile
-from autoplan.profiles import load_profile
+from autoplan.cli import profile as cli_profile
+from autoplan.models.resolve import resolve_model
+from autoplan.profile_store import load_profile, save_profile
 from autoplan.profiling import measure_profile
 from autoplan.profiling.cache import MeasurementCache
 from autoplan.profiling.ops import OpCase, collect_cases, has_work, materialize, measure_case, zoo_workload
 from autoplan.profiling.timing import Repeats
-from autoplan.search import _TraceCache, resolve_model
-from autoplan.trace import extrapolate_ops
+from autoplan.solve.tables import CostTables
+from cost_models.records import extrapolate_ops
 
 FEW = Repeats(warmup=1, min_repeats=2, max_repeats=3, min_time_s=0.0)
 
@@ -85,7 +86,7 @@ def test_measured_keys_are_the_keys_search_looks_up(quick):
     _, result = quick
     measured = {t.key for t in result.profile.op_times}
     model = resolve_model("gpt2-tiny")
-    traced = _TraceCache(model.module, model.config["max_seq_len"], "fp32", "block")
+    traced = CostTables(model.module, model.config["max_seq_len"], "fp32", "block")
     ops = [op for op in extrapolate_ops(traced.trace_1.ops, traced.trace_2.ops, 1)
            if has_work(op, "fwd") or has_work(op, "bwd")]
     missing = {op.key for op in ops if op.key not in measured}
@@ -149,7 +150,7 @@ def test_op_replay_keeps_strides_index_ranges_and_grad_flags():
     (("--dtype", "int8"), "invalid choice"),
 ])
 def test_usage_errors_exit_2(argv, message, capsys):
-    from autoplan.cli import main
+    from autoplan.cli.main import main
 
     try:
         code = main(["profile", "--no-progress", *argv])
@@ -169,7 +170,7 @@ def test_cuda_without_a_gpu_is_a_usage_error(run_cli):
 def test_profiles_lists_shipped_and_local_with_provenance(run_cli, tmp_path, monkeypatch):
     local = tmp_path / "local-profiles"
     local.mkdir()
-    load_profile("cpu-gloo-2").model_copy(update={"name": "mine"}).save(local / "mine.json")
+    save_profile(load_profile("cpu-gloo-2").model_copy(update={"name": "mine"}), local / "mine.json")
     (local / "broken.json").write_text("{}")
     monkeypatch.setenv("AUTOPLAN_PROFILE_DIR", str(local))
     done = run_cli("profiles")

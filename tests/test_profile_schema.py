@@ -6,11 +6,10 @@ import json
 import pytest
 
 from autoplan.errors import UsageError
-from autoplan.profiles import (
-    PROFILE_SCHEMA_VERSION, CollectiveFit, DeviceProfile, OpFit, OpTiming, available_profiles, load_profile,
-)
-from autoplan.trace import OpRecord
+from autoplan.profile_store import available_profiles, load_profile, save_profile
 from cost_models.compute import ComputeModel
+from cost_models.profile import PROFILE_SCHEMA_VERSION, CollectiveFit, DeviceProfile, OpFit, OpTiming
+from cost_models.records import OpRecord
 
 COLLECTIVES = {"all_gather", "reduce_scatter", "all_reduce"}
 
@@ -18,7 +17,7 @@ COLLECTIVES = {"all_gather", "reduce_scatter", "all_reduce"}
 def test_measured_profile_round_trips(tmp_path):
     profile = load_profile("cpu-gloo-2")
     path = tmp_path / "copy.json"
-    profile.save(path)
+    save_profile(profile, path)
     again = load_profile(str(path))
     assert again == profile
     assert again.model_dump_json() == profile.model_dump_json()

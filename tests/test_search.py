@@ -4,9 +4,9 @@ import json
 
 import pytest
 
+from autoplan.api.search import search
 from autoplan.errors import InfeasibleError, UsageError
-from autoplan.models import build_model
-from autoplan.search import search
+from autoplan.models.zoo import build_model
 
 TINY = dict(model="gpt2-tiny", gpus=2, seq_len=64, profile="a100-sxm4-80gb")
 

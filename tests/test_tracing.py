@@ -8,10 +8,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import autoplan
-from autoplan.models import build_model
-from autoplan.trace import TraceError, trace_model
-from autoplan.trace_dispatch import trace_dispatch
-from autoplan.units import build_units
+from autoplan.errors import TraceError
+from autoplan.models.zoo import build_model
+from autoplan.tracing.dispatch_tracer import trace_dispatch
+from autoplan.tracing.fx_tracer import trace_model
+from autoplan.tracing.units import build_units
 from cost_models.table import activation_keep_bytes
 
 
@@ -44,8 +45,8 @@ def test_dispatch_tracer_costs_each_unit_as_fx_does(name):
 
 def test_forced_dispatch_tracer_gives_the_fx_plan():
     settings = dict(gpus=2, batch_size=4)
-    by_fx = autoplan.trace("gpt2-tiny", seq_len=32).search("20MB", **settings)
-    by_dispatch = autoplan.trace("gpt2-tiny", seq_len=32, tracer="dispatch").search("20MB", **settings)
+    by_fx = autoplan.search(autoplan.trace("gpt2-tiny", seq_len=32), "20MB", **settings)
+    by_dispatch = autoplan.search(autoplan.trace("gpt2-tiny", seq_len=32, tracer="dispatch"), "20MB", **settings)
     assert (by_fx.model.tracer, by_dispatch.model.tracer) == ("fx", "dispatch")
     assert [(u.sharding, u.checkpoint) for u in by_dispatch.units] == [(u.sharding, u.checkpoint) for u in by_fx.units]
     assert by_dispatch.predicted.peak_mem_bytes == by_fx.predicted.peak_mem_bytes
@@ -141,7 +142,7 @@ def test_example_inputs_trace_other_forwards_and_give_the_sequence_length():
     example = {"features": torch.randn(4, 10, 16), "mask": torch.ones(4, 10)}
     traced = autoplan.trace(FeatureModel(), example_inputs=example)
     assert traced.seq_len == 10 and traced.tracer == "dispatch"  # keyword inputs: fx takes positional only
-    plan = traced.search("10MB", gpus=2, batch_size=8)
+    plan = autoplan.search(traced, "10MB", gpus=2, batch_size=8)
     assert plan.training.seq_len == 10
     assert [u.module for u in plan.units] == ["", "layers.0", "layers.1", "layers.2"]
 

@@ -1,6 +1,6 @@
 """Measuring a device for `autoplan profile`: op re-execution (ops), collectives (comm), overlap,
 device micro-benchmarks (device), fits (fit), a resumable cache (cache), tied together in run."""
 
-from .run import ProfileResult, ProfileSettings, measure_profile
+from autoplan.profiling.run import ProfileResult, ProfileSettings, measure_profile
 
 __all__ = ["ProfileResult", "ProfileSettings", "measure_profile"]

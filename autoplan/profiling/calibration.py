@@ -70,7 +70,7 @@ def case_key(strategy: str, checkpoint: bool, depth: int, micro_batch: int) -> s
 
 def _uniform_plan(traced, strategy: str, checkpoint: bool, world_size: int, micro_batch: int):
     """The plan `autoplan search --strategy S [--checkpoint]` writes (decisions only: any profile will do)."""
-    from autoplan.search import search
+    from autoplan.api.search import search
 
     return search(traced, mem="1TB", gpus=world_size, batch_size=micro_batch, strategy=strategy,
                   checkpoint=checkpoint, profile="a100-sxm4-80gb")
@@ -78,8 +78,8 @@ def _uniform_plan(traced, strategy: str, checkpoint: bool, world_size: int, micr
 
 def _timed_steps(model, optimizer, data, shape, rank: int, device: torch.device) -> dict[str, float]:
     """Median seconds of forward (loss included), backward and optimizer step over the timed steps."""
-    from autoplan.data import rank_micro_batches
-    from autoplan.worker import next_token_loss
+    from autoplan.run.data import rank_micro_batches
+    from autoplan.run.worker import next_token_loss
 
     def sync():
         if device.type == "cuda":
@@ -110,9 +110,9 @@ def _timed_steps(model, optimizer, data, shape, rank: int, device: torch.device)
 def measure_training_steps(device: torch.device, rounds: int = CALIBRATION_ROUNDS) -> dict[str, dict[str, float]]:
     """On every rank of the default group: phase times of each calibration case, the slowest rank's,
     each phase's fastest round, keyed by `case_key`."""
-    from autoplan.apply import apply, materialise, model_for_plan
-    from autoplan.data import BatchShape, SyntheticTokens, vocab_size_of
-    from autoplan.search import TracedModel
+    from autoplan.api.traced import TracedModel
+    from autoplan.run.apply import apply, materialise, model_for_plan
+    from autoplan.run.data import BatchShape, SyntheticTokens, vocab_size_of
 
     rank, world = dist.get_rank(), dist.get_world_size()
     seq_len = CALIBRATION_SEQ_LEN[device.type]
@@ -192,7 +192,8 @@ def fit_calibration(profile, measured: dict[str, dict[str, float]], world_size: 
     """Fit the forward and backward phases of the measured calibration steps against `profile`'s own
     prediction of their parts (the profile must not be calibrated yet: scale 1, no per-unit or
     per-call cost). Returns the fitted numbers and, for the record, each case's parts and measurement."""
-    from autoplan.search import Cluster, TracedModel
+    from autoplan.api.traced import TracedModel
+    from autoplan.solve.cluster import Cluster
     from cost_models.evaluate import uniform_choices
     from cost_models.table import ClusterShape
 

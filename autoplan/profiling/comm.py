@@ -24,11 +24,10 @@ import torch.multiprocessing as mp
 from tqdm import tqdm
 
 from autoplan.errors import AutoplanError
-
-from .calibration import CALIBRATION_ROUNDS, measure_training_steps
-from .fsdp import measure_fsdp
-from .overlap import OVERLAP_PHASE_S, OVERLAP_TRIALS, measure_overlap
-from .timing import Repeats
+from autoplan.profiling.calibration import CALIBRATION_ROUNDS, measure_training_steps
+from autoplan.profiling.fsdp import measure_fsdp
+from autoplan.profiling.overlap import OVERLAP_PHASE_S, OVERLAP_TRIALS, measure_overlap
+from autoplan.profiling.timing import Repeats
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
 ELEMENT_BYTES = 4  # fp32 buffers: FSDP2 reduces gradients in fp32 under bf16-mixed

@@ -8,9 +8,8 @@ import platform
 
 import torch
 
+from autoplan.profiling.timing import Repeats, median_time_s
 from cost_models.precision import OPTIMIZER_TOUCHES
-
-from .timing import Repeats, median_time_s
 
 FP32_BYTES = 4
 

@@ -20,7 +20,7 @@ from typing import Iterable
 
 import numpy as np
 
-from autoplan.profiles import OpFit
+from cost_models.profile import OpFit
 
 IRLS_ITERATIONS = 50
 IRLS_MIN_RESIDUAL = 1e-3  # caps a point's weight: an exact fit of one point must not take over

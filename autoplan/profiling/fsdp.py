@@ -22,14 +22,14 @@ gloo all-gather is waited on before the unit runs) it costs the sum. The fractio
 
 from __future__ import annotations
 
+import statistics
+import time
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-import statistics
-import time
-
-from .timing import Repeats, synchronize
+from autoplan.profiling.timing import Repeats, synchronize
 
 DEPTHS = (2, 8)
 TINY_WIDTH, TINY_TOKENS = 32, 8

@@ -19,12 +19,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils._pytree import tree_flatten, tree_map
 
-from autoplan.models import build_model, get_config
-from autoplan.trace import DTYPES, LOSS_NODE, OpRecord, _loss, default_inputs, symbolic_trace, trace_model
+from autoplan.models.zoo import build_model, get_config
+from autoplan.profiling.timing import Repeats, median_time_s
+from autoplan.tracing.counting import DTYPES, default_inputs, training_loss
+from autoplan.tracing.fx_tracer import symbolic_trace, trace_model
+from cost_models.records import LOSS_NODE, OpRecord
 
-from .timing import Repeats, median_time_s
-
-TRAINING_LOSS = _loss  # the loss the tracer charges to the "loss" op; re-run as it is
+TRAINING_LOSS = training_loss  # the loss the tracer charges to the "loss" op; re-run as it is
 
 
 @dataclass
@@ -54,7 +55,7 @@ class Workload:
 
 def zoo_workload(name: str, micro_batch_sizes: tuple[int, ...], seq_len: int | None = None) -> Workload:
     """A zoo model at the planning sequence length (its context length unless given)."""
-    from autoplan.search import parse_zoo_spec
+    from autoplan.models.resolve import parse_zoo_spec
 
     base, overrides = parse_zoo_spec(name)
     config = get_config(base, **overrides)

@@ -15,21 +15,40 @@ import torch
 from tqdm import tqdm
 
 from autoplan.errors import UsageError
-from autoplan.profiles import CollectiveFit, DeviceProfile, FsdpOverhead, Link, OpTiming, Overlap, Provenance
+from autoplan.profiling import device as device_bench
+from autoplan.profiling.cache import MeasurementCache, default_cache_dir
+from autoplan.profiling.calibration import (
+    CALIBRATION_ROUNDS,
+    CALIBRATION_SEQ_LEN,
+    CALIBRATION_WIDTH,
+    calibration_cases,
+    calibration_workloads,
+    fit_calibration,
+)
+from autoplan.profiling.comm import (
+    COLLECTIVES,
+    CommRequest,
+    default_backend,
+    group_sizes,
+    measurement_key,
+    message_bytes,
+    run_comm_benchmark,
+)
+from autoplan.profiling.fit import FitReport, OpPoint, fit_affine, fit_op_families, heldout_errors
+from autoplan.profiling.ops import (
+    OpCase,
+    collect_cases,
+    has_work,
+    measure_case,
+    sweep_workload,
+    unique_cases,
+    work,
+    zoo_workload,
+)
+from autoplan.profiling.overlap import OVERLAP_PHASE_S, OVERLAP_TRIALS
+from autoplan.profiling.timing import Repeats
 from cost_models.comm import ring_factor
-
-from . import device as device_bench
-from .cache import MeasurementCache, default_cache_dir
-from .comm import (
-    COLLECTIVES, CommRequest, default_backend, group_sizes, measurement_key, message_bytes, run_comm_benchmark,
-)
-from .calibration import (
-    CALIBRATION_ROUNDS, CALIBRATION_SEQ_LEN, CALIBRATION_WIDTH, calibration_cases, calibration_workloads, fit_calibration,
-)
-from .fit import FitReport, OpPoint, fit_affine, fit_op_families, heldout_errors
-from .overlap import OVERLAP_PHASE_S, OVERLAP_TRIALS
-from .ops import OpCase, collect_cases, has_work, measure_case, sweep_workload, unique_cases, work, zoo_workload
-from .timing import Repeats
+from cost_models.profile import CollectiveFit, DeviceProfile, FsdpOverhead, Link, OpTiming, Overlap, Provenance
 
 # zoo model -> micro-batch sizes. The search traces at micro-batch 1 and 2 (and extrapolates to
 # others), so these keys match a search over these models directly; other shapes go through the fits.

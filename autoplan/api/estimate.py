@@ -1,0 +1,149 @@
+"""Fixed-strategy estimates: per-rank peak memory by category and step time of one given strategy.
+
+The strategy is uniform (every unit sharded, kept gathered, replicated or hybrid, with or without
+activation checkpointing) or a plan file's decisions. This is what accelerate's estimate-memory and
+DeepSpeed's ZeRO estimators report, with what they leave out counted: activations saved for
+backward, gathered parameters, FSDP's gradient and reduction buffers, and the largest temporaries,
+on the same per-rank memory timeline the planner constrains (cost_models.memory).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch.nn as nn
+
+from autoplan.api.traced import TracedModel, reuse_traced
+from autoplan.errors import PlanFileError, UsageError
+from autoplan.models.fingerprint import model_fingerprint
+from autoplan.plan.assemble import prediction, unit_decisions
+from autoplan.plan.estimate import Estimate
+from autoplan.plan.schema import ClusterSpec, ModelRef, Plan, TrainingSpec, load_plan
+from autoplan.settings import DEFAULT_MODEL, DTYPES, OPTIMIZERS, check_choice
+from autoplan.sizes import format_bytes, parse_mem_bytes
+from autoplan.solve.cluster import resolve_cluster
+from autoplan.solve.tables import compute_dtype_of, micro_batch_candidates
+from cost_models.evaluate import evaluate, uniform_choices
+from cost_models.table import CostTable
+
+STRATEGIES = {
+    "shard": "every unit sharded, resharded after its forward (ZeRO-3, FSDP FULL_SHARD)",
+    "shard_keep": "every unit sharded, parameters kept gathered from forward to backward (ZeRO-2-like)",
+    "replicate": "every unit replicated, gradients all-reduced (DDP-like)",
+    "hybrid": "sharded within a node, replicated across nodes (HSDP)",
+}
+def _plan_choices(table: CostTable, plan: Plan) -> list[int]:
+    """The plan's option per unit, as option indices into `table`."""
+    decisions = {unit.module: unit for unit in plan.units}
+    missing = [u.path or "<root>" for u in table.units if u.path not in decisions]
+    extra = sorted(set(decisions) - {u.path for u in table.units})
+    if missing or extra:
+        raise PlanFileError(f"the plan's units do not match the model's at granularity {plan.training.granularity}: "
+                            f"missing {missing[:5]}, unknown {extra[:5]}")
+    choices = []
+    for unit, options in zip(table.units, table.options):
+        decision = decisions[unit.path]
+        match = [i for i, o in enumerate(options) if (o.sharding, o.checkpoint) == (decision.sharding, decision.checkpoint)]
+        if not match:
+            raise PlanFileError(f"unit {unit.path or '<root>'}: {decision.sharding}"
+                                f"{' +ckpt' if decision.checkpoint else ''} is not an option on this cluster")
+        choices.append(match[0])
+    return choices
+
+
+def estimate(
+    model: str | nn.Module | TracedModel | None = None,
+    strategy: str | None = None,
+    *,
+    checkpoint: bool = False,
+    plan: Plan | str | os.PathLike | None = None,
+    mem: str | int | None = None,
+    gpus: int | None = None,
+    nodes: int | None = None,
+    gpus_per_node: int | None = None,
+    profile: str | None = None,
+    batch_size: int | None = None,
+    global_batch: int | None = None,
+    seq_len: int | None = None,
+    dtype: str | None = None,
+    optimizer: str | None = None,
+    granularity: str | None = None,
+    example_inputs: Any = None,
+) -> Estimate:
+    """Per-rank peak memory (by category), the memory timeline and the step time of a fixed strategy.
+
+    `strategy`: "shard" (default), "shard_keep", "replicate" or "hybrid" for every unit, with
+    `checkpoint` turning on activation checkpointing wherever it applies (every unit but the root);
+    or `plan` (a Plan or a plan file) for its decisions, its model and, unless given, its settings.
+    `batch_size` is the micro-batch per GPU (default 1); `global_batch` adds gradient accumulation.
+    `mem` is a limit to compare with (default: the device's memory). Other settings as `search`.
+
+    >>> import autoplan
+    >>> est = autoplan.estimate("gpt2-tiny", "shard", checkpoint=True, gpus=2, batch_size=8, seq_len=64)
+    >>> est.fits, est.predicted.peak_mem_bytes > est.model_state_bytes
+    (True, True)
+    """
+    if plan is not None:
+        if strategy is not None or checkpoint:
+            raise UsageError("give either a strategy (with or without checkpointing) or a plan, not both")
+        plan = plan if isinstance(plan, Plan) else load_plan(plan)
+        cluster_given = any(v is not None for v in (gpus, nodes, gpus_per_node))
+        if not cluster_given:
+            gpus, nodes, gpus_per_node = plan.cluster.world_size, plan.cluster.nodes, plan.cluster.gpus_per_node
+        t = plan.training
+        profile = profile or plan.cluster.profile
+        mem = mem if mem is not None else plan.cluster.mem_limit_bytes
+        batch_size = batch_size or t.micro_batch_size
+        if global_batch is None and not cluster_given:
+            global_batch = t.global_batch_size
+        seq_len, dtype = seq_len or t.seq_len, dtype or t.dtype
+        optimizer, granularity = optimizer or t.optimizer, granularity or t.granularity
+        if model is None:
+            if plan.model.config is None and ":" not in plan.model.name:
+                raise UsageError(f"the plan was made for a model object ({plan.model.name}); pass that model too")
+            model = plan.model.name
+    strategy = strategy or "shard"
+    dtype, optimizer, granularity = dtype or "bf16-mixed", optimizer or "adamw", granularity or "block"
+    check_choice("strategy", strategy, STRATEGIES)
+    check_choice("--dtype", dtype, DTYPES)
+    check_choice("--optimizer", optimizer, OPTIMIZERS)
+
+    session = reuse_traced(model if model is not None else DEFAULT_MODEL, seq_len, example_inputs)
+    if plan is not None and model_fingerprint(session.module) != plan.model.fingerprint:
+        raise PlanFileError(f"the plan was made for a different model than {session.name} (module tree or "
+                            "parameter shapes differ); re-run `autoplan search` for this model")
+    cluster = resolve_cluster(gpus, nodes, gpus_per_node, profile)
+    if strategy == "hybrid" and cluster.shape.nodes < 2:
+        raise UsageError("hybrid sharding needs more than one node (--nodes)")
+    mem_limit_bytes = parse_mem_bytes(mem) if mem is not None else cluster.profile.mem_bytes
+    [(micro_batch_size, accum)] = micro_batch_candidates(cluster.shape.world_size, batch_size or 1, global_batch)
+
+    traced = session.cache(compute_dtype_of(dtype), granularity)
+    table = traced.table(micro_batch_size, accum, cluster, session.seq_len, dtype, optimizer)
+    if plan is not None:
+        choices, label = _plan_choices(table, plan), "plan"
+        description = f"the plan's decisions ({plan.model.name}, limit {format_bytes(plan.cluster.mem_limit_bytes)})"
+    else:
+        choices = uniform_choices(table, strategy, checkpoint)
+        label = strategy + ("+ckpt" if checkpoint else "")
+        description = STRATEGIES[strategy] + ("; activation checkpointing on every unit but the root"
+                                              if checkpoint else "; no activation checkpointing")
+    result = evaluate(table, choices)
+
+    return Estimate(
+        model=ModelRef(name=session.name, config=session.resolved.config, n_params=session.n_params,
+                       fingerprint=model_fingerprint(session.module), tracer=traced.tracer),
+        strategy=label, description=description,
+        cluster=ClusterSpec(world_size=cluster.shape.world_size, nodes=cluster.shape.nodes,
+                            gpus_per_node=cluster.shape.gpus_per_node, profile=cluster.profile_name,
+                            device_mem_bytes=cluster.profile.mem_bytes, mem_limit_bytes=mem_limit_bytes),
+        training=TrainingSpec(micro_batch_size=micro_batch_size, grad_accum_steps=accum,
+                              global_batch_size=table.samples_per_step, seq_len=session.seq_len, dtype=dtype,
+                              optimizer=optimizer, granularity=granularity),
+        units=unit_decisions(table, choices),
+        predicted=prediction(table, result),
+    )
+
+
+__all__ = ["STRATEGIES", "estimate"]

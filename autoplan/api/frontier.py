@@ -1,0 +1,66 @@
+"""The throughput-memory frontier: the best plan's throughput under each of a sweep of memory limits,
+beside the uniform baselines' (all-shard, all-shard+ckpt, all-replicate) under the same limits.
+
+The model is traced once for the whole sweep (a TracedModel); each limit is one `search`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch.nn as nn
+
+from autoplan.api.search import search
+from autoplan.api.traced import TracedModel, reuse_traced
+from autoplan.errors import InfeasibleError
+from autoplan.plan.assemble import BASELINES
+from autoplan.plan.schema import Plan
+from autoplan.sizes import parse_mem_bytes
+
+
+@dataclass(frozen=True)
+class FrontierPoint:
+    mem_limit_bytes: int
+    plan: Plan | None  # autoplan's plan under this limit; None when nothing fits
+    baselines: dict[str, float | None]  # baseline name -> samples/s of its best fitting micro-batch, None: no fit
+
+    @property
+    def throughput_samples_s(self) -> float | None:
+        return self.plan.predicted.throughput_samples_s if self.plan else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"mem_limit_bytes": self.mem_limit_bytes, "autoplan": self.throughput_samples_s, **self.baselines}
+
+
+def frontier(
+    model: str | nn.Module | TracedModel,
+    limits: Iterable[str | int],
+    *,
+    seq_len: int | None = None,
+    example_inputs: Any = None,
+    **search_settings,
+) -> list[FrontierPoint]:
+    """One FrontierPoint per memory limit, smallest limit first. `search_settings` are `search`'s
+    (gpus, profile, batch_size, dtype, ...), the same for every limit.
+
+    >>> import autoplan
+    >>> points = autoplan.frontier("gpt2-tiny", ["20MB", "80GB"], gpus=2, seq_len=64)
+    >>> [p.throughput_samples_s is not None for p in points]
+    [True, True]
+    """
+    traced = reuse_traced(model, seq_len, example_inputs)
+    points = []
+    for limit_bytes in sorted(parse_mem_bytes(limit) for limit in limits):
+        try:
+            plan = search(traced, limit_bytes, **search_settings)
+        except InfeasibleError:
+            # no plan fits, so no uniform baseline does either (each is one of the plans searched)
+            points.append(FrontierPoint(limit_bytes, None, {name: None for name, _, _ in BASELINES}))
+            continue
+        baselines = {b.name: (b.throughput_samples_s if b.fits else None) for b in plan.baselines}
+        points.append(FrontierPoint(limit_bytes, plan, baselines))
+    return points
+
+
+__all__ = ["FrontierPoint", "frontier"]

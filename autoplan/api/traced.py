@@ -1,0 +1,111 @@
+"""A model read once for planning: `autoplan.trace` and the TracedModel it returns.
+
+Tracing is the slow part of a search (seconds for a large model), and its result does not depend on
+the cluster, the memory limit or the micro-batch; a TracedModel keeps the traces and the cost tables
+built from them, so that a sweep of limits (`autoplan.frontier`), other clusters and estimates trace
+a model once.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.nn as nn
+
+from autoplan.errors import UsageError
+from autoplan.models.resolve import resolve_model
+from autoplan.models.zoo import count_params
+from autoplan.settings import DTYPES, check_choice
+from autoplan.solve.tables import CostTables, compute_dtype_of
+from autoplan.tracing.tracer import ExampleInputs, TracePair, trace_pair
+
+__all__ = ["TracedModel", "trace", "reuse_traced"]
+
+
+class TracedModel:
+    """A model read once for planning: reuse it for any number of searches and estimates.
+
+    `model` is a zoo name, "hf:path/to/config.json", "package.module:factory" or an nn.Module.
+    Tracing runs the model on the meta device at micro-batch 1 and 2 (op costs are affine in the
+    micro-batch), once per compute dtype, when a search or estimate first needs it. `seq_len` defaults
+    to the model's context (zoo and Hugging Face models) or to dim 1 of `example_inputs`, which a model
+    whose forward does not take token ids [batch, seq] needs (tensors with the batch in dim 0).
+    `tracer` forces "fx" or "dispatch"; by default fx is tried first.
+    """
+
+    def __init__(self, model: str | nn.Module, *, seq_len: int | None = None, example_inputs: Any = None,
+                 tracer: str | None = None):
+        self.resolved = resolve_model(model)
+        self.example_inputs = ExampleInputs.of(example_inputs) if example_inputs is not None else None
+        if seq_len is None:
+            seq_len = self.resolved.max_seq_len or (self.example_inputs.seq_len if self.example_inputs else None)
+        if seq_len is None:
+            raise UsageError("give --seq-len (the sequence length to plan for) for a model outside the zoo")
+        if seq_len < 1:
+            raise UsageError(f"--seq-len must be positive, got {seq_len}")
+        self.seq_len = seq_len
+        self.forced_tracer = tracer
+        self._traces: dict[str, TracePair] = {}
+        self._caches: dict[tuple[str, str], CostTables] = {}
+
+    @property
+    def name(self) -> str:
+        return self.resolved.name
+
+    @property
+    def module(self) -> nn.Module:
+        return self.resolved.module
+
+    @property
+    def n_params(self) -> int:
+        return count_params(self.resolved.module)
+
+    @property
+    def tracer(self) -> str | None:
+        """The tracer that read the model ("fx" or "dispatch"), None before the first trace."""
+        return next((pair.tracer for pair in self._traces.values()), None)
+
+    def traces(self, compute_dtype: str = "bf16") -> TracePair:
+        if compute_dtype not in self._traces:
+            self._traces[compute_dtype] = trace_pair(self.resolved.module, self.seq_len, compute_dtype,
+                                                     self.example_inputs, self.forced_tracer)
+        return self._traces[compute_dtype]
+
+    def cache(self, compute_dtype: str, granularity: str) -> CostTables:
+        key = (compute_dtype, granularity)
+        if key not in self._caches:
+            self._caches[key] = CostTables(self.resolved.module, self.seq_len, compute_dtype, granularity,
+                                            self.traces(compute_dtype))
+        return self._caches[key]
+
+    def __repr__(self) -> str:
+        return (f"TracedModel({self.name!r}, {self.n_params:,} parameters, seq_len={self.seq_len}, "
+                f"tracer={self.tracer or 'not traced yet'})")
+
+
+def trace(model: str | nn.Module, *, seq_len: int | None = None, example_inputs: Any = None,
+          dtype: str = "bf16-mixed", tracer: str | None = None) -> TracedModel:
+    """Read a model once for planning; pass the result to `search`, `estimate` or `frontier` in place of
+    the model. Traces now (for `dtype`'s compute precision), so errors surface here.
+
+    >>> import autoplan
+    >>> traced = autoplan.trace("gpt2-tiny", seq_len=64)
+    >>> traced.tracer, traced.n_params
+    ('fx', 141056)
+    """
+    check_choice("dtype", dtype, DTYPES)
+    traced = TracedModel(model, seq_len=seq_len, example_inputs=example_inputs, tracer=tracer)
+    traced.traces(compute_dtype_of(dtype))
+    return traced
+
+
+def reuse_traced(model: str | nn.Module | TracedModel, seq_len: int | None, example_inputs: Any) -> TracedModel:
+    """`model` itself when it is traced already (its sequence length and inputs are fixed), else a new one."""
+    if not isinstance(model, TracedModel):
+        return TracedModel(model, seq_len=seq_len, example_inputs=example_inputs)
+    if seq_len is not None and seq_len != model.seq_len:
+        raise UsageError(f"{model.name} was traced at sequence length {model.seq_len}, not {seq_len}; "
+                         "trace it again with seq_len=" + str(seq_len))
+    if example_inputs is not None:
+        raise UsageError("example_inputs belong to autoplan.trace(); this model is traced already")
+    return model

@@ -1,0 +1,1 @@
+"""The `autoplan` command: one module per subcommand; `main` parses and maps errors to exit codes."""

@@ -1,0 +1,199 @@
+"""Model configurations: one frozen record per model, and the zoo's presets.
+
+A `ModelConfig` rebuilds a model exactly (`autoplan.models.zoo.build_model`), so plan files store it
+as JSON; `NAME[field=value,...]` on the command line overrides fields of a preset.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["ALIASES", "FAMILIES", "PRESETS", "ModelConfig", "UnknownModelError", "get_config", "model_names"]
+
+FACTORY_FORM = "package.module:factory"
+
+FAMILIES = ("gpt2", "llama", "bert")
+
+# Family defaults, applied by ModelConfig.__post_init__ when a field is None.
+_DEFAULT_TIE_EMBEDDINGS = {"gpt2": True, "llama": False, "bert": True}
+_DEFAULT_NORM_EPS = {"gpt2": 1e-5, "llama": 1e-5, "bert": 1e-12}
+
+
+# --------------------------------------------------------------------------- #
+# Config
+# --------------------------------------------------------------------------- #
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Everything needed to rebuild a model exactly.
+
+    ``ModelConfig(**dataclasses.asdict(cfg)) == cfg`` holds, so configs can be
+    stored as JSON. ``n_kv_heads`` and ``ffn_hidden`` stay ``None`` when the
+    family default applies (so overriding ``d_model`` also moves the MLP size);
+    read the effective values from ``kv_heads`` / ``ffn_dim``.
+    """
+
+    family: str  # "gpt2" | "llama" | "bert"
+    n_layers: int
+    n_heads: int
+    d_model: int
+    vocab_size: int
+    max_seq_len: int  # context length; the default sequence length for planning
+    n_kv_heads: int | None = None  # llama GQA; None = n_heads
+    ffn_hidden: int | None = None  # None = family default, see ffn_dim
+    tie_embeddings: bool | None = None  # None = family default (gpt2/bert True, llama False)
+    norm_eps: float | None = None  # None = family default (gpt2/llama 1e-5, bert 1e-12)
+    rope_theta: float = 10000.0  # llama only
+    multiple_of: int = 256  # llama only: ffn_dim rounding, as in Meta's code
+    ffn_dim_multiplier: float | None = None  # llama only: ffn_dim scaling, as in Meta's code
+    type_vocab_size: int = 2  # bert only: token-type (segment) embeddings
+    init_std: float = 0.02  # std of the normal init for linear / embedding weights
+
+    def __post_init__(self) -> None:
+        if self.family not in FAMILIES:
+            raise ValueError(f"unknown model family {self.family!r}; expected one of {FAMILIES}")
+        # Frozen dataclass: resolve defaults through object.__setattr__.
+        if self.tie_embeddings is None:
+            object.__setattr__(self, "tie_embeddings", _DEFAULT_TIE_EMBEDDINGS[self.family])
+        if self.norm_eps is None:
+            object.__setattr__(self, "norm_eps", _DEFAULT_NORM_EPS[self.family])
+        for field in ("n_layers", "n_heads", "d_model", "vocab_size", "max_seq_len"):
+            if getattr(self, field) <= 0:
+                raise ValueError(f"{field} must be positive, got {getattr(self, field)}")
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
+        if self.n_kv_heads is not None:
+            if self.family != "llama" and self.n_kv_heads != self.n_heads:
+                raise ValueError(f"n_kv_heads (grouped-query attention) is only supported for llama, not {self.family}")
+            if self.n_kv_heads <= 0 or self.n_heads % self.n_kv_heads:
+                raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
+        if self.family == "llama" and self.head_dim % 2:
+            raise ValueError(f"RoPE needs an even head_dim, got {self.head_dim}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    @property
+    def ffn_dim(self) -> int:
+        """Effective MLP hidden size."""
+        if self.ffn_hidden is not None:
+            return self.ffn_hidden
+        if self.family != "llama":
+            return 4 * self.d_model
+        # Meta's llama FeedForward: 2/3 of 4*d (SwiGLU has three matrices),
+        # optionally scaled, then rounded up to a multiple of multiple_of.
+        hidden = int(2 * (4 * self.d_model) / 3)
+        if self.ffn_dim_multiplier is not None:
+            hidden = int(self.ffn_dim_multiplier * hidden)
+        return self.multiple_of * math.ceil(hidden / self.multiple_of)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
+        return cls(**data)
+
+
+
+
+# --------------------------------------------------------------------------- #
+# Presets
+# --------------------------------------------------------------------------- #
+
+
+def _gpt2(n_layers: int, n_heads: int, d_model: int) -> ModelConfig:
+    return ModelConfig("gpt2", n_layers, n_heads, d_model, vocab_size=50257, max_seq_len=1024)
+
+
+PRESETS: dict[str, ModelConfig] = {
+    # GPT-2 (OpenAI). gpt2 = 124,439,808 and gpt2-xl = 1,557,611,200 parameters.
+    "gpt2": _gpt2(12, 12, 768),
+    "gpt2-medium": _gpt2(24, 16, 1024),
+    "gpt2-large": _gpt2(36, 20, 1280),
+    "gpt2-xl": _gpt2(48, 25, 1600),
+    # Llama 2 (Meta), 6,738,415,616 / 13,015,864,320 / 68,976,648,192 parameters.
+    "llama2-7b": ModelConfig(
+        "llama", 32, 32, 4096, vocab_size=32000, max_seq_len=4096, ffn_hidden=11008
+    ),
+    "llama2-13b": ModelConfig(
+        "llama", 40, 40, 5120, vocab_size=32000, max_seq_len=4096, ffn_hidden=13824
+    ),
+    "llama2-70b": ModelConfig(
+        "llama", 80, 64, 8192, vocab_size=32000, max_seq_len=4096, n_kv_heads=8, ffn_hidden=28672
+    ),
+    # Llama 3 (Meta). Context 8192 (the Llama 3 pre-training length); the
+    # long-context RoPE scaling of 3.1/3.2 changes no shapes and is not modelled.
+    "llama-1b": ModelConfig(  # Llama-3.2-1B shape, tied embeddings: 1,235,814,400
+        "llama", 16, 32, 2048, vocab_size=128256, max_seq_len=8192, n_kv_heads=8,
+        ffn_hidden=8192, tie_embeddings=True, rope_theta=500000.0,
+    ),
+    "llama3-8b": ModelConfig(  # 8,030,261,248
+        "llama", 32, 32, 4096, vocab_size=128256, max_seq_len=8192, n_kv_heads=8,
+        ffn_hidden=14336, rope_theta=500000.0,
+    ),
+    "llama3-405b": ModelConfig(  # 405,853,388,800
+        "llama", 126, 128, 16384, vocab_size=128256, max_seq_len=8192, n_kv_heads=8,
+        ffn_hidden=53248, rope_theta=500000.0,
+    ),
+    # BERT-large (Google), masked-LM head; 335,174,458 as HF BertForMaskedLM.
+    "bert-large": ModelConfig("bert", 24, 16, 1024, vocab_size=30522, max_seq_len=512),
+    # Tiny presets for fast CPU tests and smoke training.
+    "gpt2-tiny": ModelConfig("gpt2", 2, 4, 64, vocab_size=512, max_seq_len=128),
+    "llama-tiny": ModelConfig(
+        "llama", 2, 4, 64, vocab_size=512, max_seq_len=128, n_kv_heads=2, ffn_hidden=176
+    ),
+    "bert-tiny": ModelConfig("bert", 2, 4, 64, vocab_size=512, max_seq_len=128),
+}
+
+ALIASES: dict[str, str] = {
+    "gpt2-small": "gpt2",
+    "gpt2-124m": "gpt2",
+    "gpt2-355m": "gpt2-medium",
+    "gpt2-774m": "gpt2-large",
+    "gpt2-1.5b": "gpt2-xl",
+    "llama3.2-1b": "llama-1b",
+    "bert-large-uncased": "bert-large",
+}
+
+
+
+class UnknownModelError(ValueError):
+    """Raised for a model name that is neither a preset nor an alias."""
+
+    def __init__(self, name: str):
+        self.name = name
+        super().__init__(
+            f"unknown model {name!r}. Known models: {', '.join(model_names())}. "
+            f"For a custom model, give a factory as '{FACTORY_FORM}' "
+            "(a zero-argument callable returning an nn.Module)."
+        )
+
+
+def model_names() -> list[str]:
+    """Preset names in table order, each alias listed after its target as 'alias (= target)'."""
+    names: list[str] = []
+    for preset in PRESETS:
+        names.append(preset)
+        names.extend(f"{alias} (= {target})" for alias, target in ALIASES.items() if target == preset)
+    return names
+
+
+def get_config(name: str, **overrides: Any) -> ModelConfig:
+    """Preset (or alias) config by name, with optional field overrides."""
+    key = name.strip().lower()
+    key = ALIASES.get(key, key)
+    if key not in PRESETS:
+        raise UnknownModelError(name)
+    config = PRESETS[key]
+    return dataclasses.replace(config, **overrides) if overrides else config
+

@@ -1,0 +1,120 @@
+"""Hugging Face transformers models from a local config.json, built on the meta device.
+
+`--model hf:PATH` (or `autoplan.search("hf:PATH", ...)`), where PATH is a directory holding
+config.json or the JSON file itself. Nothing is downloaded: the config is read from disk and the
+model is built on meta, so no weights exist. The model class is the config's `architectures[0]`
+when it names one, else the masked-LM head for model types that have one (BERT, RoBERTa), else the
+causal-LM head. The model is built in training mode.
+
+Needs the optional extra: pip install 'autoplan[hf]'.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from autoplan.errors import UsageError
+
+HF_PREFIX = "hf:"
+CONFIG_FILE = "config.json"
+
+
+@dataclass
+class HFModel:
+    module: nn.Module  # on the meta device
+    config_file: Path
+    architecture: str  # the transformers class built
+    max_seq_len: int | None  # max_position_embeddings, the default sequence length for planning
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError as exc:
+        raise UsageError("hf: models need the transformers package: pip install 'autoplan[hf]'") from exc
+    return transformers
+
+
+def config_file(path: str | Path) -> Path:
+    """PATH itself when it is a file, else PATH/config.json."""
+    path = Path(path).expanduser()
+    file = path / CONFIG_FILE if path.is_dir() else path
+    if not file.is_file():
+        raise UsageError(f"no Hugging Face config at {file}: give a directory holding {CONFIG_FILE} or the file itself")
+    return file
+
+
+def load_hf_config(path: str | Path):
+    """The transformers config in a local config.json; errors name the file and the field."""
+    transformers = _transformers()
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    file = config_file(path)
+    try:
+        data = json.loads(file.read_text())
+    except OSError as exc:
+        raise UsageError(f"cannot read {file}: {exc.strerror or exc}") from exc
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"{file} is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise UsageError(f"{file} holds a JSON {type(data).__name__}, not an object of config fields")
+    model_type = data.get("model_type")
+    if not isinstance(model_type, str) or not model_type:
+        raise UsageError(f"{file}: field 'model_type' is missing; it names the model family (e.g. \"llama\", \"gpt2\")")
+    if model_type not in CONFIG_MAPPING:
+        raise UsageError(f"{file}: field 'model_type' is {model_type!r}, a model type transformers "
+                         f"{transformers.__version__} does not know")
+    try:
+        return CONFIG_MAPPING[model_type].from_dict(data)
+    except Exception as exc:  # transformers raises several types for a bad field value
+        raise UsageError(f"{file}: transformers cannot build a {model_type!r} config from it: "
+                         f"{type(exc).__name__}: {exc}") from exc
+
+
+def _model_class(config, file: Path):
+    transformers = _transformers()
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+    )
+
+    architectures = getattr(config, "architectures", None) or []
+    if architectures:
+        name = architectures[0]
+        model_class = getattr(transformers, name, None)
+        if not isinstance(model_class, type) or not issubclass(model_class, nn.Module):
+            raise UsageError(f"{file}: field 'architectures' names {name!r}, not a model class in transformers "
+                             f"{transformers.__version__}")
+        return model_class
+    model_type = config.model_type
+    name = MODEL_FOR_MASKED_LM_MAPPING_NAMES.get(model_type) or MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+    if name is None:
+        raise UsageError(f"{file}: model_type {model_type!r} has no causal- or masked-LM class; set field "
+                         "'architectures' to the class to plan (e.g. [\"T5ForConditionalGeneration\"])")
+    return getattr(transformers, name)
+
+
+def build_hf_model(path: str | Path) -> HFModel:
+    """The model a local config.json describes, on the meta device, in training mode."""
+    file = config_file(path)
+    config = load_hf_config(file)
+    # With the KV cache on, HF skips a packed-sequence check that reads tensor values (position ids),
+    # which meta tensors do not have; training without padding takes the same (causal, fused) path.
+    config.use_cache = True
+    model_class = _model_class(config, file)
+    try:
+        with torch.device("meta"):
+            module = model_class(config)
+    except Exception as exc:  # e.g. hidden_size not a multiple of num_attention_heads
+        raise UsageError(f"{file}: building {model_class.__name__} from it failed: {type(exc).__name__}: {exc}") from exc
+    module.train()
+    max_seq_len = getattr(config, "max_position_embeddings", None)
+    return HFModel(module, file, model_class.__name__, max_seq_len if isinstance(max_seq_len, int) else None)
+
+
+__all__ = ["HF_PREFIX", "HFModel", "build_hf_model", "load_hf_config"]

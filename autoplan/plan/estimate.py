@@ -1,0 +1,81 @@
+"""The record `autoplan.estimate` returns, and its readable table.
+
+An estimate is a plan's predictions for one fixed strategy (or a plan file's decisions) with nothing
+searched: the per-rank peak by category, the memory timeline and the step time.
+"""
+
+from __future__ import annotations
+
+from autoplan.plan.schema import ClusterSpec, ModelRef, Prediction, TrainingSpec, UnitDecision, _Strict
+from autoplan.sizes import format_bytes
+
+__all__ = ["Estimate", "format_estimate", "CATEGORY_LABELS"]
+
+CATEGORY_LABELS = {
+    "params_bytes": "parameters", "grads_bytes": "gradients", "optimizer_bytes": "optimizer states",
+    "activations_bytes": "activations", "gathered_bytes": "gathered parameters", "temporaries_bytes": "temporaries",
+}
+
+
+class Estimate(_Strict):
+    """Predictions for one fixed strategy; `predicted` has the peak, its breakdown, the timeline, step time."""
+
+    model: ModelRef
+    strategy: str  # "shard", "replicate+ckpt", ... or "plan <file>"
+    description: str
+    cluster: ClusterSpec  # mem_limit_bytes: the limit compared with (the device's memory unless given)
+    training: TrainingSpec
+    units: list[UnitDecision]
+    predicted: Prediction
+
+    @property
+    def fits(self) -> bool:
+        return self.predicted.peak_mem_bytes <= self.cluster.mem_limit_bytes
+
+    @property
+    def model_state_bytes(self) -> int:
+        """Parameters, gradients and optimizer states per rank (what ZeRO estimators count)."""
+        step = self.predicted.timeline[-1].breakdown
+        return step.params_bytes + step.grads_bytes + step.optimizer_bytes
+
+    def table(self, timeline: bool = False) -> str:
+        return format_estimate(self, timeline=timeline)
+
+    def __str__(self) -> str:
+        return self.table()
+
+    def _repr_pretty_(self, printer, cycle: bool) -> None:  # IPython / Jupyter display
+        printer.text(self.table())
+
+
+def format_estimate(est: Estimate, timeline: bool = False) -> str:
+    c, t, p = est.cluster, est.training, est.predicted
+    limit_name = "device memory" if c.mem_limit_bytes == c.device_mem_bytes else "limit"
+    verdict = "fits" if est.fits else f"does not fit (over by {format_bytes(p.peak_mem_bytes - c.mem_limit_bytes)})"
+    lines = [
+        f"autoplan estimate: {est.model.name} ({est.model.n_params:,} parameters, traced by {est.model.tracer})",
+        f"strategy {est.strategy}: {est.description}",
+        f"{c.nodes} node(s) x {c.gpus_per_node} GPU(s), profile {c.profile}; micro-batch {t.micro_batch_size} x "
+        f"{t.grad_accum_steps} accumulation x {c.world_size} GPUs = {t.global_batch_size} samples per step; "
+        f"sequence length {t.seq_len}; {t.dtype}, {t.optimizer}",
+        "",
+        f"per-GPU memory at the peak ({p.peak_point}):",
+    ]
+    breakdown = p.breakdown.model_dump()
+    lines += [f"  {CATEGORY_LABELS[key]:<20} {format_bytes(breakdown[key]):>12}" for key in CATEGORY_LABELS]
+    lines += [
+        f"  {'total':<20} {format_bytes(p.peak_mem_bytes):>12}  of {format_bytes(c.mem_limit_bytes)} {limit_name}: "
+        f"{verdict}",
+        f"model states (parameters + gradients + optimizer states) {format_bytes(est.model_state_bytes)} per GPU",
+        f"step time {p.step_time_s * 1e3:.1f} ms; throughput {p.throughput_samples_s:.1f} samples/s "
+        f"({p.throughput_tokens_s:,.0f} tokens/s)",
+    ]
+    if timeline:
+        header = f"{'time point':<36} {'total':>11}" + "".join(f" {k.removesuffix('_bytes'):>11}" for k in CATEGORY_LABELS)
+        lines += ["", header, "-" * len(header)]
+        for point in p.timeline:
+            parts = point.breakdown.model_dump()
+            lines.append(f"{point.point[:36]:<36} {format_bytes(point.total_bytes):>11}"
+                         + "".join(f" {format_bytes(parts[k]):>11}" for k in CATEGORY_LABELS))
+    return "\n".join(lines)
+

@@ -1,0 +1,101 @@
+"""Readable text for a plan: the decision table (consecutive identical units grouped), the memory
+breakdown at the peak, the predicted step time, and the speedup over each baseline."""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING
+
+from autoplan.sizes import format_bytes
+
+if TYPE_CHECKING:  # the schema's Plan prints itself with this module; it is read here, never imported
+    from autoplan.plan.schema import Plan, UnitDecision
+
+DEFAULT_CLUSTER_NOTE = "default cluster; set --gpus/--nodes/--gpus-per-node/--profile to change it"
+
+
+def _count(n: int) -> str:
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return str(n)
+
+
+def _decision(unit: UnitDecision) -> str:
+    return unit.sharding + (" +ckpt" if unit.checkpoint else "")
+
+
+def _same_row(a: UnitDecision, b: UnitDecision) -> bool:
+    return (_decision(a) == _decision(b) and a.params == b.params
+            and _indexless(a.module) == _indexless(b.module))
+
+
+def _indexless(path: str) -> str:
+    return re.sub(r"\.\d+(\.|$)", r".#\1", path)
+
+
+def _group_label(first: str, last: str, count: int) -> str:
+    if count == 1:
+        return first or "<root>"
+    match_first, match_last = re.search(r"\.(\d+)(\.|$)", first), re.search(r"\.(\d+)(\.|$)", last)
+    if match_first and match_last:
+        return f"{first[:match_first.start()]}.{match_first.group(1)}-{match_last.group(1)}{first[match_first.end(1):]}"
+    return f"{first} .. {last}"
+
+
+def unit_rows(plan: Plan) -> list[tuple[str, int, UnitDecision]]:
+    """(label, count, first unit) for runs of consecutive units with the same decision and shape."""
+    rows: list[list] = []
+    for unit in plan.units:
+        if rows and _same_row(rows[-1][2], unit):
+            rows[-1][1] += 1
+            rows[-1][3] = unit.module
+        else:
+            rows.append([unit.module, 1, unit, unit.module])
+    return [(_group_label(first, last, count), count, unit) for first, count, unit, last in rows]
+
+
+def format_plan(plan: Plan, cluster_is_default: bool = False) -> str:
+    c, t, p = plan.cluster, plan.training, plan.predicted
+    lines = [
+        f"autoplan: {plan.model.name} ({_count(plan.model.n_params)} parameters, traced by {plan.model.tracer}) on "
+        f"{c.nodes} node(s) x "
+        f"{c.gpus_per_node} GPU(s), profile {c.profile}" + (f" ({DEFAULT_CLUSTER_NOTE})" if cluster_is_default else ""),
+        f"memory limit {format_bytes(c.mem_limit_bytes)} per GPU; sequence length {t.seq_len}; micro-batch "
+        f"{t.micro_batch_size} x {t.grad_accum_steps} accumulation x {c.world_size} GPUs = {t.global_batch_size} "
+        f"samples per step; {t.dtype}, {t.optimizer}",
+        "",
+    ]
+    header = f"{'units':<34} {'params/unit':>11}  {'decision':<18} {'act/mb':>10} {'fwd ms':>8} {'bwd ms':>8} {'comm ms':>8}"
+    lines += [header, "-" * len(header)]
+    for label, _count_units, unit in unit_rows(plan):
+        pred = unit.predicted
+        lines.append(
+            f"{label:<34} {_count(unit.params):>11}  {_decision(unit):<18} {format_bytes(pred.activation_bytes):>10} "
+            f"{pred.fwd_s * 1e3:>8.2f} {pred.bwd_s * 1e3:>8.2f} {pred.comm_s * 1e3:>8.2f}"
+        )
+    b = p.breakdown
+    lines += [
+        "",
+        f"peak memory per GPU {format_bytes(p.peak_mem_bytes)} of {format_bytes(c.mem_limit_bytes)}"
+        + (f" ({c.mem_headroom:.0%} kept free)" if c.mem_headroom else "") + f", at {p.peak_point}:",
+        f"  params {format_bytes(b.params_bytes)} | grads {format_bytes(b.grads_bytes)} | optimizer "
+        f"{format_bytes(b.optimizer_bytes)} | activations {format_bytes(b.activations_bytes)} | gathered params "
+        f"{format_bytes(b.gathered_bytes)} | temporaries {format_bytes(b.temporaries_bytes)}",
+        f"predicted step time {p.step_time_s * 1e3:.1f} ms; throughput {p.throughput_samples_s:.1f} samples/s "
+        f"({p.throughput_tokens_s:,.0f} tokens/s)",
+    ]
+    for base in plan.baselines:
+        if base.fits:
+            lines.append(f"  vs {base.name:<15} (micro-batch {base.micro_batch_size}): "
+                         f"{p.throughput_samples_s / base.throughput_samples_s:.2f}x")
+        else:
+            lines.append(f"  vs {base.name:<15} does not fit (needs {format_bytes(base.peak_mem_bytes)} "
+                         f"at micro-batch {base.micro_batch_size})")
+    s = plan.solver
+    tried = ", ".join(f"{e.micro_batch_size}:{e.status.lower()}" for e in s.micro_batch_sweep)
+    gap_pct = 100 * (s.objective_s - s.bound_s) / s.objective_s if s.objective_s else 0.0
+    gap = f", optimality gap {gap_pct:.3f}%" if gap_pct > 0 else ""
+    lines.append(f"solver: {s.status}{gap} in {s.wall_time_s:.2f} s ({s.num_variables} variables); "
+                 f"micro-batches tried {tried}")
+    return "\n".join(lines)

@@ -1,0 +1,215 @@
+"""The plan file: a pydantic v2 schema, JSON on disk, written atomically, validated on load.
+
+`schema_version` comes first; a file from a newer autoplan is refused rather than misread. The
+checked-in JSON Schema (plan_schema.json beside this file) is kept equal to `Plan.model_json_schema()`
+by a test; regenerate it with `python -m autoplan.plan.schema > autoplan/plan/plan_schema.json`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from autoplan.errors import PlanFileError
+from autoplan.fileio import write_text_atomic
+
+PLAN_SCHEMA_VERSION = 1
+
+Sharding = Literal["shard", "shard_keep", "replicate", "hybrid"]
+TrainDtype = Literal["bf16-mixed", "bf16", "fp32"]
+OptimizerName = Literal["adamw", "adam", "sgd"]
+Granularity = Literal["block", "fine", "leaf"]
+Tracer = Literal["fx", "dispatch"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelRef(_Strict):
+    """How to rebuild the model: a zoo name and config, or a user factory named on the command line."""
+
+    name: str  # zoo name, the factory spec "package.module:factory", or "hf:path/to/config.json"
+    config: dict[str, Any] | None = None  # zoo ModelConfig as a dict; None for user factories
+    n_params: int
+    fingerprint: str  # sha256 of the module tree and parameter shapes
+    tracer: Tracer = "fx"  # what read the model: torch.fx, or the dispatch-level fallback
+
+
+class ClusterSpec(_Strict):
+    world_size: int = Field(ge=1)
+    nodes: int = Field(ge=1)
+    gpus_per_node: int = Field(ge=1)
+    profile: str
+    device_mem_bytes: int
+    mem_limit_bytes: int
+    mem_headroom: float = 0.0  # the plan fits mem_limit_bytes * (1 - mem_headroom)
+
+
+class TrainingSpec(_Strict):
+    micro_batch_size: int = Field(ge=1)  # per rank
+    grad_accum_steps: int = Field(ge=1)
+    global_batch_size: int = Field(ge=1)  # micro_batch_size * grad_accum_steps * world_size
+    seq_len: int = Field(ge=1)
+    dtype: TrainDtype
+    optimizer: OptimizerName
+    granularity: Granularity
+
+
+class UnitPrediction(_Strict):
+    persistent_bytes: int  # parameters + optimizer states held by this rank
+    grad_bytes: int  # reduced gradients held by this rank
+    gathered_bytes: int  # unsharded parameters while the unit runs
+    activation_bytes: int  # saved for backward per micro-batch (unit input only when checkpointed)
+    fwd_s: float
+    bwd_s: float  # includes the recompute when checkpointed
+    comm_s: float  # all-gathers, reduce-scatter, all-reduce per micro-batch
+    optimizer_s: float
+
+
+class UnitDecision(_Strict):
+    module: str  # module path; "" is the root module
+    sharding: Sharding
+    checkpoint: bool
+    reshard_after_forward: bool
+    params: int  # parameters owned (not counting nested units)
+    param_shapes: dict[str, list[int]]
+    predicted: UnitPrediction
+
+
+class MemoryBreakdown(_Strict):
+    params_bytes: int
+    grads_bytes: int
+    optimizer_bytes: int
+    activations_bytes: int
+    gathered_bytes: int
+    temporaries_bytes: int
+
+
+class TimelinePoint(_Strict):
+    point: str  # e.g. "fwd transformer.h.3", "bwd lm_head", "optimizer step"
+    total_bytes: int
+    breakdown: MemoryBreakdown
+
+
+class Prediction(_Strict):
+    peak_mem_bytes: int
+    peak_point: str
+    breakdown: MemoryBreakdown  # at the peak
+    step_time_s: float
+    throughput_samples_s: float
+    throughput_tokens_s: float
+    timeline: list[TimelinePoint]
+
+
+class SweepEntry(_Strict):
+    micro_batch_size: int
+    grad_accum_steps: int
+    status: str
+    step_time_s: float | None
+    throughput_samples_s: float | None
+
+
+class SolverInfo(_Strict):
+    status: str  # OPTIMAL, FEASIBLE (time limit hit), INFEASIBLE
+    objective_s: float  # the solver's step-time objective
+    bound_s: float  # best proven lower bound; objective - bound is the optimality gap
+    wall_time_s: float  # total over the micro-batch sweep
+    num_variables: int
+    num_constraints: int
+    micro_batch_sweep: list[SweepEntry]
+
+
+class Baseline(_Strict):
+    name: str  # "all-shard", "all-shard+ckpt", "all-replicate", ...
+    fits: bool
+    micro_batch_size: int  # the best one that fits (the smallest tried when none fits)
+    peak_mem_bytes: int
+    step_time_s: float
+    throughput_samples_s: float
+
+
+class Plan(_Strict):
+    schema_version: Literal[1] = PLAN_SCHEMA_VERSION
+    autoplan_version: str
+    model: ModelRef
+    cluster: ClusterSpec
+    training: TrainingSpec
+    units: list[UnitDecision]  # in execution order; apply wraps leaves first, the root last
+    predicted: Prediction
+    solver: SolverInfo
+    baselines: list[Baseline]
+
+    def to_json(self) -> str:
+        return self.model_dump_json(indent=2) + "\n"
+
+    def to_dict(self) -> dict[str, Any]:
+        """The whole plan as plain data (what the JSON file holds)."""
+        return self.model_dump(mode="json")
+
+    def unit_table(self) -> list[dict[str, Any]]:
+        """One flat row per unit, in execution order: its decision and its predicted bytes and seconds."""
+        return [{"module": unit.module, "sharding": unit.sharding, "checkpoint": unit.checkpoint,
+                 "reshard_after_forward": unit.reshard_after_forward, "params": unit.params,
+                 **unit.predicted.model_dump()} for unit in self.units]
+
+    def timeline_table(self) -> list[dict[str, Any]]:
+        """One row per point of the predicted per-rank memory timeline, bytes by category."""
+        return [{"point": p.point, "total_bytes": p.total_bytes, **p.breakdown.model_dump()}
+                for p in self.predicted.timeline]
+
+    def table(self) -> str:
+        """The readable report: decisions, peak memory by category, step time, baselines."""
+        from autoplan.plan.report import format_plan
+
+        return format_plan(self)
+
+    def __str__(self) -> str:
+        return self.table()
+
+    def _repr_pretty_(self, printer, cycle: bool) -> None:  # IPython / Jupyter display
+        printer.text(self.table())
+
+    def save(self, path: str | os.PathLike) -> None:
+        write_text_atomic(path, self.to_json())
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "Plan":
+        return load_plan(path)
+
+
+def load_plan(path: str | os.PathLike) -> Plan:
+    """Read and validate a plan file; every failure is a PlanFileError that says what is wrong."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise PlanFileError(f"cannot read plan file {path}: {exc.strerror or exc}") from exc
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise PlanFileError(f"plan file {path} is not valid JSON ({exc}); re-run `autoplan search`") from exc
+    if not isinstance(data, dict) or "schema_version" not in data:
+        raise PlanFileError(f"{path} is not an autoplan plan (no schema_version); re-run `autoplan search`")
+    version = data["schema_version"]
+    if not isinstance(version, int) or version > PLAN_SCHEMA_VERSION:
+        raise PlanFileError(
+            f"plan file {path} has schema_version {version!r}, newer than this autoplan reads "
+            f"({PLAN_SCHEMA_VERSION}); upgrade autoplan or re-run `autoplan search` with this one"
+        )
+    try:
+        return Plan.model_validate(data)
+    except ValidationError as exc:
+        raise PlanFileError(f"plan file {path} is corrupt or incomplete:\n{exc}") from exc
+
+
+def plan_json_schema() -> dict:
+    return Plan.model_json_schema()
+
+
+if __name__ == "__main__":
+    print(json.dumps(plan_json_schema(), indent=2, sort_keys=True))

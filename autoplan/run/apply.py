@@ -1,0 +1,267 @@
+"""Execute a plan: FSDP2 `fully_shard` per unit, leaves first and the root last.
+
+    model = build_model(config)                     # on the meta device: no memory yet
+    model, optimizer = autoplan.apply(model, plan)  # inside torchrun, after init_process_group
+    model.to_empty(device="cuda"); model.init_weights()
+
+Per unit, the plan's decision maps to one FSDP2 call (see options.py for the search space):
+- shard:       1-D mesh over the world, reshard_after_forward=True (ZeRO-3);
+- shard_keep:  the same mesh, reshard_after_forward=False (gathered from forward to backward);
+- replicate:   (N, 1) mesh named ("replicate", "shard"): full copies, gradients all-reduced;
+- hybrid:      (nodes, gpus_per_node) mesh: sharded within a node, replicated across nodes;
+- checkpoint:  composable activation checkpointing on the unit's module before fully_shard. It
+               works by forward hooks, so module paths (and the fingerprint) stay unchanged.
+
+The optimizer is built here over the parameters FSDP2 registered. `to_empty` keeps those parameter
+objects (FSDP2 resets its shards in place), so the optimizer stays valid after materialisation.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed._composable import checkpoint as checkpoint_activations
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from autoplan.errors import PlanFileError, UsageError
+from autoplan.models.fingerprint import model_fingerprint
+from autoplan.plan.schema import Plan, UnitDecision
+
+DEFAULT_LR = 1e-3
+MESH_DIM_NAMES = ("replicate", "shard")
+
+
+class Applied(NamedTuple):
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+
+
+def apply(
+    model: nn.Module,
+    plan: Plan,
+    mesh: DeviceMesh | None = None,
+    *,
+    lr: float = DEFAULT_LR,
+    dry_run: bool = False,
+) -> Applied:
+    """Shard `model` as `plan` says and build its optimizer; returns (model, optimizer).
+
+    `model` may be on the meta device (then materialise it afterwards with `to_empty` and its
+    initialisation) or on the CPU/GPU with the same weights on every rank. `mesh` is a 1-D mesh
+    over the ranks that run the plan; by default the whole world of the initialised process group.
+    `dry_run=True` accepts a smaller world than the plan's, and applies its decisions there.
+    Refuses a plan made for another model or world size with a PlanFileError naming the difference.
+    """
+    check_model_matches(model, plan)
+    world_mesh = mesh if mesh is not None else _default_world_mesh()
+    if world_mesh.ndim != 1:
+        raise UsageError(f"apply() takes a 1-D mesh over the plan's ranks, got a {world_mesh.ndim}-D mesh")
+    check_world_size(world_mesh.size(), plan, dry_run=dry_run)
+    # Every unit's module is looked up (and every decision checked) before anything is wrapped.
+    units = [(decision, _unit_module(model, decision)) for decision in _leaves_first(plan.units)]
+    meshes = _Meshes(world_mesh, plan)
+
+    if plan.training.dtype == "bf16":
+        model.to(torch.bfloat16)
+    mp_policy = mixed_precision_policy(plan.training.dtype)
+    for decision, module in units:
+        if decision.checkpoint:
+            checkpoint_activations(module)
+        fully_shard(
+            module,
+            mesh=meshes.for_sharding(decision.sharding),
+            reshard_after_forward=decision.reshard_after_forward,
+            mp_policy=mp_policy,
+        )
+    return Applied(model, build_optimizer(model.parameters(), plan.training.optimizer, lr))
+
+
+def mixed_precision_policy(dtype: str) -> MixedPrecisionPolicy:
+    """bf16-mixed: fp32 master weights, bf16 gathered parameters and compute, fp32 reduction."""
+    if dtype == "bf16-mixed":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()  # "fp32", and "bf16" where the model itself is cast to bf16
+
+
+def build_optimizer(params, name: str, lr: float = DEFAULT_LR) -> torch.optim.Optimizer:
+    """The plan's optimizer with torch's defaults; plain SGD keeps no state (as the cost model assumes)."""
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr)
+    if name == "adam":
+        return torch.optim.Adam(params, lr=lr)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr)
+    raise PlanFileError(f"unknown optimizer {name!r} in the plan; expected adamw, adam or sgd")
+
+
+# --------------------------------------------------------------------------- #
+# Checks: before anything is touched
+# --------------------------------------------------------------------------- #
+
+
+def check_model_matches(model: nn.Module, plan: Plan) -> None:
+    """Refuse a plan made for another model; the message names the first difference found."""
+    fingerprint = model_fingerprint(model)
+    if fingerprint == plan.model.fingerprint:
+        return
+    raise PlanFileError(
+        f"the plan was made for another model than the one given ({plan.model.name}): "
+        f"{first_difference(model, plan)} (model fingerprint {fingerprint}, plan {plan.model.fingerprint}); "
+        "re-run `autoplan search` for this model"
+    )
+
+
+def first_difference(model: nn.Module, plan: Plan) -> str:
+    """The first parameter or unit module where `model` and the plan disagree, in model order."""
+    plan_shapes = {name: list(shape) for unit in plan.units for name, shape in unit.param_shapes.items()}
+    model_shapes = {name: list(param.shape) for name, param in model.named_parameters()}
+    for name, shape in model_shapes.items():
+        if name not in plan_shapes:
+            return f"parameter {name} {shape} is not in the plan"
+        if plan_shapes[name] != shape:
+            return f"parameter {name} has shape {shape}, the plan has {plan_shapes[name]}"
+    for name, shape in plan_shapes.items():
+        if name not in model_shapes:
+            return f"the plan's parameter {name} {shape} is not in the model"
+    modules = dict(model.named_modules())
+    for unit in plan.units:
+        if unit.module not in modules:
+            return f"the plan's unit module {unit.module!r} is not in the model"
+    return "parameter names and shapes agree, so module names or types differ"
+
+
+def check_world_size(world_size: int, plan: Plan, dry_run: bool = False) -> None:
+    planned = plan.cluster.world_size
+    if world_size == planned or (dry_run and world_size < planned):
+        return
+    if world_size > planned:
+        raise PlanFileError(
+            f"the plan is for a world of {planned} ranks, but {world_size} are running it; "
+            f"re-run `autoplan search --gpus {world_size}`"
+        )
+    raise PlanFileError(
+        f"the plan is for a world of {planned} ranks, but {world_size} are running it; "
+        f"launch {planned} ranks, or apply it as a dry run on fewer (`autoplan apply --nproc {world_size}`)"
+    )
+
+
+def _unit_module(model: nn.Module, decision: UnitDecision) -> nn.Module:
+    name = decision.module or "<root>"
+    if decision.sharding == "shard_keep" and decision.reshard_after_forward:
+        raise PlanFileError(f"unit {name}: sharding shard_keep contradicts reshard_after_forward=true")
+    try:
+        return model.get_submodule(decision.module)
+    except AttributeError:
+        raise PlanFileError(f"the plan's unit module {name} is not in the model") from None
+
+
+def _leaves_first(units: list[UnitDecision]) -> list[UnitDecision]:
+    """Deepest module paths first, the root ("") last: FSDP2 wraps children before parents."""
+    return sorted(units, key=lambda unit: -1 if unit.module == "" else unit.module.count("."), reverse=True)
+
+
+# --------------------------------------------------------------------------- #
+# Meshes
+# --------------------------------------------------------------------------- #
+
+
+def _default_world_mesh() -> DeviceMesh:
+    if not (dist.is_available() and dist.is_initialized()):
+        raise UsageError(
+            "apply() needs torch.distributed initialised (run under torchrun and call "
+            "init_process_group first), or a mesh"
+        )
+    device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    return init_device_mesh(device_type, (dist.get_world_size(),))
+
+
+class _Meshes:
+    """The meshes a plan's decisions use, each created once and only when a unit asks for it."""
+
+    def __init__(self, world_mesh: DeviceMesh, plan: Plan):
+        self.world_mesh = world_mesh
+        self.plan = plan
+        self._made: dict[str, DeviceMesh] = {}
+
+    def for_sharding(self, sharding: str) -> DeviceMesh:
+        if sharding in ("shard", "shard_keep"):
+            return self.world_mesh
+        if sharding not in ("replicate", "hybrid"):
+            raise PlanFileError(f"unknown sharding {sharding!r} in the plan")
+        if sharding not in self._made:
+            self._made[sharding] = self._two_d(*self.shape_for(sharding))
+        return self._made[sharding]
+
+    def shape_for(self, sharding: str) -> tuple[int, int]:
+        """(replicas, shards) over the ranks running the plan."""
+        world_size = self.world_mesh.size()
+        if sharding == "replicate":
+            return world_size, 1
+        # hybrid shards within a node. On a dry run with fewer ranks than planned, keep as much of
+        # the node size as divides the world that is there.
+        gpus_per_node = math.gcd(self.plan.cluster.gpus_per_node, world_size)
+        return world_size // gpus_per_node, gpus_per_node
+
+    def _two_d(self, replicas: int, shards: int) -> DeviceMesh:
+        ranks = self.world_mesh.mesh.view(replicas, shards)
+        return DeviceMesh(self.world_mesh.device_type, ranks, mesh_dim_names=MESH_DIM_NAMES)
+
+
+# --------------------------------------------------------------------------- #
+# The model a plan describes
+# --------------------------------------------------------------------------- #
+
+
+def model_for_plan(plan: Plan, factory: str | None = None) -> nn.Module:
+    """Build the plan's model on the meta device: the zoo config it names, or the user's factory.
+
+    A plan file alone never makes autoplan import code: a plan made from a factory runs only with
+    the factory named again by the user (`factory`, i.e. `autoplan apply --model ...`).
+    """
+    from autoplan.models.factory import load_factory
+    from autoplan.models.zoo import ModelConfig, build_model
+
+    if (factory or plan.model.name).startswith("hf:"):
+        # a Hugging Face config is data, not code: its model can be rebuilt from the plan's path
+        from autoplan.models.resolve import resolve_model
+
+        return resolve_model(factory or plan.model.name).module
+    if factory is not None:
+        try:
+            return load_factory(factory, device="meta")
+        except ValueError as exc:
+            raise UsageError(str(exc)) from exc
+    if plan.model.config is None:
+        raise UsageError(
+            f"this plan was made for the model factory {plan.model.name!r}; autoplan does not import code "
+            f"named only in a plan file, so pass it again: --model {plan.model.name}"
+        )
+    try:
+        return build_model(ModelConfig.from_dict(plan.model.config))
+    except (TypeError, ValueError) as exc:
+        raise PlanFileError(f"the plan's model config for {plan.model.name!r} is invalid: {exc}") from exc
+
+
+def materialise(model: nn.Module, device: torch.device | str, seed: int) -> None:
+    """Allocate a meta-built model on `device` and initialise it; the same seed on every rank.
+
+    On a CPU mesh each rank draws its shards from its own generator: the same seed keeps replicated
+    parameters equal across ranks (sharded ones are not the values a single process would draw).
+    DTensor warns about exactly that, so the warning is silenced here.
+    """
+    model.to_empty(device=device)
+    torch.manual_seed(seed)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="DTensor random operators")
+        if hasattr(model, "init_weights"):
+            model.init_weights()
+            return
+        for module in model.modules():  # a user model without init_weights: each layer's own init
+            if hasattr(module, "reset_parameters"):
+                module.reset_parameters()

@@ -1,0 +1,260 @@
+"""One rank of `autoplan apply`: build the plan's model, apply the plan, train, measure.
+
+Started by torch.distributed.run (see launch.py) as `python -m autoplan.run.worker run_spec.json`.
+Each rank writes its measurements to `rank<N>.json` in the run directory after every step, so the
+launcher's process can report what was measured even when a rank dies part-way through.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import resource
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from autoplan.fileio import write_text_atomic
+from autoplan.plan.schema import load_plan
+from autoplan.run.apply import apply, materialise, model_for_plan
+from autoplan.run.data import AlpacaTokens, BatchShape, SyntheticTokens, rank_micro_batches, vocab_size_of
+from autoplan.run.memtrack import LiveTensorTracker, MemoryLimitExceeded
+
+
+@dataclass
+class RunSpec:
+    """What every rank runs; written by the launching process, read by each rank."""
+
+    plan_path: str
+    run_dir: str  # where ranks write rank<N>.json
+    device: str  # "cuda" (nccl) or "cpu" (gloo)
+    steps: int  # timed steps, after the warm-up
+    warmup_steps: int
+    dry_run: bool  # fewer ranks than the plan's world
+    seed: int = 0
+    lr: float = 1e-3
+    data_path: str | None = None  # Alpaca JSON; None = synthetic tokens
+    model_factory: str | None = None
+    mem_limit_bytes: int | None = None
+    timeout_s: float = 300.0
+
+    def save(self, path: Path) -> None:
+        write_text_atomic(path, json.dumps(dataclasses.asdict(self), indent=2))
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "RunSpec":
+        return cls(**json.loads(Path(path).read_text()))
+
+
+@dataclass
+class RankResult:
+    rank: int
+    status: str = "running"  # running | ok | oom | failed
+    phase: str = "starting"  # starting (build, apply, materialise) | training | done
+    error: str | None = None
+    steps_done: int = 0
+    losses: list[float] = field(default_factory=list)  # per step: this rank's mean loss
+    step_times_s: list[float] = field(default_factory=list)  # per step, warm-up included
+    # CPU: steps after those above, timed with the live-tensor tracker off (see train)
+    untracked_step_times_s: list[float] = field(default_factory=list)
+    peak_mem_bytes_by_step: list[int] = field(default_factory=list)
+    # per step, the peak within each phase: forward (loss included), backward, optimizer step
+    phase_peak_bytes_by_step: list[dict[str, int]] = field(default_factory=list)
+    peak_mem_bytes: int = 0  # since the start, materialisation included
+    peak_rss_bytes: int = 0
+    mem_source: str = ""  # what peak_mem_bytes counts
+
+    @staticmethod
+    def path(run_dir: str | os.PathLike, rank: int) -> Path:
+        return Path(run_dir) / f"rank{rank}.json"
+
+    def save(self, run_dir: str | os.PathLike) -> None:
+        write_text_atomic(self.path(run_dir, self.rank), json.dumps(dataclasses.asdict(self)))
+
+    @classmethod
+    def load(cls, run_dir: str | os.PathLike, rank: int) -> "RankResult | None":
+        try:
+            return cls(**json.loads(cls.path(run_dir, rank).read_text()))
+        except (OSError, ValueError, TypeError):
+            return None
+
+
+def next_token_loss(output, labels: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy in fp32 over logits [B, S, V]: the loss the planner's tracer assumes."""
+    logits = output[0] if isinstance(output, (tuple, list)) else getattr(output, "logits", output)
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+
+
+class _Memory:
+    """Peak memory per rank: the CUDA allocator's statistics, or live tensors on the CPU."""
+
+    def __init__(self, device: torch.device, limit_bytes: int | None):
+        self.device = device
+        self.tracker = None
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+            if limit_bytes is not None:  # a real out-of-memory error at the limit
+                total = torch.cuda.get_device_properties(device).total_memory
+                torch.cuda.set_per_process_memory_fraction(min(1.0, limit_bytes / total), device)
+            self.source = "torch.cuda.max_memory_allocated"
+        else:
+            self.tracker = LiveTensorTracker(limit_bytes=limit_bytes)
+            self.source = "live tensor storages (autoplan.memtrack)"
+
+    def __enter__(self):
+        if self.tracker is not None:
+            self.tracker.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.tracker is not None:
+            return self.tracker.__exit__(*exc)
+        return False
+
+    def peak_and_reset(self) -> int:
+        if self.tracker is not None:
+            peak = self.tracker.peak_bytes
+            self.tracker.reset_peak()
+        else:
+            peak = torch.cuda.max_memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        return peak
+
+
+def _peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def train(spec: RunSpec, rank: int, world_size: int, result: RankResult) -> None:
+    """Build, apply, materialise and train; `result` is updated (and saved) as the run goes."""
+    plan = load_plan(spec.plan_path)
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if spec.device == "cuda" else torch.device("cpu")
+    training = plan.training
+    shape = BatchShape(training.micro_batch_size, training.grad_accum_steps, world_size, training.seq_len)
+
+    memory = _Memory(device, spec.mem_limit_bytes)
+    result.mem_source = memory.source
+    with memory:
+        model = model_for_plan(plan, spec.model_factory)
+        data = (
+            AlpacaTokens(spec.data_path, vocab_size_of(model)) if spec.data_path
+            else SyntheticTokens(vocab_size_of(model), seed=spec.seed)
+        )
+        model, optimizer = apply(model, plan, lr=spec.lr, dry_run=spec.dry_run)
+        materialise(model, device, spec.seed)
+        result.peak_mem_bytes = memory.peak_and_reset()
+        result.phase = "training"
+        result.save(spec.run_dir)
+
+        for step in range(spec.warmup_steps + spec.steps):
+            micro_batches = rank_micro_batches(data.global_batch(step, shape), rank, shape)
+            phase_peaks = {"forward": 0, "backward": 0, "optimizer": 0}
+
+            def phase_done(phase: str) -> None:
+                phase_peaks[phase] = max(phase_peaks[phase], memory.peak_and_reset())
+
+            step_s, step_loss = _train_step(model, optimizer, micro_batches, device, phase_done)
+            result.step_times_s.append(step_s)
+            result.losses.append(step_loss)
+            result.phase_peak_bytes_by_step.append(phase_peaks)
+            result.peak_mem_bytes_by_step.append(max(phase_peaks.values()))
+            result.peak_mem_bytes = max(result.peak_mem_bytes, *phase_peaks.values())
+            result.peak_rss_bytes = _peak_rss_bytes()
+            result.steps_done = step + 1
+            result.save(spec.run_dir)
+            if rank == 0:
+                phase = "warm-up" if step < spec.warmup_steps else "timed"
+                print(
+                    f"[autoplan apply] step {step + 1}/{spec.warmup_steps + spec.steps} ({phase}): "
+                    f"loss {step_loss:.4f} (rank 0), {step_s:.3f} s",
+                    flush=True,
+                )
+
+    if memory.tracker is None:
+        return
+    # The live-tensor tracker runs Python on every op, which on a small model more than doubles the
+    # step; the step time is measured again over as many steps with the tracker off.
+    total = spec.warmup_steps + spec.steps
+    for step in range(total, total + spec.steps):
+        micro_batches = rank_micro_batches(data.global_batch(step, shape), rank, shape)
+        step_s, step_loss = _train_step(model, optimizer, micro_batches, device)
+        result.untracked_step_times_s.append(step_s)
+        result.save(spec.run_dir)
+        if rank == 0:
+            print(f"[autoplan apply] untracked step {step + 1 - total}/{spec.steps}: "
+                  f"loss {step_loss:.4f} (rank 0), {step_s:.3f} s", flush=True)
+
+
+def _train_step(model, optimizer, micro_batches, device: torch.device, phase_done=None) -> tuple[float, float]:
+    """One optimizer step over this rank's micro-batches: (seconds, mean loss on this rank).
+    `phase_done(phase)` is called as forward (loss included), backward and the optimizer step end."""
+    start_s = time.perf_counter()
+    loss_sum = torch.zeros((), device=device)
+    for input_ids, labels in micro_batches:
+        loss = next_token_loss(model(input_ids.to(device)), labels.to(device)) / len(micro_batches)
+        if phase_done:
+            phase_done("forward")
+        loss.backward()
+        if phase_done:
+            phase_done("backward")
+        loss_sum += loss.detach()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # FSDP2 works on several streams: wait for all of them
+    if phase_done:
+        phase_done("optimizer")
+    step_loss = loss_sum.item()
+    return time.perf_counter() - start_s, step_loss
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    spec = RunSpec.load(argv[0])
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    result = RankResult(rank=rank)
+    exit_code = 1
+    try:
+        backend = "nccl" if spec.device == "cuda" else "gloo"
+        if spec.device == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        # The timeout bounds how long a rank waits in a collective for a peer that is gone.
+        dist.init_process_group(backend, timeout=timedelta(seconds=spec.timeout_s))
+        train(spec, rank, world_size, result)
+        result.status, result.phase = "ok", "done"
+        exit_code = 0
+    except (MemoryLimitExceeded, torch.cuda.OutOfMemoryError) as exc:
+        result.status = "oom"
+        result.error = f"{type(exc).__name__}: {exc}".strip()
+    except BaseException as exc:  # noqa: BLE001 - any failure is reported, then the rank exits
+        result.status = "failed"
+        result.error = f"{type(exc).__name__}: {exc}".strip()
+        traceback.print_exc()
+    result.peak_rss_bytes = _peak_rss_bytes()
+    result.save(spec.run_dir)  # results are on disk before any teardown
+
+    # Teardown. destroy_process_group() has been seen to abort gloo runs after training finished
+    # (a rank closes its sockets while a peer's gloo threads still use them). So: wait until every
+    # rank is done with its collectives and has written its result, then leave the process without
+    # tearing down the process group; the OS closes the sockets. On failure there is no barrier:
+    # the launcher stops the other ranks.
+    if exit_code == 0:
+        try:
+            dist.barrier()
+        except Exception:  # noqa: BLE001 - a peer failing here is reported by the launcher
+            exit_code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(exit_code)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,158 @@
+"""The micro-batch sweep: one CP-SAT solve per candidate micro-batch size, the fastest plan kept.
+
+Memory grows with the micro-batch, so the sweep stops at the first size nothing fits in, and a size
+that cannot beat the best plan so far even with no memory limit is skipped without a solve. Among
+plans as fast as the best, the one with the lowest peak memory is preferred (a best-effort second
+solve). The result is solver terms (a table and one option index per unit); `autoplan.plan.assemble`
+turns it into a plan file.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from autoplan.errors import AutoplanError, InfeasibleError, UsageError
+from autoplan.sizes import format_bytes
+from autoplan.solve.cluster import Cluster
+from autoplan.solve.solver import AffineModel, SolveResult, solve_min_memory, solve_min_time
+from autoplan.solve.tables import CostTables
+from cost_models.evaluate import Evaluation, evaluate, uniform_choices
+from cost_models.step import lower_bound_step_s
+from cost_models.table import CostTable
+
+__all__ = ["SweepStep", "SweepOutcome", "sweep", "TIE_BREAK_TIME_S"]
+
+# the tie-break towards lower memory is best-effort: proving the leanest of many equally fast plans
+# over near-identical blocks can take CP-SAT any time limit (405B: all 10 s); without it the fastest
+# plan found stands
+TIE_BREAK_TIME_S = 1.0
+
+
+@dataclass
+class SweepStep:
+    """What the sweep did at one micro-batch size."""
+
+    micro_batch_size: int
+    grad_accum_steps: int
+    status: str  # the solver's status, "FIXED" for a uniform strategy, "PRUNED" when skipped
+    step_time_s: float | None
+    throughput_samples_s: float | None
+
+
+@dataclass
+class SweepOutcome:
+    """The chosen plan in solver terms, and how the sweep got there."""
+
+    table: CostTable  # the chosen micro-batch's cost table
+    choices: list[int]  # option index per unit of `table`
+    evaluation: Evaluation
+    result: SolveResult  # the min-time solve (or the fixed strategy) at the chosen micro-batch
+    steps: list[SweepStep] = field(default_factory=list)
+    tables: list[CostTable] = field(default_factory=list)  # every micro-batch where some plan fits
+    wall_time_s: float = 0.0
+    num_variables: int = 0
+    num_constraints: int = 0
+
+
+def sweep(tables: CostTables, cluster: Cluster, candidates: list[tuple[int, int]], *, seq_len: int, dtype: str,
+          optimizer: str, planned_bytes: int, mem_limit_bytes: int, headroom: float, time_limit_s: float,
+          strategy: str | None, checkpoint: bool, model_name: str, fixed_batch: bool) -> SweepOutcome:
+    """The fastest plan over the micro-batch `candidates` whose predicted peak is at most `planned_bytes`.
+
+    `strategy` (a sharding kind) with `checkpoint` replaces the solve by that uniform plan. Raises
+    InfeasibleError (with the smallest limit that would fit) when nothing fits, AutoplanError when the
+    solver's time ran out before any verdict."""
+    steps: list[SweepStep] = []
+    seen: list[CostTable] = []
+    best = None  # (throughput, table, result, affine)
+    wall_s, num_vars, num_cons = 0.0, 0, 0
+    for micro_batch_size, accum in candidates:
+        table = tables.table(micro_batch_size, accum, cluster, seq_len, dtype, optimizer)
+        if best is not None and table.samples_per_step / lower_bound_step_s(table) <= best[0]:
+            # even with no memory limit this micro-batch cannot beat the best plan: skip the solve
+            steps.append(SweepStep(micro_batch_size, accum, "PRUNED", None, None))
+            seen.append(table)
+            continue
+        affine = AffineModel.of(table)
+        if strategy is None:
+            result = solve_min_time(table, planned_bytes, time_limit_s, affine=affine)
+        else:
+            result = _fixed_strategy(table, affine, strategy, checkpoint, planned_bytes)
+        wall_s += result.wall_time_s
+        num_vars, num_cons = result.num_variables, result.num_constraints
+        if result.choices is None:
+            steps.append(SweepStep(micro_batch_size, accum, result.status, None, None))
+            if result.status != "INFEASIBLE":
+                seen.append(table)
+                continue  # the time limit ran out: no verdict on this size, try the next
+            if seen:
+                break  # a larger micro-batch needs more memory still
+            seen.append(table)
+            break
+        seen.append(table)
+        throughput = table.samples_per_step / result.objective
+        steps.append(SweepStep(micro_batch_size, accum, result.status, result.objective, throughput))
+        if best is None or throughput > best[0] * (1 + 1e-9):
+            best = (throughput, table, result, affine)
+    if best is None and any(step.status not in ("INFEASIBLE", "PRUNED") for step in steps):
+        raise AutoplanError(
+            f"the solver found no plan within `time_limit_s` {time_limit_s:g} s per micro-batch size "
+            f"({', '.join(f'{s.micro_batch_size}: {s.status.lower()}' for s in steps)}); raise `time_limit_s`, or "
+            "give `batch_size` to try a single micro-batch size")
+    if best is None:
+        raise _infeasible(seen[0], mem_limit_bytes, headroom, model_name, cluster, time_limit_s, fixed_batch)
+
+    _, table, result, affine = best
+    choices = result.choices
+    if strategy is None:
+        # Among plans as fast as the best, prefer the one with the lowest peak memory.
+        lean = solve_min_memory(table, time_limit_s=min(time_limit_s, TIE_BREAK_TIME_S), max_step_s=result.objective,
+                                mem_limit_bytes=planned_bytes, affine=affine, start_from=result.choices)
+        wall_s += lean.wall_time_s
+        choices = lean.choices or result.choices
+    fitting = [t for t, step in zip(seen, steps) if step.status != "INFEASIBLE"]
+    return SweepOutcome(table=table, choices=choices, evaluation=evaluate(table, choices), result=result,
+                        steps=steps, tables=fitting or seen, wall_time_s=wall_s, num_variables=num_vars,
+                        num_constraints=num_cons)
+
+
+def _fixed_strategy(table: CostTable, affine: AffineModel, strategy: str, checkpoint: bool,
+                    mem_limit_bytes: int) -> SolveResult:
+    """A uniform plan evaluated in place of a solve, reported in the solver's terms."""
+    choices = uniform_choices(table, strategy, checkpoint, exact=True)
+    if choices is None:
+        raise UsageError(f"--strategy {strategy} is not available here (hybrid needs --nodes 2 or more)")
+    result = evaluate(table, choices)
+    fits = result.peak_mem_bytes <= mem_limit_bytes
+    stats = (affine.algebra.size, 0, len(affine.mem_const))
+    if not fits:
+        return SolveResult("INFEASIBLE", None, None, None, 0.0, *stats)
+    return SolveResult("FIXED", choices, result.step_time_s, result.step_time_s, 0.0, *stats)
+
+
+def _infeasible(table: CostTable, mem_limit_bytes: int, headroom: float, model_name: str, cluster: Cluster,
+                time_limit_s: float, fixed_batch: bool) -> InfeasibleError:
+    smallest = solve_min_memory(table, time_limit_s=time_limit_s)
+    peak = int(smallest.objective) if smallest.objective is not None else None
+    needed = math.ceil(peak / (1 - headroom)) if peak is not None else None  # the limit that leaves the headroom
+    lean = evaluate(table, smallest.choices) if smallest.choices else None
+    state = ""
+    if lean is not None:
+        parts = lean.peak_point.parts
+        state = (f" (at its peak: parameters, gradients and optimizer states "
+                 f"{format_bytes(parts['params'] + parts['grads'] + parts['optimizer'])}, activations "
+                 f"{format_bytes(parts['activations'])}, gathered parameters {format_bytes(parts['gathered'])}, "
+                 f"temporaries {format_bytes(parts['temporaries'])})")
+    helps = [f"a limit of at least {format_bytes(needed)}" if needed else "a larger limit",
+             f"more GPUs (sharding divides parameters, gradients and optimizer states over {cluster.shape.world_size} "
+             "now)", "a shorter --seq-len", "--dtype bf16 (no fp32 master weights)"]
+    if fixed_batch and table.micro_batch_size > 1:
+        helps.insert(1, "a smaller --batch-size")
+    return InfeasibleError(
+        f"no plan for {model_name} fits in {format_bytes(mem_limit_bytes)} per GPU less {headroom:.0%} headroom: the "
+        f"smallest peak any plan reaches (all units sharded, checkpointing where it helps, micro-batch "
+        f"{table.micro_batch_size}) is {format_bytes(peak) if peak else 'unknown'}{state}. What would help: "
+        + "; ".join(helps) + ".",
+        min_mem_bytes=needed,
+    )

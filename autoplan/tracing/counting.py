@@ -1,0 +1,282 @@
+"""Counting what each op costs while a model runs on the meta device.
+
+`CostMode` is a TorchDispatchMode that charges every aten op's FLOPs (torch's FlopCounter formulas)
+and bytes moved to the op of the model that is running (an fx node, or a module call seen by the
+dispatch tracer), and follows the storages the backward allocates and frees; `saved_tensor_recorder`
+catches what autograd saves for backward, once per storage. Both tracers (`fx_tracer`,
+`dispatch_tracer`) run the model under these and differ only in how they name the running op.
+
+Attention: on meta, F.scaled_dot_product_attention decomposes into the math path, which saves the
+S x S score matrix. Training runs use a fused (flash) kernel that saves only q, k, v, the output and
+the log-sum-exp, so the tracers run the fused CPU flash kernel in its place (`fused_sdpa`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import weakref
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
+
+from cost_models.records import LOSS_NODE, OpRecord
+
+__all__ = [
+    "DTYPES", "CostMode", "saved_tensor_recorder", "fused_sdpa", "op_variant", "default_inputs", "logits_of",
+    "training_loss", "fill_forward_transients", "fill_backward_liveness", "clear_grads", "needs_copy",
+    "storage_key", "tensor_bytes",
+]
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+_aten = torch.ops.aten
+
+
+_FLASH_CPU = _aten._scaled_dot_product_flash_attention_for_cpu.default
+
+
+_FLASH_CPU_BWD = _aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+
+
+_MATMUL_OPS = {
+    _aten.mm, _aten.addmm, _aten.bmm, _aten.baddbmm, _aten.matmul, _aten.convolution,
+    _aten._scaled_dot_product_flash_attention_for_cpu, _aten._scaled_dot_product_flash_attention_for_cpu_backward,
+    _aten._scaled_dot_product_flash_attention, _aten._scaled_dot_product_efficient_attention,
+    _aten.convolution_backward,
+}
+
+
+def storage_key(tensor: torch.Tensor) -> int:
+    return StorageWeakRef(tensor.untyped_storage()).cdata
+
+
+def tensor_bytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _aten_flops(func, args, kwargs, out) -> int:
+    if func is _FLASH_CPU:
+        query, key, value = args[:3]
+        return sdpa_flop_count(query.shape, key.shape, value.shape)
+    if func is _FLASH_CPU_BWD:
+        grad_out, query, key, value = args[:4]
+        return sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape, value.shape)
+    counter = flop_registry.get(func._overloadpacket)
+    if counter is None:
+        return 0
+    return int(counter(*args, **(kwargs or {}), out_val=out))
+
+
+class CostMode(TorchDispatchMode):
+    """Charges each aten op's FLOPs and bytes to the current fx node (forward or backward bucket)."""
+
+    def __init__(self, records: dict[str, OpRecord]):
+        super().__init__()
+        self.records = records
+        self.backward = False
+        self.current = LOSS_NODE
+        self.matmul_flops: dict[str, int] = {}
+        self.storage_producer: dict[int, str] = {}
+        # Storages are keyed by address; holding every output storage until the trace ends keeps an
+        # address from being reused by a later tensor (meta storages cost no memory).
+        self.keep_alive: list = []
+        self.storage_bytes: dict[int, int] = {}  # forward allocations: storage -> bytes
+        self.fwd_allocs: dict[str, list[int]] = {}  # node -> storages its forward allocated
+        # the backward's allocations and frees, in order, with the op running at each (fill_backward_liveness):
+        # ("enter", op), ("alloc", id, bytes, op), ("free", id); ids number the allocations
+        self.bwd_events: list[tuple] = []
+        self.bwd_live: dict[int, int] = {}  # storage key -> allocation id, while alive
+        self._allocs = 0
+
+    @property
+    def current(self) -> str:
+        return self._current
+
+    @current.setter
+    def current(self, name: str) -> None:
+        self._current = name
+        if self.backward:
+            self.bwd_events.append(("enter", name))
+
+    def _track_backward_alloc(self, tensor: torch.Tensor) -> None:
+        key = storage_key(tensor)
+        if key in self.storage_bytes or key in self.bwd_live:
+            return  # a forward storage (kept alive, never reused) or one already followed
+        storage = tensor.untyped_storage()
+        alloc = self._allocs
+        self._allocs += 1
+        self.bwd_live[key] = alloc
+        self.bwd_events.append(("alloc", alloc, storage.nbytes(), self._current))
+        weakref.finalize(storage, self._backward_free, key, alloc)
+
+    def _backward_free(self, key: int, alloc: int) -> None:
+        if self.bwd_live.get(key) == alloc:
+            del self.bwd_live[key]
+        self.bwd_events.append(("free", alloc))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        record = self.records[self.current]
+        flops = _aten_flops(func, args, kwargs, out)
+        moved = 0
+        if not func.is_view and func._overloadpacket not in (_aten.detach, _aten.lift_fresh):
+            inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+            outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+            moved = sum(map(tensor_bytes, inputs)) + sum(map(tensor_bytes, outputs))
+            if self.backward:
+                for tensor in outputs:
+                    self._track_backward_alloc(tensor)
+            else:
+                largest = max(map(tensor_bytes, outputs), default=0)
+                record.fwd_max_alloc_bytes = max(record.fwd_max_alloc_bytes, largest)
+                for tensor in outputs:
+                    self.keep_alive.append(tensor.untyped_storage())
+                    key = storage_key(tensor)
+                    self.storage_producer.setdefault(key, self.current)
+                    self.storage_bytes.setdefault(key, tensor.untyped_storage().nbytes())
+                    self.fwd_allocs.setdefault(self.current, []).append(key)
+        if self.backward:
+            record.bwd_flops += flops
+            record.bwd_bytes += moved
+        else:
+            record.fwd_flops += flops
+            record.fwd_bytes += moved
+        if func._overloadpacket in _MATMUL_OPS:
+            self.matmul_flops[self.current] = self.matmul_flops.get(self.current, 0) + flops
+        return out
+
+
+def saved_tensor_recorder(model: nn.Module, mode: CostMode):
+    """A saved_tensors_hooks pack function that records each storage saved for backward, once, for
+    the op that saved it first (mode.current); parameters are not activations. Returns (saved, pack):
+    saved maps storage key -> (bytes, op name)."""
+    param_storages = {storage_key(p) for p in model.parameters()}
+    saved: dict[int, tuple[int, str]] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        if not mode.backward:
+            storage = storage_key(tensor)
+            if storage not in param_storages and storage not in saved:
+                saved[storage] = (tensor.untyped_storage().nbytes(), mode.current)
+        return tensor
+
+    return saved, pack
+
+
+def fused_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """Stand-in for F.scaled_dot_product_attention that saves what a fused training kernel saves.
+
+    Fused GPU kernels take dropout (they keep the RNG state, not a mask) and grouped-query attention;
+    the CPU flash kernel's meta function accepts dropout, and GQA is run as repeated k/v heads."""
+    if enable_gqa and query.shape[-3] != key.shape[-3] and query.shape[-3] % key.shape[-3] == 0:
+        repeats = query.shape[-3] // key.shape[-3]
+        key, value = key.repeat_interleave(repeats, dim=-3), value.repeat_interleave(repeats, dim=-3)
+        enable_gqa = False
+    if attn_mask is not None or enable_gqa or query.shape[-3] != key.shape[-3] or (
+            dropout_p != 0.0 and query.device.type != "meta"):
+        return F.scaled_dot_product_attention(
+            query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+            enable_gqa=enable_gqa,
+        )
+    out, _logsumexp = _FLASH_CPU(query, key, value, dropout_p, is_causal, scale=scale)
+    return out
+
+
+_MAX_VARIANT_CHARS = 160
+
+
+def op_variant(module: nn.Module | None, args=(), kwargs=None) -> str:
+    """Two ops with the same kind and input shapes can differ in work: Linear(64, 64) and Linear(64, 512)
+    both read [B, S, 64]. The module's extra_repr, or the function's non-tensor arguments, tell them apart."""
+    if module is not None:
+        detail = module.extra_repr() or ",".join(
+            f"{name}={'x'.join(map(str, p.shape))}" for name, p in module.named_parameters())
+    else:
+        def constants(value) -> list[str]:
+            return [repr(leaf) for leaf in tree_flatten(value)[0] if not isinstance(leaf, torch.Tensor)]
+
+        detail = ",".join(constants(args) + [f"{k}={','.join(constants(v))}" for k, v in (kwargs or {}).items()])
+    if len(detail) > _MAX_VARIANT_CHARS:
+        detail = hashlib.sha1(detail.encode()).hexdigest()[:16]
+    return f"({detail})" if detail else ""
+
+
+def default_inputs(model: nn.Module, micro_batch_size: int, seq_len: int) -> tuple[torch.Tensor, ...]:
+    """Token ids [micro_batch, seq_len], the input of every zoo model (and most language models)."""
+    return (torch.zeros(micro_batch_size, seq_len, dtype=torch.long, device="meta"),)
+
+
+def logits_of(output) -> torch.Tensor:
+    """The logits in a model's output: the output itself, its first element, or (Hugging Face models)
+    the output object's `logits`."""
+    output = getattr(output, "logits", output)
+    return output[0] if isinstance(output, (tuple, list)) else output
+
+
+def training_loss(output) -> torch.Tensor:
+    """The training loss the run uses: next-token cross-entropy in fp32 over logits [B, S, V]."""
+    logits = logits_of(output)
+    if logits.dim() == 3:
+        labels = torch.zeros(logits.shape[:2], dtype=torch.long, device=logits.device)
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+    return logits.float().sum()
+
+
+def fill_forward_transients(records: dict[str, OpRecord], mode: CostMode, saved: dict[int, tuple[int, str]],
+                            input_storages: dict[str, list[tuple[int, int]]]) -> None:
+    """What each op holds beyond the saved activations while it runs: its activation inputs that
+    nothing saves (still referenced by the op) and the tensors it allocates that nothing saves (its
+    output and intermediates). E.g. the loss holds the bf16 logits, their fp32 copy and the saved
+    log-softmax at once."""
+    for name, record in records.items():
+        allocated = sum(mode.storage_bytes[key] for key in set(mode.fwd_allocs.get(name, [])) if key not in saved)
+        inputs = sum(nbytes for key, nbytes in dict(input_storages.get(name, [])).items()
+                     if key not in saved and mode.storage_producer.get(key, name) != name)
+        record.fwd_transient_bytes = allocated + inputs
+
+
+def fill_backward_liveness(records: dict[str, OpRecord], mode: CostMode, model: nn.Module) -> None:
+    """Replays the backward's allocations and frees (mode.bwd_events): each op's bwd_in_bytes and
+    bwd_live_bytes count the backward's storages alive when its backward starts and at most while it
+    runs (the gradient it receives, those it produces, its temporaries, the gradients of other ops
+    not consumed yet); the parameter gradients (the storages left in .grad) count apart, for the op
+    that computed them, in param_grad_bytes. Saved activations are not here: the cost model frees
+    them op by op from saved_bytes."""
+    param_grads = {mode.bwd_live.get(storage_key(p.grad)) for p in model.parameters() if p.grad is not None}
+    sizes: dict[int, int] = {}
+    live = 0
+    entered: set[str] = set()
+    for event in mode.bwd_events:
+        if event[0] == "enter":
+            record = records.get(event[1])
+            if record is not None and event[1] not in entered:
+                entered.add(event[1])
+                record.bwd_in_bytes = live
+                record.bwd_live_bytes = max(record.bwd_live_bytes, live)
+        elif event[0] == "alloc":
+            _, alloc, nbytes, name = event
+            record = records[name]
+            if alloc in param_grads:
+                record.param_grad_bytes += nbytes
+                continue
+            sizes[alloc] = nbytes
+            live += nbytes
+            record.bwd_live_bytes = max(record.bwd_live_bytes, live)
+        else:
+            live -= sizes.pop(event[1], 0)
+
+
+def clear_grads(model: nn.Module) -> None:
+    """A model traced again (one already on meta) must not accumulate into the last trace's gradients."""
+    for param in model.parameters():
+        param.grad = None
+
+
+def needs_copy(model: nn.Module, dtype: str) -> bool:
+    return any(p.device.type != "meta" or p.dtype != DTYPES[dtype] for p in model.parameters())

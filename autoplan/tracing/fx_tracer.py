@@ -1,0 +1,193 @@
+"""The fx tracer: a model's operator graph from torch.fx, costed by a meta-device run.
+
+torch.fx gives the graph (one node per module call or function, with its module path); running that
+graph on the meta device, forward and backward, under `counting.CostMode` gives each node's cost:
+- FLOPs from torch's own FlopCounter formulas, per aten op; bytes read and written (views move nothing);
+- bytes saved for backward, caught with saved_tensors_hooks and deduplicated by storage, so a tensor
+  saved by two ops counts once, for the op that saved it first; parameters are not activations;
+- backward work is attributed to the fx node whose output's grad_fn ran last before it;
+- what the backward holds: the storages it allocates are followed until freed, which gives each op
+  the gradient bytes alive while its backward runs and the parameter gradients it computes.
+Nothing is allocated: meta tensors carry shapes and dtypes only.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import networkx as nx
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils._pytree import tree_flatten
+
+from autoplan.errors import TraceError
+from autoplan.tracing.counting import (
+    DTYPES,
+    CostMode,
+    clear_grads,
+    default_inputs,
+    fill_backward_liveness,
+    fill_forward_transients,
+    fused_sdpa,
+    logits_of,
+    needs_copy,
+    op_variant,
+    saved_tensor_recorder,
+    storage_key,
+    tensor_bytes,
+    training_loss,
+)
+from cost_models.records import LOSS_NODE, ModelTrace, OpRecord
+
+__all__ = ["symbolic_trace", "trace_model"]
+
+def _kind(gm: fx.GraphModule, node: fx.Node) -> str:
+    if node.op == "call_module":
+        return type(gm.get_submodule(node.target)).__name__
+    if node.op == "call_method":
+        return str(node.target)
+    return getattr(node.target, "__name__", str(node.target))
+
+
+def _variant(gm: fx.GraphModule, node: fx.Node, args, kwargs) -> str:
+    if node.op == "call_module":
+        return op_variant(gm.get_submodule(node.target))
+    return op_variant(None, args, kwargs)
+
+
+def _module_path(node: fx.Node) -> str:
+    if node.op == "call_module":
+        return str(node.target)
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    return next(reversed(stack.values()))[0]
+
+
+class _PathTracer(fx.Tracer):
+    """fx's tracer, remembering the modules it is inside so that a failure can name the innermost."""
+
+    def __init__(self):
+        super().__init__()
+        self.entered_modules: list[str] = []
+
+    def call_module(self, m, forward, args, kwargs):
+        self.entered_modules.append(self.path_of_module(m))
+        out = super().call_module(m, forward, args, kwargs)
+        self.entered_modules.pop()
+        return out
+
+
+def symbolic_trace(model: nn.Module) -> fx.GraphModule:
+    tracer = _PathTracer()
+    try:
+        graph = tracer.trace(model)
+    except Exception as exc:  # fx raises many types; the user needs the module that failed
+        where = f" in module {tracer.entered_modules[-1]!r}" if tracer.entered_modules else ""
+        raise TraceError(
+            f"torch.fx could not trace {type(model).__name__}{where}: {type(exc).__name__}: {exc}. "
+            "torch.fx needs a forward without data-dependent Python control flow."
+        ) from exc
+    return fx.GraphModule(tracer.root, graph, type(model).__name__)
+
+
+def trace_model(
+    model: nn.Module,
+    micro_batch_size: int,
+    seq_len: int,
+    dtype: str = "bf16",
+    inputs: tuple[torch.Tensor, ...] | None = None,
+    graph_module: fx.GraphModule | None = None,
+) -> ModelTrace:
+    """Trace `model` (any device; it is copied to meta in `dtype`) at one micro-batch size."""
+    meta_model = copy.deepcopy(model).to(device="meta", dtype=DTYPES[dtype]) if needs_copy(model, dtype) else model
+    gm = graph_module if graph_module is not None else symbolic_trace(meta_model)
+    if graph_module is not None:
+        gm = _rebind(graph_module, meta_model)
+    if inputs is None:
+        inputs = default_inputs(meta_model, micro_batch_size, seq_len)
+
+    records: dict[str, OpRecord] = {}
+    graph = nx.DiGraph()
+    for node in gm.graph.nodes:
+        if node.op in ("call_module", "call_function", "call_method"):
+            records[node.name] = OpRecord(node.name, _kind(gm, node), _module_path(node), (), dtype)
+    records[LOSS_NODE] = OpRecord(LOSS_NODE, "cross_entropy", "", (), dtype)
+
+    mode = CostMode(records)
+    saved, pack = saved_tensor_recorder(meta_model, mode)
+    input_storages: dict[str, list[tuple[int, int]]] = {}
+
+    def make_prehook(name: str):
+        def prehook(grad_outputs):
+            mode.current = name
+        return prehook
+
+    class _Interpreter(fx.Interpreter):
+        def run_node(self, node: fx.Node):
+            if node.name not in records:
+                return super().run_node(node)
+            mode.current = node.name
+            args, kwargs = self.fetch_args_kwargs_from_env(node)
+            tensors_in = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+            records[node.name].input_shapes = tuple(tuple(t.shape) for t in tensors_in)
+            records[node.name].variant = _variant(gm, node, args, kwargs)
+            input_storages[node.name] = [(storage_key(t), t.untyped_storage().nbytes()) for t in tensors_in]
+            out = super().run_node(node)
+            outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+            records[node.name].out_bytes = sum(map(tensor_bytes, outs))
+            for tensor in outs:
+                if tensor.grad_fn is not None:
+                    tensor.grad_fn.register_prehook(make_prehook(node.name))
+            return out
+
+        def call_function(self, target, args, kwargs):
+            if target is F.scaled_dot_product_attention:
+                target = fused_sdpa
+            return super().call_function(target, args, kwargs)
+
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), mode:
+            output = _Interpreter(gm).run(*inputs)
+            mode.current = LOSS_NODE
+            records[LOSS_NODE].input_shapes = (tuple(logits_of(output).shape),)
+            input_storages[LOSS_NODE] = [(storage_key(logits_of(output)), logits_of(output).untyped_storage().nbytes())]
+            loss = training_loss(output)
+        mode.backward = True
+        with mode:
+            clear_grads(meta_model)
+            loss.backward()
+    except Exception as exc:
+        failing = records.get(mode.current)
+        where = f"op {failing.name} ({failing.kind}) in module {failing.module or '<root>'!r}" if failing else "?"
+        raise TraceError(f"tracing failed at {where}: {type(exc).__name__}: {exc}") from exc
+
+    for storage, (nbytes, name) in saved.items():
+        records[name].saved_bytes += nbytes
+    fill_forward_transients(records, mode, saved, input_storages)
+    fill_backward_liveness(records, mode, meta_model)
+    for name, record in records.items():
+        total = record.fwd_flops + record.bwd_flops
+        record.is_matmul = total > 0 and mode.matmul_flops.get(name, 0) >= 0.5 * total
+        graph.add_node(name, op=record)
+    for node in gm.graph.nodes:
+        if node.name in records:
+            for user in node.users:
+                if user.name in records:
+                    graph.add_edge(node.name, user.name)
+    last_nodes = [n for n in graph.nodes if n != LOSS_NODE and graph.out_degree(n) == 0]
+    for name in last_nodes:
+        graph.add_edge(name, LOSS_NODE)
+
+    ops = [records[n.name] for n in gm.graph.nodes if n.name in records] + [records[LOSS_NODE]]
+    return ModelTrace(
+        graph=graph, ops=ops, micro_batch_size=micro_batch_size, seq_len=seq_len, dtype=dtype,
+        input_storages=input_storages, storage_producer=dict(mode.storage_producer), saved_storages=saved,
+    )
+
+
+def _rebind(graph_module: fx.GraphModule, model: nn.Module) -> fx.GraphModule:
+    """A graph traced from one copy of a model, run against another copy's modules and parameters."""
+    return fx.GraphModule(model, graph_module.graph)

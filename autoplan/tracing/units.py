@@ -1,0 +1,131 @@
+"""Candidate FSDP units: the module subtrees that each get one `fully_shard` call.
+
+Granularities:
+- "block" (default): each block of the largest repeated ModuleList, plus large siblings along the
+  path to it (embeddings, head); what remains belongs to the root unit "".
+- "fine": as "block", but inside each block every child that owns parameters (attention, MLP)
+  is a unit of its own; the block keeps what is left (its norms).
+- "leaf": every module that directly owns parameters is a unit (one per Linear, norm, ...).
+
+A module whose parameter is shared with a module outside its subtree (tied embeddings) cannot be
+a unit of its own: FSDP would reshard the parameter while the other user still needs it. Its
+parameters go to the nearest enclosing unit.
+"""
+
+from __future__ import annotations
+
+import torch.nn as nn
+
+from autoplan.errors import UsageError
+from cost_models.records import ModelTrace, ParamInfo, Unit
+
+GRANULARITIES = ("block", "fine", "leaf")
+# A sibling module along the path to the blocks becomes a unit only if it is at least this
+# fraction of one block's parameters: tiny units cost a collective's latency for nothing.
+MIN_SIBLING_FRACTION = 0.25
+# Inside a block ("fine"), a child is a unit if it holds this fraction of the block (attention, MLP;
+# not the norms).
+MIN_CHILD_FRACTION = 0.1
+
+
+def _owns(unit_path: str, module_path: str) -> bool:
+    return unit_path == "" or module_path == unit_path or module_path.startswith(unit_path + ".")
+
+
+def _params_of(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def _shared_outside(model: nn.Module, path: str) -> bool:
+    """True when a parameter under `path` is also registered under a module outside `path`."""
+    inside = {id(p) for p in model.get_submodule(path).parameters()}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in inside and not _owns(path, name.rsplit(".", 1)[0] if "." in name else ""):
+            return True
+    return False
+
+
+def _largest_module_list(model: nn.Module) -> str | None:
+    best, best_params = None, 0
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) > 1:
+            count = _params_of(module)
+            if count > best_params:
+                best, best_params = name, count
+    return best
+
+
+def candidate_paths(model: nn.Module, granularity: str = "block") -> list[str]:
+    """Module paths that become units (the root "" always is one), before tie exclusion."""
+    if granularity not in GRANULARITIES:
+        raise UsageError(f"unknown granularity {granularity!r}; choose one of {', '.join(GRANULARITIES)}")
+    if granularity == "leaf":
+        return [""] + [
+            name for name, module in model.named_modules()
+            if name and any(True for _ in module.parameters(recurse=False))
+        ]
+    paths = [""]
+    blocks_path = _largest_module_list(model)
+    if blocks_path is None:
+        # no repeated blocks: every direct child with parameters is a unit
+        return paths + [name for name, child in model.named_children() if _params_of(child) > 0]
+    blocks = model.get_submodule(blocks_path)
+    block_params = min(_params_of(block) for block in blocks)
+    # siblings along the path root -> blocks
+    parts = blocks_path.split(".")
+    for depth in range(len(parts)):
+        ancestor_path = ".".join(parts[:depth])
+        ancestor = model.get_submodule(ancestor_path)
+        for child_name, child in ancestor.named_children():
+            child_path = f"{ancestor_path}.{child_name}" if ancestor_path else child_name
+            if child_name == parts[depth]:
+                continue
+            if _params_of(child) >= MIN_SIBLING_FRACTION * block_params:
+                paths.append(child_path)
+    for index, block in enumerate(blocks):
+        block_path = f"{blocks_path}.{index}"
+        paths.append(block_path)
+        if granularity == "fine":
+            block_size = _params_of(block)
+            for child_name, child in block.named_children():
+                if _params_of(child) >= MIN_CHILD_FRACTION * block_size:
+                    paths.append(f"{block_path}.{child_name}")
+    return paths
+
+
+def build_units(model: nn.Module, trace: ModelTrace, granularity: str = "block") -> list[Unit]:
+    """Units in execution order (by first op), each owning its parameters and ops."""
+    paths = [p for p in candidate_paths(model, granularity) if p == "" or not _shared_outside(model, p)]
+    units = {path: Unit(path) for path in paths}
+
+    def innermost(module_path: str) -> str:
+        best = ""
+        for path in paths:
+            if path and _owns(path, module_path) and len(path) > len(best):
+                best = path
+        return best
+
+    for path in paths:
+        if path:
+            units[path].parent = innermost(path.rsplit(".", 1)[0] if "." in path else "")
+            units[units[path].parent].children.append(path)
+
+    for name, param in model.named_parameters():
+        module_path = name.rsplit(".", 1)[0] if "." in name else ""
+        units[innermost(module_path)].params.append(ParamInfo(name, tuple(param.shape)))
+
+    first: dict[str, int] = {}
+    last: dict[str, int] = {}
+    for index, op in enumerate(trace.ops):
+        owner = innermost(op.module)
+        units[owner].ops.append(op.name)
+        path = owner
+        while path is not None:  # the op is also inside every enclosing unit
+            first.setdefault(path, index)
+            last[path] = index
+            path = units[path].parent
+    for path, unit in units.items():
+        unit.first_op = first.get(path, 0)
+        unit.last_op = last.get(path, len(trace.ops) - 1)
+    units[""].first_op, units[""].last_op = 0, len(trace.ops) - 1
+    return sorted(units.values(), key=lambda u: (u.first_op, u.path.count(".") if u.path else -1))

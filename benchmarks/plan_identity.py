@@ -1,0 +1,145 @@
+"""Plans before and after a change: identical apart from wall time?
+
+A refactoring must not move a single decision or predicted byte. This script runs the same
+`autoplan search` and `autoplan estimate --json` commands (every zoo model at the README's and the
+tests' settings) on a reference revision, checked out into a temporary git worktree, and on the
+working tree, and compares the outputs with the solver's wall time taken out.
+
+    python benchmarks/plan_identity.py --ref main~5        # compare with an earlier revision
+    python benchmarks/plan_identity.py --ref main --only gpt2-tiny   # a subset (substring match)
+
+Exit 0 when every output is identical, 1 when any differs (the first differing path is printed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# (label, argv after `autoplan`): the README's commands, then every zoo model at a setting that plans
+CASES: list[tuple[str, list[str]]] = [
+    ("readme-gpt2-1.5b", ["search", "--model", "gpt2-1.5b", "--mem", "8GB"]),
+    ("readme-llama2-70b-64", ["search", "--model", "llama2-70b", "--mem", "80GB", "--nodes", "8",
+                              "--gpus-per-node", "8", "--profile", "h100-sxm-80gb"]),
+    ("readme-gpt2-global", ["search", "--model", "gpt2", "--mem", "2GB", "--gpus", "2", "--seq-len", "128",
+                            "--global-batch", "64"]),
+    ("gpt2-medium", ["search", "--model", "gpt2-medium", "--mem", "6GB", "--seq-len", "1024"]),
+    ("gpt2-large", ["search", "--model", "gpt2-large", "--mem", "10GB", "--seq-len", "1024"]),
+    ("llama2-7b", ["search", "--model", "llama2-7b", "--mem", "40GB", "--seq-len", "2048"]),
+    ("llama2-13b", ["search", "--model", "llama2-13b", "--mem", "60GB", "--seq-len", "2048"]),
+    ("llama-1b", ["search", "--model", "llama-1b", "--mem", "16GB", "--seq-len", "2048"]),
+    ("llama3-8b", ["search", "--model", "llama3-8b", "--mem", "80GB", "--seq-len", "4096"]),
+    ("llama3-405b", ["search", "--model", "llama3-405b", "--mem", "80GB", "--nodes", "8", "--gpus-per-node", "8",
+                     "--seq-len", "4096", "--profile", "h100-sxm-80gb"]),
+    ("bert-large", ["search", "--model", "bert-large", "--mem", "4GB", "--gpus", "4"]),
+    ("gpt2-tiny-cpu", ["search", "--model", "gpt2-tiny", "--mem", "40MB", "--gpus", "2", "--seq-len", "64",
+                       "--profile", "cpu-gloo-2"]),
+    ("llama-tiny-cpu", ["search", "--model", "llama-tiny", "--mem", "30MB", "--gpus", "2", "--seq-len", "64",
+                        "--profile", "cpu-gloo-2"]),
+    ("bert-tiny", ["search", "--model", "bert-tiny", "--mem", "60MB", "--gpus", "4", "--seq-len", "64"]),
+    ("gpt2-tiny-fine", ["search", "--model", "gpt2-tiny", "--mem", "60MB", "--gpus", "4", "--seq-len", "64",
+                        "--granularity", "fine", "--dtype", "fp32", "--optimizer", "sgd"]),
+    ("llama-tiny-hybrid", ["search", "--model", "llama-tiny", "--mem", "60MB", "--nodes", "2", "--gpus-per-node", "2",
+                           "--seq-len", "64", "--batch-size", "4"]),
+    ("gpt2-tiny-strategy", ["search", "--model", "gpt2-tiny", "--mem", "1GB", "--gpus", "2", "--seq-len", "64",
+                            "--strategy", "shard", "--checkpoint", "--profile", "cpu-gloo-2"]),
+    ("estimate-gpt2-1.5b", ["estimate", "--model", "gpt2-1.5b", "--gpus", "8", "--strategy", "shard", "--checkpoint",
+                            "--batch-size", "4", "--json"]),
+    ("estimate-llama2-7b", ["estimate", "--model", "llama2-7b", "--gpus", "8", "--strategy", "replicate",
+                            "--dtype", "bf16", "--optimizer", "sgd", "--seq-len", "1024", "--json"]),
+]
+
+# fields that measure the machine, not the plan
+VOLATILE = {"wall_time_s"}
+
+
+def _strip(value):
+    if isinstance(value, dict):
+        return {k: _strip(v) for k, v in value.items() if k not in VOLATILE}
+    if isinstance(value, list):
+        return [_strip(v) for v in value]
+    return value
+
+
+def run_cases(tree: Path, out_dir: Path, cases) -> dict[str, dict]:
+    """Run every case with `tree`'s code; {label: output without volatile fields}."""
+    env = dict(os.environ, PYTHONPATH=str(tree))
+    results = {}
+    for label, argv in cases:
+        plan_file = out_dir / f"{label}.json"
+        args = list(argv)
+        if args[0] == "search":
+            args += ["-o", str(plan_file)]
+        start = time.perf_counter()
+        done = subprocess.run([sys.executable, "-m", "autoplan", *args], cwd=tree, env=env,
+                              capture_output=True, text=True)
+        print(f"  {label:<24} exit {done.returncode}  {time.perf_counter() - start:5.1f} s", flush=True)
+        if done.returncode != 0:
+            results[label] = {"exit": done.returncode, "stderr": done.stderr.strip().splitlines()[-1:]}
+            continue
+        text = plan_file.read_text() if args[0] == "search" else done.stdout
+        results[label] = _strip(json.loads(text))
+    return results
+
+
+def first_difference(a, b, path="") -> str | None:
+    if type(a) is not type(b):
+        return f"{path}: {a!r} != {b!r}"
+    if isinstance(a, dict):
+        for key in sorted(set(a) | set(b)):
+            if key not in a or key not in b:
+                return f"{path}.{key}: only in {'after' if key not in a else 'before'}"
+            found = first_difference(a[key], b[key], f"{path}.{key}")
+            if found:
+                return found
+        return None
+    if isinstance(a, list):
+        if len(a) != len(b):
+            return f"{path}: {len(a)} items != {len(b)}"
+        for i, (x, y) in enumerate(zip(a, b)):
+            found = first_difference(x, y, f"{path}[{i}]")
+            if found:
+                return found
+        return None
+    return None if a == b else f"{path}: {a!r} != {b!r}"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ref", default="HEAD", help="the revision to compare with (default HEAD)")
+    parser.add_argument("--only", help="run only the cases whose label contains this")
+    args = parser.parse_args()
+    cases = [case for case in CASES if not args.only or args.only in case[0]]
+    with tempfile.TemporaryDirectory(prefix="plan-identity-") as tmp:
+        tmp = Path(tmp)
+        worktree = tmp / "ref"
+        subprocess.run(["git", "worktree", "add", "--detach", str(worktree), args.ref], cwd=ROOT, check=True,
+                       capture_output=True)
+        try:
+            (tmp / "before").mkdir()
+            (tmp / "after").mkdir()
+            print(f"reference {args.ref}:")
+            before = run_cases(worktree, tmp / "before", cases)
+            print("working tree:")
+            after = run_cases(ROOT, tmp / "after", cases)
+        finally:
+            subprocess.run(["git", "worktree", "remove", "--force", str(worktree)], cwd=ROOT, capture_output=True)
+    differing = 0
+    for label, _ in cases:
+        found = first_difference(before[label], after[label])
+        print(f"{label:<24} {'identical' if found is None else 'DIFFERS ' + found}")
+        differing += found is not None
+    print(f"{len(cases) - differing} of {len(cases)} identical")
+    return 1 if differing else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,131 @@
+"""Device profiles: the one place device-specific numbers live (peak FLOP/s, bandwidth, collectives).
+
+A datasheet profile gives peaks and link bandwidths; a measured one (`autoplan profile`) adds per-op
+timings, per-family fits and fitted collective curves. Both share this schema, so the cost models
+read either without change. Finding and reading profile files is `autoplan.profile_store`'s job.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = [
+    "PROFILE_SCHEMA_VERSION", "Provenance", "Link", "CollectiveFit", "OpTiming", "OpFit", "Overlap", "FsdpOverhead",
+    "DeviceProfile",
+]
+
+PROFILE_SCHEMA_VERSION = 1
+
+Collective = Literal["all_gather", "reduce_scatter", "all_reduce"]
+Scope = Literal["intra_node", "inter_node"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Provenance(_Strict):
+    description: str
+    host: str | None = None
+    device_name: str | None = None
+    torch_version: str | None = None
+    date: str | None = None
+    settings: dict[str, str | int | float | bool | None] = Field(default_factory=dict)
+
+
+class Link(_Strict):
+    """A ring collective's bus bandwidth and per-call latency over one kind of link."""
+
+    bus_bandwidth_bytes_s: float = Field(gt=0)
+    latency_s: float = Field(ge=0)
+
+
+class CollectiveFit(_Strict):
+    """time_s = alpha_s + beta_s_per_byte * bytes, where bytes is the full (unsharded) buffer size."""
+
+    collective: Collective
+    group_size: int = Field(ge=2)
+    scope: Scope
+    alpha_s: float = Field(ge=0)
+    beta_s_per_byte: float = Field(ge=0)
+
+
+class OpTiming(_Strict):
+    """A measured op: key is autoplan.trace.OpRecord.key (op kind, input shapes, dtype)."""
+
+    key: str
+    fwd_s: float = Field(ge=0)
+    bwd_s: float = Field(ge=0)
+
+
+class OpFit(_Strict):
+    """time_s = intercept_s + s_per_unit * work, work being FLOPs or bytes moved, per op family.
+
+    family is an op kind ("Linear", "gelu") or a generic family ("matmul", "memory"); dtype is the
+    traced compute dtype the points were measured in (None: any dtype), since a bf16 matmul can run
+    at several times the FLOP/s of an fp32 one on the same device."""
+
+    family: str
+    direction: Literal["fwd", "bwd"]
+    work: Literal["flops", "bytes"]
+    dtype: str | None = None
+    intercept_s: float = Field(ge=0)
+    s_per_unit: float = Field(ge=0)
+
+
+class Overlap(_Strict):
+    """Whether FSDP2 runs a unit's collectives concurrently with compute (CUDA: collectives on their
+    own streams; CPU + gloo: no, the unit waits for its all-gather, and comm and compute add up), and
+    the slowdown factors (>= 1) of compute and of communication while the two run concurrently."""
+
+    enabled: bool = True
+    compute_slowdown: float = Field(default=1.0, ge=1.0)
+    comm_slowdown: float = Field(default=1.0, ge=1.0)
+
+
+class FsdpOverhead(_Strict):
+    """How a real FSDP2 training step differs from the sum of its separately timed parts.
+
+    unit_*_s: each unit's own time per micro-batch beyond its ops and collectives (hooks, DTensor
+    handling, copy-in/copy-out);
+    collective_*_s: each collective call's cost inside a step beyond its time on idle ranks (waiting
+    for the peers at the synchronisation point, the collective's threads competing for the cores);
+    compute_*_scale: how much longer the ops take inside a step than timed one at a time (ranks'
+    collectives competing for the cores, cold caches); compute_recompute_scale: the same for the
+    forward ops a checkpointed unit re-runs in its backward (None: as the backward's). Fitted by
+    `autoplan profile` on whole training steps of a calibration model (profiling/calibration.py),
+    whose record `calibration` keeps; 0 and 1 = not modelled."""
+
+    unit_fwd_s: float = Field(default=0.0, ge=0)
+    unit_bwd_s: float = Field(default=0.0, ge=0)
+    collective_fwd_s: float = Field(default=0.0, ge=0)
+    collective_bwd_s: float = Field(default=0.0, ge=0)
+    compute_fwd_scale: float = Field(default=1.0, gt=0)
+    compute_bwd_scale: float = Field(default=1.0, gt=0)
+    compute_recompute_scale: float | None = Field(default=None, gt=0)
+    calibration: dict | None = None
+
+
+class DeviceProfile(_Strict):
+    schema_version: int = PROFILE_SCHEMA_VERSION
+    name: str
+    source: Literal["datasheet", "measured"]
+    provenance: Provenance
+    device_type: Literal["cuda", "cpu"]
+    mem_bytes: int = Field(gt=0)
+    peak_flops: dict[str, float]  # dtype name ("bf16", "fp16", "fp32") -> FLOP/s
+    matmul_efficiency: float = Field(gt=0, le=1)  # fraction of peak a large matmul reaches
+    mem_bandwidth_bytes_s: float = Field(gt=0)
+    mem_bandwidth_efficiency: float = Field(gt=0, le=1)
+    op_overhead_s: float = Field(ge=0)  # per-op launch / dispatch cost
+    links: dict[Scope, Link]
+    collectives: list[CollectiveFit] = Field(default_factory=list)
+    overlap: Overlap = Field(default_factory=Overlap)
+    optimizer_bytes_s: float | None = Field(default=None, gt=0)  # measured AdamW throughput, bytes of state touched
+    # the optimizer step's fixed cost per parameter tensor (per-tensor kernels, DTensor dispatch)
+    optimizer_tensor_s: float = Field(default=0.0, ge=0)
+    fsdp: FsdpOverhead = Field(default_factory=FsdpOverhead)
+    op_times: list[OpTiming] = Field(default_factory=list)
+    op_fits: list[OpFit] = Field(default_factory=list)

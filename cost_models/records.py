@@ -1,0 +1,132 @@
+"""What the cost models read about a model: its traced ops and its FSDP units.
+
+These records are produced by `autoplan.tracing` (the tracers and the unit builder) and consumed by
+the cost models; they live here, below both, so that `cost_models` needs nothing from `autoplan`.
+Byte and FLOP counts are per rank and per micro-batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import networkx as nx
+
+__all__ = ["LOSS_NODE", "OpRecord", "ModelTrace", "ParamInfo", "Unit", "extrapolate_ops"]
+
+LOSS_NODE = "loss"  # the loss computed after the model's output; belongs to the root module ""
+
+
+@dataclass
+class OpRecord:
+    """One fx node's cost at a given micro-batch size; bytes and FLOPs are per rank, per micro-batch."""
+
+    name: str  # fx node name, unique in the graph
+    kind: str  # op kind: module class ("Linear") or function name ("gelu", "scaled_dot_product_attention")
+    module: str  # path of the innermost module the op runs in ("" is the root)
+    input_shapes: tuple[tuple[int, ...], ...]
+    dtype: str
+    out_bytes: int = 0
+    fwd_flops: int = 0
+    bwd_flops: int = 0
+    fwd_bytes: int = 0  # bytes read + written by the forward's aten ops
+    bwd_bytes: int = 0
+    saved_bytes: int = 0  # bytes first saved for backward by this op (excluding parameters)
+    fwd_max_alloc_bytes: int = 0  # largest single tensor the forward allocates (a transient)
+    fwd_transient_bytes: int = 0  # held while the op runs beyond saved activations (see fill_forward_transients)
+    # the backward's own storages (gradients and temporaries; not parameter gradients) alive when this
+    # op's backward starts, and at most while it runs, and the parameter gradients it computes
+    bwd_in_bytes: int = 0
+    bwd_live_bytes: int = 0
+    param_grad_bytes: int = 0
+    is_matmul: bool = False  # dominated by matmul-like aten ops (for the compute model's fits)
+    # what besides input shapes decides the work: a module's configuration (Linear's out_features),
+    # a function's constant arguments (is_causal, a slice); "" when there is none
+    variant: str = ""
+
+    @property
+    def key(self) -> str:
+        """Identity of the op's work for measured timings: kind, input shapes, dtype, variant."""
+        shapes = ";".join("x".join(map(str, shape)) for shape in self.input_shapes)
+        return f"{self.kind}[{shapes}]{self.dtype}{self.variant}"
+
+
+@dataclass
+class ModelTrace:
+    """The traced operator graph (networkx, nodes carry an OpRecord under 'op') in execution order."""
+
+    graph: nx.DiGraph
+    ops: list[OpRecord]
+    micro_batch_size: int
+    seq_len: int
+    dtype: str
+    # unit-boundary information: fx node name -> tensor-input storages (key, bytes) it reads
+    input_storages: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
+    # storage key -> name of the node that produced it
+    storage_producer: dict[int, str] = field(default_factory=dict)
+    # storages saved for backward: key -> (bytes, name of the first node that saved it)
+    saved_storages: dict[int, tuple[int, str]] = field(default_factory=dict)
+
+    def op(self, name: str) -> OpRecord:
+        return self.graph.nodes[name]["op"]
+
+
+_SCALED_FIELDS = (
+    "out_bytes", "fwd_flops", "bwd_flops", "fwd_bytes", "bwd_bytes", "saved_bytes",
+    "fwd_max_alloc_bytes", "fwd_transient_bytes", "bwd_in_bytes", "bwd_live_bytes",
+    "param_grad_bytes",
+)
+
+
+def extrapolate_ops(ops_at_1: list[OpRecord], ops_at_2: list[OpRecord], micro_batch_size: int) -> list[OpRecord]:
+    """Op costs at any micro-batch size from traces at 1 and 2: every count here is affine in the
+    batch (per-sample activations and FLOPs plus batch-independent parameter traffic)."""
+    result = []
+    for one, two in zip(ops_at_1, ops_at_2, strict=True):
+        assert one.name == two.name, "traces at different batch sizes must share one fx graph"
+        values = {f: max(0, getattr(one, f) + (getattr(two, f) - getattr(one, f)) * (micro_batch_size - 1))
+                  for f in _SCALED_FIELDS}
+        shapes = tuple((micro_batch_size,) + s[1:] if s and s[0] == 1 and s != t else s
+                       for s, t in zip(one.input_shapes, two.input_shapes))
+        # constant arguments can hold the batch size (a view's sizes); batch 2's are the nearer guess
+        variant = one.variant if micro_batch_size == 1 else two.variant
+        result.append(OpRecord(one.name, one.kind, one.module, shapes, one.dtype,
+                               is_matmul=one.is_matmul, variant=variant, **values))
+    return result
+
+
+@dataclass
+class ParamInfo:
+    name: str  # canonical fully-qualified name
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        count = 1
+        for dim in self.shape:
+            count *= dim
+        return count
+
+
+@dataclass
+class Unit:
+    """One FSDP unit. `params` are those it owns (not those of nested units)."""
+
+    path: str  # module path; "" is the root
+    params: list[ParamInfo] = field(default_factory=list)
+    parent: str | None = None  # enclosing unit's path (None for the root)
+    children: list[str] = field(default_factory=list)  # nested units' paths
+    ops: list[str] = field(default_factory=list)  # names of traced ops owned (innermost unit)
+    first_op: int = 0  # index in execution order of the first op in its subtree
+    last_op: int = 0  # index of the last op in its subtree
+
+    @property
+    def numel(self) -> int:
+        return sum(p.numel for p in self.params)
+
+    @property
+    def is_root(self) -> bool:
+        return self.path == ""
+
+    @property
+    def is_leaf(self) -> bool:
+        return not self.children

@@ -1,0 +1,138 @@
+"""The house's shape: stages import only earlier stages, nothing imports in a circle, `cost_models`
+stands on its own, and `profiles/` is data, not an importable package.
+
+Imports are read from the source (every `import` and `from ... import`, inside functions too), so a
+lazy import against the flow fails here as surely as a top-level one.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import networkx as nx
+import pytest
+import tomllib
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Layers, earliest first: a module may import its own layer and earlier ones, never a later one.
+LAYERS: list[tuple[str, ...]] = [
+    ("cost_models",),
+    ("autoplan.version", "autoplan.errors", "autoplan.sizes", "autoplan.fileio"),
+    ("autoplan.settings", "autoplan.profile_store"),
+    ("autoplan.models",),
+    ("autoplan.tracing",),
+    ("autoplan.solve",),
+    ("autoplan.plan",),
+    ("autoplan.api", "autoplan.plots"),
+    ("autoplan.run",),
+    ("autoplan.profiling",),
+    ("autoplan.cli",),
+    ("autoplan", "autoplan.__main__"),
+]
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _project_modules() -> dict[str, Path]:
+    return {_module_name(p): p for package in ("autoplan", "cost_models") for p in (REPO / package).rglob("*.py")}
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _imports(path: Path, name: str, modules: dict[str, Path]) -> set[str]:
+    """Project modules that `path` imports (a `from package import submodule` counts as the submodule)."""
+    is_package = path.name == "__init__.py"
+    found: set[str] = set()
+
+    def visit(node):
+        if isinstance(node, ast.If) and _is_type_checking(node):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                package = name if is_package else name.rpartition(".")[0]
+                for _ in range(node.level - 1):
+                    package = package.rpartition(".")[0]
+                base = f"{package}.{base}" if base else package
+            submodules = {f"{base}.{alias.name}" for alias in node.names if f"{base}.{alias.name}" in modules}
+            found.update(submodules)
+            if len(submodules) < len(node.names):  # names defined in `base` itself
+                found.add(base)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(path.read_text()))
+    return {module for module in found if module in modules and module != name}
+
+
+def _layer(module: str) -> int:
+    best = None
+    for index, prefixes in enumerate(LAYERS):
+        for prefix in prefixes:
+            if module == prefix or module.startswith(prefix + "."):
+                if best is None or len(prefix) > best[1]:
+                    best = (index, len(prefix))
+    assert best is not None, f"{module} is in no layer of tests/test_layout.py: add it"
+    return best[0]
+
+
+@pytest.fixture(scope="module")
+def graph() -> nx.DiGraph:
+    modules = _project_modules()
+    g = nx.DiGraph()
+    for name, path in modules.items():
+        g.add_node(name)
+        for imported in _imports(path, name, modules):
+            g.add_edge(name, imported)
+    return g
+
+
+def test_no_import_circles(graph):
+    cycles = list(nx.simple_cycles(graph))
+    assert not cycles, "import circles: " + "; ".join(" -> ".join(c + [c[0]]) for c in cycles[:5])
+
+
+def test_no_stage_imports_a_later_one(graph):
+    against = [f"{a} (layer {_layer(a)}) imports {b} (layer {_layer(b)})"
+               for a, b in graph.edges if _layer(b) > _layer(a)]
+    assert not against, "imports against the flow:\n" + "\n".join(sorted(against))
+
+
+def test_cost_models_import_nothing_from_autoplan(graph):
+    found = [(a, b) for a, b in graph.edges if a.startswith("cost_models") and b.startswith("autoplan")]
+    assert not found
+
+
+def test_no_module_is_a_hub():
+    """No module over 400 lines: a module that long has grown more than one job."""
+    long = {name: len(path.read_text().splitlines()) for name, path in _project_modules().items()}
+    assert not {name: n for name, n in long.items() if n > 400}
+
+
+def test_profiles_folder_is_data_not_a_package(tmp_path):
+    config = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert not any(p == "profiles" or p.startswith("profiles.") for p in config["packages"])
+    assert not (REPO / "profiles" / "__init__.py").exists()
+    # from anywhere but the repository, `profiles` does not import, and the shipped profiles are found
+    code = ("import importlib.util, autoplan.profile_store as s; "
+            "print(importlib.util.find_spec('profiles') is None, sorted(s.available_profiles()))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True,
+                         env={"PATH": "", "AUTOPLAN_PROFILE_DIR": str(tmp_path / "none")})
+    assert out.stdout.startswith("True ") and "'cpu-gloo-2'" in out.stdout and "'a100-sxm4-80gb'" in out.stdout
