@@ -32,6 +32,7 @@ import statistics
 from common import RESULTS, UNIFORM, decisions, execute_many, make_plan, write_results
 
 from autoplan.settings import DEFAULT_HEADROOM
+from cost_models.options import SHARDING_KINDS
 
 MODELS = [
     "gpt2-tiny[n_layers=4,d_model=128]",
@@ -141,7 +142,7 @@ def exhaustive(model: str) -> dict:
     for combo in space:
         plan = copy.deepcopy(base)
         for unit, (sharding, checkpoint) in zip(plan["units"], combo):
-            unit.update(sharding=sharding, checkpoint=checkpoint, reshard_after_forward=sharding != "shard_keep")
+            unit.update(sharding=sharding, checkpoint=checkpoint, reshard_after_forward=SHARDING_KINDS[sharding].reshard_after_forward)
         plans.append(plan)
     print(f"\nexhaustive: {len(plans)} plans of {model} at limit {limit / 1e6:.1f} MB, plus autoplan's", flush=True)
     measured = execute_many(plans + [mine])

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cost_models.options import DEFAULT_SHARDING, SHARDING_KINDS
+
 from .algebra import NumericAlgebra
-from .memory import CATEGORIES, MemoryPoint, timeline, total
+from .memory import CATEGORIES, MemCategory, MemoryPoint, timeline, total
 from .step import step_time
 from .table import CostTable
 
@@ -42,19 +44,32 @@ def evaluate(table: CostTable, choices: list[int]) -> Evaluation:
 
 def uniform_choices(table: CostTable, sharding: str, checkpoint: bool, exact: bool = False) -> list[int] | None:
     """Option index per unit for a uniform strategy. Units without a checkpointing option run
-    without it; the root, which is not offered shard_keep (options_for), takes plain "shard" for
-    "shard_keep". With `exact`, None when the sharding kind itself is not offered (hybrid on one node)."""
+    without it; a unit not offered the kind (the root is not offered kinds that keep parameters
+    gathered, see options_for) takes its resharding twin (same shard group, reshard_after_forward,
+    e.g. "shard" for "shard_keep"), else DEFAULT_SHARDING. With `exact`, None when the sharding kind
+    itself is not offered (a multi-node kind on one node)."""
+    twins = _resharding_twins(sharding)
     choices = []
     for options in table.options:
         match = [i for i, o in enumerate(options) if o.sharding == sharding and o.checkpoint == checkpoint]
         match = match or [i for i, o in enumerate(options) if o.sharding == sharding and not o.checkpoint]
         if exact and not match and not any(o.sharding == sharding for opts in table.options for o in opts):
             return None
-        match = match or [i for i, o in enumerate(options) if o.sharding == "shard" and not o.checkpoint]
+        for twin in twins:
+            match = match or [i for i, o in enumerate(options) if o.sharding == twin and not o.checkpoint]
         if not match:
             return None
         choices.append(match[0])
     return choices
 
 
-__all__ = ["CATEGORIES", "Evaluation", "evaluate", "uniform_choices"]
+def _resharding_twins(sharding: str) -> list[str]:
+    """Kinds to fall back to, in order: those of the same shard group that reshard after forward, then
+    DEFAULT_SHARDING."""
+    kind = SHARDING_KINDS.get(sharding)
+    twins = [k.name for k in SHARDING_KINDS.values() if kind is not None and k is not kind
+             and k.shard_group == kind.shard_group and k.reshard_after_forward]
+    return twins + [DEFAULT_SHARDING]
+
+
+__all__ = ["CATEGORIES", "MemCategory", "Evaluation", "evaluate", "uniform_choices"]

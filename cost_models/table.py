@@ -13,13 +13,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from cost_models.options import Option, options_for
+from cost_models.activations import Segment, backward_peak
+from cost_models.options import OPTIMIZERS, PRECISIONS, OptimizerKind, Option, Precision, ShardGroup, options_for
 from cost_models.profile import DeviceProfile
-from cost_models.records import LOSS_NODE, ModelTrace, OpRecord, Unit
+from cost_models.records import LOSS_NODE, OpRecord, Unit
 
 from .comm import CommModel
 from .compute import ComputeModel
-from .precision import OPTIMIZER_STATES, OPTIMIZER_TOUCHES, PRECISIONS, Precision
 
 
 @dataclass(frozen=True)
@@ -56,34 +56,6 @@ class OptionCost:
     collectives_bwd: int = 0
 
 
-@dataclass(frozen=True)
-class BackwardPeak:
-    """What a segment's backward holds at its peak beyond the rest of the timeline (see backward_peak)."""
-
-    activations: int  # its saved (or recomputed) activations not consumed yet
-    temporaries: int  # gradients in flight and its unit's parameter gradients computed so far
-
-    @property
-    def total(self) -> int:
-        return self.activations + self.temporaries
-
-
-@dataclass
-class Segment:
-    """A maximal run of consecutive ops owned by one unit (a unit nested around others has several)."""
-
-    unit: int
-    first_op: int
-    last_op: int
-    saved_bytes: int
-    fwd_temp_bytes: int
-    bwd_peak: BackwardPeak = BackwardPeak(0, 0)  # its unit not checkpointed
-    bwd_peak_checkpointed: BackwardPeak = BackwardPeak(0, 0)
-    # parameter gradients that the units around its unit have computed when its backward runs
-    outer_grad_bytes: int = 0
-    outside_model: bool = False  # the loss, computed on the model's output (it is the root's op)
-
-
 @dataclass
 class CostTable:
     units: list[Unit]
@@ -108,7 +80,7 @@ class CostTable:
 
 def _shard_group(option: Option, cluster: ClusterShape) -> int:
     group = option.kind.shard_group
-    return {"world": cluster.world_size, "node": cluster.gpus_per_node, "one": 1}[group]
+    return {ShardGroup.WORLD: cluster.world_size, ShardGroup.NODE: cluster.gpus_per_node, ShardGroup.ONE: 1}[group]
 
 
 def _scope(group_size: int, cluster: ClusterShape, spans_nodes: bool) -> str:
@@ -125,14 +97,13 @@ def _local_numel(unit: Unit, shard: int) -> int:
     return total
 
 
-def _optimizer_temp_bytes(unit: Unit, shard: int, precision: Precision, optimizer: str, device_type: str) -> int:
-    """Scratch of the optimizer step on CUDA, where torch's AdamW runs foreach and allocates a
-    state-sized temporary over all parameters of a group (sqrt of the second moment). On the CPU it
-    runs one tensor at a time: see `per_tensor_optimizer_scratch_bytes`."""
-    if not OPTIMIZER_STATES[optimizer]:
-        return 0
+def _optimizer_temp_bytes(unit: Unit, shard: int, precision: Precision, optimizer: OptimizerKind,
+                          device_type: str) -> int:
+    """Scratch of the optimizer step on CUDA, where torch's optimizers run foreach and allocate
+    state-sized temporaries over all parameters of a group (AdamW: one, the sqrt of the second moment).
+    On the CPU it runs one tensor at a time: see `per_tensor_optimizer_scratch_bytes`."""
     if device_type == "cuda":
-        return _local_numel(unit, shard) * precision.state_bytes
+        return _local_numel(unit, shard) * optimizer.step_temporaries * precision.state_bytes
     return 0
 
 
@@ -140,9 +111,10 @@ def per_tensor_optimizer_scratch_bytes(units: list[Unit], precision: Precision, 
                                        device_type: str) -> int:
     """On the CPU, AdamW steps one tensor at a time: only the largest parameter's temporary (its full,
     unsharded size: an upper bound whatever the plan) is ever alive."""
-    if device_type == "cuda" or not OPTIMIZER_STATES[optimizer]:
+    temporaries = OPTIMIZERS[optimizer].step_temporaries
+    if device_type == "cuda" or not temporaries:
         return 0
-    return max((p.numel for unit in units for p in unit.params), default=0) * precision.state_bytes
+    return max((p.numel for unit in units for p in unit.params), default=0) * temporaries * precision.state_bytes
 
 
 def _gloo_copy_bytes(reduction_input: int, shard: int, device_type: str) -> int:
@@ -167,89 +139,6 @@ def _pending_reduce_bytes(reduction_input: int, gloo_copy: int) -> int:
     return reduction_input + gloo_copy
 
 
-def _kept_inputs(trace: ModelTrace, unit: Unit) -> dict[int, tuple[int, str | None]]:
-    """What a checkpointed unit keeps: its inputs produced outside it, unless saved elsewhere already.
-    Storage -> (bytes, the unit's op that saved it first, if one did)."""
-    owned = set(unit.ops)
-    keep: dict[int, tuple[int, str | None]] = {}
-    for name in unit.ops:
-        for storage, nbytes in trace.input_storages.get(name, []):
-            producer = trace.storage_producer.get(storage)
-            if producer is None or producer in owned:
-                continue  # parameters, buffers, placeholders, or produced inside the unit
-            saver = trace.saved_storages.get(storage)
-            if saver is not None and saver[1] not in owned:
-                continue  # already kept alive by an op outside this unit
-            keep[storage] = (nbytes, saver[1] if saver is not None else None)
-    return keep
-
-
-def activation_keep_bytes(trace: ModelTrace, units: list[Unit]) -> list[int]:
-    """Per unit, the bytes it keeps from its forward to its backward when checkpointed."""
-    return [sum(nbytes for nbytes, _ in _kept_inputs(trace, unit).values()) for unit in units]
-
-
-def kept_saved_bytes(trace: ModelTrace, units: list[Unit]) -> dict[str, int]:
-    """Per op, the bytes it saved first that its checkpointed unit keeps anyway (an input, e.g. a
-    block's first norm saves the block's input): counted in the unit's kept bytes, not recomputed."""
-    kept: dict[str, int] = {}
-    for unit in units:
-        for nbytes, saver in _kept_inputs(trace, unit).values():
-            if saver is not None:
-                kept[saver] = kept.get(saver, 0) + nbytes
-    return kept
-
-
-def backward_points(ops: list[OpRecord], owners: list[int], seg: Segment, checkpointed: bool,
-                    kept_saved: dict[str, int] | None = None) -> list[tuple[str, BackwardPeak]]:
-    """The backward of a segment, op by op in reverse order. While op j's backward runs it holds:
-    - the activations saved by the segment's ops up to j (an op's are freed once its backward ran;
-      a storage that several ops saved counts for the first, see trace.saved_tensor_recorder);
-    - the backward's own storages alive then, at their most during j (op.bwd_live_bytes: the gradient
-      coming in, those going out, temporaries; traced);
-    - the parameter gradients its unit has computed so far, unsharded (in later segments and j..last).
-    Activations of earlier segments are the timeline's. Checkpointed, the unit's saved activations
-    are recomputed when its backward first needs one, in the backward of its last op that saved
-    any: the recomputation's forward (saved activations so far plus the op's transients, as in the
-    forward) runs then, with that op's incoming gradients alive; and the activations of the unit's
-    earlier segments are recomputed ones, alive through this segment; what the unit keeps from the
-    forward (kept_saved, see kept_saved_bytes) is the timeline's. Labelled by op name."""
-    unit = seg.unit
-    span = range(seg.first_op, seg.last_op + 1)
-    kept_saved = kept_saved if checkpointed and kept_saved else {}
-
-    def saved(op: OpRecord) -> int:
-        return op.saved_bytes - kept_saved.get(op.name, 0)
-
-    grads_after = {}  # the unit's parameter gradients computed by the ops after each (its backward ran)
-    grads = sum(op.param_grad_bytes for op, u in zip(ops[seg.last_op + 1:], owners[seg.last_op + 1:]) if u == unit)
-    for position in reversed(span):
-        grads_after[position] = grads
-        grads += ops[position].param_grad_bytes
-    saved_upto = {}  # saved by the segment's ops up to and including each (and by earlier segments when recomputed)
-    running = sum(saved(op) for op, u in zip(ops[:seg.first_op], owners[:seg.first_op])
-                  if u == unit) if checkpointed else 0
-    for position in span:
-        running += saved(ops[position])
-        saved_upto[position] = running
-    points = [(ops[p].name, BackwardPeak(saved_upto[p], ops[p].bwd_live_bytes + ops[p].param_grad_bytes
-                                         + grads_after[p])) for p in reversed(span)]
-    last_saver = max((p for p, u in enumerate(owners) if u == unit and ops[p].saved_bytes), default=None)
-    if checkpointed and last_saver in span:
-        held = ops[last_saver].bwd_in_bytes + grads_after[last_saver]
-        points += [(f"recompute {ops[p].name}", BackwardPeak(
-            saved_upto[p], held + max(ops[p].fwd_max_alloc_bytes, ops[p].fwd_transient_bytes)))
-            for p in span if p <= last_saver]
-    return points
-
-
-def backward_peak(ops: list[OpRecord], owners: list[int], seg: Segment, checkpointed: bool,
-                  kept_saved: dict[str, int] | None = None) -> BackwardPeak:
-    """The most the segment's backward holds (see backward_points)."""
-    return max((point for _, point in backward_points(ops, owners, seg, checkpointed, kept_saved)),
-               key=lambda point: point.total, default=BackwardPeak(0, 0))
-
-
 def build_cost_table(
     units: list[Unit],
     ops: list[OpRecord],
@@ -264,7 +153,7 @@ def build_cost_table(
     kept_saved: dict[str, int] | None = None,
 ) -> CostTable:
     """`keep_bytes` (per unit) and `kept_saved` (per op, see kept_saved_bytes) at this micro-batch."""
-    precision = PRECISIONS[dtype]
+    precision, optimizer_kind = PRECISIONS[dtype], OPTIMIZERS[optimizer]
     compute = ComputeModel(profile, precision.compute_dtype)
     comm = CommModel(profile)
     op_index = {op.name: i for i, op in enumerate(ops)}
@@ -300,9 +189,9 @@ def build_cost_table(
             reduction_input = padded * precision.reduce_bytes
             gloo_copy = _gloo_copy_bytes(reduction_input, shard, profile.device_type)
             reduce_scatter = comm.collective_s("reduce_scatter", reduction_input, shard, _scope(shard, cluster, False))
+            replicas_span_nodes = shard == 1 or option.kind.shard_group == ShardGroup.NODE
             all_reduce = comm.collective_s(
-                "all_reduce", local * precision.reduce_bytes, replicas, _scope(replicas, cluster, shard == 1 or
-                                                                               option.kind.shard_group == "node")
+                "all_reduce", local * precision.reduce_bytes, replicas, _scope(replicas, cluster, replicas_span_nodes)
             )
             regathers = option.kind.reshard_after_forward  # the root too: apply sets the flag explicitly
             regather = all_gather if regathers else 0.0
@@ -315,7 +204,7 @@ def build_cost_table(
             bwd_total = bwd_s + (recompute_s if option.checkpoint else 0.0)
             costs.append(OptionCost(
                 param_bytes=local * precision.master_bytes,
-                optimizer_bytes=local * OPTIMIZER_STATES[optimizer] * precision.state_bytes,
+                optimizer_bytes=local * optimizer_kind.states * precision.state_bytes,
                 grad_bytes=local * precision.master_bytes,
                 gathered_bytes=gathered,
                 held_bytes=0 if option.kind.reshard_after_forward else gathered,
@@ -329,11 +218,12 @@ def build_cost_table(
                 bwd_s=bwd_total * (cs if comm_bwd > 0 else 1.0),
                 comm_fwd_s=comm_fwd * (ms if fwd_s > 0 else 1.0),
                 comm_bwd_s=comm_bwd * (ms if bwd_total > 0 else 1.0),
-                optimizer_s=local * OPTIMIZER_TOUCHES[optimizer] * precision.master_bytes / opt_rate
+                optimizer_s=local * optimizer_kind.touches * precision.master_bytes / opt_rate
                 + (len(unit.params) * profile.optimizer_tensor_s if unit.params else 0.0),
                 overhead_fwd_s=unit_fwd + calls_fwd * call_fwd,
                 overhead_bwd_s=unit_bwd + calls_bwd * call_bwd,
-                optimizer_temp_bytes=_optimizer_temp_bytes(unit, shard, precision, optimizer, profile.device_type),
+                optimizer_temp_bytes=_optimizer_temp_bytes(unit, shard, precision, optimizer_kind,
+                                                           profile.device_type),
                 local_numel=local,
                 collectives_fwd=calls_fwd,
                 collectives_bwd=calls_bwd,

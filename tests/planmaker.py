@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from autoplan import __version__
 from autoplan.models.fingerprint import model_fingerprint
 from autoplan.models.zoo import ModelConfig, build_model, count_params, get_config
 from autoplan.plan.schema import (
@@ -16,6 +15,8 @@ from autoplan.plan.schema import (
     UnitDecision,
     UnitPrediction,
 )
+from autoplan.version import __version__
+from cost_models.options import SHARDING_KINDS
 
 _ZERO_UNIT = UnitPrediction(persistent_bytes=0, grad_bytes=0, gathered_bytes=0, activation_bytes=0,
                             fwd_s=0.0, bwd_s=0.0, comm_s=0.0, optimizer_s=0.0)
@@ -68,7 +69,7 @@ def make_plan(
         sharding, _, ckpt = label.partition("+")
         units.append(UnitDecision(
             module=path, sharding=sharding, checkpoint=ckpt == "ckpt",
-            reshard_after_forward=sharding != "shard_keep",
+            reshard_after_forward=SHARDING_KINDS[sharding].reshard_after_forward,
             params=sum(_numel(s) for s in shapes[path].values()), param_shapes=shapes[path], predicted=_ZERO_UNIT,
         ))
     global_batch = micro_batch_size * grad_accum_steps * world_size
@@ -85,7 +86,7 @@ def make_plan(
                              breakdown=_ZERO_BREAKDOWN, step_time_s=predicted_step_time_s,
                              throughput_samples_s=global_batch / predicted_step_time_s,
                              throughput_tokens_s=global_batch * seq_len / predicted_step_time_s, timeline=[]),
-        solver=SolverInfo(status="HAND-MADE", objective_s=0.0, bound_s=0.0, wall_time_s=0.0,
+        solver=SolverInfo(status="FIXED", objective_s=0.0, bound_s=0.0, wall_time_s=0.0,
                           num_variables=0, num_constraints=0, micro_batch_sweep=[]),
         baselines=[],
     )

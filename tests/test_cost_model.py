@@ -223,7 +223,7 @@ def test_tracer_follows_the_backwards_gradients_and_parameter_gradients():
 
 def test_backward_peak_frees_each_ops_saved_activations_once_its_backward_ran():
     from autoplan.tracing.fx_tracer import trace_model
-    from cost_models.table import BackwardPeak, Segment, backward_peak, backward_points
+    from cost_models.activations import BackwardPeak, Segment, backward_peak, backward_points
 
     ops = trace_model(Mlp(), 2, 4, "bf16").ops
     assert [op.name for op in ops] == ["embed", "up", "gelu", "down", "head", "loss"]

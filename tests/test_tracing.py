@@ -13,7 +13,7 @@ from autoplan.models.zoo import build_model
 from autoplan.tracing.dispatch_tracer import trace_dispatch
 from autoplan.tracing.fx_tracer import trace_model
 from autoplan.tracing.units import build_units
-from cost_models.table import activation_keep_bytes
+from cost_models.activations import activation_keep_bytes
 
 
 def _per_unit(model, trace):

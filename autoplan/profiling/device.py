@@ -9,9 +9,12 @@ import platform
 import torch
 
 from autoplan.profiling.timing import Repeats, median_time_s
-from cost_models.precision import OPTIMIZER_TOUCHES
+from cost_models.options import OPTIMIZERS
 
 FP32_BYTES = 4
+# the optimizer whose step the profile times (its rate, `optimizer_bytes_s`, prices every optimizer's
+# `touches`); its row in the registry gives the torch class and the elements one step touches
+BENCH_OPTIMIZER = "adamw"
 
 
 def device_name(device: torch.device) -> str:
@@ -54,13 +57,15 @@ def op_overhead_s(device: torch.device, repeats: Repeats) -> float:
 
 
 def adamw_bytes_s(device: torch.device, repeats: Repeats) -> float:
-    """AdamW (torch's default implementation for the device) state bytes touched per second:
-    OPTIMIZER_TOUCHES["adamw"] fp32 words per parameter element per step."""
+    """AdamW (BENCH_OPTIMIZER; torch's default implementation for the device) bytes touched per second:
+    its row's `touches` fp32 words per parameter element per step. The cost model times every optimizer
+    at this rate (cost_models.table: touches * master bytes / optimizer_bytes_s)."""
+    row = OPTIMIZERS[BENCH_OPTIMIZER]
     numel = _large_bytes(device) // FP32_BYTES // 16
     params = [torch.nn.Parameter(torch.randn(numel // 8, device=device)) for _ in range(8)]
     for param in params:
         param.grad = torch.randn_like(param)
-    optimizer = torch.optim.AdamW(params, lr=1e-4)
+    optimizer = getattr(torch.optim, row.torch_class)(params, lr=1e-4, **row.kwargs)
     optimizer.step()  # allocates the states: not part of a steady-state step
     seconds = median_time_s(optimizer.step, device, repeats)
-    return OPTIMIZER_TOUCHES["adamw"] * FP32_BYTES * numel / seconds
+    return row.touches * FP32_BYTES * numel / seconds

@@ -4,14 +4,16 @@
     model, optimizer = autoplan.apply(model, plan)  # inside torchrun, after init_process_group
     model.to_empty(device="cuda"); model.init_weights()
 
-Per unit, the plan's decision maps to one FSDP2 call (see options.py for the search space):
-- shard:       1-D mesh over the world, reshard_after_forward=True (ZeRO-3);
-- shard_keep:  the same mesh, reshard_after_forward=False (gathered from forward to backward);
-- replicate:   (N, 1) mesh named ("replicate", "shard"): full copies, gradients all-reduced;
-- hybrid:      (nodes, gpus_per_node) mesh: sharded within a node, replicated across nodes;
+Per unit, the plan's decision maps to one FSDP2 call, as its sharding kind's row in the registry
+(cost_models.options.SHARDING_KINDS) declares it; no kind is named here:
+- the row's mesh: WORLD, a 1-D mesh over the world (shard, shard_keep); REPLICATE, an (N, 1) mesh
+  named ("replicate", "shard"): full copies, gradients all-reduced (replicate); HYBRID, a
+  (nodes, gpus_per_node) mesh: sharded within a node, replicated across nodes (hybrid);
+- the row's reshard_after_forward: False keeps the parameters gathered from forward to backward;
 - checkpoint:  composable activation checkpointing on the unit's module before fully_shard. It
                works by forward hooks, so module paths (and the fingerprint) stay unchanged.
 
+The precision's row gives the mixed-precision policy, the optimizer's row the torch.optim class.
 The optimizer is built here over the parameters FSDP2 registered. `to_empty` keeps those parameter
 objects (FSDP2 resets its shards in place), so the optimizer stays valid after materialisation.
 """
@@ -32,6 +34,19 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from autoplan.errors import PlanFileError, UsageError
 from autoplan.models.fingerprint import model_fingerprint
 from autoplan.plan.schema import Plan, UnitDecision
+from cost_models.options import (
+    OPTIMIZERS,
+    PRECISIONS,
+    SHARDING_KINDS,
+    Dtype,
+    MeshShape,
+    OptimizerKind,
+    Precision,
+    ShardingKind,
+    UnknownOptionError,
+    find,
+    unknown_message,
+)
 
 DEFAULT_LR = 1e-3
 MESH_DIM_NAMES = ("replicate", "shard")
@@ -64,40 +79,76 @@ def apply(
         raise UsageError(f"apply() takes a 1-D mesh over the plan's ranks, got a {world_mesh.ndim}-D mesh")
     check_world_size(world_mesh.size(), plan, dry_run=dry_run)
     # Every unit's module is looked up (and every decision checked) before anything is wrapped.
-    units = [(decision, _unit_module(model, decision)) for decision in _leaves_first(plan.units)]
+    units = [(decision, _sharding_kind(decision), _unit_module(model, decision))
+             for decision in _leaves_first(plan.units)]
+    precision = _plan_row(PRECISIONS, plan.training.dtype)
+    optimizer_kind = _plan_row(OPTIMIZERS, plan.training.optimizer)
     meshes = _Meshes(world_mesh, plan)
 
-    if plan.training.dtype == "bf16":
-        model.to(torch.bfloat16)
-    mp_policy = mixed_precision_policy(plan.training.dtype)
-    for decision, module in units:
+    master = torch_dtype(precision.master_dtype)
+    if master != torch.float32:  # models are built in fp32
+        model.to(master)
+    mp_policy = mixed_precision_policy(precision)
+    for decision, kind, module in units:
         if decision.checkpoint:
             checkpoint_activations(module)
         fully_shard(
             module,
-            mesh=meshes.for_sharding(decision.sharding),
-            reshard_after_forward=decision.reshard_after_forward,
+            mesh=meshes.for_kind(kind),
+            reshard_after_forward=kind.reshard_after_forward,
             mp_policy=mp_policy,
         )
-    return Applied(model, build_optimizer(model.parameters(), plan.training.optimizer, lr))
+    return Applied(model, build_optimizer(model.parameters(), optimizer_kind, lr))
 
 
-def mixed_precision_policy(dtype: str) -> MixedPrecisionPolicy:
-    """bf16-mixed: fp32 master weights, bf16 gathered parameters and compute, fp32 reduction."""
-    if dtype == "bf16-mixed":
-        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    return MixedPrecisionPolicy()  # "fp32", and "bf16" where the model itself is cast to bf16
+def torch_dtype(dtype: Dtype | str) -> torch.dtype:
+    """The torch dtype of a registry dtype name ("bf16" -> torch.bfloat16)."""
+    return getattr(torch, Dtype(dtype).torch_name)
 
 
-def build_optimizer(params, name: str, lr: float = DEFAULT_LR) -> torch.optim.Optimizer:
-    """The plan's optimizer with torch's defaults; plain SGD keeps no state (as the cost model assumes)."""
-    if name == "adamw":
-        return torch.optim.AdamW(params, lr=lr)
-    if name == "adam":
-        return torch.optim.Adam(params, lr=lr)
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=lr)
-    raise PlanFileError(f"unknown optimizer {name!r} in the plan; expected adamw, adam or sgd")
+def mixed_precision_policy(precision: Precision | str) -> MixedPrecisionPolicy:
+    """FSDP2's policy for a precision row: gathered parameters in the compute dtype where it is not the
+    master dtype, gradients reduced in the reduce dtype where it is not the compute dtype (bf16-mixed:
+    fp32 master weights, bf16 gathered parameters and compute, fp32 reduction; fp32 and bf16: none)."""
+    if isinstance(precision, str):
+        precision = _plan_row(PRECISIONS, precision)
+    compute, reduce = precision.compute_dtype, precision.reduce_dtype
+    return MixedPrecisionPolicy(
+        param_dtype=None if compute == precision.master_dtype else torch_dtype(compute),
+        reduce_dtype=None if reduce == compute else torch_dtype(reduce),
+    )
+
+
+def build_optimizer(params, optimizer: OptimizerKind | str, lr: float = DEFAULT_LR) -> torch.optim.Optimizer:
+    """The optimizer's row built: its torch.optim class with the row's arguments (torch's defaults
+    otherwise). Plain SGD keeps no state, as the cost model assumes."""
+    if isinstance(optimizer, str):
+        optimizer = _plan_row(OPTIMIZERS, optimizer)
+    cls = getattr(torch.optim, optimizer.torch_class, None)
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        raise UsageError(f"optimizer {optimizer.name!r}: torch.optim has no optimizer class {optimizer.torch_class!r} "
+                         f"(torch {torch.__version__})")
+    return cls(params, lr=lr, **optimizer.kwargs)
+
+
+def _plan_row(registry, name: str):
+    """The registered row a plan names; a name this autoplan does not know is a PlanFileError."""
+    try:
+        return find(registry, name)
+    except UnknownOptionError as exc:
+        raise PlanFileError(str(exc)) from None
+
+
+def _sharding_kind(decision: UnitDecision) -> ShardingKind:
+    """The unit's registered sharding kind; the plan's reshard_after_forward must be the kind's."""
+    name = decision.module or "<root>"
+    if decision.sharding not in SHARDING_KINDS:
+        raise PlanFileError(unknown_message("sharding", decision.sharding, SHARDING_KINDS, f"in unit {name}"))
+    kind = SHARDING_KINDS[decision.sharding]
+    if decision.reshard_after_forward != kind.reshard_after_forward:
+        raise PlanFileError(f"unit {name}: sharding {kind.name} contradicts "
+                            f"reshard_after_forward={str(decision.reshard_after_forward).lower()}")
+    return kind
 
 
 # --------------------------------------------------------------------------- #
@@ -153,8 +204,6 @@ def check_world_size(world_size: int, plan: Plan, dry_run: bool = False) -> None
 
 def _unit_module(model: nn.Module, decision: UnitDecision) -> nn.Module:
     name = decision.module or "<root>"
-    if decision.sharding == "shard_keep" and decision.reshard_after_forward:
-        raise PlanFileError(f"unit {name}: sharding shard_keep contradicts reshard_after_forward=true")
     try:
         return model.get_submodule(decision.module)
     except AttributeError:
@@ -189,21 +238,22 @@ class _Meshes:
         self.plan = plan
         self._made: dict[str, DeviceMesh] = {}
 
-    def for_sharding(self, sharding: str) -> DeviceMesh:
-        if sharding in ("shard", "shard_keep"):
+    def for_kind(self, kind: ShardingKind) -> DeviceMesh:
+        """The mesh the kind's row declares (kind.mesh)."""
+        if kind.mesh == MeshShape.WORLD:
             return self.world_mesh
-        if sharding not in ("replicate", "hybrid"):
-            raise PlanFileError(f"unknown sharding {sharding!r} in the plan")
-        if sharding not in self._made:
-            self._made[sharding] = self._two_d(*self.shape_for(sharding))
-        return self._made[sharding]
+        if kind.mesh not in self._made:
+            self._made[kind.mesh] = self._two_d(*self.shape_for(kind.mesh))
+        return self._made[kind.mesh]
 
-    def shape_for(self, sharding: str) -> tuple[int, int]:
-        """(replicas, shards) over the ranks running the plan."""
+    def shape_for(self, mesh: MeshShape) -> tuple[int, int]:
+        """(replicas, shards) of a 2-D mesh over the ranks running the plan."""
         world_size = self.world_mesh.size()
-        if sharding == "replicate":
+        if mesh == MeshShape.REPLICATE:
             return world_size, 1
-        # hybrid shards within a node. On a dry run with fewer ranks than planned, keep as much of
+        if mesh != MeshShape.HYBRID:
+            raise ValueError(f"no 2-D mesh for {mesh!r}")
+        # HYBRID shards within a node. On a dry run with fewer ranks than planned, keep as much of
         # the node size as divides the world that is there.
         gpus_per_node = math.gcd(self.plan.cluster.gpus_per_node, world_size)
         return world_size // gpus_per_node, gpus_per_node

@@ -12,8 +12,10 @@ from autoplan.errors import UsageError
 from autoplan.solve.cluster import Cluster
 from autoplan.tracing.tracer import TracePair, trace_pair
 from autoplan.tracing.units import build_units
+from cost_models.activations import activation_keep_bytes, kept_saved_bytes
+from cost_models.options import PRECISIONS
 from cost_models.records import extrapolate_ops
-from cost_models.table import CostTable, activation_keep_bytes, build_cost_table, kept_saved_bytes
+from cost_models.table import CostTable, build_cost_table
 
 __all__ = ["CostTables", "micro_batch_candidates", "compute_dtype_of", "MAX_MICRO_BATCH"]
 
@@ -22,25 +24,25 @@ MAX_MICRO_BATCH = 256
 
 def compute_dtype_of(dtype: str) -> str:
     """The dtype the model computes in under a training precision ("bf16-mixed" computes in bf16)."""
-    return "fp32" if dtype == "fp32" else "bf16"
+    return PRECISIONS[dtype].compute_dtype.value
 
 
 def micro_batch_candidates(world_size: int, batch_size: int | None, global_batch: int | None) -> list[tuple[int, int]]:
     """(micro_batch_size, grad_accum_steps) pairs to try, smallest micro-batch first."""
     if global_batch is not None and global_batch < 1:
-        raise UsageError(f"--global-batch must be positive, got {global_batch}")
+        raise UsageError(f"`global_batch` must be positive, got {global_batch}")
     if batch_size is not None and batch_size < 1:
-        raise UsageError(f"--batch-size must be positive, got {batch_size}")
+        raise UsageError(f"`batch_size` must be positive, got {batch_size}")
     if global_batch is None:
         sizes = [batch_size] if batch_size else [2**k for k in range(MAX_MICRO_BATCH.bit_length()) if 2**k <= MAX_MICRO_BATCH]
         return [(size, 1) for size in sizes]
     if global_batch % world_size:
-        raise UsageError(f"--global-batch {global_batch} is not divisible by the {world_size} GPUs")
+        raise UsageError(f"`global_batch` {global_batch} is not divisible by the {world_size} GPUs")
     per_rank = global_batch // world_size
     if batch_size is not None:
         if per_rank % batch_size:
             raise UsageError(
-                f"--global-batch {global_batch} is not a multiple of --batch-size {batch_size} x {world_size} GPUs")
+                f"`global_batch` {global_batch} is not a multiple of `batch_size` {batch_size} x {world_size} GPUs")
         return [(batch_size, per_rank // batch_size)]
     return [(size, per_rank // size) for size in range(1, min(per_rank, MAX_MICRO_BATCH) + 1) if per_rank % size == 0]
 

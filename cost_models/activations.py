@@ -1,0 +1,125 @@
+"""What a unit's activations cost: the bytes a checkpointed unit keeps, and each segment's backward
+simulated op by op (saved activations freed as their op's backward runs, gradients in flight, the
+parameter gradients computed so far, and a checkpointed unit's recomputation).
+
+The cost table (`table.py`) reads these per unit and option; they need only the traced ops.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cost_models.records import ModelTrace, OpRecord, Unit
+
+__all__ = ["BackwardPeak", "Segment", "activation_keep_bytes", "kept_saved_bytes", "backward_points", "backward_peak"]
+
+
+@dataclass(frozen=True)
+class BackwardPeak:
+    """What a segment's backward holds at its peak beyond the rest of the timeline (see backward_peak)."""
+
+    activations: int  # its saved (or recomputed) activations not consumed yet
+    temporaries: int  # gradients in flight and its unit's parameter gradients computed so far
+
+    @property
+    def total(self) -> int:
+        return self.activations + self.temporaries
+
+
+@dataclass
+class Segment:
+    """A maximal run of consecutive ops owned by one unit (a unit nested around others has several)."""
+
+    unit: int
+    first_op: int
+    last_op: int
+    saved_bytes: int
+    fwd_temp_bytes: int
+    bwd_peak: BackwardPeak = BackwardPeak(0, 0)  # its unit not checkpointed
+    bwd_peak_checkpointed: BackwardPeak = BackwardPeak(0, 0)
+    # parameter gradients that the units around its unit have computed when its backward runs
+    outer_grad_bytes: int = 0
+    outside_model: bool = False  # the loss, computed on the model's output (it is the root's op)
+
+
+def _kept_inputs(trace: ModelTrace, unit: Unit) -> dict[int, tuple[int, str | None]]:
+    """What a checkpointed unit keeps: its inputs produced outside it, unless saved elsewhere already.
+    Storage -> (bytes, the unit's op that saved it first, if one did)."""
+    owned = set(unit.ops)
+    keep: dict[int, tuple[int, str | None]] = {}
+    for name in unit.ops:
+        for storage, nbytes in trace.input_storages.get(name, []):
+            producer = trace.storage_producer.get(storage)
+            if producer is None or producer in owned:
+                continue  # parameters, buffers, placeholders, or produced inside the unit
+            saver = trace.saved_storages.get(storage)
+            if saver is not None and saver[1] not in owned:
+                continue  # already kept alive by an op outside this unit
+            keep[storage] = (nbytes, saver[1] if saver is not None else None)
+    return keep
+
+
+def activation_keep_bytes(trace: ModelTrace, units: list[Unit]) -> list[int]:
+    """Per unit, the bytes it keeps from its forward to its backward when checkpointed."""
+    return [sum(nbytes for nbytes, _ in _kept_inputs(trace, unit).values()) for unit in units]
+
+
+def kept_saved_bytes(trace: ModelTrace, units: list[Unit]) -> dict[str, int]:
+    """Per op, the bytes it saved first that its checkpointed unit keeps anyway (an input, e.g. a
+    block's first norm saves the block's input): counted in the unit's kept bytes, not recomputed."""
+    kept: dict[str, int] = {}
+    for unit in units:
+        for nbytes, saver in _kept_inputs(trace, unit).values():
+            if saver is not None:
+                kept[saver] = kept.get(saver, 0) + nbytes
+    return kept
+
+
+def backward_points(ops: list[OpRecord], owners: list[int], seg: Segment, checkpointed: bool,
+                    kept_saved: dict[str, int] | None = None) -> list[tuple[str, BackwardPeak]]:
+    """The backward of a segment, op by op in reverse order. While op j's backward runs it holds:
+    - the activations saved by the segment's ops up to j (an op's are freed once its backward ran;
+      a storage that several ops saved counts for the first, see trace.saved_tensor_recorder);
+    - the backward's own storages alive then, at their most during j (op.bwd_live_bytes: the gradient
+      coming in, those going out, temporaries; traced);
+    - the parameter gradients its unit has computed so far, unsharded (in later segments and j..last).
+    Activations of earlier segments are the timeline's. Checkpointed, the unit's saved activations
+    are recomputed when its backward first needs one, in the backward of its last op that saved
+    any: the recomputation's forward (saved activations so far plus the op's transients, as in the
+    forward) runs then, with that op's incoming gradients alive; and the activations of the unit's
+    earlier segments are recomputed ones, alive through this segment; what the unit keeps from the
+    forward (kept_saved, see kept_saved_bytes) is the timeline's. Labelled by op name."""
+    unit = seg.unit
+    span = range(seg.first_op, seg.last_op + 1)
+    kept_saved = kept_saved if checkpointed and kept_saved else {}
+
+    def saved(op: OpRecord) -> int:
+        return op.saved_bytes - kept_saved.get(op.name, 0)
+
+    grads_after = {}  # the unit's parameter gradients computed by the ops after each (its backward ran)
+    grads = sum(op.param_grad_bytes for op, u in zip(ops[seg.last_op + 1:], owners[seg.last_op + 1:]) if u == unit)
+    for position in reversed(span):
+        grads_after[position] = grads
+        grads += ops[position].param_grad_bytes
+    saved_upto = {}  # saved by the segment's ops up to and including each (and by earlier segments when recomputed)
+    running = sum(saved(op) for op, u in zip(ops[:seg.first_op], owners[:seg.first_op])
+                  if u == unit) if checkpointed else 0
+    for position in span:
+        running += saved(ops[position])
+        saved_upto[position] = running
+    points = [(ops[p].name, BackwardPeak(saved_upto[p], ops[p].bwd_live_bytes + ops[p].param_grad_bytes
+                                         + grads_after[p])) for p in reversed(span)]
+    last_saver = max((p for p, u in enumerate(owners) if u == unit and ops[p].saved_bytes), default=None)
+    if checkpointed and last_saver in span:
+        held = ops[last_saver].bwd_in_bytes + grads_after[last_saver]
+        points += [(f"recompute {ops[p].name}", BackwardPeak(
+            saved_upto[p], held + max(ops[p].fwd_max_alloc_bytes, ops[p].fwd_transient_bytes)))
+            for p in span if p <= last_saver]
+    return points
+
+
+def backward_peak(ops: list[OpRecord], owners: list[int], seg: Segment, checkpointed: bool,
+                  kept_saved: dict[str, int] | None = None) -> BackwardPeak:
+    """The most the segment's backward holds (see backward_points)."""
+    return max((point for _, point in backward_points(ops, owners, seg, checkpointed, kept_saved)),
+               key=lambda point: point.total, default=BackwardPeak(0, 0))
