@@ -26,17 +26,44 @@ of it: table._pending_reduce_bytes).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 
 from .algebra import Algebra
 from .table import CostTable
 
-CATEGORIES = ("params", "grads", "optimizer", "activations", "gathered", "temporaries")
+__all__ = ["MemCategory", "CATEGORIES", "MemoryPoint", "timeline", "total"]
+
+
+class MemCategory(str, Enum):
+    """What the bytes of a time point hold. A str: a category equals, hashes and prints as its value
+    ("params", ...), and a plan's memory breakdown names its fields "<value>_bytes"."""
+
+    PARAMS = "params"  # parameters held between steps (sharded or not per unit option)
+    GRADS = "grads"  # reduced gradients (all of them during gradient accumulation)
+    OPTIMIZER = "optimizer"  # optimizer states
+    ACTIVATIONS = "activations"  # saved for backward (a checkpointed unit's inputs only)
+    GATHERED = "gathered"  # unsharded parameters of running, prefetched and kept-gathered units
+    TEMPORARIES = "temporaries"  # the largest transient: op scratch, gradients in flight, reduction buffers
+
+    def __str__(self) -> str:
+        return self.value
+
+    __format__ = str.__format__
+
+
+CATEGORIES = tuple(MemCategory)
 
 
 @dataclass
 class MemoryPoint:
     label: str
-    parts: dict[str, object]  # category -> expression (a number under NumericAlgebra)
+    parts: dict[MemCategory, object]  # category -> expression (a number under NumericAlgebra)
+
+
+def _parts(*, params, grads, optimizer, activations, gathered, temporaries) -> dict[MemCategory, object]:
+    return {MemCategory.PARAMS: params, MemCategory.GRADS: grads, MemCategory.OPTIMIZER: optimizer,
+            MemCategory.ACTIVATIONS: activations, MemCategory.GATHERED: gathered,
+            MemCategory.TEMPORARIES: temporaries}
 
 
 def _values(table: CostTable, unit: int, field: str) -> list:
@@ -135,11 +162,11 @@ def timeline(table: CostTable, alg: Algebra) -> list[MemoryPoint]:
         gathered_fwd = _sum([pick(u, "gathered_bytes") for u in around]) + held_done
         if prefetch_fwd is not None:
             gathered_fwd = gathered_fwd + pick(prefetch_fwd, "gathered_bytes")
-        fwd_points.append(MemoryPoint(f"fwd {label}", {
-            "params": params_all, "grads": grads_in_step, "optimizer": optimizer_all,
-            "activations": activations_upto[index], "gathered": gathered_fwd,
-            "temporaries": seg.fwd_temp_bytes,
-        }))
+        fwd_points.append(MemoryPoint(f"fwd {label}", _parts(
+            params=params_all, grads=grads_in_step, optimizer=optimizer_all,
+            activations=activations_upto[index], gathered=gathered_fwd,
+            temporaries=seg.fwd_temp_bytes,
+        )))
 
         finished = [u for u in range(n_units) if units[u].last_op < seg.first_op]
         prefetch_bwd = max(finished, key=lambda u: units[u].last_op) if finished and not seg.outside_model else None
@@ -157,34 +184,34 @@ def timeline(table: CostTable, alg: Algebra) -> list[MemoryPoint]:
         peak = [seg.bwd_peak_checkpointed if option.checkpoint else seg.bwd_peak for option in table.options[seg.unit]]
         kept = [cost.activation_bytes if option.checkpoint and index == first_segment_of[seg.unit] else 0
                 for option, cost in zip(table.options[seg.unit], table.costs[seg.unit])]
-        bwd_here = [MemoryPoint(f"bwd {label}", {
-            "params": params_all, "grads": grads_done, "optimizer": optimizer_all,
-            "activations": (activations_upto[index - 1] if index > 0 else 0)
+        bwd_here = [MemoryPoint(f"bwd {label}", _parts(
+            params=params_all, grads=grads_done, optimizer=optimizer_all,
+            activations=(activations_upto[index - 1] if index > 0 else 0)
             + alg.pick(seg.unit, [k + p.activations for k, p in zip(kept, peak)]),
-            "gathered": gathered_bwd + _sum([pick(u, "gathered_bytes") for u in around]),
-            "temporaries": alg.pick(seg.unit, [p.temporaries for p in peak]) + seg.outer_grad_bytes + pending_reduce,
-        })]
+            gathered=gathered_bwd + _sum([pick(u, "gathered_bytes") for u in around]),
+            temporaries=alg.pick(seg.unit, [p.temporaries for p in peak]) + seg.outer_grad_bytes + pending_reduce,
+        ))]
         for u in reduced_after.get(index, []):
             # [Point] FSDP2's post-backward: u is resharded, its gradients copied into the reduction
             # input (the previous unit's input freed just before); the activations of its subtree
             # are freed by now
             outer = enclosing(u)
             later_rank = count_before(by_first, lambda v: -v.first_op, -units[u].first_op)
-            bwd_here.append(MemoryPoint(f"reduce {units[u].path or '<root>'}", {
-                "params": params_all,
-                "grads": grads_all if table.grad_accum_steps > 1 else grads_from[n_units - later_rank],
-                "optimizer": optimizer_all,
-                "activations": activations_upto[index - 1] if index > 0 else 0,
-                "gathered": gathered_bwd + _sum([pick(v, "gathered_bytes") for v in outer]),
-                "temporaries": pick(u, "reduce_peak_bytes") + _sum([pick(v, "unsharded_grad_bytes") for v in outer]),
-            }))
+            bwd_here.append(MemoryPoint(f"reduce {units[u].path or '<root>'}", _parts(
+                params=params_all,
+                grads=grads_all if table.grad_accum_steps > 1 else grads_from[n_units - later_rank],
+                optimizer=optimizer_all,
+                activations=activations_upto[index - 1] if index > 0 else 0,
+                gathered=gathered_bwd + _sum([pick(v, "gathered_bytes") for v in outer]),
+                temporaries=pick(u, "reduce_peak_bytes") + _sum([pick(v, "unsharded_grad_bytes") for v in outer]),
+            )))
         bwd_points.append(bwd_here)
 
     optimizer_temp = _sum([pick(u, "optimizer_temp_bytes") for u in range(n_units)]) + table.optimizer_scratch_bytes
-    step_point = MemoryPoint("optimizer step", {
-        "params": params_all, "grads": grads_all, "optimizer": optimizer_all,
-        "activations": 0, "gathered": 0, "temporaries": optimizer_temp,
-    })
+    step_point = MemoryPoint("optimizer step", _parts(
+        params=params_all, grads=grads_all, optimizer=optimizer_all,
+        activations=0, gathered=0, temporaries=optimizer_temp,
+    ))
     return fwd_points + [p for points in bwd_points[::-1] for p in points] + [step_point]
 
 

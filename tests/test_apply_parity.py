@@ -14,6 +14,7 @@ from apply_parity_worker import CASES
 
 TESTS_DIR = Path(__file__).parent
 REPO_ROOT = TESTS_DIR.parent
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # one torchrun launch for the module (~8 s)
 
 # What each case's probed unit must look like: (fraction of a weight held locally, parameters left
 # gathered after the forward, forward calls of an inner module per micro-batch).

@@ -11,8 +11,10 @@ from planmaker import make_plan
 from autoplan.cli.main import main
 from autoplan.models.factory import load_factory
 from autoplan.models.zoo import build_model
+from autoplan.run.report import load_report
 
 TESTS_DIR = Path(__file__).parent
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # every test launches torchrun (~5 s each)
 
 
 @pytest.fixture(autouse=True)
@@ -51,6 +53,7 @@ def test_run_reports_predicted_beside_measured(tmp_path, capfd):
     n_params = sum(p.numel() for p in build_model("gpt2-tiny").parameters())
     assert 16 * n_params / 2 < measured["peak_mem_bytes"] < 16 * n_params * 3
     assert "live tensor" in measured["peak_mem_source"]
+    assert load_report(report_path).measured.losses == measured["losses"]  # the file is a valid RunReport
 
 
 def test_factory_plan_dry_run_on_fewer_ranks(tmp_path, capfd):

@@ -3,7 +3,17 @@
 import numpy as np
 import pytest
 
-from autoplan.profiling.calibration import fit_phase
+import autoplan
+from autoplan.api.traced import TracedModel
+from autoplan.profiling.calibration import (
+    CALIBRATION_DEPTHS,
+    CALIBRATION_SEQ_LEN,
+    PLAN_PROFILE,
+    calibration_cases,
+    calibration_model,
+    fit_phase,
+    uniform_plan,
+)
 
 # shard / shard_keep / replicate-like cases: 2 and 4 blocks, two micro-batch sizes
 OPS_S = [0.002, 0.008, 0.004, 0.016] * 3
@@ -54,3 +64,21 @@ def test_separates_the_recompute_of_checkpointed_units_from_the_backward():
     residual_s = [1.1 * b + 0.002 * u for b, u in zip(bwd_ops, units)]
     fit = fit_phase(bwd_ops, units, calls, residual_s, recompute_s=recompute)
     assert fit.recompute_scale == 1.0 and fit.compute_scale > 0
+
+
+@pytest.mark.parametrize("device_type", ["cpu", "cuda"])
+def test_calibration_plans_are_the_uniform_plans_search_writes(device_type):
+    """The calibration steps run plans built without a search: the same decisions, micro-batch and
+    predictions as `autoplan search --strategy S [--checkpoint] --batch-size MB` on 2 ranks."""
+    traced = {depth: TracedModel(calibration_model(depth, device_type), seq_len=CALIBRATION_SEQ_LEN[device_type])
+              for depth in CALIBRATION_DEPTHS}
+    for strategy, checkpoint, depth, micro_batch in calibration_cases(device_type):
+        plan = uniform_plan(traced[depth], strategy, checkpoint, 2, micro_batch)
+        searched = autoplan.search(traced[depth], mem="1TB", gpus=2, batch_size=micro_batch, strategy=strategy,
+                                   checkpoint=checkpoint, profile=PLAN_PROFILE)
+        assert plan.units == searched.units and plan.training == searched.training
+        assert plan.model == searched.model and plan.predicted == searched.predicted
+        assert plan.cluster.world_size == searched.cluster.world_size and plan.cluster.profile == PLAN_PROFILE
+        shardings = {unit.sharding for unit in plan.units}  # the root takes plain shard for shard_keep
+        assert strategy in shardings and shardings <= {strategy, "shard"}
+        assert any(unit.checkpoint for unit in plan.units) == checkpoint

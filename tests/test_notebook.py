@@ -18,6 +18,7 @@ def test_checked_in_notebook_has_no_outputs():
             assert cell.outputs == [] and cell.execution_count is None, "strip the outputs before committing"
 
 
+@pytest.mark.slow
 def test_notebook_runs_top_to_bottom(tmp_path, monkeypatch):
     nbclient = pytest.importorskip("nbclient")
     pytest.importorskip("ipykernel")

@@ -27,6 +27,11 @@ def _parse(*argv: str) -> argparse.Namespace:
     return parser.parse_args(["profile", *argv])
 
 
+def measures_a_profile(test):
+    """A test of the `quick` profile: it spawns 2 gloo ranks (distributed) and measures for a while (slow)."""
+    return pytest.mark.distributed(pytest.mark.slow(test))
+
+
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory):
     """One `--quick` profile measured into a fresh cache (a few seconds: one tiny model, 2 ranks)."""
@@ -35,6 +40,7 @@ def quick(tmp_path_factory):
     return cache_dir, measure_profile(settings)
 
 
+@measures_a_profile
 def test_quick_profile_measures_ops_collectives_overlap_optimizer(quick):
     _, result = quick
     profile = result.profile
@@ -52,6 +58,7 @@ def test_quick_profile_measures_ops_collectives_overlap_optimizer(quick):
     assert any(f.family == "Linear" and f.dtype == "fp32" for f in profile.op_fits)
 
 
+@measures_a_profile
 def test_quick_profile_calibrates_on_whole_training_steps(quick):
     """The calibration model was trained on the ranks under each plan, depth and micro-batch, its ops
     were timed too (so the fit compares like with like), and the fit is recorded beside its inputs."""
@@ -80,6 +87,7 @@ def test_quick_profile_calibrates_on_whole_training_steps(quick):
     assert fsdp.calibration["compute_fwd_scale"] == fsdp.compute_fwd_scale
 
 
+@measures_a_profile
 def test_measured_keys_are_the_keys_search_looks_up(quick):
     """Every op of gpt2-tiny with work, as the search traces it at micro-batch 1, has a measured time,
     but for ops whose backward the tracer charges to a different node (getitem of split's outputs)."""
@@ -94,6 +102,7 @@ def test_measured_keys_are_the_keys_search_looks_up(quick):
     assert len(missing) <= 1
 
 
+@measures_a_profile
 def test_rerun_from_cache_measures_nothing_and_is_fast(quick, run_cli, tmp_path):
     cache_dir, result = quick
     out = tmp_path / "p.json"

@@ -6,14 +6,12 @@ Registered on the `autoplan` command by cli.py.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 import torch
 
 from autoplan.errors import UsageError
-from autoplan.fileio import write_text_atomic
 from autoplan.plan.schema import Plan, load_plan
 from autoplan.run.apply import DEFAULT_LR, check_model_matches, check_world_size, model_for_plan
 from autoplan.run.data import AlpacaTokens, BatchShape, vocab_size_of
@@ -65,7 +63,7 @@ def register(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0, help="seed for initial weights and synthetic data")
     parser.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
                         help="longest a rank waits for its peers in a collective (default 300)")
-    parser.set_defaults(handler=lambda args: run_apply(args, parser))
+    parser.set_defaults(handler=lambda args: run_apply(args, parser), subparser=parser)
     return parser
 
 
@@ -94,14 +92,14 @@ def run_apply(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     report = build_report(plan, args.plan, spec, nproc, launched)
     print(format_report(report))
     if args.report:
-        write_text_atomic(args.report, json.dumps(report, indent=2) + "\n")
+        report.save(args.report)
         print(f"autoplan apply: report written to {args.report}")
-    if report["status"] != "ok":
+    if report.status != "ok":
         print("autoplan apply: the run failed:", file=sys.stderr)
-        for message in report["failures"]:
+        for message in report.failures:
             print(f"  {message}", file=sys.stderr)
         return RUN_FAILED_EXIT_CODE
-    for message in report["failures"]:  # all ranks finished; a teardown hiccup is only worth a note
+    for message in report.failures:  # all ranks finished; a teardown hiccup is only worth a note
         print(f"autoplan apply: note: {message}", file=sys.stderr)
     return 0
 

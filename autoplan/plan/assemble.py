@@ -25,7 +25,7 @@ from autoplan.solve.cluster import Cluster
 from autoplan.solve.sweep import SweepOutcome
 from autoplan.version import __version__
 from cost_models.evaluate import Evaluation, evaluate, uniform_choices
-from cost_models.memory import CATEGORIES, total
+from cost_models.memory import MemCategory, total
 from cost_models.table import CostTable
 
 __all__ = ["BASELINES", "assemble_plan", "baselines", "prediction", "unit_decisions"]
@@ -35,7 +35,7 @@ BASELINES = (("all-shard", "shard", False), ("all-shard+ckpt", "shard", True), (
 
 
 def _breakdown(point) -> MemoryBreakdown:
-    return MemoryBreakdown(**{f"{c}_bytes": int(point.parts[c]) for c in CATEGORIES})
+    return MemoryBreakdown(**{f"{category.value}_bytes": int(point.parts[category]) for category in MemCategory})
 
 
 def prediction(table: CostTable, result: Evaluation) -> Prediction:

@@ -8,13 +8,17 @@ from __future__ import annotations
 
 from autoplan.plan.schema import ClusterSpec, ModelRef, Prediction, TrainingSpec, UnitDecision, _Strict
 from autoplan.sizes import format_bytes
+from cost_models.memory import MemCategory
 
 __all__ = ["Estimate", "format_estimate", "CATEGORY_LABELS"]
 
-CATEGORY_LABELS = {
-    "params_bytes": "parameters", "grads_bytes": "gradients", "optimizer_bytes": "optimizer states",
-    "activations_bytes": "activations", "gathered_bytes": "gathered parameters", "temporaries_bytes": "temporaries",
+_LABELS = {
+    MemCategory.PARAMS: "parameters", MemCategory.GRADS: "gradients", MemCategory.OPTIMIZER: "optimizer states",
+    MemCategory.ACTIVATIONS: "activations", MemCategory.GATHERED: "gathered parameters",
+    MemCategory.TEMPORARIES: "temporaries",
 }
+# a plan's MemoryBreakdown field ("params_bytes", ...) -> its label, in the categories' order
+CATEGORY_LABELS = {f"{category.value}_bytes": _LABELS[category] for category in MemCategory}
 
 
 class Estimate(_Strict):

@@ -11,7 +11,7 @@ from autoplan.sizes import format_bytes
 if TYPE_CHECKING:  # the schema's Plan prints itself with this module; it is read here, never imported
     from autoplan.plan.schema import Plan, UnitDecision
 
-DEFAULT_CLUSTER_NOTE = "default cluster; set --gpus/--nodes/--gpus-per-node/--profile to change it"
+DEFAULT_CLUSTER_NOTE = "default cluster; set `gpus`, `nodes`, `gpus_per_node` or `profile` to change it"
 
 
 def _count(n: int) -> str:

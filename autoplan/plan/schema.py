@@ -9,19 +9,48 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic_core import PydanticCustomError, core_schema
 
 from autoplan.errors import PlanFileError
 from autoplan.fileio import write_text_atomic
+from autoplan.solve.solver import SolveStatus
+from cost_models.options import OPTIMIZERS, PRECISIONS, SHARDING_KINDS, unknown_message
 
 PLAN_SCHEMA_VERSION = 1
+UNKNOWN_OPTION = "unknown_option"  # the pydantic error type of a name no registered row has
 
-Sharding = Literal["shard", "shard_keep", "replicate", "hybrid"]
-TrainDtype = Literal["bf16-mixed", "bf16", "fp32"]
-OptimizerName = Literal["adamw", "adam", "sgd"]
+
+class RegisteredName:
+    """A string field that holds the name of a row in one of cost_models.options' registries.
+
+    Both the check and the JSON Schema read the registry when they run, not when this module is
+    imported: a row registered later is accepted, and the schema lists the names as an enum exactly
+    as a Literal of them would (so the checked-in plan_schema.json matches the default registry)."""
+
+    def __init__(self, what: str, registry: Mapping[str, Any]):
+        self.what, self.registry = what, registry
+
+    def __get_pydantic_core_schema__(self, source: Any, handler) -> core_schema.CoreSchema:
+        return core_schema.no_info_after_validator_function(self._check, core_schema.str_schema())
+
+    def __get_pydantic_json_schema__(self, schema: core_schema.CoreSchema, handler) -> dict[str, Any]:
+        return {"enum": list(self.registry), "type": "string"}
+
+    def _check(self, name: str) -> str:
+        if name not in self.registry:
+            raise PydanticCustomError(UNKNOWN_OPTION, "{message}",
+                                      {"what": self.what, "message": unknown_message(self.what, name, self.registry)})
+        return name
+
+
+Sharding = Annotated[str, RegisteredName("sharding", SHARDING_KINDS)]
+TrainDtype = Annotated[str, RegisteredName("dtype", PRECISIONS)]
+OptimizerName = Annotated[str, RegisteredName("optimizer", OPTIMIZERS)]
 Granularity = Literal["block", "fine", "leaf"]
 Tracer = Literal["fx", "dispatch"]
 
@@ -109,13 +138,13 @@ class Prediction(_Strict):
 class SweepEntry(_Strict):
     micro_batch_size: int
     grad_accum_steps: int
-    status: str
+    status: SolveStatus  # the solve at this micro-batch; FIXED for a uniform strategy, PRUNED when skipped
     step_time_s: float | None
     throughput_samples_s: float | None
 
 
 class SolverInfo(_Strict):
-    status: str  # OPTIMAL, FEASIBLE (time limit hit), INFEASIBLE
+    status: SolveStatus  # OPTIMAL, FEASIBLE (time limit hit), FIXED (a uniform strategy, no solve)
     objective_s: float  # the solver's step-time objective
     bound_s: float  # best proven lower bound; objective - bound is the optimality gap
     wall_time_s: float  # total over the micro-batch sweep
@@ -192,19 +221,38 @@ def load_plan(path: str | os.PathLike) -> Plan:
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise PlanFileError(f"plan file {path} is not valid JSON ({exc}); re-run `autoplan search`") from exc
+        raise PlanFileError(f"plan file {path} is not valid JSON ({exc}); make the plan again") from exc
     if not isinstance(data, dict) or "schema_version" not in data:
-        raise PlanFileError(f"{path} is not an autoplan plan (no schema_version); re-run `autoplan search`")
+        raise PlanFileError(f"{path} is not an autoplan plan (no schema_version)")
     version = data["schema_version"]
     if not isinstance(version, int) or version > PLAN_SCHEMA_VERSION:
         raise PlanFileError(
             f"plan file {path} has schema_version {version!r}, newer than this autoplan reads "
-            f"({PLAN_SCHEMA_VERSION}); upgrade autoplan or re-run `autoplan search` with this one"
+            f"({PLAN_SCHEMA_VERSION}); upgrade autoplan or make the plan again with this one"
         )
     try:
         return Plan.model_validate(data)
     except ValidationError as exc:
+        unknown = _unknown_option(exc, data)
+        if unknown:
+            raise PlanFileError(f"plan file {path}: {unknown}") from exc
         raise PlanFileError(f"plan file {path} is corrupt or incomplete:\n{exc}") from exc
+
+
+def _unknown_option(exc: ValidationError, data: dict) -> str | None:
+    """The first option name in the plan that no registered row has, said with where it is."""
+    for error in exc.errors():
+        if error["type"] != UNKNOWN_OPTION:
+            continue
+        loc, what = error["loc"], (error.get("ctx") or {})["what"]
+        where = "in the training settings"
+        if len(loc) >= 2 and loc[0] == "units" and isinstance(loc[1], int):
+            unit = data["units"][loc[1]]
+            module = unit.get("module") if isinstance(unit, dict) else None
+            where = f"in unit {module or '<root>'}" if isinstance(module, str) else f"in unit #{loc[1]}"
+        registry = {"sharding": SHARDING_KINDS, "dtype": PRECISIONS, "optimizer": OPTIMIZERS}[what]
+        return unknown_message(what, error["input"], registry, where)
+    return None
 
 
 def plan_json_schema() -> dict:

@@ -38,9 +38,22 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from cost_models.options import DEFAULT_OPTIMIZER, DEFAULT_PRECISION, PRECISIONS
+
+__all__ = [
+    "CALIBRATION_DEPTHS", "CALIBRATION_PLANS", "CALIBRATION_MICRO_BATCHES", "CALIBRATION_WIDTH", "CALIBRATION_SEQ_LEN",
+    "CALIBRATION_ROUNDS", "CALIBRATION_DTYPE", "CALIBRATION_OPTIMIZER", "PLAN_PROFILE", "PhaseFit", "calibration_model",
+    "calibration_workloads", "calibration_cases", "case_key", "uniform_plan", "measure_training_steps", "fit_phase",
+    "fit_calibration",
+]
+
 CALIBRATION_DEPTHS = (2, 4)
-# (sharding, checkpoint every block)
+# (sharding, checkpoint every block): the experiment's design (its plans separate per-call from per-unit
+# costs), named rather than read from the registry so that registering a sharding kind does not change
+# what a profile's fit measures
 CALIBRATION_PLANS = (("shard", False), ("shard_keep", False), ("replicate", False), ("shard", True), ("replicate", True))
+# the steps train at the default precision and optimizer, as `autoplan search` plans by default
+CALIBRATION_DTYPE, CALIBRATION_OPTIMIZER = DEFAULT_PRECISION, DEFAULT_OPTIMIZER
 CALIBRATION_MICRO_BATCHES = {"cpu": (2, 8), "cuda": (4, 16)}
 CALIBRATION_WIDTH = {"cpu": 96, "cuda": 1024}
 CALIBRATION_SEQ_LEN = {"cpu": 128, "cuda": 1024}
@@ -68,12 +81,50 @@ def case_key(strategy: str, checkpoint: bool, depth: int, micro_batch: int) -> s
     return f"{strategy}{'+ckpt' if checkpoint else ''}/{depth}/{micro_batch}"
 
 
-def _uniform_plan(traced, strategy: str, checkpoint: bool, world_size: int, micro_batch: int):
-    """The plan `autoplan search --strategy S [--checkpoint]` writes (decisions only: any profile will do)."""
-    from autoplan.api.search import search
+# the calibration plans are costed with this profile: only their decisions run, so any profile will do
+PLAN_PROFILE = "a100-sxm4-80gb"
 
-    return search(traced, mem="1TB", gpus=world_size, batch_size=micro_batch, strategy=strategy,
-                  checkpoint=checkpoint, profile="a100-sxm4-80gb")
+
+def uniform_plan(traced, strategy: str, checkpoint: bool, world_size: int, micro_batch: int):
+    """The plan `autoplan search --strategy S [--checkpoint] --batch-size MB` writes for `traced` (a
+    TracedModel), built directly: the same decisions, micro-batch and predictions, with nothing searched
+    (no sweep, no baselines; the solver's record says FIXED)."""
+    from autoplan.models.fingerprint import model_fingerprint
+    from autoplan.plan.assemble import prediction, unit_decisions
+    from autoplan.plan.schema import ClusterSpec, ModelRef, Plan, SolverInfo, SweepEntry, TrainingSpec
+    from autoplan.solve.cluster import resolve_cluster
+    from autoplan.solve.solver import SolveStatus
+    from autoplan.version import __version__
+    from cost_models.evaluate import evaluate, uniform_choices
+
+    dtype, optimizer, granularity = CALIBRATION_DTYPE, CALIBRATION_OPTIMIZER, "block"
+    cluster = resolve_cluster(world_size, None, None, PLAN_PROFILE)
+    tables = traced.cache(PRECISIONS[dtype].compute_dtype, granularity)
+    table = tables.table(micro_batch, 1, cluster, traced.seq_len, dtype, optimizer)
+    choices = uniform_choices(table, strategy, checkpoint, exact=True)
+    if choices is None:
+        raise ValueError(f"calibration plan {strategy!r} is not an option on {world_size} ranks of one node")
+    result = evaluate(table, choices)
+    throughput = table.samples_per_step / result.step_time_s
+    return Plan(
+        autoplan_version=__version__,
+        model=ModelRef(name=traced.name, config=traced.resolved.config, n_params=traced.n_params,
+                       fingerprint=model_fingerprint(traced.module), tracer=tables.tracer),
+        cluster=ClusterSpec(world_size=cluster.shape.world_size, nodes=cluster.shape.nodes,
+                            gpus_per_node=cluster.shape.gpus_per_node, profile=cluster.profile_name,
+                            device_mem_bytes=cluster.profile.mem_bytes, mem_limit_bytes=cluster.profile.mem_bytes),
+        training=TrainingSpec(micro_batch_size=micro_batch, grad_accum_steps=1,
+                              global_batch_size=table.samples_per_step, seq_len=traced.seq_len, dtype=dtype,
+                              optimizer=optimizer, granularity=granularity),
+        units=unit_decisions(table, choices),
+        predicted=prediction(table, result),
+        solver=SolverInfo(status=SolveStatus.FIXED, objective_s=result.step_time_s, bound_s=result.step_time_s,
+                          wall_time_s=0.0, num_variables=0, num_constraints=0,
+                          micro_batch_sweep=[SweepEntry(micro_batch_size=micro_batch, grad_accum_steps=1,
+                                                        status=SolveStatus.FIXED, step_time_s=result.step_time_s,
+                                                        throughput_samples_s=throughput)]),
+        baselines=[],
+    )
 
 
 def _timed_steps(model, optimizer, data, shape, rank: int, device: torch.device) -> dict[str, float]:
@@ -120,7 +171,7 @@ def measure_training_steps(device: torch.device, rounds: int = CALIBRATION_ROUND
               for depth in CALIBRATION_DEPTHS}
     results: dict[str, dict[str, float]] = {}
     for strategy, checkpoint, depth, micro_batch in calibration_cases(device.type) * rounds:
-        plan = _uniform_plan(traced[depth], strategy, checkpoint, world, micro_batch)
+        plan = uniform_plan(traced[depth], strategy, checkpoint, world, micro_batch)
         model = model_for_plan(plan)
         data = SyntheticTokens(vocab_size_of(model), seed=0)
         model, optimizer = apply(model, plan, lr=1e-4)
@@ -200,11 +251,12 @@ def fit_calibration(profile, measured: dict[str, dict[str, float]], world_size: 
     device_type = profile.device_type
     seq_len = CALIBRATION_SEQ_LEN[device_type]
     cluster = Cluster(ClusterShape(world_size, 1, world_size), profile, profile.name, False)
-    traced = {depth: TracedModel(calibration_model(depth, device_type), seq_len=seq_len).cache("bf16", "block")
+    compute_dtype = PRECISIONS[CALIBRATION_DTYPE].compute_dtype
+    traced = {depth: TracedModel(calibration_model(depth, device_type), seq_len=seq_len).cache(compute_dtype, "block")
               for depth in CALIBRATION_DEPTHS}
     cases = []
     for strategy, checkpoint, depth, micro_batch in calibration_cases(device_type):
-        table = traced[depth].table(micro_batch, 1, cluster, seq_len, "bf16-mixed", "adamw")
+        table = traced[depth].table(micro_batch, 1, cluster, seq_len, CALIBRATION_DTYPE, CALIBRATION_OPTIMIZER)
         choices = uniform_choices(table, strategy, checkpoint)
         chosen = [table.costs[u][c] for u, c in enumerate(choices)]
         # the uncalibrated table charges a checkpointed unit's recompute at scale 1: its forward ops again

@@ -1,5 +1,6 @@
 """`autoplan profile` end to end: measure ops, collectives, overlap and the optimizer step on this
-device (from the cache where already measured), fit, and assemble a DeviceProfile."""
+device (from the cache where already measured), fit, and assemble a DeviceProfile. The ops' own
+timing steps live in op_timings.py, the calibration steps in calibration.py."""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from autoplan.errors import UsageError
 from autoplan.profiling import device as device_bench
@@ -34,21 +34,15 @@ from autoplan.profiling.comm import (
     message_bytes,
     run_comm_benchmark,
 )
-from autoplan.profiling.fit import FitReport, OpPoint, fit_affine, fit_op_families, heldout_errors
-from autoplan.profiling.ops import (
-    OpCase,
-    collect_cases,
-    has_work,
-    measure_case,
-    sweep_workload,
-    unique_cases,
-    work,
-    zoo_workload,
-)
+from autoplan.profiling.fit import FitReport, fit_affine, fit_op_families, heldout_errors
+from autoplan.profiling.op_timings import measure_ops, points_and_timings, remeasure_outliers
+from autoplan.profiling.ops import OpCase, collect_cases, sweep_workload, unique_cases, zoo_workload
 from autoplan.profiling.overlap import OVERLAP_PHASE_S, OVERLAP_TRIALS
 from autoplan.profiling.timing import Repeats
 from cost_models.comm import ring_factor
-from cost_models.profile import CollectiveFit, DeviceProfile, FsdpOverhead, Link, OpTiming, Overlap, Provenance
+from cost_models.profile import CollectiveFit, DeviceProfile, FsdpOverhead, Link, Overlap, Provenance
+
+__all__ = ["DEFAULT_MODELS", "DEFAULT_DTYPES", "ProfileSettings", "CollectiveReport", "ProfileResult", "measure_profile"]
 
 # zoo model -> micro-batch sizes. The search traces at micro-batch 1 and 2 (and extrapolates to
 # others), so these keys match a search over these models directly; other shapes go through the fits.
@@ -147,9 +141,9 @@ def measure_profile(settings: ProfileSettings) -> ProfileResult:
         torch.set_num_threads(threads)
     try:
         cases = _op_cases(settings, kind)
-        op_seconds, fresh = _measure_ops(cases, device, settings, cache)
-        remeasured = _remeasure_outliers(cases, op_seconds, fresh, device, settings, cache)
-        points, op_times = _points_and_timings(cases, op_seconds)
+        op_seconds, fresh = measure_ops(cases, device, settings.repeats, cache, settings.progress)
+        remeasured = remeasure_outliers(cases, op_seconds, fresh, device, settings.repeats, cache, settings.progress)
+        points, op_times = points_and_timings(cases, op_seconds)
         op_fits = fit_op_families(points)
         device_numbers = _device_numbers(device, settings.repeats, cache)
         comm = _measure_comm(settings, kind, backend, threads, cache)
@@ -212,80 +206,6 @@ def _op_cases(settings: ProfileSettings, kind: str) -> list[OpCase]:
     for model, batches in calibration_workloads(kind).items():
         cases += collect_cases(zoo_workload(model, batches, CALIBRATION_SEQ_LEN[kind]), "bf16")
     return unique_cases(cases)
-
-
-def _measure_ops(cases: list[OpCase], device: torch.device, settings: ProfileSettings,
-                 cache: MeasurementCache) -> tuple[dict[str, dict], set[str]]:
-    """op key -> {"fwd_s", "bwd_s"} (None where not measurable), and the keys measured in this run."""
-    seconds: dict[str, dict] = {}
-    fresh: set[str] = set()
-    for case in tqdm(cases, desc="ops", unit="op", disable=not settings.progress):
-        key = f"op:{case.key}"
-        if key not in cache:
-            result = measure_case(case, device, settings.repeats)
-            cache.put(key, {"fwd_s": result.fwd_s, "bwd_s": result.bwd_s})
-            fresh.add(case.key)
-        seconds[case.key] = cache.get(key)
-    return seconds, fresh
-
-
-REMEASURE_REL_ERR = 0.3  # a fresh point this far off its kind's fit is timed again
-
-
-def _remeasure_outliers(cases: list[OpCase], seconds: dict[str, dict], fresh: set[str], device: torch.device,
-                        settings: ProfileSettings, cache: MeasurementCache) -> int:
-    """Time again the ops measured in this run that sit far off their kind's fit, keeping the lower of
-    the two medians: on a shared machine a neighbour's burst can cover a whole measurement (all its
-    repeats), and only a second measurement, later, tells that apart from an op that is really slow.
-    Updates `seconds` in place; returns how many ops were re-measured."""
-    series: dict[tuple[str, str, str], list[tuple[str, float, float]]] = {}
-    for case in cases:
-        record = case.record
-        unit = "flops" if record.is_matmul else "bytes"
-        for direction in ("fwd", "bwd"):
-            value, amount = seconds[case.key][f"{direction}_s"], work(record, direction, unit)
-            if value and amount:
-                series.setdefault((record.kind, direction, record.dtype), []).append((case.key, amount, value))
-    suspects: set[str] = set()
-    for points in series.values():
-        if len(points) >= 3:
-            fit = fit_affine([amount for _, amount, _ in points], [value for _, _, value in points])
-            suspects |= {key for key, amount, value in points
-                         if key in fresh and abs(fit.predict(amount) - value) / value > REMEASURE_REL_ERR}
-    again = [case for case in cases if case.key in suspects]
-    for case in tqdm(again, desc="re-measuring outliers", unit="op", disable=not settings.progress):
-        result = measure_case(case, device, settings.repeats)
-        entry = dict(seconds[case.key])
-        for direction, value in (("fwd_s", result.fwd_s), ("bwd_s", result.bwd_s)):
-            if value is not None and entry[direction] is not None:
-                entry[direction] = min(entry[direction], value)
-        cache.put(f"op:{case.key}", entry)
-        seconds[case.key] = entry
-    return len(again)
-
-
-def _points_and_timings(cases: list[OpCase], seconds: dict[str, dict]) -> tuple[list[OpPoint], list[OpTiming]]:
-    """Fit points per measured direction, and an OpTiming for each op measured in every direction that
-    has work (an op whose backward could not be re-run alone is left to the fits)."""
-    points, timings = [], []
-    for case in cases:
-        record, times = case.record, seconds[case.key]
-        complete = True
-        for direction in ("fwd", "bwd"):
-            if not has_work(record, direction):
-                continue
-            value = times[f"{direction}_s"]
-            if value is None or value <= 0:
-                complete = False
-                continue
-            points.append(OpPoint(
-                kind=record.kind, family="matmul" if record.is_matmul else "memory", dtype=record.dtype,
-                direction=direction, flops=record.fwd_flops if direction == "fwd" else record.bwd_flops,
-                bytes=record.fwd_bytes if direction == "fwd" else record.bwd_bytes, seconds=value,
-            ))
-        if complete:
-            timings.append(OpTiming(key=case.key, fwd_s=times["fwd_s"] or 0.0, bwd_s=times["bwd_s"] or 0.0))
-    return points, timings
 
 
 def _cached(cache: MeasurementCache, key: str, measure):

@@ -1,5 +1,11 @@
 """Predicted beside measured: the record of one `autoplan apply` run, and its printed table.
 
+The record is a strict pydantic model (`RunReport`), written by `autoplan apply --report r.json`, so
+that a script comparing runs reads fields it can trust: `schema_version` comes first, unknown fields
+are refused, and a report from a newer autoplan is refused rather than misread. The checked-in JSON
+Schema (run_report_schema.json beside this file) is kept equal to `RunReport.model_json_schema()` by
+a test; regenerate it with `python -m autoplan.run.report > autoplan/run/run_report_schema.json`.
+
 Measured step time is the median over the timed steps (after warm-up) of the slowest rank's step;
 peak memory is the largest over ranks; the loss of a step is the mean over ranks (each rank's loss is
 the mean over its equal share of the global batch, so this is the global batch's loss).
@@ -7,18 +13,144 @@ the mean over its equal share of the global batch, so this is the global batch's
 
 from __future__ import annotations
 
+import json
+import os
 import statistics
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from autoplan.errors import AutoplanError
+from autoplan.fileio import write_text_atomic
 from autoplan.plan.schema import Plan
 from autoplan.profile_store import load_profile
 from autoplan.run.launch import LaunchResult
 from autoplan.run.worker import RunSpec
 from autoplan.sizes import format_bytes
 
-REPORT_VERSION = 1
+__all__ = [
+    "REPORT_SCHEMA_VERSION", "PHASES", "PhasePeaks", "PredictedRun", "MeasuredRun", "RunReport", "build_report",
+    "load_report", "failure_messages", "format_report", "predicted_phase_peaks", "profile_note",
+    "run_report_json_schema",
+]
+
+REPORT_SCHEMA_VERSION = 1
 PHASES = ("forward", "backward", "optimizer")
 _PHASE_OF_POINT = {"fwd": "forward", "bwd": "backward", "optimizer": "optimizer"}
+
+
+class _Strict(BaseModel):
+    # a diverging run's NaN loss is written as NaN (as json.dumps does) and read back, not turned into null
+    model_config = ConfigDict(extra="forbid", ser_json_inf_nan="constants")
+
+
+class PhasePeaks(_Strict):
+    """Peak bytes per rank within each phase of a step."""
+
+    forward: int  # the forward, the loss included
+    backward: int
+    optimizer: int  # the optimizer step
+
+
+class PredictedRun(_Strict):
+    """What the plan predicted, per rank (copied from the plan file's `predicted`)."""
+
+    peak_mem_bytes: int
+    peak_point: str  # the timeline point of the peak, e.g. "bwd transformer.h.0"
+    step_time_s: float
+    throughput_samples_s: float
+    throughput_tokens_s: float
+    phase_peak_bytes: PhasePeaks | None  # the largest timeline point of each phase; None: a phase has none
+
+
+class MeasuredRun(_Strict):
+    """What the ranks measured. Lists are per step, warm-up included unless said otherwise; empty (and
+    the summaries None) when no step finished on every rank."""
+
+    step_time_s: float | None  # median of the timed steps, slowest rank's time per step
+    step_times_s: list[float]  # per step, the slowest rank's time
+    untracked_step_times_s: list[float]  # CPU: extra steps timed with the memory tracker off (then the median's)
+    throughput_samples_s: float | None  # global batch / step_time_s
+    throughput_tokens_s: float | None
+    peak_mem_bytes: int | None  # largest over ranks, since the start (materialisation included)
+    peak_mem_bytes_per_rank: dict[str, int]  # rank (as a string: a JSON key) -> peak
+    peak_mem_bytes_by_step: list[int]  # per step, largest over ranks
+    phase_peak_bytes: PhasePeaks | None  # the last step's (optimizer states exist from the second step on)
+    peak_mem_source: str | None  # what peak memory counts: the CUDA allocator, or live tensors on the CPU
+    peak_rss_bytes_per_rank: dict[str, int]  # for reference: the processes' resident set
+    losses: list[float]  # per step, the mean over ranks (the global batch's loss)
+
+
+class RunReport(_Strict):
+    """The record of one `autoplan apply` run: its settings, the plan's predictions and the measurements."""
+
+    schema_version: Literal[1] = REPORT_SCHEMA_VERSION
+    status: Literal["ok", "failed"]  # ok: every rank finished every step
+    plan: str  # the plan file, as given on the command line
+    model: str  # the plan's model name
+    device: Literal["cpu", "cuda"]
+    backend: Literal["gloo", "nccl"]
+    world_size: int = Field(ge=1)  # ranks that ran
+    planned_world_size: int = Field(ge=1)  # ranks the plan is for (more on a dry run)
+    dry_run: bool  # the plan's decisions on fewer ranks than planned: predictions do not compare directly
+    data: str  # the Alpaca JSON file trained on, or "synthetic"
+    warmup_steps: int
+    steps: int  # timed steps after the warm-up
+    micro_batch_size: int  # per rank
+    grad_accum_steps: int
+    global_batch_size: int  # micro_batch_size * grad_accum_steps * world_size
+    seq_len: int
+    dtype: str  # the plan's training precision
+    optimizer: str
+    mem_limit_bytes: int | None  # `--mem-limit`: a rank above it fails as out of memory; None: no limit
+    predicted: PredictedRun
+    profile: str  # the device profile the plan was costed with
+    profile_note: str | None  # set when that profile describes another kind of device than this run's
+    measured: MeasuredRun
+    launcher_returncode: int  # torch.distributed.run's exit status
+    failures: list[str]  # one line per rank that did not finish (notes on a teardown hiccup when status is ok)
+
+    def to_json(self) -> str:
+        return self.model_dump_json(indent=2) + "\n"
+
+    def save(self, path: str | os.PathLike) -> None:
+        write_text_atomic(path, self.to_json())
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "RunReport":
+        return load_report(path)
+
+    def table(self) -> str:
+        return format_report(self)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+def load_report(path: str | os.PathLike) -> RunReport:
+    """Read and validate a run report; every failure is an AutoplanError that says what is wrong."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except OSError as exc:
+        raise AutoplanError(f"cannot read run report {path}: {exc.strerror or exc}") from exc
+    except json.JSONDecodeError as exc:
+        raise AutoplanError(f"run report {path} is not valid JSON ({exc})") from exc
+    if not isinstance(data, dict) or "schema_version" not in data:
+        raise AutoplanError(f"{path} is not an autoplan run report (no schema_version)")
+    version = data["schema_version"]
+    if not isinstance(version, int) or version > REPORT_SCHEMA_VERSION:
+        raise AutoplanError(f"run report {path} has schema_version {version!r}, newer than this autoplan reads "
+                            f"({REPORT_SCHEMA_VERSION}); upgrade autoplan")
+    try:
+        return RunReport.model_validate(data)
+    except ValidationError as exc:
+        raise AutoplanError(f"run report {path} is corrupt or incomplete:\n{exc}") from exc
+
+
+def run_report_json_schema() -> dict:
+    return RunReport.model_json_schema()
 
 
 def predicted_phase_peaks(plan: Plan) -> dict[str, int] | None:
@@ -43,7 +175,7 @@ def profile_note(plan: Plan, device: str) -> str | None:
     return None
 
 
-def build_report(plan: Plan, plan_path: str, spec: RunSpec, nproc: int, launched: LaunchResult) -> dict:
+def build_report(plan: Plan, plan_path: str, spec: RunSpec, nproc: int, launched: LaunchResult) -> RunReport:
     training = plan.training
     ranks = launched.ranks
     global_batch = training.micro_batch_size * training.grad_accum_steps * nproc
@@ -60,58 +192,57 @@ def build_report(plan: Plan, plan_path: str, spec: RunSpec, nproc: int, launched
         timed_s = untracked_s
     step_time_s = statistics.median(timed_s) if timed_s else None
 
-    measured = {
-        "step_time_s": step_time_s,
-        "step_times_s": step_times_s,
-        "untracked_step_times_s": untracked_s,
-        "throughput_samples_s": global_batch / step_time_s if step_time_s else None,
-        "throughput_tokens_s": global_batch * training.seq_len / step_time_s if step_time_s else None,
-        "peak_mem_bytes": max((r.peak_mem_bytes for r in results), default=None),
-        "peak_mem_bytes_per_rank": {str(r.rank): r.peak_mem_bytes for r in results},
-        "peak_mem_bytes_by_step": [max(r.peak_mem_bytes_by_step[i] for r in results) for i in range(steps_all_ranks)],
+    measured = MeasuredRun(
+        step_time_s=step_time_s,
+        step_times_s=step_times_s,
+        untracked_step_times_s=untracked_s,
+        throughput_samples_s=global_batch / step_time_s if step_time_s else None,
+        throughput_tokens_s=global_batch * training.seq_len / step_time_s if step_time_s else None,
+        peak_mem_bytes=max((r.peak_mem_bytes for r in results), default=None),
+        peak_mem_bytes_per_rank={str(r.rank): r.peak_mem_bytes for r in results},
+        peak_mem_bytes_by_step=[max(r.peak_mem_bytes_by_step[i] for r in results) for i in range(steps_all_ranks)],
         # the last step's phases: optimizer states exist from the second step on
-        "phase_peak_bytes": {
+        phase_peak_bytes={
             phase: max(r.phase_peak_bytes_by_step[steps_all_ranks - 1][phase] for r in results) for phase in PHASES
         } if steps_all_ranks else None,
-        "peak_mem_source": results[0].mem_source if results else None,
-        "peak_rss_bytes_per_rank": {str(r.rank): r.peak_rss_bytes for r in results},
-        "losses": losses,
-    }
+        peak_mem_source=results[0].mem_source if results else None,
+        peak_rss_bytes_per_rank={str(r.rank): r.peak_rss_bytes for r in results},
+        losses=losses,
+    )
     predicted = plan.predicted
-    return {
-        "report_version": REPORT_VERSION,
-        "status": "ok" if all_ok else "failed",
-        "plan": plan_path,
-        "model": plan.model.name,
-        "device": spec.device,
-        "backend": "nccl" if spec.device == "cuda" else "gloo",
-        "world_size": nproc,
-        "planned_world_size": plan.cluster.world_size,
-        "dry_run": spec.dry_run,
-        "data": spec.data_path or "synthetic",
-        "warmup_steps": spec.warmup_steps,
-        "steps": spec.steps,
-        "micro_batch_size": training.micro_batch_size,
-        "grad_accum_steps": training.grad_accum_steps,
-        "global_batch_size": global_batch,
-        "seq_len": training.seq_len,
-        "dtype": training.dtype,
-        "optimizer": training.optimizer,
-        "mem_limit_bytes": spec.mem_limit_bytes,
-        "predicted": {
-            "peak_mem_bytes": predicted.peak_mem_bytes,
-            "peak_point": predicted.peak_point,
-            "step_time_s": predicted.step_time_s,
-            "throughput_samples_s": predicted.throughput_samples_s,
-            "throughput_tokens_s": predicted.throughput_tokens_s,
-            "phase_peak_bytes": predicted_phase_peaks(plan),
-        },
-        "profile": plan.cluster.profile,
-        "profile_note": profile_note(plan, spec.device),
-        "measured": measured,
-        "launcher_returncode": launched.returncode,
-        "failures": failure_messages(plan, nproc, launched),
-    }
+    return RunReport(
+        status="ok" if all_ok else "failed",
+        plan=plan_path,
+        model=plan.model.name,
+        device=spec.device,
+        backend="nccl" if spec.device == "cuda" else "gloo",
+        world_size=nproc,
+        planned_world_size=plan.cluster.world_size,
+        dry_run=spec.dry_run,
+        data=spec.data_path or "synthetic",
+        warmup_steps=spec.warmup_steps,
+        steps=spec.steps,
+        micro_batch_size=training.micro_batch_size,
+        grad_accum_steps=training.grad_accum_steps,
+        global_batch_size=global_batch,
+        seq_len=training.seq_len,
+        dtype=training.dtype,
+        optimizer=training.optimizer,
+        mem_limit_bytes=spec.mem_limit_bytes,
+        predicted=PredictedRun(
+            peak_mem_bytes=predicted.peak_mem_bytes,
+            peak_point=predicted.peak_point,
+            step_time_s=predicted.step_time_s,
+            throughput_samples_s=predicted.throughput_samples_s,
+            throughput_tokens_s=predicted.throughput_tokens_s,
+            phase_peak_bytes=predicted_phase_peaks(plan),
+        ),
+        profile=plan.cluster.profile,
+        profile_note=profile_note(plan, spec.device),
+        measured=measured,
+        launcher_returncode=launched.returncode,
+        failures=failure_messages(plan, nproc, launched),
+    )
 
 
 def failure_messages(plan: Plan, nproc: int, launched: LaunchResult) -> list[str]:
@@ -151,54 +282,55 @@ def failure_messages(plan: Plan, nproc: int, launched: LaunchResult) -> list[str
     return messages
 
 
-def format_report(report: dict) -> str:
+def format_report(report: RunReport) -> str:
     """The predicted-vs-measured table printed at the end of a run."""
-    predicted, measured = report["predicted"], report["measured"]
+    r, predicted, measured = report, report.predicted, report.measured
     lines = [
-        f"autoplan apply: {report['model']} on {report['world_size']} rank(s) ({report['device']}, {report['backend']}), "
-        f"{report['dtype']}, {report['optimizer']}, micro-batch {report['micro_batch_size']} x "
-        f"{report['grad_accum_steps']} accum x {report['world_size']} ranks = global batch "
-        f"{report['global_batch_size']}, seq {report['seq_len']}, data {report['data']}",
+        f"autoplan apply: {r.model} on {r.world_size} rank(s) ({r.device}, {r.backend}), "
+        f"{r.dtype}, {r.optimizer}, micro-batch {r.micro_batch_size} x "
+        f"{r.grad_accum_steps} accum x {r.world_size} ranks = global batch "
+        f"{r.global_batch_size}, seq {r.seq_len}, data {r.data}",
     ]
-    if report["dry_run"]:
+    if r.dry_run:
         lines.append(
-            f"DRY RUN: the plan is for {report['planned_world_size']} ranks; its decisions ran on "
-            f"{report['world_size']}. Predictions are for {report['planned_world_size']} ranks and do not "
+            f"DRY RUN: the plan is for {r.planned_world_size} ranks; its decisions ran on "
+            f"{r.world_size}. Predictions are for {r.planned_world_size} ranks and do not "
             "compare directly (shards are larger, the global batch smaller)."
         )
     rows = [
-        ("step time (median)", predicted["step_time_s"], measured["step_time_s"], _seconds),
-        ("throughput, samples/s", predicted["throughput_samples_s"], measured["throughput_samples_s"], _rate),
-        ("throughput, tokens/s", predicted["throughput_tokens_s"], measured["throughput_tokens_s"], _rate),
-        ("peak memory per rank", predicted["peak_mem_bytes"], measured["peak_mem_bytes"], format_bytes),
+        ("step time (median)", predicted.step_time_s, measured.step_time_s, _seconds),
+        ("throughput, samples/s", predicted.throughput_samples_s, measured.throughput_samples_s, _rate),
+        ("throughput, tokens/s", predicted.throughput_tokens_s, measured.throughput_tokens_s, _rate),
+        ("peak memory per rank", predicted.peak_mem_bytes, measured.peak_mem_bytes, format_bytes),
     ]
     lines.append(f"{'':24}{'predicted':>14}{'measured':>14}{'measured/predicted':>21}")
-    phase_pred, phase_meas = predicted["phase_peak_bytes"] or {}, measured["phase_peak_bytes"] or {}
+    phase_pred, phase_meas = predicted.phase_peak_bytes, measured.phase_peak_bytes
     for phase in PHASES:
-        rows.append((f"  in {phase}", phase_pred.get(phase), phase_meas.get(phase), format_bytes))
+        rows.append((f"  in {phase}", getattr(phase_pred, phase, None), getattr(phase_meas, phase, None),
+                     format_bytes))
     for label, pred, meas, fmt in rows:
         ratio = f"{meas / pred:.2f}" if meas is not None and pred else "-"
         lines.append(f"{label:24}{_or_dash(pred, fmt):>14}{_or_dash(meas, fmt):>14}{ratio:>21}")
-    if report["profile_note"]:
-        lines.append(f"  note: {report['profile_note']}")
-    lines.append(f"  predicted peak at: {predicted['peak_point']}")
-    lines.append(f"  measured memory: {measured['peak_mem_source']}, max over ranks")
-    rss = measured["peak_rss_bytes_per_rank"]
+    if r.profile_note:
+        lines.append(f"  note: {r.profile_note}")
+    lines.append(f"  predicted peak at: {predicted.peak_point}")
+    lines.append(f"  measured memory: {measured.peak_mem_source}, max over ranks")
+    rss = measured.peak_rss_bytes_per_rank
     if rss:
         lines.append("  peak RSS per rank (for reference): " + ", ".join(
             f"rank {rank} {format_bytes(value)}" for rank, value in rss.items()))
-    if measured["peak_mem_bytes_by_step"]:
-        lines.append("  peak memory by step: " + ", ".join(format_bytes(v) for v in measured["peak_mem_bytes_by_step"]))
-    if measured["step_times_s"]:
-        warmup = report["warmup_steps"]
+    if measured.peak_mem_bytes_by_step:
+        lines.append("  peak memory by step: " + ", ".join(format_bytes(v) for v in measured.peak_mem_bytes_by_step))
+    if measured.step_times_s:
+        warmup = r.warmup_steps
         lines.append("  step times: " + ", ".join(
-            f"{t:.3f}s" + ("*" if i < warmup else "") for i, t in enumerate(measured["step_times_s"]))
+            f"{t:.3f}s" + ("*" if i < warmup else "") for i, t in enumerate(measured.step_times_s))
             + ("  (* warm-up, not in the median)" if warmup else ""))
-    if measured.get("untracked_step_times_s"):
+    if measured.untracked_step_times_s:
         lines.append("  step times, memory tracker off (the median's steps): " + ", ".join(
-            f"{t:.3f}s" for t in measured["untracked_step_times_s"]))
-    if measured["losses"]:
-        lines.append("  loss by step: " + ", ".join(f"{loss:.4f}" for loss in measured["losses"]))
+            f"{t:.3f}s" for t in measured.untracked_step_times_s))
+    if measured.losses:
+        lines.append("  loss by step: " + ", ".join(f"{loss:.4f}" for loss in measured.losses))
     return "\n".join(lines)
 
 
@@ -212,3 +344,7 @@ def _seconds(value: float) -> str:
 
 def _rate(value: float) -> str:
     return f"{value:,.1f}"
+
+
+if __name__ == "__main__":
+    print(json.dumps(run_report_json_schema(), indent=2, sort_keys=True))

@@ -14,10 +14,12 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from enum import Enum
 
 import numpy as np
 from ortools.sat.python import cp_model
 
+from autoplan.settings import DEFAULT_TIME_LIMIT_S
 from cost_models.algebra import AffineAlgebra
 from cost_models.memory import timeline, total
 from cost_models.step import step_time
@@ -26,7 +28,6 @@ from cost_models.table import CostTable
 NS_PER_S = 1_000_000_000
 # Solver settings in one place. One worker keeps the search deterministic: the same inputs give
 # the same plan, byte for byte.
-DEFAULT_TIME_LIMIT_S = 10.0
 NUM_WORKERS = 1
 POINTS_ADDED_PER_ROUND = 4
 # Stop once the plan is proven within 0.1% of the optimum: far below the cost model's own error,
@@ -34,10 +35,33 @@ POINTS_ADDED_PER_ROUND = 4
 # as an orbitope it cannot break). The gap (objective - bound) is reported with every plan.
 RELATIVE_GAP_LIMIT = 1e-3
 
+__all__ = ["SolveStatus", "SolveResult", "AffineModel", "solve_min_time", "solve_min_memory", "DEFAULT_TIME_LIMIT_S"]
+
+
+# A str Enum: a status equals, hashes, prints and is written to plan files as its value ("OPTIMAL", ...:
+# CP-SAT's own status names, plus the sweep's FIXED and PRUNED).
+class SolveStatus(str, Enum):
+    """The solver's verdict at one micro-batch: OPTIMAL (proven, within the relative gap limit), FEASIBLE
+    (a plan; the time limit ran out before it was proven optimal), INFEASIBLE (proven: no plan fits),
+    UNKNOWN (the time limit ran out before any verdict), FIXED (no solve: a uniform strategy, evaluated),
+    PRUNED (no solve: this micro-batch cannot beat the best plan found even with no memory limit)."""
+
+    OPTIMAL = "OPTIMAL"
+    FEASIBLE = "FEASIBLE"
+    INFEASIBLE = "INFEASIBLE"
+    UNKNOWN = "UNKNOWN"
+    FIXED = "FIXED"  # the sweep's `strategy`
+    PRUNED = "PRUNED"
+
+    def __str__(self) -> str:
+        return self.value
+
+    __format__ = str.__format__
+
 
 @dataclass
 class SolveResult:
-    status: str  # OPTIMAL | FEASIBLE (time limit hit) | INFEASIBLE | UNKNOWN
+    status: SolveStatus  # OPTIMAL | FEASIBLE (time limit hit) | INFEASIBLE | UNKNOWN
     choices: list[int] | None
     objective: float | None  # seconds (min time) or bytes (min memory)
     bound: float | None  # best proven bound, same unit
@@ -137,7 +161,9 @@ def _solve_lazily(affine: AffineModel, build, check, time_limit_s: float, seeds:
         solver.parameters.relative_gap_limit = RELATIVE_GAP_LIMIT
         status = solver.solve(model.model)
         wall = time.perf_counter() - start
-        name = solver.status_name(status)
+        if status == cp_model.MODEL_INVALID:  # a bug in this module, not the user's input
+            raise RuntimeError(f"CP-SAT refused the model: {model.model.validate()}")
+        name = SolveStatus(solver.status_name(status))
         stats = (len(model.x), len(model.points), len(affine.mem_const))
         if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             return SolveResult(name, None, None, None, wall, *stats)
@@ -148,7 +174,7 @@ def _solve_lazily(affine: AffineModel, build, check, time_limit_s: float, seeds:
             return SolveResult(name, choices, solver.objective_value / objective_scale,
                                solver.best_objective_bound / objective_scale, wall, *stats)
         if wall >= time_limit_s:
-            return SolveResult("UNKNOWN", None, None, None, wall, *stats)
+            return SolveResult(SolveStatus.UNKNOWN, None, None, None, wall, *stats)
         active.update(new_points)
         hint = choices
 

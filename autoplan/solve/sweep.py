@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from autoplan.errors import AutoplanError, InfeasibleError, UsageError
 from autoplan.sizes import format_bytes
 from autoplan.solve.cluster import Cluster
-from autoplan.solve.solver import AffineModel, SolveResult, solve_min_memory, solve_min_time
+from autoplan.solve.solver import AffineModel, SolveResult, SolveStatus, solve_min_memory, solve_min_time
 from autoplan.solve.tables import CostTables
 from cost_models.evaluate import Evaluation, evaluate, uniform_choices
 from cost_models.step import lower_bound_step_s
@@ -35,7 +35,7 @@ class SweepStep:
 
     micro_batch_size: int
     grad_accum_steps: int
-    status: str  # the solver's status, "FIXED" for a uniform strategy, "PRUNED" when skipped
+    status: SolveStatus  # the solver's status, FIXED for a uniform strategy, PRUNED when skipped
     step_time_s: float | None
     throughput_samples_s: float | None
 
@@ -71,7 +71,7 @@ def sweep(tables: CostTables, cluster: Cluster, candidates: list[tuple[int, int]
         table = tables.table(micro_batch_size, accum, cluster, seq_len, dtype, optimizer)
         if best is not None and table.samples_per_step / lower_bound_step_s(table) <= best[0]:
             # even with no memory limit this micro-batch cannot beat the best plan: skip the solve
-            steps.append(SweepStep(micro_batch_size, accum, "PRUNED", None, None))
+            steps.append(SweepStep(micro_batch_size, accum, SolveStatus.PRUNED, None, None))
             seen.append(table)
             continue
         affine = AffineModel.of(table)
@@ -83,7 +83,7 @@ def sweep(tables: CostTables, cluster: Cluster, candidates: list[tuple[int, int]
         num_vars, num_cons = result.num_variables, result.num_constraints
         if result.choices is None:
             steps.append(SweepStep(micro_batch_size, accum, result.status, None, None))
-            if result.status != "INFEASIBLE":
+            if result.status != SolveStatus.INFEASIBLE:
                 seen.append(table)
                 continue  # the time limit ran out: no verdict on this size, try the next
             if seen:
@@ -95,7 +95,7 @@ def sweep(tables: CostTables, cluster: Cluster, candidates: list[tuple[int, int]
         steps.append(SweepStep(micro_batch_size, accum, result.status, result.objective, throughput))
         if best is None or throughput > best[0] * (1 + 1e-9):
             best = (throughput, table, result, affine)
-    if best is None and any(step.status not in ("INFEASIBLE", "PRUNED") for step in steps):
+    if best is None and any(step.status not in (SolveStatus.INFEASIBLE, SolveStatus.PRUNED) for step in steps):
         raise AutoplanError(
             f"the solver found no plan within `time_limit_s` {time_limit_s:g} s per micro-batch size "
             f"({', '.join(f'{s.micro_batch_size}: {s.status.lower()}' for s in steps)}); raise `time_limit_s`, or "
@@ -111,7 +111,7 @@ def sweep(tables: CostTables, cluster: Cluster, candidates: list[tuple[int, int]
                                 mem_limit_bytes=planned_bytes, affine=affine, start_from=result.choices)
         wall_s += lean.wall_time_s
         choices = lean.choices or result.choices
-    fitting = [t for t, step in zip(seen, steps) if step.status != "INFEASIBLE"]
+    fitting = [t for t, step in zip(seen, steps) if step.status != SolveStatus.INFEASIBLE]
     return SweepOutcome(table=table, choices=choices, evaluation=evaluate(table, choices), result=result,
                         steps=steps, tables=fitting or seen, wall_time_s=wall_s, num_variables=num_vars,
                         num_constraints=num_cons)
@@ -122,13 +122,13 @@ def _fixed_strategy(table: CostTable, affine: AffineModel, strategy: str, checkp
     """A uniform plan evaluated in place of a solve, reported in the solver's terms."""
     choices = uniform_choices(table, strategy, checkpoint, exact=True)
     if choices is None:
-        raise UsageError(f"--strategy {strategy} is not available here (hybrid needs --nodes 2 or more)")
+        raise UsageError(f"`strategy` {strategy} is not available on this cluster (it needs `nodes` 2 or more)")
     result = evaluate(table, choices)
     fits = result.peak_mem_bytes <= mem_limit_bytes
     stats = (affine.algebra.size, 0, len(affine.mem_const))
     if not fits:
-        return SolveResult("INFEASIBLE", None, None, None, 0.0, *stats)
-    return SolveResult("FIXED", choices, result.step_time_s, result.step_time_s, 0.0, *stats)
+        return SolveResult(SolveStatus.INFEASIBLE, None, None, None, 0.0, *stats)
+    return SolveResult(SolveStatus.FIXED, choices, result.step_time_s, result.step_time_s, 0.0, *stats)
 
 
 def _infeasible(table: CostTable, mem_limit_bytes: int, headroom: float, model_name: str, cluster: Cluster,
@@ -146,9 +146,9 @@ def _infeasible(table: CostTable, mem_limit_bytes: int, headroom: float, model_n
                  f"temporaries {format_bytes(parts['temporaries'])})")
     helps = [f"a limit of at least {format_bytes(needed)}" if needed else "a larger limit",
              f"more GPUs (sharding divides parameters, gradients and optimizer states over {cluster.shape.world_size} "
-             "now)", "a shorter --seq-len", "--dtype bf16 (no fp32 master weights)"]
+             "now)", "a shorter `seq_len`", "`dtype` bf16 (no fp32 master weights)"]
     if fixed_batch and table.micro_batch_size > 1:
-        helps.insert(1, "a smaller --batch-size")
+        helps.insert(1, "a smaller `batch_size`")
     return InfeasibleError(
         f"no plan for {model_name} fits in {format_bytes(mem_limit_bytes)} per GPU less {headroom:.0%} headroom: the "
         f"smallest peak any plan reaches (all units sharded, checkpointing where it helps, micro-batch "

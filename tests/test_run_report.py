@@ -1,0 +1,110 @@
+"""The run report of `autoplan apply` (autoplan/run/report.py): its schema and its file, without a launch.
+
+The ranks' results are made by hand here; tests/test_apply_run.py writes real reports from torchrun runs.
+"""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+from planmaker import make_plan
+
+from autoplan.errors import AutoplanError
+from autoplan.run.launch import LaunchResult, RankFailure
+from autoplan.run.report import (
+    REPORT_SCHEMA_VERSION,
+    RunReport,
+    build_report,
+    format_report,
+    load_report,
+    run_report_json_schema,
+)
+from autoplan.run.worker import RankResult, RunSpec
+
+SCHEMA_PATH = Path(__file__).resolve().parents[1] / "autoplan" / "run" / "run_report_schema.json"
+
+
+def rank_result(rank: int, steps: int = 3, loss: float = 2.5) -> RankResult:
+    return RankResult(
+        rank=rank, status="ok", phase="done", steps_done=steps, losses=[loss - 0.1 * i for i in range(steps)],
+        step_times_s=[0.2 + 0.01 * (i + rank) for i in range(steps)], untracked_step_times_s=[],
+        peak_mem_bytes_by_step=[1_000_000 + 1000 * (i + rank) for i in range(steps)],
+        phase_peak_bytes_by_step=[{"forward": 900_000 + rank, "backward": 1_000_000 + rank, "optimizer": 800_000}
+                                  for _ in range(steps)],
+        peak_mem_bytes=1_100_000 + rank, peak_rss_bytes=50_000_000, mem_source="live tensor bytes (test)",
+    )
+
+
+def a_report(tmp_path, ranks=None, returncode: int = 0, failures=None) -> RunReport:
+    plan_path = tmp_path / "plan.json"
+    plan = make_plan("gpt2-tiny", {"transformer.h.0": "shard"})
+    plan.save(plan_path)
+    spec = RunSpec(plan_path=str(plan_path), run_dir=str(tmp_path), device="cpu", steps=2, warmup_steps=1,
+                   dry_run=False)
+    ranks = ranks if ranks is not None else {0: rank_result(0), 1: rank_result(1)}
+    return build_report(plan, str(plan_path), spec, 2, LaunchResult(returncode, ranks, failures or {}))
+
+
+def test_checked_in_json_schema_matches_the_code():
+    checked_in = json.loads(SCHEMA_PATH.read_text())
+    assert checked_in == run_report_json_schema(), \
+        "regenerate: python -m autoplan.run.report > autoplan/run/run_report_schema.json"
+
+
+def test_schema_version_comes_first_and_unknown_fields_are_refused():
+    schema = run_report_json_schema()
+    assert list(schema["properties"])[0] == "schema_version"
+    assert schema["additionalProperties"] is False
+    assert all(d.get("additionalProperties") is False for d in schema["$defs"].values())
+
+
+def test_report_round_trips_through_its_file(tmp_path):
+    report = a_report(tmp_path)
+    assert report.status == "ok" and report.schema_version == REPORT_SCHEMA_VERSION
+    assert report.measured.step_time_s == pytest.approx(0.225)  # median of the timed steps, slowest rank
+    assert report.measured.peak_mem_bytes == 1_100_001
+    assert report.measured.phase_peak_bytes.backward == 1_000_001
+    path = tmp_path / "r.json"
+    report.save(path)
+    data = json.loads(path.read_text())
+    assert next(iter(data)) == "schema_version"
+    # the keys scripts read
+    assert data["measured"]["peak_mem_bytes_per_rank"] == {"0": 1_100_000, "1": 1_100_001}
+    assert {"status", "world_size", "dry_run", "global_batch_size", "predicted", "failures"} <= set(data)
+    assert load_report(path) == report
+    assert "peak memory per rank" in format_report(load_report(path))
+
+
+def test_a_nan_loss_survives_the_round_trip(tmp_path):
+    report = a_report(tmp_path, ranks={0: rank_result(0, loss=math.nan), 1: rank_result(1, loss=math.nan)})
+    report.save(tmp_path / "r.json")
+    assert math.isnan(load_report(tmp_path / "r.json").measured.losses[0])
+
+
+def test_a_failed_run_reports_what_it_measured(tmp_path):
+    dead = rank_result(1, steps=1)  # out of memory in its second step
+    dead.status, dead.phase, dead.error, dead.peak_mem_bytes = "oom", "training", "over the limit", 2_000_000
+    report = a_report(tmp_path, ranks={0: rank_result(0, steps=1), 1: dead}, returncode=1,
+                      failures={1: RankFailure(exitcode=1, signal=None)})
+    assert report.status == "failed" and "rank 1 ran out of memory" in report.failures[0]
+    report.save(tmp_path / "r.json")
+    assert load_report(tmp_path / "r.json").measured.peak_mem_bytes == 2_000_000
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda d: d.update(schema_version=REPORT_SCHEMA_VERSION + 1), "newer than this autoplan reads"),
+    (lambda d: d.pop("schema_version"), "not an autoplan run report"),
+    (lambda d: d.update(extra_field=1), "corrupt or incomplete"),
+    (lambda d: d["measured"].pop("losses"), "corrupt or incomplete"),
+])
+def test_load_refuses_what_it_cannot_trust(tmp_path, change, message):
+    path = tmp_path / "r.json"
+    data = json.loads(a_report(tmp_path).to_json())
+    change(data)
+    path.write_text(json.dumps(data))
+    with pytest.raises(AutoplanError, match=message):
+        load_report(path)
+    path.write_text("{not json")
+    with pytest.raises(AutoplanError, match="not valid JSON"):
+        load_report(path)
