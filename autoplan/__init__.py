@@ -30,29 +30,26 @@ run). `print(plan)` shows the decision table; `plan.to_dict()`, `plan.unit_table
 `plan.timeline_table()` give plain data.
 """
 
-from autoplan import plots  # noqa: E402  (matplotlib itself is imported only when a figure is drawn)
-from autoplan.api.estimate import STRATEGIES, Estimate, estimate  # noqa: E402
-from autoplan.api.frontier import FrontierPoint, frontier  # noqa: E402
-from autoplan.api.search import search  # noqa: E402
+from autoplan import plots  # matplotlib itself is imported only when a figure is drawn
+from autoplan.api.estimate import estimate
+from autoplan.api.frontier import FrontierPoint, frontier
+from autoplan.api.search import search
 from autoplan.api.traced import TracedModel, trace
-from autoplan.errors import (  # noqa: E402
-    AutoplanError,
-    InfeasibleError,
-    PlanFileError,
-    TraceError,  # noqa: E402
-    UsageError,
-)
-from autoplan.plan.schema import Plan, load_plan  # noqa: E402
-from autoplan.profile_store import available_profiles, load_profile  # noqa: E402
-from autoplan.sizes import parse_mem_bytes  # noqa: E402
-from autoplan.tracing.tracer import TRACERS, ExampleInputs  # noqa: E402
-from autoplan.version import __version__  # noqa: E402,F401
+from autoplan.errors import AutoplanError, InfeasibleError, PlanFileError, TraceError, UsageError
+from autoplan.plan.estimate import Estimate
+from autoplan.plan.schema import Plan, load_plan
+from autoplan.profile_store import available_profiles, load_profile
+from autoplan.settings import EstimateSettings, SearchSettings
+from autoplan.sizes import parse_mem_bytes
+from autoplan.tracing.tracer import TRACERS, ExampleInputs
+from autoplan.version import __version__
 from cost_models.profile import DeviceProfile
 
 __all__ = [
-    "AutoplanError", "DeviceProfile", "apply", "Estimate", "ExampleInputs", "FrontierPoint", "InfeasibleError", "Plan",
-    "PlanFileError", "STRATEGIES", "TRACERS", "TraceError", "TracedModel", "UsageError", "available_profiles",
-    "estimate", "frontier", "load_plan", "load_profile", "parse_mem_bytes", "plots", "search", "trace",
+    "AutoplanError", "DeviceProfile", "apply", "Estimate", "EstimateSettings", "ExampleInputs", "FrontierPoint",
+    "InfeasibleError", "Plan", "PlanFileError", "SearchSettings", "TRACERS", "TraceError", "TracedModel", "UsageError",
+    "__version__", "available_profiles", "estimate", "frontier", "load_plan", "load_profile", "parse_mem_bytes",
+    "plots", "search", "trace",
 ]
 
 

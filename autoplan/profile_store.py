@@ -57,7 +57,7 @@ def _read_profile(path: Path) -> DeviceProfile:
     if version != PROFILE_SCHEMA_VERSION:
         raise UsageError(
             f"profile {path} has schema_version {version!r}; this autoplan reads version "
-            f"{PROFILE_SCHEMA_VERSION} (re-run `autoplan profile` or upgrade autoplan)"
+            f"{PROFILE_SCHEMA_VERSION} (measure the device again with this autoplan, or upgrade autoplan)"
         )
     try:
         return DeviceProfile.model_validate(data)
@@ -78,5 +78,5 @@ def load_profile(name_or_path: str) -> DeviceProfile:
         return _read_profile(path)
     raise UsageError(
         f"unknown profile {name_or_path!r}; available: {', '.join(profiles)} "
-        f"(or give a path to a profile .json; `autoplan profile` measures one)"
+        f"(or give a path to a profile .json; `autoplan profile` measures this machine)"
     )

@@ -1,22 +1,245 @@
-"""Defaults and choices shared by the Python API and the command line."""
+"""One settings record per request: what `search` and `estimate` are asked, validated in one place.
+
+The Python API and the command line share these records, so they share every default and every
+check: `autoplan.search(model, mem, **fields)` builds a `SearchSettings`, and `autoplan search`'s
+flags are generated from the same fields (`autoplan.cli.flags`), with the docstring under each field
+as the flag's help. A field's name is the API parameter; the CLI flag is `--` + the name with dashes
+(or the `Flag` named in its annotation). Errors name the parameter in backticks (`seq_len`), and
+the CLI shows the flag there instead (`--seq-len`).
+
+The options a field can take (precisions, optimizers, sharding kinds) come from the one registry,
+`cost_models.options`, when the record is validated, so an option registered there is accepted here.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
+
 from autoplan.errors import UsageError
-from cost_models.precision import OPTIMIZER_STATES, PRECISIONS
+from autoplan.sizes import parse_mem_bytes
+from cost_models.options import DEFAULT_OPTIMIZER, DEFAULT_PRECISION, OPTIMIZERS, PRECISIONS, SHARDING_KINDS
+
+__all__ = [
+    "DEFAULT_HEADROOM", "DEFAULT_MODEL", "DEFAULT_PROFILE", "DEFAULT_TIME_LIMIT_S", "GRANULARITIES", "MAX_HEADROOM",
+    "EstimateSettings", "Flag", "PlanningSettings", "SearchSettings", "check_choice", "settings_error",
+]
 
 DEFAULT_MODEL = "gpt2-1.5b"
 DEFAULT_PROFILE = "a100-sxm4-80gb"
+DEFAULT_GPUS_PER_NODE = 8
 # plans are made to this fraction below the limit: predicted peaks land within ~1% of measured ones in a
 # typical step (see benchmarks/RESULTS.md), and now and then a buffer freed late by another thread
 # (gloo's) lifts a step's peak by up to ~2% more
 DEFAULT_HEADROOM = 0.02
 MAX_HEADROOM = 0.5
-DTYPES = tuple(PRECISIONS)
-OPTIMIZERS = tuple(OPTIMIZER_STATES)
+DEFAULT_TIME_LIMIT_S = 10.0
+GRANULARITIES = ("block", "fine", "leaf")
+
+
+@dataclass(frozen=True)
+class Flag:
+    """How a field appears on the command line, where its name or type alone does not say."""
+
+    name: str | None = None  # the flag, when not `--` + the field name with dashes
+    kind: str | None = None  # "mem" (a size such as 8GB), "choice" (from the registry, see _choices)
+    api_only: bool = False  # a Python object (a module, example inputs): no flag
 
 
 def check_choice(param: str, value: str, choices) -> None:
     """UsageError naming the parameter, the bad value and the accepted ones."""
     if value not in choices:
         raise UsageError(f"unknown `{param}` {value!r}; choose one of {', '.join(choices)}")
+
+
+def choices_of(field: str) -> tuple[str, ...] | None:
+    """The values a field takes, read from the registry now (None: any value of its type)."""
+    return {
+        "dtype": lambda: tuple(PRECISIONS),
+        "optimizer": lambda: tuple(OPTIMIZERS),
+        "strategy": lambda: tuple(SHARDING_KINDS),
+        "granularity": lambda: GRANULARITIES,
+    }.get(field, lambda: None)()
+
+
+class _Settings(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True,
+                              arbitrary_types_allowed=True, validate_default=False)
+
+    @classmethod
+    def create(cls, base: _Settings | None = None, **fields: Any):
+        """The record from keyword fields (None means "not given": the default, or `base`'s value);
+        bad input raises UsageError naming the parameter."""
+        given = {name: value for name, value in fields.items() if value is not None}
+        data = {name: getattr(base, name) for name in base.model_fields_set} if base is not None else {}
+        data.update(given)
+        try:
+            return cls(**data)
+        except ValidationError as exc:
+            raise settings_error(cls, exc) from None
+
+    def replace(self, **fields: Any):
+        """A copy with `fields` changed (validated again)."""
+        return type(self).create(self, **fields)
+
+    @property
+    def cluster_is_default(self) -> bool:
+        """No cluster was asked for: the plan is for the default one (one node of 8 A100s)."""
+        return all(getattr(self, name) is None for name in ("gpus", "nodes", "gpus_per_node", "profile"))
+
+    @field_validator("mem", mode="before", check_fields=False)
+    @classmethod
+    def _mem_bytes(cls, value):
+        return value if value is None else parse_mem_bytes(value)
+
+    @model_validator(mode="after")
+    def _check(self):
+        for name in ("gpus", "nodes", "gpus_per_node", "seq_len", "batch_size", "global_batch"):
+            value = getattr(self, name, None)
+            if value is not None and value < 1:
+                raise UsageError(f"`{name}` must be at least 1, got {value}")
+        for name in ("dtype", "optimizer", "granularity", "strategy"):
+            value = getattr(self, name, None)
+            if value is not None:
+                check_choice(name, value, choices_of(name))
+        gpus, nodes, per_node = self.gpus, self.nodes, self.gpus_per_node
+        if gpus is not None and per_node is None and gpus % (nodes or 1):
+            raise UsageError(f"`gpus` {gpus} is not a multiple of `nodes` {nodes}")
+        if gpus is not None and per_node is not None and gpus != (nodes or 1) * per_node:
+            raise UsageError(f"`gpus` {gpus} does not equal `nodes` {nodes or 1} x `gpus_per_node` {per_node}")
+        return self
+
+
+def settings_error(cls: type[BaseModel], exc: ValidationError) -> UsageError:
+    """A pydantic error as a UsageError that names the parameter and what it takes."""
+    first = exc.errors()[0]
+    name = ".".join(str(part) for part in first["loc"]) or "settings"
+    if first["type"] == "extra_forbidden":
+        known = ", ".join(n for n in cls.model_fields)
+        return UsageError(f"unknown setting `{name}`; the settings are: {known}")
+    return UsageError(f"`{name}`: {first['msg'].lower()}, got {first.get('input')!r}")
+
+
+class PlanningSettings(_Settings):
+    """What a search and an estimate are both asked: the model, the cluster and the training setup."""
+
+    model: Annotated[Any, Flag()] = None
+    """zoo name (see `autoplan models`), hf:path/to/config.json (a Hugging Face config, nothing
+    downloaded) or package.module:factory; in Python also an nn.Module or a TracedModel (default gpt2-1.5b; for
+    an estimate of a plan, the plan's model)"""
+
+    gpus: int | None = None
+    """total GPUs, the world size (default 8: one node of 8)"""
+
+    nodes: int | None = None
+    """number of nodes (default 1)"""
+
+    gpus_per_node: int | None = None
+    """GPUs per node (default: gpus / nodes, else 8)"""
+
+    profile: str | None = None
+    """device profile name or path (see `autoplan profiles`; default a100-sxm4-80gb)"""
+
+    seq_len: int | None = None
+    """sequence length (default: the model's context)"""
+
+    batch_size: int | None = None
+    """micro-batch per GPU (default: a search sweeps it, an estimate takes 1 or the plan's)"""
+
+    global_batch: int | None = None
+    """samples per optimizer step over all GPUs (gradient accumulation fills the gap)"""
+
+    dtype: Annotated[str | None, Flag(kind="choice")] = None
+    """training precision (default bf16-mixed, or the plan's)"""
+
+    optimizer: Annotated[str | None, Flag(kind="choice")] = None
+    """optimizer (default adamw, or the plan's)"""
+
+    granularity: Annotated[str | None, Flag(kind="choice")] = None
+    """unit size: one per block (default), attention/MLP apart (fine), every module (leaf)"""
+
+    example_inputs: Annotated[Any, Flag(api_only=True)] = None
+    """inputs of a model whose forward does not take token ids [batch, seq] (a tensor, a tuple or a dict;
+    batch in dim 0, sequence in dim 1; only shapes and dtypes matter)"""
+
+    @property
+    def model_or_default(self) -> Any:
+        return DEFAULT_MODEL if self.model is None else self.model
+
+    @property
+    def dtype_or_default(self) -> str:
+        return self.dtype or DEFAULT_PRECISION
+
+    @property
+    def optimizer_or_default(self) -> str:
+        return self.optimizer or DEFAULT_OPTIMIZER
+
+    @property
+    def granularity_or_default(self) -> str:
+        return self.granularity or "block"
+
+
+class SearchSettings(PlanningSettings):
+    """`autoplan.search` / `autoplan search`: the fastest plan whose predicted peak fits `mem`."""
+
+    mem: Annotated[int | None, Flag(kind="mem")] = None
+    """per-GPU memory limit in bytes, or a size such as 8GB, 8GiB, 8000MB, 8e9 (default: the profile's
+    device memory)"""
+
+    headroom: float = DEFAULT_HEADROOM
+    """fraction of `mem` kept free against prediction error and run-to-run variation (default 0.02: plans fit
+    98% of `mem`)"""
+
+    time_limit_s: Annotated[float, Flag(name="--time-limit")] = DEFAULT_TIME_LIMIT_S
+    """solver seconds per micro-batch size"""
+
+    strategy: Annotated[str | None, Flag(kind="choice")] = None
+    """no solver: every unit takes this sharding (a uniform plan to run or compare)"""
+
+    checkpoint: bool = False
+    """with `strategy`: activation checkpointing on every unit but the root"""
+
+    @model_validator(mode="after")
+    def _check_search(self):
+        if not 0 <= self.headroom < MAX_HEADROOM:
+            raise UsageError(f"`headroom` must be a fraction of the limit in [0, {MAX_HEADROOM}), got "
+                             f"{self.headroom:g} (e.g. 0.02 plans to 98% of `mem`)")
+        if not self.time_limit_s > 0:
+            raise UsageError(f"`time_limit_s` must be positive, got {self.time_limit_s}")
+        if self.checkpoint and self.strategy is None:
+            raise UsageError("`checkpoint` goes with `strategy`; without it the solver decides checkpointing per unit")
+        return self
+
+
+class EstimateSettings(PlanningSettings):
+    """`autoplan.estimate` / `autoplan estimate`: peak memory and step time of a fixed strategy or a plan."""
+
+    strategy: Annotated[str | None, Flag(kind="choice")] = None
+    """the option every unit takes (default shard)"""
+
+    checkpoint: bool = False
+    """activation checkpointing on every unit but the root"""
+
+    plan: Annotated[Any, Flag()] = None
+    """a plan file from `autoplan search` (in Python also a Plan): estimate its decisions, model and settings"""
+
+    mem: Annotated[int | None, Flag(kind="mem")] = None
+    """a per-GPU limit to compare with (default: the profile's device memory)"""
+
+    @model_validator(mode="after")
+    def _check_estimate(self):
+        if self.plan is not None and (self.strategy is not None or self.checkpoint):
+            raise UsageError("give either `strategy` (with or without `checkpoint`) or `plan`, not both: a plan says "
+                             "per unit how it shards and where it checkpoints")
+        return self
+
+
+def field_flag(cls: type[BaseModel], name: str) -> Flag:
+    """The Flag metadata of a field (an empty one where the annotation has none)."""
+    return next((m for m in cls.model_fields[name].metadata if isinstance(m, Flag)), Flag())
+
+
+def flag_name(cls: type[BaseModel], name: str) -> str:
+    return field_flag(cls, name).name or "--" + name.replace("_", "-")

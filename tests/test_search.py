@@ -67,7 +67,7 @@ def test_headroom_keeps_a_fraction_of_the_limit_free():
 
 @pytest.mark.parametrize("headroom", [-0.1, 0.5, 2.0])
 def test_headroom_out_of_range_is_a_usage_error(headroom):
-    with pytest.raises(UsageError, match="--headroom"):
+    with pytest.raises(UsageError, match="`headroom`"):
         search(mem="60MB", headroom=headroom, **TINY)
 
 
@@ -109,5 +109,5 @@ def test_bad_inputs_are_usage_errors():
         search(model="gpt2-tiny", mem="8GB", profile="no-such-gpu")
     with pytest.raises(UsageError, match="no_such_factory"):
         search(model="autoplan.models:no_such_factory", mem="8GB")
-    with pytest.raises(UsageError, match="seq-len"):  # a model object outside the zoo: no default length
+    with pytest.raises(UsageError, match="`seq_len`"):  # a model object outside the zoo: no default length
         search(model=build_model("gpt2-tiny"), mem="8GB")

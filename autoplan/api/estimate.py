@@ -9,30 +9,23 @@ on the same per-rank memory timeline the planner constrains (cost_models.memory)
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
-import torch.nn as nn
-
-from autoplan.api.traced import TracedModel, reuse_traced
+from autoplan.api.traced import reuse_traced
 from autoplan.errors import PlanFileError, UsageError
 from autoplan.models.fingerprint import model_fingerprint
 from autoplan.plan.assemble import prediction, unit_decisions
 from autoplan.plan.estimate import Estimate
 from autoplan.plan.schema import ClusterSpec, ModelRef, Plan, TrainingSpec, load_plan
-from autoplan.settings import DEFAULT_MODEL, DTYPES, OPTIMIZERS, check_choice
+from autoplan.settings import DEFAULT_MODEL, EstimateSettings, check_choice, choices_of
 from autoplan.sizes import format_bytes, parse_mem_bytes
 from autoplan.solve.cluster import resolve_cluster
 from autoplan.solve.tables import compute_dtype_of, micro_batch_candidates
 from cost_models.evaluate import evaluate, uniform_choices
+from cost_models.options import DEFAULT_OPTIMIZER, DEFAULT_PRECISION, DEFAULT_SHARDING, SHARDING_KINDS
 from cost_models.table import CostTable
 
-STRATEGIES = {
-    "shard": "every unit sharded, resharded after its forward (ZeRO-3, FSDP FULL_SHARD)",
-    "shard_keep": "every unit sharded, parameters kept gathered from forward to backward (ZeRO-2-like)",
-    "replicate": "every unit replicated, gradients all-reduced (DDP-like)",
-    "hybrid": "sharded within a node, replicated across nodes (HSDP)",
-}
+
 def _plan_choices(table: CostTable, plan: Plan) -> list[int]:
     """The plan's option per unit, as option indices into `table`."""
     decisions = {unit.module: unit for unit in plan.units}
@@ -52,41 +45,28 @@ def _plan_choices(table: CostTable, plan: Plan) -> list[int]:
     return choices
 
 
-def estimate(
-    model: str | nn.Module | TracedModel | None = None,
-    strategy: str | None = None,
-    *,
-    checkpoint: bool = False,
-    plan: Plan | str | os.PathLike | None = None,
-    mem: str | int | None = None,
-    gpus: int | None = None,
-    nodes: int | None = None,
-    gpus_per_node: int | None = None,
-    profile: str | None = None,
-    batch_size: int | None = None,
-    global_batch: int | None = None,
-    seq_len: int | None = None,
-    dtype: str | None = None,
-    optimizer: str | None = None,
-    granularity: str | None = None,
-    example_inputs: Any = None,
-) -> Estimate:
+def estimate(model: Any = None, strategy: str | None = None, *, settings: EstimateSettings | None = None,
+             **fields: Any) -> Estimate:
     """Per-rank peak memory (by category), the memory timeline and the step time of a fixed strategy.
 
-    `strategy`: "shard" (default), "shard_keep", "replicate" or "hybrid" for every unit, with
-    `checkpoint` turning on activation checkpointing wherever it applies (every unit but the root);
-    or `plan` (a Plan or a plan file) for its decisions, its model and, unless given, its settings.
-    `batch_size` is the micro-batch per GPU (default 1); `global_batch` adds gradient accumulation.
-    `mem` is a limit to compare with (default: the device's memory). Other settings as `search`.
+    `strategy`: a sharding kind ("shard", the default, "shard_keep", "replicate", "hybrid", ...) for
+    every unit, with `checkpoint=True` turning on activation checkpointing wherever it applies (every
+    unit but the root); or `plan=` (a Plan or a plan file) for its decisions, its model and, unless
+    given, its settings. `batch_size` is the micro-batch per GPU (default 1); `global_batch` adds
+    gradient accumulation; `mem` is a limit to compare with (default: the device's memory). The
+    fields are `autoplan.settings.EstimateSettings`'s (the same as `autoplan estimate`'s flags).
 
     >>> import autoplan
     >>> est = autoplan.estimate("gpt2-tiny", "shard", checkpoint=True, gpus=2, batch_size=8, seq_len=64)
     >>> est.fits, est.predicted.peak_mem_bytes > est.model_state_bytes
     (True, True)
     """
+    s = EstimateSettings.create(settings, model=model, strategy=strategy, **fields)
+    model, plan, mem = s.model, s.plan, s.mem
+    gpus, nodes, gpus_per_node, profile = s.gpus, s.nodes, s.gpus_per_node, s.profile
+    batch_size, global_batch, seq_len = s.batch_size, s.global_batch, s.seq_len
+    dtype, optimizer, granularity = s.dtype, s.optimizer, s.granularity
     if plan is not None:
-        if strategy is not None or checkpoint:
-            raise UsageError("give either a strategy (with or without checkpointing) or a plan, not both")
         plan = plan if isinstance(plan, Plan) else load_plan(plan)
         cluster_given = any(v is not None for v in (gpus, nodes, gpus_per_node))
         if not cluster_given:
@@ -103,19 +83,19 @@ def estimate(
             if plan.model.config is None and ":" not in plan.model.name:
                 raise UsageError(f"the plan was made for a model object ({plan.model.name}); pass that model too")
             model = plan.model.name
-    strategy = strategy or "shard"
-    dtype, optimizer, granularity = dtype or "bf16-mixed", optimizer or "adamw", granularity or "block"
-    check_choice("strategy", strategy, STRATEGIES)
-    check_choice("--dtype", dtype, DTYPES)
-    check_choice("--optimizer", optimizer, OPTIMIZERS)
+    strategy = s.strategy or DEFAULT_SHARDING
+    checkpoint = s.checkpoint
+    dtype, optimizer, granularity = dtype or DEFAULT_PRECISION, optimizer or DEFAULT_OPTIMIZER, granularity or "block"
+    check_choice("dtype", dtype, choices_of("dtype"))
+    check_choice("optimizer", optimizer, choices_of("optimizer"))
 
-    session = reuse_traced(model if model is not None else DEFAULT_MODEL, seq_len, example_inputs)
+    session = reuse_traced(model if model is not None else DEFAULT_MODEL, seq_len, s.example_inputs)
     if plan is not None and model_fingerprint(session.module) != plan.model.fingerprint:
         raise PlanFileError(f"the plan was made for a different model than {session.name} (module tree or "
-                            "parameter shapes differ); re-run `autoplan search` for this model")
+                            "parameter shapes differ); search again for this model")
     cluster = resolve_cluster(gpus, nodes, gpus_per_node, profile)
-    if strategy == "hybrid" and cluster.shape.nodes < 2:
-        raise UsageError("hybrid sharding needs more than one node (--nodes)")
+    if SHARDING_KINDS[strategy].multi_node_only and cluster.shape.nodes < 2:
+        raise UsageError(f"`strategy` {strategy} needs more than one node (`nodes`)")
     mem_limit_bytes = parse_mem_bytes(mem) if mem is not None else cluster.profile.mem_bytes
     [(micro_batch_size, accum)] = micro_batch_candidates(cluster.shape.world_size, batch_size or 1, global_batch)
 
@@ -127,7 +107,7 @@ def estimate(
     else:
         choices = uniform_choices(table, strategy, checkpoint)
         label = strategy + ("+ckpt" if checkpoint else "")
-        description = STRATEGIES[strategy] + ("; activation checkpointing on every unit but the root"
+        description = SHARDING_KINDS[strategy].description + ("; activation checkpointing on every unit but the root"
                                               if checkpoint else "; no activation checkpointing")
     result = evaluate(table, choices)
 
@@ -146,4 +126,4 @@ def estimate(
     )
 
 
-__all__ = ["STRATEGIES", "estimate"]
+__all__ = ["estimate"]

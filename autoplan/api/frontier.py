@@ -9,13 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-import torch.nn as nn
-
 from autoplan.api.search import search
-from autoplan.api.traced import TracedModel, reuse_traced
+from autoplan.api.traced import reuse_traced
 from autoplan.errors import InfeasibleError
 from autoplan.plan.assemble import BASELINES
 from autoplan.plan.schema import Plan
+from autoplan.settings import SearchSettings
 from autoplan.sizes import parse_mem_bytes
 
 
@@ -33,27 +32,23 @@ class FrontierPoint:
         return {"mem_limit_bytes": self.mem_limit_bytes, "autoplan": self.throughput_samples_s, **self.baselines}
 
 
-def frontier(
-    model: str | nn.Module | TracedModel,
-    limits: Iterable[str | int],
-    *,
-    seq_len: int | None = None,
-    example_inputs: Any = None,
-    **search_settings,
-) -> list[FrontierPoint]:
-    """One FrontierPoint per memory limit, smallest limit first. `search_settings` are `search`'s
-    (gpus, profile, batch_size, dtype, ...), the same for every limit.
+def frontier(model: Any, limits: Iterable[str | int], *, settings: SearchSettings | None = None,
+             **fields: Any) -> list[FrontierPoint]:
+    """One FrontierPoint per memory limit, smallest limit first. `fields` (or `settings`) are `search`'s
+    (gpus, profile, batch_size, dtype, ...), the same for every limit; the model is traced once.
 
     >>> import autoplan
     >>> points = autoplan.frontier("gpt2-tiny", ["20MB", "80GB"], gpus=2, seq_len=64)
     >>> [p.throughput_samples_s is not None for p in points]
     [True, True]
     """
-    traced = reuse_traced(model, seq_len, example_inputs)
+    base = SearchSettings.create(settings, model=model, **fields)
+    traced = reuse_traced(base.model_or_default, base.seq_len, base.example_inputs)
+    base = base.replace(model=traced)
     points = []
     for limit_bytes in sorted(parse_mem_bytes(limit) for limit in limits):
         try:
-            plan = search(traced, limit_bytes, **search_settings)
+            plan = search(mem=limit_bytes, settings=base)
         except InfeasibleError:
             # no plan fits, so no uniform baseline does either (each is one of the plans searched)
             points.append(FrontierPoint(limit_bytes, None, {name: None for name, _, _ in BASELINES}))

@@ -15,7 +15,7 @@ import torch.nn as nn
 from autoplan.errors import UsageError
 from autoplan.models.resolve import resolve_model
 from autoplan.models.zoo import count_params
-from autoplan.settings import DTYPES, check_choice
+from autoplan.settings import check_choice, choices_of
 from autoplan.solve.tables import CostTables, compute_dtype_of
 from autoplan.tracing.tracer import ExampleInputs, TracePair, trace_pair
 
@@ -40,9 +40,9 @@ class TracedModel:
         if seq_len is None:
             seq_len = self.resolved.max_seq_len or (self.example_inputs.seq_len if self.example_inputs else None)
         if seq_len is None:
-            raise UsageError("give --seq-len (the sequence length to plan for) for a model outside the zoo")
+            raise UsageError("give `seq_len` (the sequence length to plan for) for a model outside the zoo")
         if seq_len < 1:
-            raise UsageError(f"--seq-len must be positive, got {seq_len}")
+            raise UsageError(f"`seq_len` must be positive, got {seq_len}")
         self.seq_len = seq_len
         self.forced_tracer = tracer
         self._traces: dict[str, TracePair] = {}
@@ -93,7 +93,7 @@ def trace(model: str | nn.Module, *, seq_len: int | None = None, example_inputs:
     >>> traced.tracer, traced.n_params
     ('fx', 141056)
     """
-    check_choice("dtype", dtype, DTYPES)
+    check_choice("dtype", dtype, choices_of("dtype"))
     traced = TracedModel(model, seq_len=seq_len, example_inputs=example_inputs, tracer=tracer)
     traced.traces(compute_dtype_of(dtype))
     return traced

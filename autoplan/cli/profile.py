@@ -62,7 +62,7 @@ def register(subparsers) -> None:
                         help="rough and fast: gpt2-tiny at micro-batch 1, one sweep block, 3 repeats, 3 message "
                              "sizes, one short overlap trial")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
-    parser.set_defaults(handler=run_profile)
+    parser.set_defaults(handler=run_profile, subparser=parser)
 
     listing = subparsers.add_parser(
         "profiles", help="list the shipped and local device profiles",
@@ -71,7 +71,7 @@ def register(subparsers) -> None:
                     "shipped one of the same name.",
         epilog=PROFILES_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    listing.set_defaults(handler=run_profiles)
+    listing.set_defaults(handler=run_profiles, subparser=listing)
 
 
 def settings_from_args(args: argparse.Namespace):

@@ -17,9 +17,9 @@ from __future__ import annotations
 import torch.nn as nn
 
 from autoplan.errors import UsageError
+from autoplan.settings import GRANULARITIES
 from cost_models.records import ModelTrace, ParamInfo, Unit
 
-GRANULARITIES = ("block", "fine", "leaf")
 # A sibling module along the path to the blocks becomes a unit only if it is at least this
 # fraction of one block's parameters: tiny units cost a collective's latency for nothing.
 MIN_SIBLING_FRACTION = 0.25
@@ -58,7 +58,7 @@ def _largest_module_list(model: nn.Module) -> str | None:
 def candidate_paths(model: nn.Module, granularity: str = "block") -> list[str]:
     """Module paths that become units (the root "" always is one), before tie exclusion."""
     if granularity not in GRANULARITIES:
-        raise UsageError(f"unknown granularity {granularity!r}; choose one of {', '.join(GRANULARITIES)}")
+        raise UsageError(f"unknown `granularity` {granularity!r}; choose one of {', '.join(GRANULARITIES)}")
     if granularity == "leaf":
         return [""] + [
             name for name, module in model.named_modules()
