@@ -106,12 +106,12 @@ def _resolve(settings: ProfileSettings) -> tuple[torch.device, str, int | None]:
     if settings.device not in ("cpu", "cuda"):
         raise UsageError(f"unknown device {settings.device!r}; use cpu or cuda")
     if settings.nproc < 2:
-        raise UsageError(f"--nproc {settings.nproc}: collectives need at least 2 processes")
+        raise UsageError(f"`nproc` {settings.nproc}: collectives need at least 2 processes")
     if settings.device == "cuda":
         if not torch.cuda.is_available():
-            raise UsageError("--device cuda, but torch sees no CUDA device here (use --device cpu)")
+            raise UsageError("`device` cuda, but torch sees no CUDA device here (use `device` cpu)")
         if settings.nproc > torch.cuda.device_count():
-            raise UsageError(f"--nproc {settings.nproc} needs {settings.nproc} GPUs; "
+            raise UsageError(f"`nproc` {settings.nproc} needs {settings.nproc} GPUs; "
                              f"this host has {torch.cuda.device_count()}")
     backend = settings.backend or default_backend(settings.device)
     threads = settings.threads

@@ -164,7 +164,7 @@ def check_model_matches(model: nn.Module, plan: Plan) -> None:
     raise PlanFileError(
         f"the plan was made for another model than the one given ({plan.model.name}): "
         f"{first_difference(model, plan)} (model fingerprint {fingerprint}, plan {plan.model.fingerprint}); "
-        "re-run `autoplan search` for this model"
+        "make a plan for this model"
     )
 
 
@@ -194,11 +194,11 @@ def check_world_size(world_size: int, plan: Plan, dry_run: bool = False) -> None
     if world_size > planned:
         raise PlanFileError(
             f"the plan is for a world of {planned} ranks, but {world_size} are running it; "
-            f"re-run `autoplan search --gpus {world_size}`"
+            f"make the plan again for {world_size} GPUs"
         )
     raise PlanFileError(
         f"the plan is for a world of {planned} ranks, but {world_size} are running it; "
-        f"launch {planned} ranks, or apply it as a dry run on fewer (`autoplan apply --nproc {world_size}`)"
+        f"launch {planned} ranks, or apply it as a dry run on fewer (`nproc` {world_size})"
     )
 
 
@@ -290,7 +290,7 @@ def model_for_plan(plan: Plan, factory: str | None = None) -> nn.Module:
     if plan.model.config is None:
         raise UsageError(
             f"this plan was made for the model factory {plan.model.name!r}; autoplan does not import code "
-            f"named only in a plan file, so pass it again: --model {plan.model.name}"
+            f"named only in a plan file, so name the factory again: `model` {plan.model.name}"
         )
     try:
         return build_model(ModelConfig.from_dict(plan.model.config))
