@@ -38,7 +38,7 @@ def test_factory_plan_needs_the_factory_named_again():
     model = model_for_plan(make_plan("gpt2-tiny"))  # zoo plan: rebuilt from its config
     assert type(model).__name__ == "GPT2" and next(model.parameters()).is_meta
     factory_plan = make_plan(factory_model=build_model("gpt2-tiny"), name="factory_models:tiny_gpt2")
-    with pytest.raises(UsageError, match="--model factory_models:tiny_gpt2"):
+    with pytest.raises(UsageError, match="`model` factory_models:tiny_gpt2"):
         model_for_plan(factory_plan)
     assert next(model_for_plan(factory_plan, "factory_models:tiny_gpt2").parameters()).is_meta
 

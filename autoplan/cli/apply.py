@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from autoplan.cli.flags import to_flags
 from autoplan.errors import UsageError
 from autoplan.plan.schema import Plan, load_plan
 from autoplan.run.apply import DEFAULT_LR, check_model_matches, check_world_size, model_for_plan
@@ -79,7 +80,7 @@ def run_apply(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
         plan, spec, nproc = prepare_run(args)
     except UsageError as exc:
-        parser.error(str(exc))  # other AutoplanErrors (a bad plan file) are reported by cli.main
+        parser.error(to_flags(str(exc), parser))  # other AutoplanErrors (a bad plan file) are reported by cli.main
 
     backend = "nccl" if spec.device == "cuda" else "gloo"
     print(f"autoplan apply: {args.plan} ({plan.model.name}) on {nproc} rank(s), {spec.device} + {backend}, "
