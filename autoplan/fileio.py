@@ -1,8 +1,31 @@
-"""Atomic file writes: a crash or an error never leaves a half-written plan or profile behind."""
+"""Atomic file writes: a crash or an error never leaves a half-written plan or profile behind.
+
+The file is written under a temporary name beside the target and renamed over it. It gets the mode a
+plain `open(path, "w")` would give (0666 less the user's umask), not the 0600 of a temporary file, so
+a plan or report shared in a team folder is readable by the team. `check_writable` lets a command
+refuse an output path it could not write before doing the work that produces the file.
+"""
 
 import os
 import tempfile
 from pathlib import Path
+
+from autoplan.errors import UsageError
+
+__all__ = ["check_writable", "write_text_atomic"]
+
+
+def _umask() -> int:
+    """The process's umask, read without changing it where Linux says it (else set and restored)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:
@@ -10,9 +33,34 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "w") as handle:
             handle.write(text)
         os.replace(tmp_name, target)
     except BaseException:
         Path(tmp_name).unlink(missing_ok=True)
         raise
+
+
+def check_writable(path: str | os.PathLike, what: str = "output file", param: str | None = None,
+                   example: str = "out.json") -> None:
+    """UsageError unless `path` can be written as a file: not a directory, and its nearest existing folder
+    (the folders below it are created) a directory that takes a new file. Tried with a temporary file,
+    removed at once: permission bits alone do not tell (root ignores them; a read-only mount does not).
+    `param` names the API parameter (the CLI shows its flag) that gave the path; `example` is a file name
+    to suggest when the path is a directory."""
+    target = Path(path).expanduser()
+    name = f"`{param}` {path}" if param else f"the {what} {path}"
+    if target.is_dir():
+        raise UsageError(f"{name} is a directory; give a file name, e.g. {target / example}")
+    folder = target.parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir():
+        raise UsageError(f"cannot write {name}: {folder} is a file, not a directory")
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as exc:
+        raise UsageError(f"cannot write {name}: the directory {folder} takes no new file ({exc.strerror or exc}); "
+                         "give a path in a directory you can write to") from None

@@ -19,12 +19,13 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
 from autoplan.errors import UsageError
-from autoplan.sizes import parse_mem_bytes
+from autoplan.sizes import format_bytes, parse_mem_bytes
 from cost_models.options import DEFAULT_OPTIMIZER, DEFAULT_PRECISION, OPTIMIZERS, PRECISIONS, SHARDING_KINDS
 
 __all__ = [
     "DEFAULT_HEADROOM", "DEFAULT_MODEL", "DEFAULT_PROFILE", "DEFAULT_TIME_LIMIT_S", "GRANULARITIES", "MAX_HEADROOM",
-    "EstimateSettings", "Flag", "PlanningSettings", "SearchSettings", "check_choice", "settings_error",
+    "EstimateSettings", "Flag", "PlanningSettings", "SearchSettings", "check_choice", "check_mem_limit",
+    "settings_error",
 ]
 
 DEFAULT_MODEL = "gpt2-1.5b"
@@ -52,6 +53,16 @@ def check_choice(param: str, value: str, choices) -> None:
     """UsageError naming the parameter, the bad value and the accepted ones."""
     if value not in choices:
         raise UsageError(f"unknown `{param}` {value!r}; choose one of {', '.join(choices)}")
+
+
+def check_mem_limit(mem_limit_bytes: int, device_mem_bytes: int, profile: str, allowed: bool,
+                    source: str = "`mem`") -> None:
+    """UsageError for a limit above the device's memory (a plan to it could not run), unless `allowed`."""
+    if mem_limit_bytes > device_mem_bytes and not allowed:
+        raise UsageError(f"{source} {format_bytes(mem_limit_bytes)} is more than the {format_bytes(device_mem_bytes)} "
+                         f"of memory a device of profile {profile} has, so a plan to it could not run there. Give "
+                         f"`mem` at most {format_bytes(device_mem_bytes)}, the `profile` of the device you will run "
+                         "on, or `allow_over_device_mem` to plan above the device's memory anyway")
 
 
 def choices_of(field: str) -> tuple[str, ...] | None:
@@ -201,6 +212,10 @@ class SearchSettings(PlanningSettings):
     checkpoint: bool = False
     """with `strategy`: activation checkpointing on every unit but the root"""
 
+    allow_over_device_mem: bool = False
+    """accept a `mem` above the profile's device memory (a plan that could not run on that device; the report
+    says so)"""
+
     @model_validator(mode="after")
     def _check_search(self):
         if not 0 <= self.headroom < MAX_HEADROOM:
@@ -227,6 +242,9 @@ class EstimateSettings(PlanningSettings):
 
     mem: Annotated[int | None, Flag(kind="mem")] = None
     """a per-GPU limit to compare with (default: the profile's device memory)"""
+
+    allow_over_device_mem: bool = False
+    """accept a `mem` (or a plan's limit) above the profile's device memory"""
 
     @model_validator(mode="after")
     def _check_estimate(self):

@@ -112,7 +112,9 @@ def test_search_and_estimate_a_user_factory(factory_dir):
     plan = autoplan.search("user_models:build", "20MB", gpus=2, seq_len=32)
     assert plan.model.name == "user_models:build" and plan.model.tracer == "fx"
     assert [u.module for u in plan.units][:2] == ["", "embed"]
-    result = autoplan.estimate(plan=plan)
+    with pytest.raises(UsageError, match="does not import code named only in a plan file.*`model` user_models:build"):
+        autoplan.estimate(plan=plan)  # a plan never makes autoplan import code: the factory is named again
+    result = autoplan.estimate("user_models:build", plan=plan)
     assert result.predicted == plan.predicted
     with pytest.raises(UsageError, match="`seq_len`"):
         autoplan.estimate("user_models:build", "shard")  # outside the zoo: no default length

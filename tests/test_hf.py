@@ -1,10 +1,12 @@
 """Hugging Face models from tiny local config.json files (written here; nothing is downloaded)."""
 
 import json
+import os
 
 import pytest
 
 import autoplan
+from autoplan.cli.main import main
 from autoplan.errors import UsageError
 
 pytest.importorskip("transformers")
@@ -65,12 +67,61 @@ def test_estimate_on_an_hf_config(configs):
     assert replicated.model_state_bytes == pytest.approx(2 * sharded.model_state_bytes, rel=0.01)
 
 
-def test_cli_estimate_takes_a_plan_for_an_hf_config(run_cli, configs, tmp_path):
-    autoplan.search(f"hf:{configs['llama']}", "40MB", gpus=2, seq_len=32).save(tmp_path / "hf-plan.json")
-    result = run_cli("estimate", "--plan", "hf-plan.json", "--timeline")  # the plan names its hf: model
+def test_cli_estimate_takes_a_plan_for_an_hf_config(run_cli, configs, tmp_path, monkeypatch):
+    """`search -o` writes the config's path relative to the plan's folder, where `estimate --plan` reads it."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["search", "--model", f"hf:{configs['llama']}", "--mem", "40MB", "--gpus", "2", "--seq-len", "32",
+                 "-o", "plans/hf-plan.json"]) == 0
+    name = json.loads((tmp_path / "plans" / "hf-plan.json").read_text())["model"]["name"]
+    assert name == "hf:" + os.path.relpath(configs["llama"], tmp_path / "plans")
+    result = run_cli("estimate", "--plan", "plans/hf-plan.json", "--timeline")  # the plan names its hf: model
     assert result.returncode == 0, result.stderr
-    assert f"hf:{configs['llama']}" in result.stdout and "traced by dispatch" in result.stdout
+    assert name in result.stdout and "traced by dispatch" in result.stdout
     assert "strategy plan" in result.stdout and "bwd model.layers.1" in result.stdout
+
+
+def test_a_plans_hf_path_is_read_from_its_folder_and_never_absolute(configs, tmp_path, monkeypatch):
+    plan = autoplan.search(f"hf:{configs['llama']}", "40MB", gpus=2, seq_len=32)
+    plan.save(tmp_path / "absolute.json")
+    with pytest.raises(UsageError, match="the plan file .*absolute.json names its Hugging Face config by the "
+                                         "absolute path .*Give the model: `model` hf:PATH"):
+        autoplan.estimate(plan=tmp_path / "absolute.json")
+    assert autoplan.estimate(f"hf:{configs['llama']}", plan=tmp_path / "absolute.json").fits  # named again: fine
+
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    relative = "hf:" + os.path.relpath(configs["llama"], tmp_path / "a")
+    moved = plan.model_copy(update={"model": plan.model.model_copy(update={"name": relative})})
+    moved.save(tmp_path / "a" / "plan.json")
+    monkeypatch.chdir(tmp_path / "a" / "b")  # not the plan's folder: the path is still read from there
+    assert autoplan.estimate(plan=tmp_path / "a" / "plan.json").predicted == plan.predicted
+    moved.save(tmp_path / "a" / "b" / "plan.json")  # one folder deeper, the path points nowhere
+    with pytest.raises(UsageError, match=r"the Hugging Face config .* came from the plan file .*b/plan.json \(read "
+                                         r"relative to its folder, .*\): no Hugging Face config at"):
+        autoplan.estimate(plan=tmp_path / "a" / "b" / "plan.json")
+
+
+@pytest.mark.parametrize("name, missing", [
+    ("llama", ["num_hidden_layers", "hidden_size"]),
+    ("gpt2", ["n_layer", "n_positions"]),  # as the gpt2 config spells num_hidden_layers, max_position_embeddings
+    ("bert", ["intermediate_size", "vocab_size"]),
+])
+def test_a_config_missing_its_sizes_is_refused_by_name(tmp_path, name, missing):
+    data = {k: v for k, v in CONFIGS[name].items() if k not in missing}
+    (tmp_path / "config.json").write_text(json.dumps(data))
+    with pytest.raises(UsageError) as info:
+        autoplan.search(f"hf:{tmp_path}", "1GB", seq_len=16)
+    message = str(info.value)
+    assert all(repr(field) in message for field in missing) and "defaults" in message, message
+    assert str(tmp_path / "config.json") in message
+
+
+def test_learned_positions_bound_the_sequence_and_rope_does_not(configs):
+    with pytest.raises(UsageError, match=r"`seq_len` 256 is longer than the 128 positions .*max_position_embeddings"):
+        autoplan.search(f"hf:{configs['gpt2']}", "1GB", gpus=2, seq_len=256)
+    with pytest.raises(UsageError, match=r"`seq_len` 200 is longer than the 128 positions"):
+        autoplan.estimate(f"hf:{configs['bert']}", "shard", gpus=2, seq_len=200)
+    # llama's rotary embedding has no table: max_position_embeddings is only the default length
+    assert autoplan.estimate(f"hf:{configs['llama']}", "shard", gpus=2, seq_len=256).training.seq_len == 256
 
 
 @pytest.mark.parametrize("changes, expected", [

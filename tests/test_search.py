@@ -50,7 +50,8 @@ def test_limit_below_the_smallest_plan_reports_the_needed_amount():
 
 
 def test_headroom_keeps_a_fraction_of_the_limit_free():
-    exact = search(mem="1TB", strategy="replicate", batch_size=1, headroom=0.0, **TINY).predicted.peak_mem_bytes
+    exact = search(mem="1TB", strategy="replicate", batch_size=1, headroom=0.0, allow_over_device_mem=True,
+                   **TINY).predicted.peak_mem_bytes
     # a limit exactly at the all-replicate peak: it fits with no headroom, not with the default 2%
     assert search(mem=exact, strategy="replicate", batch_size=1, headroom=0.0, **TINY).cluster.mem_headroom == 0.0
     with pytest.raises(InfeasibleError) as info:

@@ -9,15 +9,17 @@ on the same per-rank memory timeline the planner constrains (cost_models.memory)
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from autoplan.api.traced import reuse_traced
 from autoplan.errors import PlanFileError, UsageError
 from autoplan.models.fingerprint import model_fingerprint
+from autoplan.models.resolve import check_seq_len, model_from_plan
 from autoplan.plan.assemble import prediction, unit_decisions
 from autoplan.plan.estimate import Estimate
 from autoplan.plan.schema import ClusterSpec, ModelRef, Plan, TrainingSpec, load_plan
-from autoplan.settings import DEFAULT_MODEL, EstimateSettings, check_choice, choices_of
+from autoplan.settings import DEFAULT_MODEL, EstimateSettings, check_choice, check_mem_limit, choices_of
 from autoplan.sizes import format_bytes, parse_mem_bytes
 from autoplan.solve.cluster import resolve_cluster
 from autoplan.solve.tables import compute_dtype_of, micro_batch_candidates
@@ -52,9 +54,12 @@ def estimate(model: Any = None, strategy: str | None = None, *, settings: Estima
     `strategy`: a sharding kind ("shard", the default, "shard_keep", "replicate", "hybrid", ...) for
     every unit, with `checkpoint=True` turning on activation checkpointing wherever it applies (every
     unit but the root); or `plan=` (a Plan or a plan file) for its decisions, its model and, unless
-    given, its settings. `batch_size` is the micro-batch per GPU (default 1); `global_batch` adds
-    gradient accumulation; `mem` is a limit to compare with (default: the device's memory). The
-    fields are `autoplan.settings.EstimateSettings`'s (the same as `autoplan estimate`'s flags).
+    given, its settings (the plan's model is rebuilt from the plan's data only: its zoo config, or its
+    "hf:" config relative to the plan file's folder; a plan made from a factory needs `model`).
+    `batch_size` is the micro-batch per GPU (default 1); `global_batch` adds gradient accumulation;
+    `mem` is a limit to compare with (default: the device's memory; above it only with
+    `allow_over_device_mem`). The fields are `autoplan.settings.EstimateSettings`'s (the same as
+    `autoplan estimate`'s flags).
 
     >>> import autoplan
     >>> est = autoplan.estimate("gpt2-tiny", "shard", checkpoint=True, gpus=2, batch_size=8, seq_len=64)
@@ -66,23 +71,24 @@ def estimate(model: Any = None, strategy: str | None = None, *, settings: Estima
     gpus, nodes, gpus_per_node, profile = s.gpus, s.nodes, s.gpus_per_node, s.profile
     batch_size, global_batch, seq_len = s.batch_size, s.global_batch, s.seq_len
     dtype, optimizer, granularity = s.dtype, s.optimizer, s.granularity
+    plan_file, mem_source = None, "`mem`"
     if plan is not None:
-        plan = plan if isinstance(plan, Plan) else load_plan(plan)
+        if not isinstance(plan, Plan):
+            plan_file, plan = Path(plan), load_plan(plan)
         cluster_given = any(v is not None for v in (gpus, nodes, gpus_per_node))
         if not cluster_given:
             gpus, nodes, gpus_per_node = plan.cluster.world_size, plan.cluster.nodes, plan.cluster.gpus_per_node
         t = plan.training
         profile = profile or plan.cluster.profile
-        mem = mem if mem is not None else plan.cluster.mem_limit_bytes
+        if mem is None:
+            mem, mem_source = plan.cluster.mem_limit_bytes, "the plan's memory limit"
         batch_size = batch_size or t.micro_batch_size
         if global_batch is None and not cluster_given:
             global_batch = t.global_batch_size
         seq_len, dtype = seq_len or t.seq_len, dtype or t.dtype
         optimizer, granularity = optimizer or t.optimizer, granularity or t.granularity
-        if model is None:
-            if plan.model.config is None and ":" not in plan.model.name:
-                raise UsageError(f"the plan was made for a model object ({plan.model.name}); pass that model too")
-            model = plan.model.name
+        if model is None:  # from the plan's data: never code the plan names
+            model = model_from_plan(plan.model.name, plan.model.config, plan_file)
     strategy = s.strategy or DEFAULT_SHARDING
     checkpoint = s.checkpoint
     dtype, optimizer, granularity = dtype or DEFAULT_PRECISION, optimizer or DEFAULT_OPTIMIZER, granularity or "block"
@@ -90,6 +96,7 @@ def estimate(model: Any = None, strategy: str | None = None, *, settings: Estima
     check_choice("optimizer", optimizer, choices_of("optimizer"))
 
     session = reuse_traced(model if model is not None else DEFAULT_MODEL, seq_len, s.example_inputs)
+    check_seq_len(session.resolved, session.seq_len)
     if plan is not None and model_fingerprint(session.module) != plan.model.fingerprint:
         raise PlanFileError(f"the plan was made for a different model than {session.name} (module tree or "
                             "parameter shapes differ); search again for this model")
@@ -97,13 +104,15 @@ def estimate(model: Any = None, strategy: str | None = None, *, settings: Estima
     if SHARDING_KINDS[strategy].multi_node_only and cluster.shape.nodes < 2:
         raise UsageError(f"`strategy` {strategy} needs more than one node (`nodes`)")
     mem_limit_bytes = parse_mem_bytes(mem) if mem is not None else cluster.profile.mem_bytes
+    check_mem_limit(mem_limit_bytes, cluster.profile.mem_bytes, cluster.profile_name, s.allow_over_device_mem,
+                    mem_source)
     [(micro_batch_size, accum)] = micro_batch_candidates(cluster.shape.world_size, batch_size or 1, global_batch)
 
     traced = session.cache(compute_dtype_of(dtype), granularity)
     table = traced.table(micro_batch_size, accum, cluster, session.seq_len, dtype, optimizer)
     if plan is not None:
         choices, label = _plan_choices(table, plan), "plan"
-        description = f"the plan's decisions ({plan.model.name}, limit {format_bytes(plan.cluster.mem_limit_bytes)})"
+        description = f"the plan's decisions ({session.name}, limit {format_bytes(plan.cluster.mem_limit_bytes)})"
     else:
         choices = uniform_choices(table, strategy, checkpoint)
         label = strategy + ("+ckpt" if checkpoint else "")

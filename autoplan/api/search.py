@@ -10,10 +10,11 @@ from typing import Any
 
 from autoplan.api.traced import reuse_traced
 from autoplan.models.fingerprint import model_fingerprint
+from autoplan.models.resolve import check_seq_len
 from autoplan.models.zoo import count_params
 from autoplan.plan.assemble import assemble_plan
 from autoplan.plan.schema import ModelRef, Plan
-from autoplan.settings import SearchSettings
+from autoplan.settings import SearchSettings, check_mem_limit
 from autoplan.solve.cluster import resolve_cluster
 from autoplan.solve.sweep import sweep
 from autoplan.solve.tables import compute_dtype_of, micro_batch_candidates
@@ -33,7 +34,8 @@ def search(model: Any = None, mem: str | int | None = None, *, settings: SearchS
     device `profile`; without `batch_size` the micro-batch is swept; `global_batch` fixes the samples
     per step (gradient accumulation fills it). `strategy` (a sharding kind), with `checkpoint`, skips
     the solver: every unit takes that option, and only the micro-batch is searched. A `settings`
-    record gives all of them at once; `model`, `mem` and `fields` override it.
+    record gives all of them at once; `model`, `mem` and `fields` override it. A `mem` above the device's
+    memory (without `allow_over_device_mem`) and a `seq_len` longer than the model's positions are refused.
 
     >>> import autoplan
     >>> plan = autoplan.search("gpt2-tiny", "60MB", gpus=2, seq_len=64)
@@ -43,8 +45,10 @@ def search(model: Any = None, mem: str | int | None = None, *, settings: SearchS
     s = SearchSettings.create(settings, model=model, mem=mem, **fields)
     session = reuse_traced(s.model_or_default, s.seq_len, s.example_inputs)
     resolved, seq_len = session.resolved, session.seq_len
+    check_seq_len(resolved, seq_len)
     cluster = resolve_cluster(s.gpus, s.nodes, s.gpus_per_node, s.profile)
     mem_limit_bytes = s.mem if s.mem is not None else cluster.profile.mem_bytes
+    check_mem_limit(mem_limit_bytes, cluster.profile.mem_bytes, cluster.profile_name, s.allow_over_device_mem)
     # the headroom keeps plans under the limit when they run (see DEFAULT_HEADROOM)
     planned_bytes = int(mem_limit_bytes * (1 - s.headroom))
     candidates = micro_batch_candidates(cluster.shape.world_size, s.batch_size, s.global_batch)

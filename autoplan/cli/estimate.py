@@ -38,10 +38,15 @@ def register(subparsers) -> None:
 def _run(args) -> int:
     from autoplan.api.estimate import estimate
     from autoplan.settings import EstimateSettings
+    from autoplan.sizes import format_bytes
 
     result = estimate(settings=EstimateSettings.create(**settings_fields(EstimateSettings, args)))
     if args.json:
         sys.stdout.write(result.model_dump_json(indent=2) + "\n")
     else:
         print(result.table(timeline=args.timeline))
+        c = result.cluster
+        if c.mem_limit_bytes > c.device_mem_bytes:
+            print(f"note: the limit {format_bytes(c.mem_limit_bytes)} is above the {format_bytes(c.device_mem_bytes)} "
+                  f"a {c.profile} device has (--allow-over-device-mem)")
     return 0

@@ -23,6 +23,11 @@ from cost_models.options import SHARDING_KINDS
 
 __all__ = ["add_settings_flags", "settings_fields", "to_flags"]
 
+# argparse takes "-1" and "-.5" as values but "-1GB" as an unknown flag ("expected one argument"); a parser
+# with a size flag reads anything shaped like a signed size as a value, so `--mem -1GB` gets the size's own
+# message ("must be positive"). No flag of ours looks like that.
+_NEGATIVE_SIZE = re.compile(r"^-\d+$|^-\d*\.\d+$|^-[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?\s*[a-zA-Z]*$")
+
 
 def _base_type(annotation: Any) -> Any:
     """`int | None` -> int; `Annotated[str | None, ...]` -> str (pydantic strips Annotated already)."""
@@ -50,6 +55,7 @@ def add_settings_flags(parser: argparse.ArgumentParser, cls: type[BaseModel], sk
             kwargs["action"] = "store_true"
         elif meta.kind == "mem":
             kwargs.update(type=mem_arg, metavar="SIZE")
+            parser._negative_number_matcher = _NEGATIVE_SIZE
         elif meta.kind == "choice":
             kwargs["choices"] = choices_of(name)
             if name == "strategy":

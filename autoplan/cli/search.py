@@ -1,10 +1,17 @@
-"""`autoplan search`: the fastest plan that fits a memory limit, written to a file and printed."""
+"""`autoplan search`: the fastest plan that fits a memory limit, written to a file and printed.
+
+The output path is checked before the search (a search can take a while; its result must not be lost
+to a read-only folder). A Hugging Face config path is written relative to the plan file's folder, which
+is where `autoplan estimate --plan` and `apply` look for it (`autoplan.models.resolve.plan_hf_path`).
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
+from pathlib import Path
 
 from autoplan.cli.flags import add_settings_flags, settings_fields, to_flags
 
@@ -33,14 +40,31 @@ def register(subparsers) -> None:
     parser.set_defaults(handler=_run, subparser=parser)
 
 
+def _hf_relative_to(plan, out: str):
+    """The plan with an "hf:PATH" model named relative to the folder of `out` (unchanged where it already is)."""
+    from autoplan.models.hf import HF_PREFIX
+
+    name = plan.model.name
+    if not name.startswith(HF_PREFIX):
+        return plan
+    given = Path(name[len(HF_PREFIX):]).expanduser()
+    folder = Path(out).expanduser().absolute().parent
+    if not given.is_absolute() and (folder / given).resolve() == given.resolve():
+        return plan
+    relative = HF_PREFIX + os.path.relpath(given.resolve(), folder)
+    return plan.model_copy(update={"model": plan.model.model_copy(update={"name": relative})})
+
+
 def _run(args) -> int:
     from autoplan.api.search import search
+    from autoplan.fileio import check_writable
     from autoplan.plan.report import format_plan
     from autoplan.settings import SearchSettings
 
     start = time.perf_counter()
     settings = SearchSettings.create(**settings_fields(SearchSettings, args))
-    plan = search(settings=settings)
+    check_writable(args.out, "plan file", param="out", example="plan.json")
+    plan = _hf_relative_to(search(settings=settings), args.out)
     plan.save(args.out)
     if args.json:
         sys.stdout.write(plan.to_json())

@@ -6,11 +6,18 @@ model is built on meta, so no weights exist. The model class is the config's `ar
 when it names one, else the masked-LM head for model types that have one (BERT, RoBERTa), else the
 causal-LM head. The model is built in training mode.
 
+A config must give the model's sizes (layers, widths, heads, vocabulary, positions): transformers would
+fill a missing one with its default for the family (32 layers for llama), which plans some other model,
+so a missing size is refused by name. A model with a learned position table (GPT-2, BERT, OPT) cannot
+take a sequence longer than `max_position_embeddings`; a RoPE model (llama) has no table, and the field
+is only its default sequence length.
+
 Needs the optional extra: pip install 'autoplan[hf]'.
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +29,11 @@ from autoplan.errors import UsageError
 
 HF_PREFIX = "hf:"
 CONFIG_FILE = "config.json"
+# fields that size the model; one a config class takes (with a default) must be in the file
+SIZE_FIELDS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size",
+               "max_position_embeddings", "ffn_dim", "d_ff", "moe_intermediate_size", "encoder_layers",
+               "decoder_layers", "encoder_ffn_dim", "decoder_ffn_dim", "encoder_attention_heads",
+               "decoder_attention_heads")
 
 
 @dataclass
@@ -30,6 +42,7 @@ class HFModel:
     config_file: Path
     architecture: str  # the transformers class built
     max_seq_len: int | None  # max_position_embeddings, the default sequence length for planning
+    max_positions: int | None  # the longest sequence it takes: max_position_embeddings with a learned table
 
 
 def _transformers():
@@ -69,11 +82,47 @@ def load_hf_config(path: str | Path):
     if model_type not in CONFIG_MAPPING:
         raise UsageError(f"{file}: field 'model_type' is {model_type!r}, a model type transformers "
                          f"{transformers.__version__} does not know")
+    _check_sizes_given(CONFIG_MAPPING[model_type], data, file)
     try:
         return CONFIG_MAPPING[model_type].from_dict(data)
     except Exception as exc:  # transformers raises several types for a bad field value
         raise UsageError(f"{file}: transformers cannot build a {model_type!r} config from it: "
                          f"{type(exc).__name__}: {exc}") from exc
+
+
+def _check_sizes_given(config_class, data: dict, file: Path) -> None:
+    """UsageError naming each size field the config class takes that the file leaves to its default."""
+    try:
+        parameters = inspect.signature(config_class.__init__).parameters
+    except (TypeError, ValueError):
+        return
+    aliases = getattr(config_class, "attribute_map", None) or {}
+    missing = []
+    for field in SIZE_FIELDS:
+        name = aliases.get(field, field)  # how the class spells it (gpt2: n_layer)
+        parameter = parameters.get(name)
+        if parameter is None or parameter.default in (None, inspect.Parameter.empty):
+            continue  # not this family's, derived from others (gpt2's n_inner), or required anyway
+        if name not in data and field not in data:
+            missing.append((name, parameter.default))
+    if missing:
+        raise UsageError(f"{file}: the config does not give {', '.join(repr(n) for n, _ in missing)}; transformers "
+                         f"would take its {data['model_type']!r} defaults ("
+                         + ", ".join(f"{n}={d!r}" for n, d in missing) + "), the size of some other model. Add "
+                         "them to the config (a model's config.json on the Hugging Face Hub has them)")
+
+
+def _position_table(module: nn.Module, config) -> int | None:
+    """max_position_embeddings when the model holds a learned position-embedding table (GPT-2's wpe, BERT's
+    position_embeddings, OPT's embed_positions), else None: RoPE and ALiBi models have no table to overrun."""
+    limit = getattr(config, "max_position_embeddings", None)
+    if not isinstance(limit, int):
+        return None
+    for name, sub in module.named_modules():
+        leaf = name.rsplit(".", 1)[-1].lower()
+        if isinstance(sub, nn.Embedding) and ("position" in leaf or leaf in ("wpe", "embed_positions")):
+            return limit
+    return None
 
 
 def _model_class(config, file: Path):
@@ -114,7 +163,14 @@ def build_hf_model(path: str | Path) -> HFModel:
         raise UsageError(f"{file}: building {model_class.__name__} from it failed: {type(exc).__name__}: {exc}") from exc
     module.train()
     max_seq_len = getattr(config, "max_position_embeddings", None)
-    return HFModel(module, file, model_class.__name__, max_seq_len if isinstance(max_seq_len, int) else None)
+    return HFModel(module, file, model_class.__name__, max_seq_len if isinstance(max_seq_len, int) else None,
+                   _position_table(module, config))
 
 
-__all__ = ["HF_PREFIX", "HFModel", "build_hf_model", "load_hf_config"]
+def position_limit(module: nn.Module) -> int | None:
+    """For a transformers model object: the longest sequence its learned position table takes (None: no table)."""
+    config = getattr(module, "config", None)
+    return _position_table(module, config) if config is not None else None
+
+
+__all__ = ["HF_PREFIX", "HFModel", "build_hf_model", "load_hf_config", "position_limit"]

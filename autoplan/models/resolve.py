@@ -1,25 +1,35 @@
-"""From what the user named to a module on the meta device: a zoo name (with overrides), a Hugging
-Face config, a factory the user named, or a module object.
+"""From what the user named to a module on the meta device: a zoo name (with overrides), a Hugging Face
+config, a factory the user named, or a module object; and from a plan file's model record to the model
+it describes, without running any code the plan names.
 
-Only a name the user gave directly reaches `load_factory`; plans rebuild their model from the stored
-config instead (`autoplan.run.apply.model_for_plan`).
+Only a name the user gave directly reaches `load_factory`. A plan's model is rebuilt from the data in
+it (`model_from_plan`): a zoo config, or a Hugging Face config.json found relative to the plan's folder;
+a plan made from a factory needs the factory named again.
+
+A model also says how long a sequence it can take (`max_positions`): the zoo models hold position
+tables (GPT-2's and BERT's learned embeddings, llama's precomputed RoPE tables) of `max_seq_len` rows,
+and Hugging Face models with a learned table take `max_position_embeddings`; `check_seq_len` refuses a
+longer sequence before anything is traced.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch.nn as nn
 
-from autoplan.errors import UsageError
-from autoplan.models.config import UnknownModelError, get_config
+from autoplan.errors import PlanFileError, UsageError
+from autoplan.models.config import PRESETS, ModelConfig, UnknownModelError, get_config
 from autoplan.models.factory import load_factory
-from autoplan.models.hf import HF_PREFIX, build_hf_model
+from autoplan.models.hf import HF_PREFIX, build_hf_model, position_limit
 from autoplan.models.zoo import build_model
 
-__all__ = ["ResolvedModel", "parse_zoo_spec", "resolve_model"]
+__all__ = ["ResolvedModel", "check_seq_len", "model_from_plan", "parse_zoo_spec", "plan_hf_path", "resolve_model",
+           "zoo_spec"]
 
 
 @dataclass
@@ -28,6 +38,8 @@ class ResolvedModel:
     name: str
     config: dict | None
     max_seq_len: int | None = None  # the default sequence length, when the model says
+    max_positions: int | None = None  # the longest sequence the model takes (its position table); None: not known
+    positions_from: str = ""  # where max_positions comes from, for messages
 
 
 def parse_zoo_spec(spec: str) -> tuple[str, dict[str, int | float | bool]]:
@@ -48,20 +60,53 @@ def parse_zoo_spec(spec: str) -> tuple[str, dict[str, int | float | bool]]:
     return match.group(1), overrides
 
 
-def resolve_model(model: str | nn.Module) -> ResolvedModel:
+def zoo_spec(config: ModelConfig) -> str:
+    """The shortest NAME[field=value,...] that gives `config`: the preset of its family it differs least from."""
+    best = None
+    for name, preset in PRESETS.items():
+        if preset.family != config.family:
+            continue
+        diff = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
+                if getattr(config, f.name) != getattr(preset, f.name)}
+        if best is None or len(diff) < len(best[1]):
+            best = (name, diff)
+    name, diff = best
+    return name + (f"[{','.join(f'{k}={json.dumps(v)}' for k, v in diff.items())}]" if diff else "")
+
+
+def _zoo(module: nn.Module, name: str, config: ModelConfig) -> ResolvedModel:
+    what = "RoPE tables hold" if config.family == "llama" else "position table holds"
+    return ResolvedModel(module, name, config.to_dict(), config.max_seq_len, config.max_seq_len,
+                         f"its max_seq_len: its {what} that many positions")
+
+
+def _object(module: nn.Module, name: str) -> ResolvedModel:
+    """A module object or a factory's: a zoo model says its positions by its config, a transformers model by its."""
+    config = getattr(module, "config", None)
+    if isinstance(config, ModelConfig):
+        return dataclasses.replace(_zoo(module, name, config), config=None, max_seq_len=None)
+    limit = position_limit(module) if config is not None else None
+    return ResolvedModel(module, name, None, None, limit,
+                         "its config's max_position_embeddings: its learned position table" if limit else "")
+
+
+def resolve_model(model: str | nn.Module | ResolvedModel) -> ResolvedModel:
     """A zoo name, "hf:path/to/config.json" (or its directory), a "package.module:factory" spec, or a
-    module object."""
+    module object (or a model resolved already)."""
+    if isinstance(model, ResolvedModel):
+        return model
     if isinstance(model, nn.Module):
-        return ResolvedModel(model, type(model).__name__, None)
+        return _object(model, type(model).__name__)
     if model.startswith(HF_PREFIX):
         built = build_hf_model(model[len(HF_PREFIX):])
-        return ResolvedModel(built.module, model, None, built.max_seq_len)
+        return ResolvedModel(built.module, model, None, built.max_seq_len, built.max_positions,
+                             "its config's max_position_embeddings: its learned position table")
     if ":" in model and "[" not in model:
         try:
             module = load_factory(model, device="meta")
-        except (ValueError, ImportError) as exc:
-            raise UsageError(f"cannot build model {model!r}: {exc}") from exc
-        return ResolvedModel(module, model, None)
+        except (ValueError, ImportError) as exc:  # each says "model factory '...': what went wrong"
+            raise UsageError(str(exc)) from exc
+        return _object(module, model)
     name, overrides = parse_zoo_spec(model)
     try:
         config = get_config(name, **overrides)
@@ -69,4 +114,72 @@ def resolve_model(model: str | nn.Module) -> ResolvedModel:
         raise UsageError(str(exc)) from exc
     except (TypeError, ValueError) as exc:
         raise UsageError(f"cannot build {model!r}: {exc}") from exc
-    return ResolvedModel(build_model(config, device="meta"), model, config.to_dict(), config.max_seq_len)
+    return _zoo(build_model(config, device="meta"), model, config)
+
+
+def check_seq_len(model: ResolvedModel, seq_len: int) -> None:
+    """UsageError when `seq_len` is longer than the model's positions, naming both numbers."""
+    if model.max_positions is None or seq_len <= model.max_positions:
+        return
+    longer = ""
+    if model.config is not None:
+        config = dataclasses.replace(ModelConfig.from_dict(model.config), max_seq_len=seq_len)
+        longer = f", or plan a longer model: {zoo_spec(config)}"
+    elif model.name.startswith(HF_PREFIX):
+        longer = ", or raise max_position_embeddings in its config"
+    raise UsageError(f"`seq_len` {seq_len} is longer than the {model.max_positions} positions {model.name} takes "
+                     f"({model.positions_from}); give `seq_len` at most {model.max_positions}{longer}")
+
+
+def _plan_source(plan_file: Path | None) -> str:
+    return f"the plan file {plan_file}" if plan_file is not None else "the plan"
+
+
+def plan_hf_path(name: str, plan_file: Path | None = None) -> Path:
+    """Where a plan's "hf:PATH" points: PATH relative to the plan file's folder (to the current directory for a
+    plan not read from a file). An absolute PATH is refused: a plan may come from another machine, and what
+    it names there is not the user's to read here unless they name it (`model` hf:PATH)."""
+    path = name[len(HF_PREFIX):]
+    if Path(path).is_absolute() or path.startswith("~"):
+        raise UsageError(f"{_plan_source(plan_file)} names its Hugging Face config by the absolute path {path!r}; a "
+                         "config named in a plan is read only relative to the plan's folder. Give the model: "
+                         "`model` hf:PATH")
+    return (plan_file.parent if plan_file is not None else Path.cwd()) / path
+
+
+def _hf_from_plan(name: str, plan_file: Path | None) -> ResolvedModel:
+    path = plan_hf_path(name, plan_file)
+    folder = plan_file.parent if plan_file is not None else Path.cwd()
+    try:
+        built = build_hf_model(path)
+    except UsageError as exc:
+        raise UsageError(f"the Hugging Face config {name[len(HF_PREFIX):]!r} came from {_plan_source(plan_file)} "
+                         f"(read relative to {'its folder' if plan_file is not None else 'the current directory'}, "
+                         f"{folder}): {exc}; give the model to use another: `model` hf:PATH") from exc
+    return ResolvedModel(built.module, name, None, built.max_seq_len, built.max_positions,
+                         "its config's max_position_embeddings: its learned position table")
+
+
+def model_from_plan(name: str, config: dict | None, plan_file: Path | None = None) -> ResolvedModel:
+    """The model a plan's model record describes, built from the plan's data only: its zoo config, or its
+    Hugging Face config (`plan_file`'s folder holds the relative path). A plan made from a factory or a
+    module object is refused: autoplan never imports code named only in a plan."""
+    if config is not None:
+        try:
+            zoo_config = ModelConfig.from_dict(config)
+        except (TypeError, ValueError) as exc:
+            raise PlanFileError(f"the plan's model config for {name!r} is invalid: {exc}") from exc
+        label = name
+        try:  # the label says what is built: the plan's name only where it gives the same config
+            base, overrides = parse_zoo_spec(name)
+            if get_config(base, **overrides) != zoo_config:
+                label = zoo_spec(zoo_config)
+        except (UsageError, TypeError, ValueError):
+            label = zoo_spec(zoo_config)
+        return _zoo(build_model(zoo_config, device="meta"), label, zoo_config)
+    if name.startswith(HF_PREFIX):
+        return _hf_from_plan(name, plan_file)
+    if ":" in name:
+        raise UsageError(f"the plan was made for the model factory {name!r}; autoplan does not import code named "
+                         f"only in a plan file, so name the factory again: `model` {name}")
+    raise UsageError(f"the plan was made for a model object ({name}); pass that model too (`model`)")

@@ -61,7 +61,9 @@ def format_plan(plan: Plan, cluster_is_default: bool = False) -> str:
         f"autoplan: {plan.model.name} ({_count(plan.model.n_params)} parameters, traced by {plan.model.tracer}) on "
         f"{c.nodes} node(s) x "
         f"{c.gpus_per_node} GPU(s), profile {c.profile}" + (f" ({DEFAULT_CLUSTER_NOTE})" if cluster_is_default else ""),
-        f"memory limit {format_bytes(c.mem_limit_bytes)} per GPU; sequence length {t.seq_len}; micro-batch "
+        f"memory limit {format_bytes(c.mem_limit_bytes)} per GPU"
+        + (f" (above the device's {format_bytes(c.device_mem_bytes)}: `allow_over_device_mem`)"
+           if c.mem_limit_bytes > c.device_mem_bytes else "") + f"; sequence length {t.seq_len}; micro-batch "
         f"{t.micro_batch_size} x {t.grad_accum_steps} accumulation x {c.world_size} GPUs = {t.global_batch_size} "
         f"samples per step; {t.dtype}, {t.optimizer}",
         "",
