@@ -1,6 +1,8 @@
 """`autoplan.apply` and `autoplan apply` refuse what they cannot run, before anything starts."""
 
 import json
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +14,8 @@ from autoplan.cli.main import main
 from autoplan.errors import PlanFileError, UsageError
 from autoplan.models.zoo import build_model, get_config
 from autoplan.run.apply import apply, materialise, model_for_plan
+from autoplan.run.memtrack import MemoryLimitExceeded, allocation_failure
+from autoplan.run.prepare import prepare_run, run_outline
 
 
 def test_refuses_a_plan_for_another_model_naming_the_first_difference():
@@ -150,3 +154,117 @@ def test_optimizer_from_apply_trains_the_materialised_model(one_rank_mesh):
     torch.nn.functional.cross_entropy(model(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten()).backward()
     optimizer.step()
     assert all(not torch.equal(b, p.detach().full_tensor()) for b, p in zip(before, params))
+
+
+# --------------------------------------------------------------------------- #
+# Checked in the launching process, before any rank starts (issue 16, items 5, 6, 9, 10, 11)
+# --------------------------------------------------------------------------- #
+
+
+def edited_plan(plan_path, change):
+    data = json.loads(plan_path.read_text())
+    change(data)
+    plan_path.write_text(json.dumps(data))
+    return plan_path
+
+
+def test_cli_refuses_report_at_a_directory_before_the_run(plan_path, tmp_path, capsys):
+    code, out, err = run_cli(capsys, plan_path, "--report", tmp_path)
+    assert code == 2 and f"--report {tmp_path} is a directory" in err and "report.json" in err
+    assert "launching torchrun" not in out
+
+
+def read_only_dir(tmp_path):
+    """A directory that takes no new file: chmod 555, or /sys where permission bits do not stop this user (root)."""
+    folder = tmp_path / "ro"
+    folder.mkdir(mode=0o555)
+    for candidate in (folder, Path("/sys")):
+        try:
+            with tempfile.TemporaryFile(dir=candidate):
+                pass
+        except OSError:
+            return candidate
+    pytest.skip("no read-only directory here")
+
+
+def test_cli_refuses_report_into_a_read_only_directory_before_the_run(plan_path, tmp_path, capsys):
+    folder = read_only_dir(tmp_path)
+    code, out, err = run_cli(capsys, plan_path, "--report", folder / "r.json")
+    assert code == 2 and f"cannot write --report {folder / 'r.json'}" in err
+    assert "launching torchrun" not in out and not (folder / "r.json").exists()
+
+
+def test_cli_refuses_a_unit_the_model_lacks_before_launching(plan_path, capsys):
+    edited_plan(plan_path, lambda d: d["units"][1].update(module="transformer.h.9"))  # the fingerprint still matches
+    code, out, err = run_cli(capsys, plan_path)
+    assert code == 2 and "unit module transformer.h.9 is not in the model" in err
+    assert "launching torchrun" not in out
+
+
+def test_cli_refuses_a_sequence_longer_than_the_model_takes(plan_path, capsys):
+    edited_plan(plan_path, lambda d: d["training"].update(seq_len=256))  # gpt2-tiny has 128 positions
+    code, _, err = run_cli(capsys, plan_path)
+    assert code == 2 and "seq_len 256 is longer than the 128 positions" in err
+
+
+def test_a_renamed_plan_is_labelled_by_the_model_that_runs(plan_path):
+    edited_plan(plan_path, lambda d: d["model"].update(name="llama-tiny"))  # the config is still gpt2-tiny's
+    prepared = prepare_run(str(plan_path))
+    assert prepared.model == "gpt2-tiny"
+    assert "names its model 'llama-tiny'" in prepared.model_note and prepared.model_note in prepared.warnings
+    assert prepare_run(str(edited_plan(plan_path, lambda d: d["model"].update(name="gpt2-tiny")))).model_note is None
+
+
+def test_a_plan_costed_for_another_device_is_said_before_the_run(plan_path):
+    edited_plan(plan_path, lambda d: d["cluster"].update(profile="a100-sxm4-80gb"))
+    prepared = prepare_run(str(plan_path))
+    assert any("a100-sxm4-80gb" in w and "step-time comparison will be meaningless" in w for w in prepared.warnings)
+    assert "no time estimate" in run_outline(prepared)[-1]
+    edited_plan(plan_path, lambda d: d["cluster"].update(profile="cpu-gloo-2"))
+    prepared = prepare_run(str(plan_path), steps=4, warmup=1)
+    assert not any("meaningless" in w for w in prepared.warnings)
+    outline = run_outline(prepared)
+    # the CPU: 1 warm-up + 4 steps measured for memory + 4 untracked timed steps; the plan predicts 0.1 s a step
+    assert "1 warm-up step(s)" in outline[0] and "4 untracked step(s)" in outline[0] and "9 steps in all" in outline[0]
+    assert outline[1].startswith("estimate: about 1 s or less") and "100.0 ms per step" in outline[1]
+
+
+def test_a_peak_larger_than_the_machine_is_warned_about(plan_path):
+    edited_plan(plan_path, lambda d: d["predicted"].update(peak_mem_bytes=10**15))
+    prepared = prepare_run(str(plan_path))
+    assert any("will likely run out of memory" in w and "1000.00 TB" in w for w in prepared.warnings)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--nnodes", "2"], "needs --rdzv-endpoint HOST:PORT"),
+    (["--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "h:1"], "--node-rank 2 is not a node of 2"),
+    (["--nnodes", "2", "--rdzv-endpoint", "node0"], "--rdzv-endpoint 'node0' is not HOST:PORT"),
+    (["--node-rank", "1"], "for runs over several nodes: give --nnodes too"),
+    (["--nnodes", "2", "--nproc", "2", "--rdzv-endpoint", "h:1"], "--nproc 2 x 2 nodes is 4 ranks, more ranks than"),
+])
+def test_cli_node_flag_errors(plan_path, capsys, argv, message):
+    code, _, err = run_cli(capsys, plan_path, *argv)
+    assert code == 2 and message in err, err
+
+
+def test_cli_help_says_what_runs(capsys):
+    _, out, _ = run_cli(capsys, "--help")
+    for words in ("untracked", "warm-up", "estimates how long", "--nnodes", "--node-rank", "--rdzv-endpoint",
+                  "130, 143", "mean over ranks"):
+        assert words in " ".join(out.split()), words
+
+
+def test_memory_the_allocator_refuses_is_named_with_its_size():
+    try:  # a real refusal by the CPU allocator: 4.6 EB
+        torch.empty(2**62, dtype=torch.uint8)
+    except RuntimeError as exc:
+        refused = exc
+    else:
+        pytest.skip("this machine's allocator granted 4.6 EB")
+    assert allocation_failure(refused) == "could not allocate 4611686.02 TB (the CPU allocator: not enough memory)"
+    cuda = torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity "
+                                       "of 79.11 GiB of which 1.50 GiB is free. Including non-PyTorch memory, ...")
+    assert allocation_failure(cuda) == ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity "
+                                        "of 79.11 GiB of which 1.50 GiB is free")
+    assert allocation_failure(MemoryLimitExceeded(2_000, 1_000)).endswith("over the limit of 1000 bytes")
+    assert allocation_failure(RuntimeError("shapes do not match")) is None

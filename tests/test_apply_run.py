@@ -33,15 +33,24 @@ def alpaca_file(path: Path) -> Path:
 
 def test_run_reports_predicted_beside_measured(tmp_path, capfd):
     plan_path, report_path = tmp_path / "plan.json", tmp_path / "r.json"
-    make_plan("gpt2-tiny", {"transformer.h.0": "shard+ckpt", "transformer.h.1": "replicate"},
-              grad_accum_steps=2).save(plan_path)
+    # model.name edited to another zoo name: the config (gpt2-tiny's) is what runs, and names the run
+    plan = make_plan("gpt2-tiny", {"transformer.h.0": "shard+ckpt", "transformer.h.1": "replicate"},
+                     grad_accum_steps=2, name="llama-tiny")
+    plan.cluster.profile = "cpu-gloo-2"  # a profile of this kind of device: the run estimates its time
+    plan.save(plan_path)
     code = main(["apply", str(plan_path), "--steps", "2", "--warmup", "1", "--report", str(report_path),
                  "--data", str(alpaca_file(tmp_path / "alpaca.json"))])
     out, err = capfd.readouterr()
     assert code == 0, err[-3000:]
     assert "predicted" in out and "measured" in out and "peak memory per rank" in out
+    # said before the run: what runs (1 warm-up, 2 measured for memory, 2 untracked timed) and an estimate
+    assert "5 steps in all" in out and "estimate: about" in out
+    assert "warning: the plan names its model 'llama-tiny'" in out
+    assert out.index("5 steps in all") < out.index("[autoplan apply] step 1/3")
+    assert "rank 0: loss" in out and "loss by step, mean over the 2 rank(s)" in out
 
     report = json.loads(report_path.read_text())
+    assert report["model"] == "gpt2-tiny" and "llama-tiny" in report["model_note"]
     assert report["status"] == "ok" and report["world_size"] == 2 and not report["dry_run"]
     assert report["global_batch_size"] == 2 * 2 * 2
     measured = report["measured"]
@@ -94,3 +103,27 @@ def test_a_rank_that_dies_stops_the_run(tmp_path, capfd):
     assert "rank 1 died at step 2: it was killed by SIGKILL" in failures[0]
     # rank 0 either sees its collective fail on the lost peer, or is stopped by the launcher first
     assert "rank 0 failed at step 2" in failures[1] or "rank 0 was stopped by the launcher" in failures[1]
+
+
+def overcommit_refuses_huge_allocations() -> bool:
+    try:
+        return Path("/proc/sys/vm/overcommit_memory").read_text().strip() != "1"
+    except OSError:
+        return True
+
+
+@pytest.mark.skipif(not overcommit_refuses_huge_allocations(), reason="vm.overcommit_memory=1 grants any allocation")
+def test_a_micro_batch_that_cannot_be_allocated_is_named_not_a_traceback(tmp_path, capfd):
+    plan_path = tmp_path / "plan.json"
+    # every rank makes the step's whole batch of token ids: 2e11 x 17 int64 = 27.2 TB, which no allocator gives
+    make_plan("gpt2-tiny", {"transformer.h.0": "shard"}, micro_batch_size=10**11,
+              predicted_peak_mem_bytes=1_500_000).save(plan_path)
+    code = main(["apply", str(plan_path), "--steps", "1", "--warmup", "0"])
+    out, err = capfd.readouterr()
+    assert code == 1
+    assert "warning: the plan predicts a peak of 1.50 MB per rank, plus 27.20 TB" in out  # said before the run
+    failures = err[err.index("the run failed:"):]
+    assert ("rank 0 ran out of memory at step 1: could not allocate 27.20 TB (the CPU allocator: not enough memory), "
+            "while making step 1's batch of token ids") in failures
+    assert "predicted peak 1.50 MB" in failures
+    assert "Traceback" not in err and "Root Cause" not in err and "ChildFailedError" not in err

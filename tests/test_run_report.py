@@ -36,14 +36,16 @@ def rank_result(rank: int, steps: int = 3, loss: float = 2.5) -> RankResult:
     )
 
 
-def a_report(tmp_path, ranks=None, returncode: int = 0, failures=None) -> RunReport:
+def a_report(tmp_path, ranks=None, returncode: int = 0, failures=None, interrupted=None, local_ranks=None,
+             **labels) -> RunReport:
     plan_path = tmp_path / "plan.json"
     plan = make_plan("gpt2-tiny", {"transformer.h.0": "shard"})
     plan.save(plan_path)
     spec = RunSpec(plan_path=str(plan_path), run_dir=str(tmp_path), device="cpu", steps=2, warmup_steps=1,
                    dry_run=False)
     ranks = ranks if ranks is not None else {0: rank_result(0), 1: rank_result(1)}
-    return build_report(plan, str(plan_path), spec, 2, LaunchResult(returncode, ranks, failures or {}))
+    launched = LaunchResult(returncode, ranks, failures or {}, local_ranks=local_ranks, interrupted=interrupted)
+    return build_report(plan, str(plan_path), spec, 2, launched, **labels)
 
 
 def test_checked_in_json_schema_matches_the_code():
@@ -108,3 +110,33 @@ def test_load_refuses_what_it_cannot_trust(tmp_path, change, message):
     path.write_text("{not json")
     with pytest.raises(AutoplanError, match="not valid JSON"):
         load_report(path)
+
+
+def test_the_report_names_the_model_that_ran(tmp_path):
+    report = a_report(tmp_path, model="gpt2-tiny", model_note="the plan names its model 'llama-tiny', but ...")
+    assert report.model == "gpt2-tiny" and "llama-tiny" in report.model_note
+    assert "note: the plan names its model 'llama-tiny'" in format_report(report)
+
+
+def test_losses_are_labelled_mean_over_ranks(tmp_path):
+    table = format_report(a_report(tmp_path))
+    assert "loss by step, mean over the 2 rank(s) (the global batch's loss): 2.5000" in table
+
+
+def test_an_interrupted_run_says_which_signal_and_where_each_rank_was(tmp_path):
+    running = rank_result(1, steps=2)
+    running.status, running.phase = "running", "training"
+    report = a_report(tmp_path, ranks={0: rank_result(0, steps=2), 1: running}, returncode=130,
+                      interrupted="SIGINT")
+    assert report.status == "interrupted" and report.interrupted_by == "SIGINT"
+    assert report.failures == [
+        "rank 1 was stopped by SIGINT at step 3; measured peak so far 1.10 MB (live tensor bytes (test))"]
+    report.save(tmp_path / "r.json")
+    assert load_report(tmp_path / "r.json").status == "interrupted"
+
+
+def test_ranks_of_another_node_that_sent_nothing_are_named_as_such(tmp_path):
+    report = a_report(tmp_path, ranks={0: rank_result(0), 1: None}, returncode=0, local_ranks=[0])
+    assert report.status == "failed"
+    assert report.failures == [
+        "rank 1 ran on another node and sent nothing to this node; that node's output says what happened to it"]

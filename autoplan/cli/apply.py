@@ -1,6 +1,7 @@
 """`autoplan apply`: run a plan as a measured training run and print predicted beside measured.
 
-Registered on the `autoplan` command by cli.py.
+Registered on the `autoplan` command by cli.py. The checks and the run's outline are
+autoplan.run.prepare's, the launch autoplan.run.launch's; this module holds the flags and the printing.
 """
 
 from __future__ import annotations
@@ -9,31 +10,41 @@ import argparse
 import sys
 from pathlib import Path
 
-import torch
-
 from autoplan.cli.flags import to_flags
-from autoplan.errors import UsageError
-from autoplan.plan.schema import Plan, load_plan
-from autoplan.run.apply import DEFAULT_LR, check_model_matches, check_world_size, model_for_plan
-from autoplan.run.data import AlpacaTokens, BatchShape, vocab_size_of
-from autoplan.run.launch import launch, torchrun_args
+from autoplan.errors import AutoplanError, UsageError
+from autoplan.run.apply import DEFAULT_LR
+from autoplan.run.launch import LaunchResult, Nodes, launch, torchrun_args
+from autoplan.run.prepare import PreparedRun, prepare_run, run_outline
+from autoplan.run.procs import exit_status
 from autoplan.run.report import build_report, format_report
-from autoplan.run.worker import RunSpec
-from autoplan.sizes import parse_mem_bytes
+
+__all__ = ["register", "run_apply"]
 
 RUN_FAILED_EXIT_CODE = 1
 
 EXAMPLES = """\
 examples:
-  autoplan apply plan.json                          # train 2 warm-up + 5 timed steps on the plan's world
+  autoplan apply plan.json                          # 2 warm-up + 5 timed steps on the plan's world
   autoplan apply plan.json --steps 20 --report r.json
   autoplan apply plan.json --nproc 1                # dry run: the plan's decisions on a smaller world
   autoplan apply plan.json --data alpaca.json       # local Alpaca JSON, tokenised as bytes
   autoplan apply plan.json --model mypkg.models:build   # a plan made from your own model factory
   autoplan apply plan.json --mem-limit plan         # fail like an out-of-memory error above the plan's limit
+  # two nodes: the same line on each, with its own --node-rank; the report is printed on node 0
+  autoplan apply plan.json --nnodes 2 --node-rank 0 --rdzv-endpoint node0.cluster:29500
+
+What runs: --warmup steps (trained, not timed: the first steps allocate memory and warm up), then
+--steps timed steps, whose median is the measured step time. On the CPU peak memory is counted by a
+live-tensor tracker that watches every op and slows the steps it watches, so there the --steps steps
+are measured for memory and --steps more "untracked" steps, with the tracker off, are timed: a CPU run
+trains warmup + 2 x steps steps. Before it starts, the run says so and estimates how long it takes
+from the plan's predicted step time.
 
 Ranks are started with torch.distributed.run (nccl on CUDA, gloo on the CPU). Peak memory is
 torch.cuda.max_memory_allocated on CUDA, and the bytes of live tensors on the CPU (autoplan.memtrack).
+Each step prints rank 0's loss on its own micro-batches; the summary's loss is the mean over ranks.
+Ctrl-C (SIGINT), SIGTERM or SIGHUP stops every rank and removes the run directory; the command then
+exits with 128 + the signal's number (130, 143, 129). torchrun's own log is off unless LOGLEVEL is set.
 """
 
 
@@ -48,13 +59,17 @@ def register(subparsers) -> argparse.ArgumentParser:
     )
     parser.add_argument("plan", help="plan file written by `autoplan search`")
     parser.add_argument("--nproc", type=int, default=None,
-                        help="ranks to start (default: the plan's world size); fewer is a dry run")
-    parser.add_argument("--steps", type=int, default=5, help="timed steps after the warm-up (default 5)")
+                        help="ranks to start on this node (default: the plan's world size over --nnodes); "
+                             "fewer is a dry run")
+    parser.add_argument("--steps", type=int, default=5,
+                        help="steps measured after the warm-up (default 5): timed on CUDA; on the CPU measured "
+                             "for memory, and as many again run untracked and timed")
     parser.add_argument("--warmup", type=int, default=2,
                         help="warm-up steps, trained and measured for memory but not timed (default 2)")
     parser.add_argument("--data", default=None, metavar="ALPACA_JSON",
                         help="local Alpaca-format JSON file to train on (default: synthetic tokens)")
-    parser.add_argument("--report", default=None, metavar="PATH", help="write the predicted/measured record as JSON")
+    parser.add_argument("--report", default=None, metavar="PATH",
+                        help="write the predicted/measured record as JSON (checked writable before the run)")
     parser.add_argument("--model", default=None, metavar="PACKAGE.MODULE:FACTORY",
                         help="model factory, required for plans made from one (a plan file never imports code)")
     parser.add_argument("--mem-limit", default=None, metavar="SIZE|plan",
@@ -63,7 +78,14 @@ def register(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--lr", type=float, default=DEFAULT_LR, help=f"learning rate (default {DEFAULT_LR})")
     parser.add_argument("--seed", type=int, default=0, help="seed for initial weights and synthetic data")
     parser.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
-                        help="longest a rank waits for its peers in a collective (default 300)")
+                        help="longest a rank waits for its peers in a collective, or a node for the others to "
+                             "join (default 300)")
+    nodes = parser.add_argument_group("several nodes", "torchrun's static rendezvous: run the same command on "
+                                      "every node, each with its --node-rank; node 0 prints the report")
+    nodes.add_argument("--nnodes", type=int, default=1, help="nodes the run spans (default 1)")
+    nodes.add_argument("--node-rank", type=int, default=0, help="this node's rank, 0 to nnodes-1 (default 0)")
+    nodes.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
+                       help="an address of node 0 and a free port on it, the same on every node")
     parser.set_defaults(handler=lambda args: run_apply(args, parser), subparser=parser)
     return parser
 
@@ -77,25 +99,40 @@ def run_apply(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error(f"--nproc must be at least 1, got {args.nproc}")
     if args.timeout <= 0:
         parser.error(f"--timeout must be positive, got {args.timeout}")
+    nodes = Nodes(args.nnodes, args.node_rank, args.rdzv_endpoint)
     try:
-        plan, spec, nproc = prepare_run(args)
+        prepared = prepare_run(
+            args.plan, model=args.model, nproc=args.nproc, nodes=nodes, steps=args.steps, warmup=args.warmup,
+            data=args.data, report=args.report, mem_limit=args.mem_limit, lr=args.lr, seed=args.seed,
+            timeout=args.timeout,
+        )
     except UsageError as exc:
         parser.error(to_flags(str(exc), parser))  # other AutoplanErrors (a bad plan file) are reported by cli.main
 
-    backend = "nccl" if spec.device == "cuda" else "gloo"
-    print(f"autoplan apply: {args.plan} ({plan.model.name}) on {nproc} rank(s), {spec.device} + {backend}, "
-          f"{spec.warmup_steps} warm-up + {spec.steps} timed steps", flush=True)
-    if spec.dry_run:
-        print(f"autoplan apply: DRY RUN on {nproc} of the plan's {plan.cluster.world_size} ranks", flush=True)
-    print("autoplan apply: launching torchrun " + " ".join(torchrun_args(Path("<run_spec.json>"), nproc)), flush=True)
-
-    launched = launch(spec, nproc)
-    report = build_report(plan, args.plan, spec, nproc, launched)
-    print(format_report(report))
+    _say_before(prepared, args, parser)
+    launched = launch(prepared.spec, prepared.nproc, nodes)
+    if nodes.rank != 0:
+        return _node_summary(prepared, launched)
+    report = build_report(prepared.plan, args.plan, prepared.spec, prepared.world_size, launched,
+                          model=prepared.model, model_note=prepared.model_note, nodes=nodes.count)
+    if launched.interrupted is None:
+        print(format_report(report))
     if args.report:
-        report.save(args.report)
-        print(f"autoplan apply: report written to {args.report}")
+        try:
+            report.save(args.report)
+        except OSError as exc:
+            raise AutoplanError(f"could not write the report to {args.report}: {exc.strerror or exc}; the table "
+                                "above holds its numbers") from None
+        print(f"autoplan apply: report written to {args.report}" + (" (the run was interrupted)"
+                                                                    if launched.interrupted else ""))
+    if launched.interrupted is not None:
+        done = min((r.steps_done for r in launched.ranks.values() if r is not None), default=0)
+        print(f"autoplan apply: interrupted by {launched.interrupted} after {done} step(s): every rank stopped, "
+              "the run directory removed", file=sys.stderr)
+        return exit_status(launched.interrupted)
     if report.status != "ok":
+        if not any(launched.ranks.values()) and launched.launcher_summary:  # no rank said anything itself
+            print(launched.launcher_summary, file=sys.stderr)
         print("autoplan apply: the run failed:", file=sys.stderr)
         for message in report.failures:
             print(f"  {message}", file=sys.stderr)
@@ -105,36 +142,38 @@ def run_apply(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return 0
 
 
-def prepare_run(args: argparse.Namespace) -> tuple[Plan, RunSpec, int]:
-    """Everything checked before any rank starts: plan file, model, world size, data, limit."""
-    plan = load_plan(args.plan)
-    model = model_for_plan(plan, args.model)
-    check_model_matches(model, plan)
+def _say_before(prepared: PreparedRun, args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """What will run, on what, for about how long; warnings that do not stop the run."""
+    spec, plan, nodes = prepared.spec, prepared.plan, prepared.nodes
+    backend = "nccl" if spec.device == "cuda" else "gloo"
+    where = f"{prepared.nproc} rank(s)" + (f" of {prepared.world_size} on node {nodes.rank} of {nodes.count}"
+                                            if nodes.count > 1 else "")
+    print(f"autoplan apply: {args.plan} ({prepared.model}) on {where}, {spec.device} + {backend}", flush=True)
+    for line in run_outline(prepared):
+        print(f"autoplan apply: {line}", flush=True)
+    for warning in prepared.warnings:
+        print(f"autoplan apply: warning: {to_flags(warning, parser)}", flush=True)
+    if spec.dry_run:
+        print(f"autoplan apply: DRY RUN on {prepared.world_size} of the plan's {plan.cluster.world_size} ranks",
+              flush=True)
+    if nodes.rank != 0 and args.report:
+        print(f"autoplan apply: node 0 writes the report ({args.report} there)", flush=True)
+    print("autoplan apply: launching torchrun " + " ".join(torchrun_args(Path("<run_spec.json>"), prepared.nproc,
+                                                                          nodes)), flush=True)
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    planned = plan.cluster.world_size
-    nproc = planned if args.nproc is None else args.nproc
-    if nproc > planned:
-        raise UsageError(f"--nproc {nproc} is more ranks than the plan's world of {planned}; "
-                         f"re-run `autoplan search --gpus {nproc}` for that world")
-    check_world_size(nproc, plan, dry_run=True)
-    if device == "cuda" and nproc > torch.cuda.device_count():
-        raise UsageError(
-            f"the plan needs {nproc} GPUs and this machine has {torch.cuda.device_count()}; run it on a machine "
-            f"with {nproc}, or as a dry run with --nproc {torch.cuda.device_count()}"
-        )
 
-    if args.data is not None:
-        shape = BatchShape(plan.training.micro_batch_size, plan.training.grad_accum_steps, nproc, plan.training.seq_len)
-        AlpacaTokens(args.data, vocab_size_of(model)).global_batch(0, shape)  # raises UsageError when unusable
-
-    mem_limit_bytes = None
-    if args.mem_limit is not None:
-        mem_limit_bytes = plan.cluster.mem_limit_bytes if args.mem_limit == "plan" else parse_mem_bytes(args.mem_limit)
-
-    spec = RunSpec(
-        plan_path=str(Path(args.plan).resolve()), run_dir="", device=device, steps=args.steps, warmup_steps=args.warmup,
-        dry_run=nproc < planned, seed=args.seed, lr=args.lr, data_path=args.data and str(Path(args.data).resolve()), model_factory=args.model,
-        mem_limit_bytes=mem_limit_bytes, timeout_s=args.timeout,
-    )
-    return plan, spec, nproc
+def _node_summary(prepared: PreparedRun, launched: LaunchResult) -> int:
+    """A node other than node 0: how its own ranks did; the report is node 0's."""
+    local = launched.local_ranks or []
+    if launched.interrupted is not None:
+        print(f"autoplan apply: interrupted by {launched.interrupted}: this node's ranks stopped", file=sys.stderr)
+        return exit_status(launched.interrupted)
+    failed = [rank for rank in local if launched.ranks.get(rank) is None or launched.ranks[rank].status != "ok"]
+    for rank in local:
+        result = launched.ranks.get(rank)
+        state = "sent nothing" if result is None else f"{result.status} after {result.steps_done} step(s)"
+        print(f"autoplan apply: rank {rank} (this node): {state}"
+              + (f": {result.error}" if result is not None and result.error else ""),
+              file=sys.stderr if rank in failed else sys.stdout)
+    print(f"autoplan apply: node {prepared.nodes.rank} done; node 0 prints the predicted-vs-measured report")
+    return RUN_FAILED_EXIT_CODE if failed or launched.returncode else 0

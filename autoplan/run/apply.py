@@ -21,7 +21,9 @@ objects (FSDP2 resets its shards in place), so the optimizer stays valid after m
 from __future__ import annotations
 
 import math
+import os
 import warnings
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -33,6 +35,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from autoplan.errors import PlanFileError, UsageError
 from autoplan.models.fingerprint import model_fingerprint
+from autoplan.models.hf import HF_PREFIX
+from autoplan.models.resolve import ResolvedModel, model_from_plan, resolve_model
 from autoplan.plan.schema import Plan, UnitDecision
 from cost_models.options import (
     OPTIMIZERS,
@@ -73,16 +77,11 @@ def apply(
     `dry_run=True` accepts a smaller world than the plan's, and applies its decisions there.
     Refuses a plan made for another model or world size with a PlanFileError naming the difference.
     """
-    check_model_matches(model, plan)
+    units, precision, optimizer_kind = check_plan(model, plan)
     world_mesh = mesh if mesh is not None else _default_world_mesh()
     if world_mesh.ndim != 1:
         raise UsageError(f"apply() takes a 1-D mesh over the plan's ranks, got a {world_mesh.ndim}-D mesh")
     check_world_size(world_mesh.size(), plan, dry_run=dry_run)
-    # Every unit's module is looked up (and every decision checked) before anything is wrapped.
-    units = [(decision, _sharding_kind(decision), _unit_module(model, decision))
-             for decision in _leaves_first(plan.units)]
-    precision = _plan_row(PRECISIONS, plan.training.dtype)
-    optimizer_kind = _plan_row(OPTIMIZERS, plan.training.optimizer)
     meshes = _Meshes(world_mesh, plan)
 
     master = torch_dtype(precision.master_dtype)
@@ -154,6 +153,24 @@ def _sharding_kind(decision: UnitDecision) -> ShardingKind:
 # --------------------------------------------------------------------------- #
 # Checks: before anything is touched
 # --------------------------------------------------------------------------- #
+
+
+def check_plan(model: nn.Module, plan: Plan) -> tuple[list[tuple[UnitDecision, ShardingKind, nn.Module]],
+                                                     Precision, OptimizerKind]:
+    """Everything `apply` checks of a plan against a model, without a process group: the model's
+    fingerprint, every unit's module and sharding kind, the precision and the optimizer (its torch class
+    included). `autoplan apply` runs it on the meta device before it launches a rank. Returns the units
+    (decision, kind, module; leaves first), the precision row and the optimizer row."""
+    check_model_matches(model, plan)
+    # Every unit's module is looked up (and every decision checked) before anything is wrapped.
+    units = [(decision, _sharding_kind(decision), _unit_module(model, decision))
+             for decision in _leaves_first(plan.units)]
+    optimizer_kind = _plan_row(OPTIMIZERS, plan.training.optimizer)
+    cls = getattr(torch.optim, optimizer_kind.torch_class, None)
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        raise UsageError(f"optimizer {optimizer_kind.name!r}: torch.optim has no optimizer class "
+                         f"{optimizer_kind.torch_class!r} (torch {torch.__version__})")
+    return units, _plan_row(PRECISIONS, plan.training.dtype), optimizer_kind
 
 
 def check_model_matches(model: nn.Module, plan: Plan) -> None:
@@ -268,34 +285,35 @@ class _Meshes:
 # --------------------------------------------------------------------------- #
 
 
-def model_for_plan(plan: Plan, factory: str | None = None) -> nn.Module:
-    """Build the plan's model on the meta device: the zoo config it names, or the user's factory.
+def model_for_plan(plan: Plan, factory: str | None = None, plan_file: str | os.PathLike | None = None) -> nn.Module:
+    """Build the plan's model on the meta device: see `resolve_plan_model`."""
+    return resolve_plan_model(plan, factory, plan_file).module
 
-    A plan file alone never makes autoplan import code: a plan made from a factory runs only with
-    the factory named again by the user (`factory`, i.e. `autoplan apply --model ...`).
+
+def resolve_plan_model(plan: Plan, factory: str | None = None,
+                       plan_file: str | os.PathLike | None = None) -> ResolvedModel:
+    """The plan's model on the meta device, with the name of what is built (`.name`): the zoo config the
+    plan holds, its Hugging Face config (a relative path, read from `plan_file`'s folder), or the model the
+    user names (`factory`: a factory, a zoo name or "hf:PATH", i.e. `autoplan apply --model ...`).
+
+    A plan file alone never makes autoplan import code: a plan made from a factory runs only with the
+    factory named again by the user. The name comes from what is built, not from the plan's `model.name`:
+    a plan whose name was edited to another zoo name is named by its config (see `model_label_note`).
     """
-    from autoplan.models.factory import load_factory
-    from autoplan.models.zoo import ModelConfig, build_model
-
-    if (factory or plan.model.name).startswith("hf:"):
-        # a Hugging Face config is data, not code: its model can be rebuilt from the plan's path
-        from autoplan.models.resolve import resolve_model
-
-        return resolve_model(factory or plan.model.name).module
     if factory is not None:
-        try:
-            return load_factory(factory, device="meta")
-        except ValueError as exc:
-            raise UsageError(str(exc)) from exc
-    if plan.model.config is None:
-        raise UsageError(
-            f"this plan was made for the model factory {plan.model.name!r}; autoplan does not import code "
-            f"named only in a plan file, so name the factory again: `model` {plan.model.name}"
-        )
-    try:
-        return build_model(ModelConfig.from_dict(plan.model.config))
-    except (TypeError, ValueError) as exc:
-        raise PlanFileError(f"the plan's model config for {plan.model.name!r} is invalid: {exc}") from exc
+        return resolve_model(factory)
+    return model_from_plan(plan.model.name, plan.model.config, None if plan_file is None else Path(plan_file))
+
+
+def model_label_note(plan: Plan, model: ResolvedModel) -> str | None:
+    """Said when what runs is named otherwise than the plan names its model; None when they agree."""
+    if model.name == plan.model.name:
+        return None
+    if plan.model.config is not None and not model.name.startswith(HF_PREFIX) and ":" not in model.name:
+        return (f"the plan names its model {plan.model.name!r}, but its config, which is what runs, is "
+                f"{model.name}'s; the run is labelled {model.name}")
+    return (f"the plan was made for {plan.model.name!r}; running {model.name}, the model given, "
+            "whose parameters match the plan's")
 
 
 def materialise(model: nn.Module, device: torch.device | str, seed: int) -> None:

@@ -1,28 +1,58 @@
 """Launch the ranks of a run with torch.distributed's own launcher and collect their results.
 
 The launcher runs in a child process, `python -m autoplan.run.launch RUN_DIR <torchrun arguments>`:
-that is torchrun's own `torch.distributed.run.run`, with one addition: when ranks fail, which ranks
+that is torchrun's own `torch.distributed.run.run`, with three additions: when ranks fail, which ranks
 and with what exit status or signal is written to RUN_DIR/launcher_failures.json, so the report can
-say which rank died rather than only that the launcher failed. `--standalone` picks a free
-rendezvous port; `--max-restarts=0` makes the launcher stop every rank as soon as one fails, so no
-rank is left waiting in a collective for a peer that is gone.
+say which rank died rather than only that the launcher failed; a signal that stops it ends it with the
+shell's status for that signal, without a traceback; and its own log is quiet (as with LOGLEVEL=CRITICAL,
+unless LOGLEVEL is set), since the run report names every failure. `--max-restarts=0` makes the launcher stop
+every rank as soon as one fails, so no rank is left waiting in a collective for a peer that is gone.
+
+One node: `--standalone` picks a free rendezvous port. Several nodes (`Nodes`): every node runs one
+launch with the same node count and rendezvous endpoint (HOST:PORT on node 0) and its own node rank,
+the static rendezvous torchrun offers: node k holds ranks k*nproc .. (k+1)*nproc-1, so rank 0 and the
+full report are on node 0 (the ranks of other nodes send their results there, see worker.py).
+
+The launcher gets a process group of its own and the signals sent to this process are forwarded to it
+(procs.py); when it has exited, whatever of the run still lives is killed and the run directory removed.
 """
 
 from __future__ import annotations
 
+# ruff: noqa: E402 - the imports follow the line that makes SIGINT end the launcher while it imports torch
+import signal
+
+if __name__ == "__main__":  # the launcher: stopped before torchrun takes over its signals, it ends at once
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # (a KeyboardInterrupt can be swallowed while torch imports)
+
 import json
+import logging
 import os
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from autoplan.fileio import write_text_atomic
+from autoplan.run.procs import ForwardSignals, die_with_parent, stop_run_processes
 from autoplan.run.worker import RankResult, RunSpec
+
+__all__ = ["FAILURES_FILE", "LaunchResult", "Nodes", "RankFailure", "launch", "torchrun_args"]
 
 _PACKAGE_ROOT = Path(__file__).resolve().parent.parent  # so ranks import this autoplan, installed or not
 FAILURES_FILE = "launcher_failures.json"
+STOP_GRACE_S = 20.0  # after a forwarded signal, how long the launcher has to stop its ranks before it is killed
+
+
+@dataclass(frozen=True)
+class Nodes:
+    """Where this launch sits among the run's nodes: torchrun's --nnodes, --node-rank, --rdzv-endpoint."""
+
+    count: int = 1
+    rank: int = 0  # this node's; node 0 holds rank 0, hosts the rendezvous and writes the report
+    rdzv_endpoint: str | None = None  # HOST:PORT of node 0, the same on every node; needed for count > 1
 
 
 @dataclass
@@ -34,55 +64,111 @@ class RankFailure:
 @dataclass
 class LaunchResult:
     returncode: int  # the launcher's exit status
-    ranks: dict[int, RankResult | None]  # what each rank wrote; None: nothing (died while starting)
+    ranks: dict[int, RankResult | None]  # what each rank wrote; None: nothing (died while starting, or remote)
     failures: dict[int, RankFailure]  # ranks the launcher reports failed, those it stopped included
     first_failed_rank: int | None = None  # the launcher's root cause: the first rank seen to fail
+    local_ranks: list[int] | None = None  # ranks this node ran; None: all of them
+    interrupted: str | None = None  # the signal that stopped the run ("SIGINT"), None if none did
+    launcher_summary: str | None = None  # torchrun's own account of a failure
+
+    def is_local(self, rank: int) -> bool:
+        return self.local_ranks is None or rank in self.local_ranks
 
 
-def torchrun_args(spec_path: Path, nproc: int) -> list[str]:
-    return [
-        "--standalone", f"--nproc-per-node={nproc}", "--max-restarts=0",
-        "-m", "autoplan.run.worker", str(spec_path),
-    ]
+def torchrun_args(spec_path: Path, nproc: int, nodes: Nodes | None = None,
+                  rdzv_timeout_s: float | None = None) -> list[str]:
+    nodes = nodes or Nodes()
+    if nodes.count == 1:
+        where = ["--standalone"]
+    else:
+        where = [f"--nnodes={nodes.count}", f"--node-rank={nodes.rank}", "--rdzv-backend=static",
+                 f"--rdzv-endpoint={nodes.rdzv_endpoint}"]
+        if rdzv_timeout_s is not None:  # how long a node waits for the others to join
+            where.append(f"--rdzv-conf=timeout={max(1, round(rdzv_timeout_s))}")
+    return [*where, f"--nproc-per-node={nproc}", "--max-restarts=0", "-m", "autoplan.run.worker", str(spec_path)]
 
 
-def _worker_env(device: str, nproc: int) -> dict[str, str]:
+def _launcher_env(device: str, nproc: int) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_PACKAGE_ROOT), env.get("PYTHONPATH")) if p)
     if device == "cpu" and "OMP_NUM_THREADS" not in env:
         # Share the cores between the ranks (torchrun would otherwise set 1 and print a warning).
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
+    env.setdefault("LOGLEVEL", "CRITICAL")  # the level of torchrun's own loggers (see _run_launcher)
     return env
 
 
-def launch(spec: RunSpec, nproc: int) -> LaunchResult:
-    """Run `spec` on `nproc` local ranks; returns when every rank has finished or been stopped.
+def launch(spec: RunSpec, nproc: int, nodes: Nodes | None = None) -> LaunchResult:
+    """Run `spec` on `nproc` ranks of this node; returns when every rank has finished or been stopped.
 
-    Each launch gets a fresh temporary run directory (spec.run_dir is set here).
+    Each launch gets a fresh temporary run directory (spec.run_dir is set here), removed on return once no
+    process of the run is left. A SIGINT, SIGTERM or SIGHUP to this process stops the run (the launcher and
+    its ranks) and is named in the result's `interrupted`.
     """
+    nodes = nodes or Nodes()
+    world = nproc * nodes.count
+    local_ranks = list(range(nodes.rank * nproc, (nodes.rank + 1) * nproc))
     with tempfile.TemporaryDirectory(prefix="autoplan-apply-") as run_dir:
         spec.run_dir = run_dir
         spec_path = Path(run_dir) / "run_spec.json"
         spec.save(spec_path)
-        command = [sys.executable, "-m", "autoplan.run.launch", run_dir, *torchrun_args(spec_path, nproc)]
-        completed = subprocess.run(command, env=_worker_env(spec.device, nproc))
-        ranks = {rank: RankResult.load(run_dir, rank) for rank in range(nproc)}
-        failures, first_failed_rank = _read_failures(Path(run_dir) / FAILURES_FILE)
-    return LaunchResult(completed.returncode, ranks, failures, first_failed_rank)
+        command = [sys.executable, "-m", "autoplan.run.launch", run_dir,
+                   *torchrun_args(spec_path, nproc, nodes, spec.timeout_s)]
+        launcher = subprocess.Popen(command, env=_launcher_env(spec.device, nproc), start_new_session=True)
+        with ForwardSignals(launcher.pid) as signals:
+            try:
+                returncode = _wait(launcher, signals)
+            finally:  # also when this process is failing: the launcher and what it left go first
+                _stop(launcher, run_dir)
+            ranks = {rank: RankResult.load(run_dir, rank) for rank in range(world)}
+            failures, first_failed_rank, summary = _read_failures(Path(run_dir) / FAILURES_FILE)
+    return LaunchResult(returncode, ranks, failures, first_failed_rank, None if nodes.count == 1 else local_ranks,
+                        signals.received, summary)
 
 
-def _read_failures(path: Path) -> tuple[dict[int, RankFailure], int | None]:
+def _wait(launcher: subprocess.Popen, signals: ForwardSignals) -> int:
+    """The launcher's exit status. Once a signal was forwarded it has STOP_GRACE_S to stop its ranks and exit
+    (it needs well under a second: ranks die on the signal); then its process group is killed."""
+    while True:
+        try:
+            return launcher.wait(timeout=0.5)
+        except subprocess.TimeoutExpired:
+            if signals.received_at is not None and time.monotonic() - signals.received_at > STOP_GRACE_S:
+                signals.kill()
+
+
+def _stop(launcher: subprocess.Popen, run_dir: str) -> None:
+    if launcher.poll() is None:
+        try:
+            os.killpg(launcher.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        launcher.wait()
+    stop_run_processes(run_dir)  # a rank the launcher could not stop (or that outlived a killed launcher)
+
+
+def _read_failures(path: Path) -> tuple[dict[int, RankFailure], int | None, str | None]:
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
-        return {}, None
-    return {int(rank): RankFailure(**failure) for rank, failure in data["ranks"].items()}, data["first_failed_rank"]
+        return {}, None, None
+    failures = {int(rank): RankFailure(**failure) for rank, failure in data["ranks"].items()}
+    return failures, data["first_failed_rank"], data.get("summary")
 
 
 def _run_launcher(run_dir: str, torchrun_argv: list[str]) -> int:
+    # Stopped before torchrun takes over its signals: no rank exists yet, so end at once, quietly.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    die_with_parent(signal.SIGTERM)  # the `autoplan apply` process died: stop the ranks as for a SIGTERM
+    from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
+    # torchrun's own log ("Sending process ... closing signal"): the report says what failed
+    try:
+        logging.getLogger("torch.distributed.elastic").setLevel(os.environ.get("LOGLEVEL", "CRITICAL").upper())
+    except ValueError:  # not a level's name
+        logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     try:
         run(parse_args(torchrun_argv))
     except ChildFailedError as exc:
@@ -91,9 +177,13 @@ def _run_launcher(run_dir: str, torchrun_argv: list[str]) -> int:
             for rank, failure in exc.failures.items()
         }
         first_failed_rank, _ = exc.get_first_failure()
-        write_text_atomic(Path(run_dir) / FAILURES_FILE,
-                          json.dumps({"first_failed_rank": first_failed_rank, "ranks": failures}))
-        print(exc, file=sys.stderr)  # the launcher's own summary of the failure
+        write_text_atomic(Path(run_dir) / FAILURES_FILE, json.dumps(
+            {"first_failed_rank": first_failed_rank, "ranks": failures, "summary": str(exc)}))
+        return 1
+    except SignalException as exc:  # torchrun stopped its ranks on this signal
+        return 128 + int(exc.sigval)
+    except Exception as exc:  # noqa: BLE001 - e.g. a rendezvous that timed out: one line, not torchrun's traceback
+        print(f"autoplan apply: torch.distributed.run failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     return 0
 

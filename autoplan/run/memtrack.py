@@ -14,16 +14,25 @@ making a tensor (e.g. inside a gloo collective), and tensors made on other threa
 
 With `limit_bytes`, an allocation that takes the live bytes over the limit raises
 MemoryLimitExceeded, the CPU's stand-in for a CUDA out-of-memory error.
+
+`RankMemory` is what a rank of `autoplan apply` measures with: the CUDA allocator's statistics, or this
+tracker on the CPU; `allocation_failure` tells an allocator refusing memory (CUDA's OutOfMemoryError, the
+CPU allocator's RuntimeError, the tracker's limit) from other errors and says what could not be allocated.
 """
 
 from __future__ import annotations
 
+import re
 import threading
 import weakref
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
+
+from autoplan.sizes import format_bytes
+
+__all__ = ["LiveTensorTracker", "MemoryLimitExceeded", "RankMemory", "allocation_failure"]
 
 
 class MemoryLimitExceeded(RuntimeError):
@@ -136,3 +145,56 @@ class LiveTensorTracker(TorchDispatchMode):
         if self._original_resize is not None:
             torch.UntypedStorage.resize_ = self._original_resize
             self._original_resize = None
+
+
+class RankMemory:
+    """Peak memory per rank: the CUDA allocator's statistics, or live tensors on the CPU."""
+
+    def __init__(self, device: torch.device, limit_bytes: int | None):
+        self.device = device
+        self.tracker = None
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+            if limit_bytes is not None:  # a real out-of-memory error at the limit
+                total = torch.cuda.get_device_properties(device).total_memory
+                torch.cuda.set_per_process_memory_fraction(min(1.0, limit_bytes / total), device)
+            self.source = "torch.cuda.max_memory_allocated"
+        else:
+            self.tracker = LiveTensorTracker(limit_bytes=limit_bytes)
+            self.source = "live tensor storages (autoplan.memtrack)"
+
+    def __enter__(self):
+        if self.tracker is not None:
+            self.tracker.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.tracker is not None:
+            return self.tracker.__exit__(*exc)
+        return False
+
+    def peak_and_reset(self) -> int:
+        if self.tracker is not None:
+            peak = self.tracker.peak_bytes
+            self.tracker.reset_peak()
+        else:
+            peak = torch.cuda.max_memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        return peak
+
+
+_CPU_ALLOCATOR = re.compile(r"(?:can't allocate memory|not enough memory): you tried to allocate (\d+) bytes")
+
+
+def allocation_failure(exc: BaseException) -> str | None:
+    """What the allocator could not give, when `exc` is an allocator refusing memory; None otherwise."""
+    if isinstance(exc, MemoryLimitExceeded):
+        return str(exc)
+    if isinstance(exc, torch.cuda.OutOfMemoryError):  # "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 ..."
+        return ". ".join(str(exc).split(". ")[:3]).strip()
+    if isinstance(exc, MemoryError):
+        return "Python could not allocate memory (MemoryError)"
+    match = _CPU_ALLOCATOR.search(str(exc)) if isinstance(exc, RuntimeError) else None
+    if match:
+        return f"could not allocate {format_bytes(int(match.group(1)))} (the CPU allocator: not enough memory)"
+    return None

@@ -25,6 +25,7 @@ from autoplan.errors import AutoplanError
 from autoplan.fileio import write_text_atomic
 from autoplan.plan.schema import Plan
 from autoplan.profile_store import load_profile
+from autoplan.run.failures import failure_messages
 from autoplan.run.launch import LaunchResult
 from autoplan.run.worker import RunSpec
 from autoplan.sizes import format_bytes
@@ -86,12 +87,14 @@ class RunReport(_Strict):
     """The record of one `autoplan apply` run: its settings, the plan's predictions and the measurements."""
 
     schema_version: Literal[1] = REPORT_SCHEMA_VERSION
-    status: Literal["ok", "failed"]  # ok: every rank finished every step
+    status: Literal["ok", "failed", "interrupted"]  # ok: every rank finished every step; interrupted: by a signal
     plan: str  # the plan file, as given on the command line
-    model: str  # the plan's model name
+    model: str  # the model that ran: the plan's config (or the factory given), named by what it builds
+    model_note: str | None = None  # set when the plan names its model otherwise (an edited model.name)
     device: Literal["cpu", "cuda"]
     backend: Literal["gloo", "nccl"]
-    world_size: int = Field(ge=1)  # ranks that ran
+    world_size: int = Field(ge=1)  # ranks that ran, on all nodes
+    nodes: int = Field(default=1, ge=1)  # nodes the ranks ran on (torchrun's --nnodes)
     planned_world_size: int = Field(ge=1)  # ranks the plan is for (more on a dry run)
     dry_run: bool  # the plan's decisions on fewer ranks than planned: predictions do not compare directly
     data: str  # the Alpaca JSON file trained on, or "synthetic"
@@ -109,6 +112,7 @@ class RunReport(_Strict):
     profile_note: str | None  # set when that profile describes another kind of device than this run's
     measured: MeasuredRun
     launcher_returncode: int  # torch.distributed.run's exit status
+    interrupted_by: str | None = None  # the signal that stopped the run (SIGINT, SIGTERM, SIGHUP); None if none did
     failures: list[str]  # one line per rank that did not finish (notes on a teardown hiccup when status is ok)
 
     def to_json(self) -> str:
@@ -175,7 +179,10 @@ def profile_note(plan: Plan, device: str) -> str | None:
     return None
 
 
-def build_report(plan: Plan, plan_path: str, spec: RunSpec, nproc: int, launched: LaunchResult) -> RunReport:
+def build_report(plan: Plan, plan_path: str, spec: RunSpec, nproc: int, launched: LaunchResult,
+                 model: str | None = None, model_note: str | None = None, nodes: int = 1) -> RunReport:
+    """The record of a run of `nproc` ranks in all (on `nodes` nodes); `model` names what ran (by default the
+    plan's model name), `model_note` says why that differs from the plan's."""
     training = plan.training
     ranks = launched.ranks
     global_batch = training.micro_batch_size * training.grad_accum_steps * nproc
@@ -211,12 +218,14 @@ def build_report(plan: Plan, plan_path: str, spec: RunSpec, nproc: int, launched
     )
     predicted = plan.predicted
     return RunReport(
-        status="ok" if all_ok else "failed",
+        status="ok" if all_ok else "interrupted" if launched.interrupted else "failed",
         plan=plan_path,
-        model=plan.model.name,
+        model=model or plan.model.name,
+        model_note=model_note,
         device=spec.device,
         backend="nccl" if spec.device == "cuda" else "gloo",
         world_size=nproc,
+        nodes=nodes,
         planned_world_size=plan.cluster.world_size,
         dry_run=spec.dry_run,
         data=spec.data_path or "synthetic",
@@ -241,52 +250,17 @@ def build_report(plan: Plan, plan_path: str, spec: RunSpec, nproc: int, launched
         profile_note=profile_note(plan, spec.device),
         measured=measured,
         launcher_returncode=launched.returncode,
+        interrupted_by=launched.interrupted,
         failures=failure_messages(plan, nproc, launched),
     )
-
-
-def failure_messages(plan: Plan, nproc: int, launched: LaunchResult) -> list[str]:
-    """One line per rank that did not finish: which rank, what happened, predicted and measured memory.
-
-    Causes come before consequences: a rank killed by a signal first (its peers' collectives fail
-    because it is gone), then ranks out of memory, ranks with an error, and last the ranks the
-    launcher stopped (SIGTERM) once another had failed.
-    """
-    predicted_mem = format_bytes(plan.predicted.peak_mem_bytes)
-    first = launched.first_failed_rank
-    entries: list[tuple[int, int, str]] = []  # (order, rank, message)
-    for rank in range(nproc):
-        result, failure = launched.ranks.get(rank), launched.failures.get(rank)
-        if result is not None and result.status == "ok":
-            if failure is not None:
-                entries.append((4, rank, f"rank {rank} finished and wrote its results, then exited with status "
-                                         f"{failure.exitcode} ({failure.signal or 'no signal'}) while shutting down"))
-            continue
-        where = "while starting" if result is None or result.phase == "starting" else f"at step {result.steps_done + 1}"
-        measured = (f"measured peak so far {format_bytes(result.peak_mem_bytes)} ({result.mem_source})"
-                    if result is not None else "nothing measured")
-        stopped = failure is None or (failure.signal == "SIGTERM" and first is not None and first != rank)
-        if result is not None and result.status == "oom":
-            entries.append((1, rank, f"rank {rank} ran out of memory {where}: {result.error}; "
-                                     f"predicted peak {predicted_mem}, {measured}"))
-        elif result is not None and result.status == "failed":
-            entries.append((2, rank, f"rank {rank} failed {where}: {result.error}; predicted peak {predicted_mem}, {measured}"))
-        elif not stopped:
-            how = f"was killed by {failure.signal}" if failure.signal else f"exited with status {failure.exitcode}"
-            entries.append((0, rank, f"rank {rank} died {where}: it {how}; predicted peak {predicted_mem}, {measured}"))
-        else:
-            entries.append((3, rank, f"rank {rank} was stopped by the launcher {where}, after another rank failed; {measured}"))
-    messages = [message for _, _, message in sorted(entries)]
-    if not messages and launched.returncode != 0:
-        messages.append(f"every rank finished and wrote its results, but the launcher exited with status {launched.returncode}")
-    return messages
 
 
 def format_report(report: RunReport) -> str:
     """The predicted-vs-measured table printed at the end of a run."""
     r, predicted, measured = report, report.predicted, report.measured
+    on_nodes = f" on {r.nodes} nodes" if r.nodes > 1 else ""
     lines = [
-        f"autoplan apply: {r.model} on {r.world_size} rank(s) ({r.device}, {r.backend}), "
+        f"autoplan apply: {r.model} on {r.world_size} rank(s){on_nodes} ({r.device}, {r.backend}), "
         f"{r.dtype}, {r.optimizer}, micro-batch {r.micro_batch_size} x "
         f"{r.grad_accum_steps} accum x {r.world_size} ranks = global batch "
         f"{r.global_batch_size}, seq {r.seq_len}, data {r.data}",
@@ -313,6 +287,8 @@ def format_report(report: RunReport) -> str:
         lines.append(f"{label:24}{_or_dash(pred, fmt):>14}{_or_dash(meas, fmt):>14}{ratio:>21}")
     if r.profile_note:
         lines.append(f"  note: {r.profile_note}")
+    if r.model_note:
+        lines.append(f"  note: {r.model_note}")
     lines.append(f"  predicted peak at: {predicted.peak_point}")
     lines.append(f"  measured memory: {measured.peak_mem_source}, max over ranks")
     rss = measured.peak_rss_bytes_per_rank
@@ -330,7 +306,8 @@ def format_report(report: RunReport) -> str:
         lines.append("  step times, memory tracker off (the median's steps): " + ", ".join(
             f"{t:.3f}s" for t in measured.untracked_step_times_s))
     if measured.losses:
-        lines.append("  loss by step: " + ", ".join(f"{loss:.4f}" for loss in measured.losses))
+        lines.append(f"  loss by step, mean over the {r.world_size} rank(s) (the global batch's loss): "
+                     + ", ".join(f"{loss:.4f}" for loss in measured.losses))
     return "\n".join(lines)
 
 

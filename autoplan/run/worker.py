@@ -2,10 +2,21 @@
 
 Started by torch.distributed.run (see launch.py) as `python -m autoplan.run.worker run_spec.json`.
 Each rank writes its measurements to `rank<N>.json` in the run directory after every step, so the
-launcher's process can report what was measured even when a rank dies part-way through.
+launcher's process can report what was measured even when a rank dies part-way through. On a run over
+several nodes the ranks of the other nodes also put their results in the rendezvous store (hosted on
+node 0) after every step, and rank 0 writes them into its run directory: node 0 reports on every rank.
+
+A rank records what it is doing (`RankResult.doing`), so that memory the allocator refuses is reported
+as what could not be allocated, and where, instead of a traceback. SIGINT and SIGTERM end a rank at once.
 """
 
 from __future__ import annotations
+
+# ruff: noqa: E402 - the imports follow the line that makes SIGINT end a rank while it imports torch
+import signal
+
+if __name__ == "__main__":  # a rank (python -m autoplan.run.worker): see procs.rank_signals
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 import dataclasses
 import json
@@ -26,7 +37,10 @@ from autoplan.fileio import write_text_atomic
 from autoplan.plan.schema import load_plan
 from autoplan.run.apply import apply, materialise, model_for_plan
 from autoplan.run.data import AlpacaTokens, BatchShape, SyntheticTokens, rank_micro_batches, vocab_size_of
-from autoplan.run.memtrack import LiveTensorTracker, MemoryLimitExceeded
+from autoplan.run.memtrack import RankMemory, allocation_failure
+from autoplan.run.procs import die_with_parent, rank_signals
+
+__all__ = ["RankResult", "RunSpec", "main", "next_token_loss", "train"]
 
 
 @dataclass
@@ -59,6 +73,8 @@ class RankResult:
     rank: int
     status: str = "running"  # running | ok | oom | failed
     phase: str = "starting"  # starting (build, apply, materialise) | training | done
+    doing: str = "starting"  # what the rank is doing now, e.g. "running the backward of micro-batch 2 of 4"
+    pid: int = 0
     error: str | None = None
     steps_done: int = 0
     losses: list[float] = field(default_factory=list)  # per step: this rank's mean loss
@@ -93,75 +109,43 @@ def next_token_loss(output, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
 
 
-class _Memory:
-    """Peak memory per rank: the CUDA allocator's statistics, or live tensors on the CPU."""
-
-    def __init__(self, device: torch.device, limit_bytes: int | None):
-        self.device = device
-        self.tracker = None
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-            if limit_bytes is not None:  # a real out-of-memory error at the limit
-                total = torch.cuda.get_device_properties(device).total_memory
-                torch.cuda.set_per_process_memory_fraction(min(1.0, limit_bytes / total), device)
-            self.source = "torch.cuda.max_memory_allocated"
-        else:
-            self.tracker = LiveTensorTracker(limit_bytes=limit_bytes)
-            self.source = "live tensor storages (autoplan.memtrack)"
-
-    def __enter__(self):
-        if self.tracker is not None:
-            self.tracker.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        if self.tracker is not None:
-            return self.tracker.__exit__(*exc)
-        return False
-
-    def peak_and_reset(self) -> int:
-        if self.tracker is not None:
-            peak = self.tracker.peak_bytes
-            self.tracker.reset_peak()
-        else:
-            peak = torch.cuda.max_memory_allocated(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-        return peak
-
-
 def _peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
-def train(spec: RunSpec, rank: int, world_size: int, result: RankResult) -> None:
+def train(spec: RunSpec, rank: int, world_size: int, result: RankResult, sender: "_ToFirstNode | None" = None) -> None:
     """Build, apply, materialise and train; `result` is updated (and saved) as the run goes."""
+    sender = sender or _ToFirstNode(rank, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size))))
     plan = load_plan(spec.plan_path)
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if spec.device == "cuda" else torch.device("cpu")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local_rank) if spec.device == "cuda" else torch.device("cpu")
     training = plan.training
     shape = BatchShape(training.micro_batch_size, training.grad_accum_steps, world_size, training.seq_len)
 
-    memory = _Memory(device, spec.mem_limit_bytes)
+    memory = RankMemory(device, spec.mem_limit_bytes)
     result.mem_source = memory.source
     with memory:
-        model = model_for_plan(plan, spec.model_factory)
+        result.doing = "building and sharding the model"
+        model = model_for_plan(plan, spec.model_factory, plan_file=spec.plan_path)
         data = (
             AlpacaTokens(spec.data_path, vocab_size_of(model)) if spec.data_path
             else SyntheticTokens(vocab_size_of(model), seed=spec.seed)
         )
         model, optimizer = apply(model, plan, lr=spec.lr, dry_run=spec.dry_run)
+        result.doing = "materialising the model (to_empty, init_weights)"
         materialise(model, device, spec.seed)
         result.peak_mem_bytes = memory.peak_and_reset()
         result.phase = "training"
         result.save(spec.run_dir)
 
         for step in range(spec.warmup_steps + spec.steps):
-            micro_batches = rank_micro_batches(data.global_batch(step, shape), rank, shape)
+            micro_batches = _batches(data, step, rank, shape, result)
             phase_peaks = {"forward": 0, "backward": 0, "optimizer": 0}
 
             def phase_done(phase: str) -> None:
                 phase_peaks[phase] = max(phase_peaks[phase], memory.peak_and_reset())
 
-            step_s, step_loss = _train_step(model, optimizer, micro_batches, device, phase_done)
+            step_s, step_loss = _train_step(model, optimizer, micro_batches, device, phase_done, result)
             result.step_times_s.append(step_s)
             result.losses.append(step_loss)
             result.phase_peak_bytes_by_step.append(phase_peaks)
@@ -170,11 +154,12 @@ def train(spec: RunSpec, rank: int, world_size: int, result: RankResult) -> None
             result.peak_rss_bytes = _peak_rss_bytes()
             result.steps_done = step + 1
             result.save(spec.run_dir)
+            sender.send(result)
             if rank == 0:
-                phase = "warm-up" if step < spec.warmup_steps else "timed"
+                phase = "warm-up" if step < spec.warmup_steps else "timed" if memory.tracker is None else "memory"
                 print(
-                    f"[autoplan apply] step {step + 1}/{spec.warmup_steps + spec.steps} ({phase}): "
-                    f"loss {step_loss:.4f} (rank 0), {step_s:.3f} s",
+                    f"[autoplan apply] step {step + 1}/{spec.warmup_steps + spec.steps} ({phase}), rank 0: "
+                    f"loss {step_loss:.4f} on its micro-batches, {step_s:.3f} s",
                     flush=True,
                 )
 
@@ -184,28 +169,41 @@ def train(spec: RunSpec, rank: int, world_size: int, result: RankResult) -> None
     # step; the step time is measured again over as many steps with the tracker off.
     total = spec.warmup_steps + spec.steps
     for step in range(total, total + spec.steps):
-        micro_batches = rank_micro_batches(data.global_batch(step, shape), rank, shape)
-        step_s, step_loss = _train_step(model, optimizer, micro_batches, device)
+        micro_batches = _batches(data, step, rank, shape, result)
+        step_s, step_loss = _train_step(model, optimizer, micro_batches, device, result=result)
         result.untracked_step_times_s.append(step_s)
         result.save(spec.run_dir)
+        sender.send(result)
         if rank == 0:
-            print(f"[autoplan apply] untracked step {step + 1 - total}/{spec.steps}: "
-                  f"loss {step_loss:.4f} (rank 0), {step_s:.3f} s", flush=True)
+            print(f"[autoplan apply] untracked step {step + 1 - total}/{spec.steps} (timed, memory tracker off), "
+                  f"rank 0: loss {step_loss:.4f} on its micro-batches, {step_s:.3f} s", flush=True)
 
 
-def _train_step(model, optimizer, micro_batches, device: torch.device, phase_done=None) -> tuple[float, float]:
+def _batches(data, step: int, rank: int, shape: BatchShape, result: RankResult):
+    result.doing = (f"making step {step + 1}'s batch of token ids ({shape.global_batch_size:,} sequences x "
+                    f"{shape.seq_len + 1} ids; every rank makes the whole global batch)")
+    return rank_micro_batches(data.global_batch(step, shape), rank, shape)
+
+
+def _train_step(model, optimizer, micro_batches, device: torch.device, phase_done=None,
+                result: RankResult | None = None) -> tuple[float, float]:
     """One optimizer step over this rank's micro-batches: (seconds, mean loss on this rank).
-    `phase_done(phase)` is called as forward (loss included), backward and the optimizer step end."""
+    `phase_done(phase)` is called as forward (loss included), backward and the optimizer step end;
+    `result.doing` says which is under way."""
+    result = result or RankResult(rank=-1)
     start_s = time.perf_counter()
     loss_sum = torch.zeros((), device=device)
-    for input_ids, labels in micro_batches:
+    for index, (input_ids, labels) in enumerate(micro_batches, start=1):
+        result.doing = f"running the forward of micro-batch {index} of {len(micro_batches)}"
         loss = next_token_loss(model(input_ids.to(device)), labels.to(device)) / len(micro_batches)
         if phase_done:
             phase_done("forward")
+        result.doing = f"running the backward of micro-batch {index} of {len(micro_batches)}"
         loss.backward()
         if phase_done:
             phase_done("backward")
         loss_sum += loss.detach()
+    result.doing = "running the optimizer step"
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     if device.type == "cuda":
@@ -216,30 +214,71 @@ def _train_step(model, optimizer, micro_batches, device: torch.device, phase_don
     return time.perf_counter() - start_s, step_loss
 
 
+class _ToFirstNode:
+    """Several nodes: the ranks of nodes other than node 0 put their result in the rendezvous store (hosted
+    by node 0's launcher) after every step, and rank 0 writes those into its run directory, so the report on
+    node 0 covers every rank. Nothing is sent on one node."""
+
+    def __init__(self, rank: int, world_size: int, local_world_size: int):
+        self.rank, self.world_size = rank, world_size
+        self.store = None
+        self.first_node = rank < local_world_size  # static rendezvous: node 0 holds ranks 0 .. local - 1
+        if world_size > local_world_size and (rank == 0 or not self.first_node):
+            self.store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                                       timeout=timedelta(seconds=30))
+
+    def send(self, result: RankResult) -> None:
+        if self.store is not None and not self.first_node:
+            self.store.set(f"autoplan/rank{result.rank}", json.dumps(dataclasses.asdict(result)))
+
+    def collect(self, run_dir: str) -> None:
+        """Rank 0: write the results the other nodes' ranks sent (those there are; nothing waits)."""
+        if self.store is None or self.rank != 0:
+            return
+        for rank in range(self.world_size):
+            key = f"autoplan/rank{rank}"
+            try:
+                if self.store.check([key]):
+                    write_text_atomic(RankResult.path(run_dir, rank), self.store.get(key).decode())
+            except Exception:  # noqa: BLE001 - a store gone with its node: that rank is reported as silent
+                return
+
+
 def main(argv: list[str] | None = None) -> None:
+    rank_signals()
+    die_with_parent()  # a rank never outlives its launcher
     argv = sys.argv[1:] if argv is None else argv
     spec = RunSpec.load(argv[0])
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    result = RankResult(rank=rank)
+    result = RankResult(rank=rank, pid=os.getpid())
+    result.save(spec.run_dir)
+    sender = None
     exit_code = 1
     try:
         backend = "nccl" if spec.device == "cuda" else "gloo"
         if spec.device == "cuda":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         # The timeout bounds how long a rank waits in a collective for a peer that is gone.
+        result.doing = "joining the process group"
         dist.init_process_group(backend, timeout=timedelta(seconds=spec.timeout_s))
-        train(spec, rank, world_size, result)
-        result.status, result.phase = "ok", "done"
+        sender = _ToFirstNode(rank, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size))))
+        train(spec, rank, world_size, result, sender)
+        result.status, result.phase, result.doing = "ok", "done", "done"
         exit_code = 0
-    except (MemoryLimitExceeded, torch.cuda.OutOfMemoryError) as exc:
-        result.status = "oom"
-        result.error = f"{type(exc).__name__}: {exc}".strip()
     except BaseException as exc:  # noqa: BLE001 - any failure is reported, then the rank exits
-        result.status = "failed"
-        result.error = f"{type(exc).__name__}: {exc}".strip()
-        traceback.print_exc()
+        refused = allocation_failure(exc)
+        if refused is not None:  # out of memory: what could not be allocated, and where; no traceback
+            result.status, result.error = "oom", f"{refused}, while {result.doing}"
+        else:
+            result.status, result.error = "failed", f"{type(exc).__name__}: {exc}".strip()
+            traceback.print_exc()
     result.peak_rss_bytes = _peak_rss_bytes()
     result.save(spec.run_dir)  # results are on disk before any teardown
+    if sender is not None:
+        try:
+            sender.send(result)
+        except Exception:  # noqa: BLE001 - node 0 is gone: nothing to report to
+            pass
 
     # Teardown. destroy_process_group() has been seen to abort gloo runs after training finished
     # (a rank closes its sockets while a peer's gloo threads still use them). So: wait until every
@@ -251,6 +290,8 @@ def main(argv: list[str] | None = None) -> None:
             dist.barrier()
         except Exception:  # noqa: BLE001 - a peer failing here is reported by the launcher
             exit_code = 1
+    if sender is not None:
+        sender.collect(spec.run_dir)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(exit_code)
