@@ -7,10 +7,13 @@ a notebook shows it as the cell's result (with `%matplotlib inline`), a script s
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass
 from typing import Sequence
 
 from autoplan.api.frontier import FrontierPoint
 from autoplan.errors import UsageError
+from autoplan.plan.estimate import peak_index
 from autoplan.plan.schema import Prediction
 
 # category field of MemoryBreakdown -> (legend label, colour); stacked bottom to top in this order
@@ -42,43 +45,164 @@ def _axes(ax, figsize: tuple[float, float]):
     return figure, figure.subplots()
 
 
+PHASES = {"fwd": "forward", "bwd": "backward", "reduce": "backward", "optimizer": "optimizer"}
+PHASE_SHADE = {"forward": "#4c72b0", "backward": "#dd8452", "optimizer": "#55a868"}
+MAX_FIGURE_WIDTH_IN = 12.0  # however deep the model: runs of like blocks share a label, not an inch each
+LABEL_CHAR_IN, LABEL_GAP_IN = 0.055, 0.12  # a tick label's width per character (7 pt) and the gap between two
+LABEL_ROTATED_IN = 0.14  # the room a rotated label takes along the axis
+LIMIT_ON_SCALE_UP_TO = 3.0  # a limit up to this many times the peak is drawn on the axis
+ROTATED_UP_TO = 40  # time points: up to this many, every group's label, rotated; beyond, horizontal ones
+PEAK_COLOUR = "#d62728"
+
+
+@dataclass
+class _Group:
+    """Consecutive time points of one phase that belong to one unit (its backward and its gradient
+    reduction), or to a run of like units: paths that differ only in a trailing index
+    (transformer.h.0 ... transformer.h.10) and the same decision."""
+
+    phase: str
+    module: str  # the unit's path as the timeline names it ("<root>", "loss", "transformer.h.3")
+    prefix: str  # the path without its trailing index ("transformer.h.")
+    decision: str
+    first: int  # the group's first and last time point
+    last: int
+    start: int | None = None  # trailing index of the run's first and last unit; None: not an indexed unit
+    end: int | None = None
+
+    @property
+    def labels(self) -> list[str]:
+        """Its label, then shorter ones for less room: the path's last part only, then no decision."""
+        if self.start is None:
+            return [self.module]
+        run = str(self.start) if self.start == self.end else f"{self.start}-{self.end}"
+        short = self.prefix.rstrip(".").rsplit(".", 1)[-1] + "." + run if "." in self.prefix.rstrip(".") else None
+        decision = f" ({self.decision})" if self.decision else ""
+        candidates = [f"{self.prefix}{run}{decision}"] + ([f"{short}{decision}", short] if short else [])
+        return list(dict.fromkeys(candidates + [f"{self.prefix}{run}"]))
+
+
+def _groups(points, decisions: dict[str, str]) -> list[_Group]:
+    groups: list[_Group] = []
+    for position, point in enumerate(points):
+        kind, _, module = point.point.partition(" ")
+        phase, module = PHASES.get(kind, kind), module or kind
+        match = re.fullmatch(r"(.*?)(\d+)", module)
+        prefix, index = (match.group(1), int(match.group(2))) if match else (module, None)
+        decision = decisions.get(module, "")
+        last = groups[-1] if groups else None
+        if last is not None and (last.phase, last.prefix, last.decision) == (phase, prefix, decision) and (
+                (index is None and last.start is None and last.module == module)
+                or (index is not None and last.end is not None and abs(index - last.end) <= 1)):
+            last.last, last.end = position, index if index is not None else last.end
+            continue
+        groups.append(_Group(phase, module, prefix, decision, position, position, index, index))
+    return groups
+
+
+def _tick_labels(groups: list[_Group], axes_width_in: float, n_points: int,
+                 rotated: bool) -> list[tuple[float, str]]:
+    """(position, text) of the groups that get a label: the widest group first, each with the longest of
+    its labels that keeps clear of those already placed, so that no two overlap however many points there
+    are. Rotated labels take LABEL_ROTATED_IN each along the axis, horizontal ones their text's width."""
+    inches_per_point = axes_width_in / max(n_points, 1)
+    placed: list[tuple[float, float, float, str]] = []  # (left, right) in inches, position, text
+    for group in sorted(groups, key=lambda g: (g.first - g.last, g.first)):
+        position = (group.first + group.last) / 2
+        for text in group.labels[:1] if rotated else group.labels:
+            half = (LABEL_ROTATED_IN if rotated else len(text) * LABEL_CHAR_IN + LABEL_GAP_IN) / 2
+            left, right = position * inches_per_point - half, position * inches_per_point + half
+            if all(right <= other_left or left >= other_right for other_left, other_right, _, _ in placed):
+                placed.append((left, right, position, text))
+                break
+    return sorted((position, text) for _, _, position, text in placed)
+
+
+def _title(result, prediction: Prediction, peak_text: str, limit_text: str) -> str:
+    line = "memory per GPU over one training step"
+    if hasattr(result, "model") and hasattr(result, "training"):
+        c, t = result.cluster, result.training
+        accumulation = f" x {t.grad_accum_steps} accumulation" if t.grad_accum_steps > 1 else ""
+        line = (f"{result.model.name} on {c.world_size} GPU{'s' if c.world_size > 1 else ''}, "
+                f"micro-batch {t.micro_batch_size}{accumulation}, sequence {t.seq_len}")
+    return f"{line}\nmemory per GPU: peak {peak_text} at {prediction.peak_point}{limit_text}"
+
+
 def plot_memory_timeline(result, *, limit_bytes: int | None = None, ax=None, title: str | None = None):
-    """The per-rank memory at each time point of a training step, stacked by category, with the limit.
+    """The per-rank memory at each time point of a training step, stacked by category, with the limit
+    and the peak marked. Points are grouped by phase (forward, backward, optimizer step, shaded) and runs
+    of like blocks share one label, so a model of any depth fits a figure at most 12 inches wide.
 
     `result`: a Plan or an Estimate (their `cluster.mem_limit_bytes` is the line drawn unless
-    `limit_bytes` is given), or a bare Prediction.
+    `limit_bytes` is given; the title names the model, world size and micro-batch), or a bare Prediction.
     """
     prediction: Prediction = result if isinstance(result, Prediction) else result.predicted
     if limit_bytes is None and hasattr(result, "cluster"):
         limit_bytes = result.cluster.mem_limit_bytes
     points = prediction.timeline
-    figure, ax = _axes(ax, (max(6.0, 0.28 * len(points) + 3), 4.2))
+    n = len(points)
+    decisions = {(unit.module or "<root>"): unit.sharding + (" +ckpt" if unit.checkpoint else "")
+                 for unit in getattr(result, "units", [])}
+    figure, ax = _axes(ax, (min(MAX_FIGURE_WIDTH_IN, max(6.4, 0.22 * n + 3.2)), 4.8))
 
-    peak = max(range(len(points)), key=lambda i: points[i].total_bytes)
-    top_bytes = max(points[peak].total_bytes, limit_bytes or 0)
+    peak = peak_index(prediction)
+    # a limit far above the peak (a device's memory, say) would squash the bars: it stays off the scale
+    limit_on_scale = limit_bytes is not None and limit_bytes <= LIMIT_ON_SCALE_UP_TO * points[peak].total_bytes
+    top_bytes = max(points[peak].total_bytes, limit_bytes if limit_on_scale else 0)
     scale, unit = _unit(top_bytes)
-    positions = list(range(len(points)))
-    bottoms = [0.0] * len(points)
+    positions = list(range(n))
+    bottoms = [0.0] * n
     for field, (label, colour) in CATEGORY_STYLE.items():
         heights = [getattr(p.breakdown, field) / scale for p in points]
-        ax.bar(positions, heights, bottom=bottoms, width=0.85, color=colour, label=label)
+        ax.bar(positions, heights, bottom=bottoms, width=0.85 if n <= 60 else 1.0, color=colour, label=label,
+               linewidth=0)
         bottoms = [b + h for b, h in zip(bottoms, heights)]
+    limit_text = ""
     if limit_bytes is not None:
+        limit_scale, limit_unit = _unit(limit_bytes)
+        limit_text = f" (limit {limit_bytes / limit_scale:.3g} {limit_unit})"
         ax.axhline(limit_bytes / scale, color="black", linestyle="--", linewidth=1.2,
-                   label=f"limit {limit_bytes / scale:.3g} {unit}")
-    ax.annotate(f"peak {points[peak].total_bytes / scale:.3g} {unit}", (peak, points[peak].total_bytes / scale),
-                xytext=(0, 6), textcoords="offset points", ha="center", fontsize=8)
-    # phase boundaries: forward points, then backward points, then the optimizer step
-    for i in range(1, len(points)):
-        if points[i].point.split(" ")[0] != points[i - 1].point.split(" ")[0]:
-            ax.axvline(i - 0.5, color="grey", linewidth=0.6)
+                   label=f"limit {limit_bytes / limit_scale:.3g} {limit_unit}" + ("" if limit_on_scale else
+                                                                                 " (off the scale)"))
+    peak_value = points[peak].total_bytes / scale
+    peak_text = f"{peak_value:.3g} {unit}"
+    ax.plot([peak], [peak_value], marker="v", markersize=8, color=PEAK_COLOUR, linestyle="none",
+            label=f"peak {peak_text}", zorder=5)
+    # the label beside the marker, on the side with room (a peak at the step's end is common)
+    side = "right" if peak > 0.85 * n else "left" if peak < 0.15 * n else "center"
+    ax.annotate(f"peak {peak_text}", (peak, peak_value), xytext=({"right": -4, "left": 4}.get(side, 0), 9),
+                textcoords="offset points", ha=side,
+                fontsize=8, color=PEAK_COLOUR, fontweight="bold", zorder=6,
+                bbox={"boxstyle": "round,pad=0.15", "facecolor": "white", "edgecolor": "none", "alpha": 0.85})
 
-    step = max(1, len(points) // 40)  # at most ~40 tick labels
-    ax.set_xticks(positions[::step], [p.point for p in points][::step], rotation=90, fontsize=7)
-    ax.set_xlim(-0.6, len(points) - 0.4)
-    ax.set_ylim(0, 1.12 * top_bytes / scale)  # room for the labels
+    groups = _groups(points, decisions)
+    phase_runs: list[list] = []  # [phase, first, last] of each phase's span
+    for group in groups:
+        if phase_runs and phase_runs[-1][0] == group.phase:
+            phase_runs[-1][2] = group.last
+        else:
+            phase_runs.append([group.phase, group.first, group.last])
+    for phase, first, last in phase_runs:
+        ax.axvspan(first - 0.5, last + 0.5, color=PHASE_SHADE.get(phase, "grey"), alpha=0.07, linewidth=0)
+        if first:
+            ax.axvline(first - 0.5, color="grey", linewidth=0.8)
+        ax.text((first + last) / 2, 1.0, phase if last - first >= 0.08 * n else phase[:3] + ".",
+                transform=ax.get_xaxis_transform(), ha="center", va="bottom", fontsize=8, color="dimgrey")
+
+    axes_width_in = ax.get_position().width * figure.get_size_inches()[0]
+    rotated = n <= ROTATED_UP_TO
+    ticks = _tick_labels(groups, max(axes_width_in, 1.0), n, rotated)
+    ax.set_xticks([position for position, _ in ticks], [text for _, text in ticks], fontsize=7,
+                  rotation=90 if rotated else 0)
+    ax.tick_params(axis="x", length=0, pad=8)
+    for group in groups:  # a run's extent, as a bracket under the axis
+        if group.last > group.first:
+            ax.plot([group.first - 0.3, group.last + 0.3], [-0.02, -0.02], color="dimgrey", linewidth=1.5,
+                    transform=ax.get_xaxis_transform(), clip_on=False, solid_capstyle="butt")
+    ax.set_xlim(-0.6, n - 0.4)
+    ax.set_ylim(0, 1.15 * top_bytes / scale)  # room for the peak's label
     ax.set_ylabel(f"memory per GPU ({unit})")
-    ax.set_title(title or f"memory timeline of one training step (peak at {prediction.peak_point})", fontsize=10)
+    ax.set_title(title or _title(result, prediction, peak_text, limit_text), fontsize=10, pad=14)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return figure
 

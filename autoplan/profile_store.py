@@ -1,6 +1,12 @@
 """Finding and reading device profiles: the shipped ones (the project's `profiles/` folder, installed
 as package data) and the user's own (`~/.autoplan/profiles`, or $AUTOPLAN_PROFILE_DIR).
 
+A profile's name means the same profile on every machine with this autoplan: a shipped name always
+picks the shipped file, so a plan's `cluster.profile` loads to what the plan was costed with, and a
+local file (a rough `--quick` measurement, say) can never change what a shipped name means. A local
+profile whose name a shipped one already has is still listed and still loads, as `local:NAME` or by
+its path; other local profiles load by their bare name.
+
 A profile file is data: reading one validates it against `cost_models.profile.DeviceProfile` and
 never imports or runs anything.
 """
@@ -9,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
@@ -18,11 +25,28 @@ from autoplan.errors import UsageError
 from autoplan.fileio import write_text_atomic
 from cost_models.profile import PROFILE_SCHEMA_VERSION, DeviceProfile
 
-__all__ = ["load_profile", "save_profile", "available_profiles", "shipped_profile_dir", "local_profile_dir"]
+__all__ = [
+    "LOCAL_PREFIX", "PRECEDENCE_RULE", "ProfileEntry", "load_profile", "save_profile", "available_profiles",
+    "profile_entries", "shipped_profile_dir", "local_profile_dir", "is_shipped_name",
+]
 
 LOCAL_PROFILE_DIR_ENV = "AUTOPLAN_PROFILE_DIR"
 # the project's profiles/ folder, as autoplan's package data (autoplan/shipped_profiles links to it)
 SHIPPED_PROFILES = "shipped_profiles"
+LOCAL_PREFIX = "local:"  # `local:NAME` picks the local profile NAME even where a shipped one has that name
+PRECEDENCE_RULE = ("a shipped profile's name always picks the shipped profile; a local profile of the same name "
+                   f"is given as {LOCAL_PREFIX}NAME or by its path")
+
+
+@dataclass(frozen=True)
+class ProfileEntry:
+    """One profile file: its name, where it lives, and the string `load_profile` picks it by."""
+
+    name: str
+    location: str  # "shipped" or "local"
+    path: Path
+    pick: str  # what to give `--profile` (`profile=`) for this file: NAME, or local:NAME where a shipped one has NAME
+    shadowed: bool = False  # a local profile whose bare name picks the shipped one instead
 
 
 def save_profile(profile: DeviceProfile, path: str | os.PathLike) -> None:
@@ -38,14 +62,31 @@ def local_profile_dir() -> Path:
     return Path(os.environ.get(LOCAL_PROFILE_DIR_ENV, Path.home() / ".autoplan" / "profiles"))
 
 
+def _files(folder: Path) -> dict[str, Path]:
+    return {path.stem: path for path in sorted(folder.glob("*.json"))} if folder.is_dir() else {}
+
+
+def is_shipped_name(name: str) -> bool:
+    """Whether a shipped profile has this name (so a bare `--profile NAME` picks that one)."""
+    return name.lower() in _files(shipped_profile_dir())
+
+
+def profile_entries() -> list[ProfileEntry]:
+    """Every profile file, shipped ones first, then local ones, each with the string that picks it."""
+    shipped = _files(shipped_profile_dir())
+    entries = [ProfileEntry(name, "shipped", path, name) for name, path in shipped.items()]
+    for name, path in _files(local_profile_dir()).items():
+        if name in shipped:
+            entries.append(ProfileEntry(name, "local", path, LOCAL_PREFIX + name, shadowed=True))
+        else:
+            entries.append(ProfileEntry(name, "local", path, name))
+    return entries
+
+
 def available_profiles() -> dict[str, Path]:
-    """Profile name -> file, shipped ones first; a local profile of the same name overrides."""
-    found: dict[str, Path] = {}
-    for folder in (shipped_profile_dir(), local_profile_dir()):
-        if folder.is_dir():
-            for path in sorted(folder.glob("*.json")):
-                found[path.stem] = path
-    return found
+    """What each profile name picks -> its file: shipped names pick the shipped file; a local profile
+    whose name a shipped one has appears as `local:NAME`, other local profiles by their name."""
+    return {entry.pick: entry.path for entry in profile_entries()}
 
 
 def _read_profile(path: Path) -> DeviceProfile:
@@ -66,12 +107,20 @@ def _read_profile(path: Path) -> DeviceProfile:
 
 
 def load_profile(name_or_path: str) -> DeviceProfile:
-    """A shipped or local profile by name (e.g. 'a100-sxm4-80gb'), or a path to a profile JSON."""
+    """A profile by name (e.g. 'a100-sxm4-80gb': a shipped name picks the shipped profile, else a local
+    one of that name), `local:NAME` (the local one even where a shipped one has the name), or a path to a
+    profile JSON."""
     profiles = available_profiles()
     key = name_or_path.lower()
     if key in profiles:
         return _read_profile(profiles[key])
-    path = Path(name_or_path)
+    if key.startswith(LOCAL_PREFIX):
+        local = local_profile_dir() / f"{name_or_path[len(LOCAL_PREFIX):]}.json"
+        if local.is_file():
+            return _read_profile(local)
+        raise UsageError(f"no local profile {name_or_path[len(LOCAL_PREFIX):]!r} in {local_profile_dir()} "
+                         f"(`autoplan profiles` lists them; set ${LOCAL_PROFILE_DIR_ENV} for another folder)")
+    path = Path(name_or_path).expanduser()
     if path.suffix == ".json" or path.exists():
         if not path.is_file():
             raise UsageError(f"profile file {path} does not exist")

@@ -1,9 +1,17 @@
-"""`autoplan profile` end to end on this machine (CPU, gloo, 2 ranks) with a tiny sweep, the cache,
-the op re-execution, and that what it measures is what `autoplan search` looks up."""
+"""`autoplan profile` end to end on this machine (CPU, gloo, 2 ranks) with a tiny sweep, the cache
+(resuming an interrupted run, re-measuring what a changed setting changes), the op re-execution, and
+that what it measures is what `autoplan search` looks up."""
 
 import argparse
+import json
+import os
 import re
+import shutil
+import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,7 +19,7 @@ import torch
 from autoplan.cli import profile as cli_profile
 from autoplan.models.resolve import resolve_model
 from autoplan.profile_store import load_profile, save_profile
-from autoplan.profiling import measure_profile
+from autoplan.profiling import measure_profile, ranks
 from autoplan.profiling.cache import MeasurementCache
 from autoplan.profiling.ops import OpCase, collect_cases, has_work, materialize, measure_case, zoo_workload
 from autoplan.profiling.timing import Repeats
@@ -34,7 +42,7 @@ def measures_a_profile(test):
 
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory):
-    """One `--quick` profile measured into a fresh cache (a few seconds: one tiny model, 2 ranks)."""
+    """One `--quick` profile measured into a fresh cache (half a minute: one tiny model, 2 ranks)."""
     cache_dir = tmp_path_factory.mktemp("cache")
     settings = cli_profile.settings_from_args(_parse("--quick", "--cache-dir", str(cache_dir), "--no-progress"))
     return cache_dir, measure_profile(settings)
@@ -44,8 +52,10 @@ def quick(tmp_path_factory):
 def test_quick_profile_measures_ops_collectives_overlap_optimizer(quick):
     _, result = quick
     profile = result.profile
-    assert profile.source == "measured" and profile.name == "cpu-gloo-2"
-    assert result.ops_cached == 0
+    # its own name: a quick profile never takes the name of a full one (nor the shipped cpu-gloo-2)
+    assert profile.source == "measured" and profile.name == "cpu-gloo-2-quick"
+    assert profile.provenance.settings["quick"] is True and "rough" in profile.provenance.description
+    assert result.ops_cached == 0 and result.rank_items_measured == result.rank_items > 20
     # every op with work is timed; only a getitem whose backward the tracer charges to the split
     # it reads (its own output has no grad_fn to re-run) stays without an OpTiming: one per traced
     # shape (gpt2-tiny at micro-batch 1, the calibration model at 2 and 8)
@@ -80,8 +90,11 @@ def test_quick_profile_calibrates_on_whole_training_steps(quick):
         # checkpointed: every block's forward ops again in the backward (the root is not checkpointed)
         assert (0 < case["ops_recompute_s"] < case["ops_fwd_s"]) if case["checkpoint"] else case["ops_recompute_s"] == 0
         assert all(case["measured"][phase] > 0 for phase in ("fwd", "bwd", "step"))
-        # a real step is never faster than its ops and collectives timed one by one would allow by much
-        assert case["measured"]["bwd"] > 0.5 * case["ops_bwd_s"]
+        # a real step is never faster than its ops timed one by one would allow by much (a quick profile
+        # times each op 3 times: on a shared host a burst can inflate one case's ops, so the bound is loose
+        # per case and tighter over all cases)
+        assert case["measured"]["bwd"] > 0.25 * case["ops_bwd_s"]
+    assert sum(c["measured"]["bwd"] for c in cases) > 0.5 * sum(c["ops_bwd_s"] for c in cases)
     assert fsdp.compute_fwd_scale > 0 and fsdp.compute_bwd_scale > 0 and fsdp.compute_recompute_scale > 0
     assert min(fsdp.unit_fwd_s, fsdp.unit_bwd_s, fsdp.collective_fwd_s, fsdp.collective_bwd_s) >= 0
     assert fsdp.calibration["compute_fwd_scale"] == fsdp.compute_fwd_scale
@@ -103,16 +116,140 @@ def test_measured_keys_are_the_keys_search_looks_up(quick):
 
 
 @measures_a_profile
-def test_rerun_from_cache_measures_nothing_and_is_fast(quick, run_cli, tmp_path):
+def test_rerun_from_cache_measures_nothing(quick, run_cli, tmp_path):
     cache_dir, result = quick
     out = tmp_path / "p.json"
-    start = time.perf_counter()
     done = run_cli("profile", "--quick", "--cache-dir", str(cache_dir), "--no-progress", "-o", str(out))
     assert done.returncode == 0, done.stderr
     assert "(0 ops measured" in done.stdout
-    assert time.perf_counter() - start < 30  # seconds: imports and tracing, no ranks spawned
+    assert f"0 of {result.rank_items} measurements on the ranks measured" in done.stdout  # no ranks spawned
     again = load_profile(str(out))
     assert again.op_times == result.profile.op_times and again.collectives == result.profile.collectives
+    assert again.fsdp == result.profile.fsdp and again.overlap == result.profile.overlap
+
+
+def _entries(cache_dir: Path) -> dict:
+    [path] = cache_dir.glob("profile-*.json")
+    return json.loads(path.read_text())["entries"]
+
+
+def _copy_cache(cache_dir: Path, to: Path, drop: tuple[str, ...] = ()) -> Path:
+    """A copy of the fixture's cache (the fixture stays as measured), without the entries whose key
+    starts with one of `drop`."""
+    shutil.copytree(cache_dir, to)
+    [path] = to.glob("profile-*.json")
+    data = json.loads(path.read_text())
+    data["entries"] = {k: v for k, v in data["entries"].items() if not k.startswith(drop)}
+    path.write_text(json.dumps(data))
+    return to
+
+
+def _descendants(pid: int) -> set[int]:
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = set(), [pid]
+    while todo:
+        for child in parents.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+@measures_a_profile
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads processes from /proc")
+def test_interrupted_profile_keeps_what_the_ranks_finished_and_resumes(quick, tmp_path, monkeypatch):
+    """SIGINT or SIGTERM to `autoplan profile` (the process alone, not its group) while the ranks train the
+    calibration steps: the ranks are stopped, every calibration step they finished is in the cache, and
+    the next run measures only the rest."""
+    cache_dir, _ = quick
+    steps = [k for k in _entries(cache_dir) if k.startswith("calibration:")]
+    assert len(steps) == 20
+    cache = _copy_cache(cache_dir, tmp_path / "cache", drop=tuple(steps[-6:]))  # the last 6 steps to measure
+    kept = _entries(cache)
+    env = dict(os.environ, AUTOPLAN_PROFILE_DIR=str(tmp_path / "profiles"),
+               PYTHONPATH=str(Path(__file__).resolve().parents[1]) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    command = [sys.executable, "-m", "autoplan", "profile", "--quick", "--cache-dir", str(cache), "--no-progress"]
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        before = {k for k in _entries(cache) if k.startswith("calibration:")}
+        run = subprocess.Popen(command, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
+        deadline = time.monotonic() + 300  # a guard against a hang, not a measure of speed
+        while not {k for k in _entries(cache) if k.startswith("calibration:")} - before:
+            assert run.poll() is None and time.monotonic() < deadline, run.communicate()
+            time.sleep(0.2)
+        ranks_and_helpers = _descendants(run.pid)
+        assert ranks_and_helpers  # the ranks are running
+        run.send_signal(sig)
+        _, err = run.communicate(timeout=120)
+        assert run.returncode == 130 and "interrupted" in err and "Traceback" not in err, err
+        # no rank outlives the command (multiprocessing's resource tracker, a helper, exits on its own once
+        # the command has: it is given a moment)
+        deadline = time.monotonic() + 30
+        while [pid for pid in ranks_and_helpers if _running(pid)] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [pid for pid in ranks_and_helpers if _running(pid)]
+    entries = _entries(cache)
+    done_steps = {k for k in entries if k.startswith("calibration:")}
+    assert 14 + 2 <= len(done_steps) < 20
+    assert all(entries[k] == v for k, v in kept.items())  # what was cached stays as it was
+
+    # the next run asks the ranks for the steps still missing and nothing else (recorded, not run: the
+    # rerun test above shows a run from a complete cache)
+    assert _asked_of_ranks(cache, monkeypatch) == {"calibration": sorted(set(steps) - done_steps)}
+
+
+def _asked_of_ranks(cache: Path, monkeypatch, **changes) -> dict[str, list]:
+    """What a --quick run from `cache` (with `changes` to its settings) asks the ranks to measure, by kind;
+    the ranks are not started (the request is recorded, then the run stopped as if interrupted)."""
+    asked = []
+
+    def record(request, on_result):
+        asked.append(request)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ranks, "run_comm_benchmark", record)
+    settings = cli_profile.settings_from_args(_parse("--quick", "--cache-dir", str(cache), "--no-progress"))
+    for name, value in changes.items():
+        setattr(settings, name, value)
+    with pytest.raises(KeyboardInterrupt):
+        measure_profile(settings)
+    [request] = asked
+    items = {"calibration": [key for key, *_ in request.calibration], "fsdp": [request.fsdp] if request.fsdp else [],
+             "collectives": [key for key, *_ in request.collectives],
+             "overlap": [request.overlap[0]] if request.overlap else []}
+    return {kind: sorted(keys) for kind, keys in items.items() if keys}
+
+
+@measures_a_profile
+def test_a_changed_setting_remeasures_what_it_changes_and_nothing_else(quick, tmp_path, monkeypatch):
+    """Every measurement on the ranks is keyed by the settings it depends on: change one and the ranks are
+    asked for exactly the measurements it changes."""
+    cache_dir, _ = quick
+    cache = _copy_cache(cache_dir, tmp_path / "cache")
+    changes = {
+        "calibration_steps": ((1, 2), {"calibration": 20}),  # 20 calibration steps, one round each
+        "calibration_rounds": (2, {"calibration": 20}),  # a second round of the 20; the first is kept
+        "fsdp_calls": (4, {"fsdp": 1}),  # FSDP2's overhead stacks
+        "comm_sizes_bytes": ((4 << 10, 256 << 10, 4 << 20, 1 << 20), {"collectives": 3}),  # a new size, 3 collectives
+    }
+    for name, (value, expected) in changes.items():
+        asked = _asked_of_ranks(cache, monkeypatch, **{name: value})
+        assert {kind: len(keys) for kind, keys in asked.items()} == expected, name
+    second_round = _asked_of_ranks(cache, monkeypatch, calibration_rounds=2)["calibration"]
+    assert all(key.endswith(":round1") for key in second_round)
+    assert _entries(cache) == _entries(cache_dir)  # nothing was measured, nothing changed
 
 
 def test_cache_keeps_entries_per_scope(tmp_path):

@@ -1,34 +1,48 @@
 """`autoplan profile` (measure this machine into a device profile) and `autoplan profiles` (list the
-shipped and local ones). `register(subparsers)` adds both to the main parser; the work is done by
-autoplan.profiling and autoplan.profiles, printing happens here."""
+shipped and local ones, and which one each `--profile` name picks). `register(subparsers)` adds both
+to the main parser without importing torch; the work is done by autoplan.profiling and
+autoplan.profile_store, printing happens here."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import signal
 import sys
 from pathlib import Path
 
 from autoplan.cli.args import positive_int
 from autoplan.errors import AutoplanError, UsageError
 
+__all__ = ["register", "settings_from_args", "run_profile", "run_profiles", "profile_listing", "QUICK_TIME"]
+
+# what `--quick` costs, measured on this project's 2-core CPU test machine: 30-40 s, up to a minute while
+# other work shares its cores (before the FSDP2 and calibration timing were cut down for it: 60-85 s)
+QUICK_TIME = "about half a minute on a 2-core CPU"
+
 PROFILE_EXAMPLES = """examples:
   autoplan profile                                   # CPU + gloo, 2 processes, default models
   autoplan profile --device cuda --nproc 8           # this GPU node, NCCL
   autoplan profile --model gpt2 llama-tiny --micro-batch 1 2 -o profiles/mine.json
-  autoplan profile --quick --no-cache                # rough, seconds: a smoke test of the machinery
-  autoplan search --model gpt2 --gpus 2 --mem 4GB --profile cpu-gloo-2   # then plan with it
+  autoplan profile --quick                           # rough, as cpu-gloo-2-quick: tries the machinery
+  autoplan search --model gpt2 --gpus 2 --mem 4GB --profile cpu-gloo-2-local   # then plan with it
+
+A profile measured here is written to the local profile folder as NAME.json. NAME defaults to
+<device>-<backend>-<nproc> (cpu-gloo-2), with -quick for --quick; where a shipped profile already has
+that name, -local is added (cpu-gloo-2-local), since a shipped name always picks the shipped profile.
 """
 
 PROFILES_EXAMPLES = """examples:
   autoplan profiles
   AUTOPLAN_PROFILE_DIR=./my-profiles autoplan profiles
+  autoplan search --model gpt2 --gpus 2 --mem 4GB --profile local:cpu-gloo-2   # a local one a shipped name hides
 """
 
 
 def register(subparsers) -> None:
     """Add the `profile` and `profiles` subcommands to an argparse subparsers object."""
-    from autoplan.profiling.run import DEFAULT_DTYPES, DEFAULT_MODELS
-    from autoplan.tracing.counting import DTYPES
+    from autoplan.profiling.defaults import DEFAULT_DTYPES, DEFAULT_MODELS
+    from cost_models.options import Dtype
 
     parser = subparsers.add_parser(
         "profile", help="measure this machine's ops and collectives into a device profile",
@@ -47,28 +61,32 @@ def register(subparsers) -> None:
     parser.add_argument("--micro-batch", nargs="+", type=positive_int, metavar="N",
                         help="micro-batch sizes for --model (default 1 2: the sizes search traces at)")
     parser.add_argument("--seq-len", type=positive_int, help="sequence length (default: each model's context)")
-    parser.add_argument("--dtype", nargs="+", choices=sorted(DTYPES), metavar="DTYPE",
+    parser.add_argument("--dtype", nargs="+", choices=sorted(d.value for d in Dtype), metavar="DTYPE",
                         help=f"compute dtypes to time ops in (default {' '.join(DEFAULT_DTYPES)})")
     parser.add_argument("--threads", type=positive_int,
                         help="CPU threads per rank (default: cores / nproc, what each rank of a run gets)")
     parser.add_argument("--backend", choices=("gloo", "nccl"), help="collective backend (default gloo on cpu, nccl on cuda)")
-    parser.add_argument("--name", help="profile name (default <device>-<backend>-<nproc>, e.g. cpu-gloo-2)")
+    parser.add_argument("--name", help="profile name (default <device>-<backend>-<nproc>, e.g. cpu-gloo-2; with "
+                                       "-quick for --quick, and -local where a shipped profile has that name)")
     parser.add_argument("-o", "--out", help="profile file to write (default: the local profile dir, "
                                             "~/.autoplan/profiles or $AUTOPLAN_PROFILE_DIR, as NAME.json)")
     parser.add_argument("--cache-dir", type=Path, help="measurement cache (default ~/.cache/autoplan or "
                                                        "$AUTOPLAN_CACHE_DIR)")
     parser.add_argument("--no-cache", action="store_true", help="measure everything again; read and write no cache")
     parser.add_argument("--quick", action="store_true",
-                        help="rough and fast: gpt2-tiny at micro-batch 1, one sweep block, 3 repeats, 3 message "
-                             "sizes, one short overlap trial")
+                        help=f"rough and fast ({QUICK_TIME}): gpt2-tiny at micro-batch 1, one sweep block, "
+                             "3 repeats, 3 message sizes, one short overlap trial, calibration steps timed 3 times; "
+                             "named <device>-<backend>-<nproc>-quick, so it never takes a full profile's name")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     parser.set_defaults(handler=run_profile, subparser=parser)
 
     listing = subparsers.add_parser(
         "profiles", help="list the shipped and local device profiles",
         description="Shipped profiles (datasheets, and measured ones that come with autoplan) and local ones "
-                    "(written by `autoplan profile`), with where each came from. A local profile overrides a "
-                    "shipped one of the same name.",
+                    "(written by `autoplan profile`), with where each came from, under the name that picks "
+                    "each with --profile. A shipped profile's name always picks the shipped profile (a name "
+                    "means the same profile on every machine); a local profile of the same name is listed "
+                    "as local:NAME, which picks it, as does its path.",
         epilog=PROFILES_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     listing.set_defaults(handler=run_profiles, subparser=listing)
@@ -79,7 +97,6 @@ def settings_from_args(args: argparse.Namespace):
     from autoplan.models.zoo import UnknownModelError, get_config
     from autoplan.profiling import ProfileSettings
     from autoplan.profiling.cache import default_cache_dir
-    from autoplan.profiling.timing import Repeats
 
     if args.micro_batch and not args.model:
         raise UsageError("--micro-batch applies to --model; name the models too")
@@ -103,34 +120,88 @@ def settings_from_args(args: argparse.Namespace):
         settings.dtypes = tuple(dict.fromkeys(args.dtype))
     settings.cache_dir = None if args.no_cache else (args.cache_dir or default_cache_dir())
     if args.quick:
-        settings.models = settings.models if args.model else {"gpt2-tiny": (1,)}
-        settings.dtypes = settings.dtypes if args.dtype else ("fp32",)
-        settings.sweep = ((128, 256),)
-        settings.comm_sizes_bytes = (4 << 10, 256 << 10, 4 << 20)
-        settings.repeats = Repeats(warmup=1, min_repeats=3, max_repeats=5, min_time_s=0.0)
-        settings.overlap_phase_s, settings.overlap_trials, settings.comm_rounds = 0.1, 1, 1
-        settings.calibration_rounds = 1
+        _make_quick(settings, keep_models=bool(args.model), keep_dtypes=bool(args.dtype))
+    settings.name = args.name or _default_name(settings, explicit_out=bool(args.out))
     return settings
 
 
+def _make_quick(settings, keep_models: bool, keep_dtypes: bool) -> None:
+    from autoplan.profiling.defaults import QUICK
+    from autoplan.profiling.timing import Repeats
+
+    settings.quick = True
+    for name, value in QUICK.items():
+        if (name == "models" and keep_models) or (name == "dtypes" and keep_dtypes):
+            continue
+        setattr(settings, name, Repeats(**value) if name == "repeats" else dict(value) if name == "models" else value)
+
+
+def _default_name(settings, explicit_out: bool) -> str:
+    """<device>-<backend>-<nproc>[-quick]; written to the local folder under a shipped profile's name, it
+    would be hidden by that name (a shipped name always picks the shipped profile), so -local is added."""
+    from autoplan.profile_store import is_shipped_name
+    from autoplan.profiling.run import default_profile_name
+
+    name = default_profile_name(settings)
+    return f"{name}-local" if not explicit_out and is_shipped_name(name) else name
+
+
+@contextlib.contextmanager
+def _terminate_as_interrupt():
+    """SIGTERM ends the measurement as Ctrl-C does: the ranks are stopped, what finished stays cached."""
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    try:
+        previous = signal.signal(signal.SIGTERM, interrupt)
+    except ValueError:  # not the main thread: leave the signal alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _pick(out: Path) -> str:
+    """What to give --profile for the profile written to `out`."""
+    from autoplan.profile_store import LOCAL_PREFIX, is_shipped_name, local_profile_dir
+
+    if out.suffix == ".json" and out.resolve().parent == local_profile_dir().resolve():
+        return f"{LOCAL_PREFIX}{out.stem}" if is_shipped_name(out.stem) else out.stem
+    return str(out)
+
+
 def run_profile(args: argparse.Namespace) -> int:
-    from autoplan.profile_store import local_profile_dir, save_profile
+    from autoplan.fileio import check_writable
+    from autoplan.profile_store import LOCAL_PREFIX, local_profile_dir, save_profile
     from autoplan.profiling import measure_profile
 
     settings = settings_from_args(args)
+    out = Path(args.out).expanduser() if args.out else local_profile_dir() / f"{settings.name}.json"
+    check_writable(out, "profile file")
     try:
-        result = measure_profile(settings)
+        with _terminate_as_interrupt():
+            result = measure_profile(settings)
     except KeyboardInterrupt:
         where = f"cached in {settings.cache_dir}" if settings.cache_dir else "lost (--no-cache)"
-        print(f"\ninterrupted: the measurements so far are {where}; run the same command again to resume",
-              file=sys.stderr)
+        print(f"\ninterrupted: the measurements finished so far are {where}; run the same command again to "
+              "resume", file=sys.stderr)
         return 130
-    out = Path(args.out) if args.out else local_profile_dir() / f"{result.profile.name}.json"
     save_profile(result.profile, out)
     print(format_profile_summary(result))
     print(f"\nprofile {result.profile.name!r} written to {out} in {result.wall_s:.1f} s "
           f"({result.ops_measured} ops measured, {result.ops_remeasured} of them twice, "
-          f"{result.ops_cached} from the cache)")
+          f"{result.ops_cached} from the cache; {result.rank_items_measured} of {result.rank_items} measurements on "
+          f"the ranks measured, the rest from the cache)")
+    pick = _pick(out)
+    if pick.startswith(LOCAL_PREFIX):
+        name = pick[len(LOCAL_PREFIX):]
+        print(f"note: a shipped profile is named {name!r} too, and `--profile {name}` keeps picking that one")
+    if settings.quick:
+        print("note: a quick profile is rough (few repeats, one tiny model): for trying the machinery, not for "
+              "planning; `autoplan profile` without --quick measures a full one")
+    print(f"plan with it: autoplan search ... --profile {pick}")
     return 0
 
 
@@ -169,20 +240,27 @@ def _errors(report) -> str:
 
 
 def profile_listing() -> list[dict]:
-    """One row per available profile: name, where it lives, source, device, date (or the error)."""
-    from autoplan.profile_store import available_profiles, load_profile, local_profile_dir, shipped_profile_dir
+    """One row per profile file: the name that picks it, where it lives, source, device, date (or the
+    error), and a note where a shipped and a local profile share a name."""
+    from autoplan.profile_store import LOCAL_PREFIX, load_profile, profile_entries
 
-    shipped, local = shipped_profile_dir().resolve(), local_profile_dir().resolve()
+    entries = profile_entries()
+    hidden = {entry.name for entry in entries if entry.shadowed}
     rows = []
-    for name, path in available_profiles().items():
-        location = "local" if path.resolve().parent == local else "shipped" if path.resolve().parent == shipped else "?"
-        row = {"name": name, "location": location, "path": str(path)}
+    for entry in entries:
+        row = {"name": entry.pick, "location": entry.location, "path": str(entry.path), "note": ""}
+        if entry.shadowed:
+            row["note"] = f"{entry.name} picks the shipped one"
+        elif entry.name in hidden:
+            row["note"] = f"a local one is {LOCAL_PREFIX}{entry.name}"
         try:
-            profile = load_profile(str(path))
+            profile = load_profile(str(entry.path))
         except AutoplanError as exc:
             row["error"] = str(exc).splitlines()[0]
         else:
-            row.update(source=profile.source, device=profile.provenance.device_name or profile.device_type,
+            quick = bool(profile.provenance.settings.get("quick"))
+            row.update(source="quick" if quick else profile.source,
+                       device=profile.provenance.device_name or profile.device_type,
                        device_type=profile.device_type, date=(profile.provenance.date or "")[:10],
                        host=profile.provenance.host or "", ops=len(profile.op_times),
                        collectives=len(profile.collectives))
@@ -191,17 +269,20 @@ def profile_listing() -> list[dict]:
 
 
 def run_profiles(args: argparse.Namespace) -> int:
-    from autoplan.profile_store import local_profile_dir
+    from autoplan.profile_store import PRECEDENCE_RULE, local_profile_dir
 
     rows = profile_listing()
-    print(f"{'name':<20} {'where':<8} {'source':<10} {'type':<5} {'device':<30} {'date':<10} {'ops':>5} "
-          f"{'coll':>5}")
+    width = max([len("name (--profile)")] + [len(row["name"]) for row in rows])
+    print(f"{'name (--profile)':<{width}} {'where':<8} {'source':<10} {'type':<5} {'device':<30} {'date':<10} "
+          f"{'ops':>5} {'coll':>5}  note")
     for row in rows:
         if "error" in row:
-            print(f"{row['name']:<20} {row['location']:<8} unreadable: {row['error']}")
+            print(f"{row['name']:<{width}} {row['location']:<8} unreadable: {row['error']}")
             continue
-        print(f"{row['name']:<20} {row['location']:<8} {row['source']:<10} {row['device_type']:<5} "
-              f"{row['device'][:30]:<30} {row['date'] or '-':<10} {row['ops']:>5} {row['collectives']:>5}")
-    print(f"\nlocal profiles live in {local_profile_dir()} (set $AUTOPLAN_PROFILE_DIR to change); "
+        print(f"{row['name']:<{width}} {row['location']:<8} {row['source']:<10} {row['device_type']:<5} "
+              f"{row['device'][:30]:<30} {row['date'] or '-':<10} {row['ops']:>5} {row['collectives']:>5}  "
+              f"{row['note']}".rstrip())
+    print(f"\n--profile NAME: {PRECEDENCE_RULE}.")
+    print(f"local profiles live in {local_profile_dir()} (set $AUTOPLAN_PROFILE_DIR to change); "
           "`autoplan profile` writes one there")
     return 0

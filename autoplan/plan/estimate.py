@@ -10,13 +10,14 @@ from autoplan.plan.schema import ClusterSpec, ModelRef, Prediction, TrainingSpec
 from autoplan.sizes import format_bytes
 from cost_models.memory import MemCategory
 
-__all__ = ["Estimate", "format_estimate", "CATEGORY_LABELS"]
+__all__ = ["Estimate", "format_estimate", "peak_index", "CATEGORY_LABELS", "PEAK_MARK"]
 
 _LABELS = {
     MemCategory.PARAMS: "parameters", MemCategory.GRADS: "gradients", MemCategory.OPTIMIZER: "optimizer states",
     MemCategory.ACTIVATIONS: "activations", MemCategory.GATHERED: "gathered parameters",
     MemCategory.TEMPORARIES: "temporaries",
 }
+PEAK_MARK = "<- peak"  # ends the timeline row of the peak
 # a plan's MemoryBreakdown field ("params_bytes", ...) -> its label, in the categories' order
 CATEGORY_LABELS = {f"{category.value}_bytes": _LABELS[category] for category in MemCategory}
 
@@ -77,9 +78,21 @@ def format_estimate(est: Estimate, timeline: bool = False) -> str:
     if timeline:
         header = f"{'time point':<36} {'total':>11}" + "".join(f" {k.removesuffix('_bytes'):>11}" for k in CATEGORY_LABELS)
         lines += ["", header, "-" * len(header)]
-        for point in p.timeline:
+        peak = peak_index(p)
+        for index, point in enumerate(p.timeline):
             parts = point.breakdown.model_dump()
             lines.append(f"{point.point[:36]:<36} {format_bytes(point.total_bytes):>11}"
-                         + "".join(f" {format_bytes(parts[k]):>11}" for k in CATEGORY_LABELS))
+                         + "".join(f" {format_bytes(parts[k]):>11}" for k in CATEGORY_LABELS)
+                         + (f"  {PEAK_MARK}" if index == peak else ""))
     return "\n".join(lines)
+
+
+def peak_index(prediction: Prediction) -> int:
+    """The timeline row of the peak: the first point of the peak's name at the peak's total (a unit's name
+    can appear twice: the root before and after the blocks), else the largest total."""
+    timeline = prediction.timeline
+    for index, point in enumerate(timeline):
+        if point.point == prediction.peak_point and point.total_bytes == prediction.peak_mem_bytes:
+            return index
+    return max(range(len(timeline)), key=lambda i: timeline[i].total_bytes)
 

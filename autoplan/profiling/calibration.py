@@ -43,8 +43,8 @@ from cost_models.options import DEFAULT_OPTIMIZER, DEFAULT_PRECISION, PRECISIONS
 __all__ = [
     "CALIBRATION_DEPTHS", "CALIBRATION_PLANS", "CALIBRATION_MICRO_BATCHES", "CALIBRATION_WIDTH", "CALIBRATION_SEQ_LEN",
     "CALIBRATION_ROUNDS", "CALIBRATION_DTYPE", "CALIBRATION_OPTIMIZER", "PLAN_PROFILE", "PhaseFit", "calibration_model",
-    "calibration_workloads", "calibration_cases", "case_key", "uniform_plan", "measure_training_steps", "fit_phase",
-    "fit_calibration",
+    "calibration_workloads", "calibration_cases", "case_key", "step_key", "uniform_plan", "measure_training_steps",
+    "fastest_rounds", "fit_phase", "fit_calibration", "WARMUP_STEPS", "TIMED_STEPS",
 ]
 
 CALIBRATION_DEPTHS = (2, 4)
@@ -62,8 +62,10 @@ CALIBRATION_ROUNDS = 3
 
 
 def calibration_model(depth: int, device_type: str) -> str:
-    """The zoo spec of the calibration model at one depth (GPT-2 blocks, 4 heads, vocabulary 512)."""
-    return f"gpt2-tiny[n_layers={depth},d_model={CALIBRATION_WIDTH[device_type]}]"
+    """The zoo spec of the calibration model at one depth (GPT-2 blocks, 4 heads, vocabulary 512), with as many
+    positions as the calibration sequence (gpt2-tiny's 128 are too few on CUDA)."""
+    positions = f",max_seq_len={CALIBRATION_SEQ_LEN[device_type]}" if CALIBRATION_SEQ_LEN[device_type] > 128 else ""
+    return f"gpt2-tiny[n_layers={depth},d_model={CALIBRATION_WIDTH[device_type]}{positions}]"
 
 
 def calibration_workloads(device_type: str) -> dict[str, tuple[int, ...]]:
@@ -127,8 +129,10 @@ def uniform_plan(traced, strategy: str, checkpoint: bool, world_size: int, micro
     )
 
 
-def _timed_steps(model, optimizer, data, shape, rank: int, device: torch.device) -> dict[str, float]:
-    """Median seconds of forward (loss included), backward and optimizer step over the timed steps."""
+def _timed_steps(model, optimizer, data, shape, rank: int, device: torch.device,
+                 steps: tuple[int, int]) -> dict[str, float]:
+    """Median seconds of forward (loss included), backward and optimizer step over the timed steps
+    (`steps`: warm-up, timed)."""
     from autoplan.run.data import rank_micro_batches
     from autoplan.run.worker import next_token_loss
 
@@ -137,7 +141,8 @@ def _timed_steps(model, optimizer, data, shape, rank: int, device: torch.device)
             torch.cuda.synchronize(device)
 
     phases: dict[str, list[float]] = {"fwd": [], "bwd": [], "step": []}
-    for step in range(WARMUP_STEPS + TIMED_STEPS):
+    warmup, timed = steps
+    for step in range(warmup + timed):
         [(input_ids, labels)] = rank_micro_batches(data.global_batch(step, shape), rank, shape)
         input_ids, labels = input_ids.to(device), labels.to(device)
         sync()
@@ -151,16 +156,29 @@ def _timed_steps(model, optimizer, data, shape, rank: int, device: torch.device)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         sync()
-        if step >= WARMUP_STEPS:
+        if step >= warmup:
             phases["fwd"].append(forward_end - start)
             phases["bwd"].append(backward_end - forward_end)
             phases["step"].append(time.perf_counter() - backward_end)
     return {phase: statistics.median(values) for phase, values in phases.items()}
 
 
-def measure_training_steps(device: torch.device, rounds: int = CALIBRATION_ROUNDS) -> dict[str, dict[str, float]]:
-    """On every rank of the default group: phase times of each calibration case, the slowest rank's,
-    each phase's fastest round, keyed by `case_key`."""
+def step_key(device_type: str, strategy: str, checkpoint: bool, depth: int, micro_batch: int,
+             steps: tuple[int, int], round_index: int) -> str:
+    """The measurement cache's key of one round of one calibration step: everything the time depends on
+    besides the cache's scope (device, torch, threads) and the run's backend and ranks."""
+    return (f"{calibration_model(depth, device_type)}@s{CALIBRATION_SEQ_LEN[device_type]}:{CALIBRATION_DTYPE}:"
+            f"{CALIBRATION_OPTIMIZER}:{case_key(strategy, checkpoint, depth, micro_batch)}:"
+            f"steps{steps[0]}+{steps[1]}:round{round_index}")
+
+
+def measure_training_steps(device: torch.device, cases, steps: tuple[int, int] = (WARMUP_STEPS, TIMED_STEPS),
+                           report=None, progress: bool = False) -> dict[str, dict[str, float]]:
+    """On every rank of the default group: the phase times of each of `cases` ((key, strategy,
+    checkpoint, depth, micro-batch), one round of a calibration step each), the slowest rank's, by key.
+    `report(key, times)` is called on every rank as each case is measured."""
+    from tqdm import tqdm
+
     from autoplan.api.traced import TracedModel
     from autoplan.run.apply import apply, materialise, model_for_plan
     from autoplan.run.data import BatchShape, SyntheticTokens, vocab_size_of
@@ -168,9 +186,10 @@ def measure_training_steps(device: torch.device, rounds: int = CALIBRATION_ROUND
     rank, world = dist.get_rank(), dist.get_world_size()
     seq_len = CALIBRATION_SEQ_LEN[device.type]
     traced = {depth: TracedModel(calibration_model(depth, device.type), seq_len=seq_len)
-              for depth in CALIBRATION_DEPTHS}
+              for depth in sorted({case[3] for case in cases})}
     results: dict[str, dict[str, float]] = {}
-    for strategy, checkpoint, depth, micro_batch in calibration_cases(device.type) * rounds:
+    for key, strategy, checkpoint, depth, micro_batch in tqdm(cases, desc="calibration steps", unit="case",
+                                                              disable=rank != 0 or not progress):
         plan = uniform_plan(traced[depth], strategy, checkpoint, world, micro_batch)
         model = model_for_plan(plan)
         data = SyntheticTokens(vocab_size_of(model), seed=0)
@@ -178,14 +197,19 @@ def measure_training_steps(device: torch.device, rounds: int = CALIBRATION_ROUND
         materialise(model, device, seed=0)
         shape = BatchShape(micro_batch, 1, world, seq_len)
         dist.barrier()
-        times = _timed_steps(model, optimizer, data, shape, rank, device)
+        times = _timed_steps(model, optimizer, data, shape, rank, device, steps)
         slowest = torch.tensor([times["fwd"], times["bwd"], times["step"]], dtype=torch.float64, device=device)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-        best = results.setdefault(case_key(strategy, checkpoint, depth, micro_batch), {})
-        for phase, seconds in zip(("fwd", "bwd", "step"), slowest.tolist()):
-            best[phase] = min(seconds, best.get(phase, seconds))
+        results[key] = dict(zip(("fwd", "bwd", "step"), slowest.tolist()))
+        if report is not None:
+            report(key, results[key])
         del model, optimizer
     return results
+
+
+def fastest_rounds(rounds: list[dict[str, float]]) -> dict[str, float]:
+    """Each phase's fastest over the rounds of one case (a neighbour's burst only ever slows a round)."""
+    return {phase: min(r[phase] for r in rounds) for phase in ("fwd", "bwd", "step")}
 
 
 @dataclass(frozen=True)

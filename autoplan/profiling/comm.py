@@ -1,22 +1,28 @@
 """Collectives measured across N processes through torch.distributed: all-gather, reduce-scatter and
-all-reduce, each on its own, over a sweep of message sizes and group sizes; then the overlap slowdown
-(overlap.py) in the same process group.
+all-reduce, each on its own, over a sweep of message sizes and group sizes; then, in the same process
+group, the overlap slowdown (overlap.py), FSDP2's own overheads (fsdp.py) and whole calibration
+training steps (calibration.py).
 
 Message size is the full (unsharded) buffer, as cost_models/comm.py reads it: all-gather fills a
 buffer of that size from 1/g shards, reduce-scatter reduces one of that size into 1/g shards.
 Processes are started with torch.multiprocessing (spawn) and meet through a FileStore, so no port
-is needed; rank 0 writes the results to a JSON file the parent reads.
+is needed. Every item of the request carries the measurement cache's key for it; rank 0 appends each
+result to a JSON-lines file as soon as it is measured, and the parent hands each one on (to the
+cache) while the ranks run, so an interrupted or failed benchmark keeps everything it finished.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import signal
 import statistics
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -24,13 +30,18 @@ import torch.multiprocessing as mp
 from tqdm import tqdm
 
 from autoplan.errors import AutoplanError
-from autoplan.profiling.calibration import CALIBRATION_ROUNDS, measure_training_steps
-from autoplan.profiling.fsdp import measure_fsdp
+from autoplan.profiling.calibration import TIMED_STEPS, WARMUP_STEPS, measure_training_steps
+from autoplan.profiling.fsdp import FSDP_CALLS, measure_fsdp
 from autoplan.profiling.overlap import OVERLAP_PHASE_S, OVERLAP_TRIALS, measure_overlap
 from autoplan.profiling.timing import Repeats
 
+__all__ = ["COLLECTIVES", "CommProfileError", "CommRequest", "run_comm_benchmark", "message_bytes", "measurement_key",
+           "default_backend", "group_sizes"]
+
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
 ELEMENT_BYTES = 4  # fp32 buffers: FSDP2 reduces gradients in fp32 under bf16-mixed
+POLL_S = 0.5  # how often the parent hands the ranks' finished results on while they run
+STOP_GRACE_S = 10.0  # on an interrupt, how long the ranks get to exit before they are killed
 
 
 class CommProfileError(AutoplanError):
@@ -39,22 +50,30 @@ class CommProfileError(AutoplanError):
 
 @dataclass(frozen=True)
 class CommRequest:
+    """What the ranks measure; every item is (cache key, what to measure), in the order measured."""
+
     backend: str  # "gloo" or "nccl"
     device_type: str  # "cpu" or "cuda"
     world_size: int
     threads: int | None  # torch intra-op threads per rank (CPU)
-    measurements: tuple[tuple[str, int, int], ...]  # (collective, group size, message bytes)
-    overlap_bytes: int | None  # all-gather size for the overlap measurement; None: skip it
+    # (key, collective, group size, message bytes): one round of one size; the caller takes the median
+    # over rounds, and orders them round after round, so a neighbour's burst on a shared host spoils
+    # one round of a size, not the size
+    collectives: tuple[tuple[str, str, int, int], ...] = ()
+    overlap: tuple[str, int] | None = None  # (key, all-gather bytes) of the overlap measurement
     overlap_phase_s: float = OVERLAP_PHASE_S
     overlap_trials: int = OVERLAP_TRIALS
     repeats: Repeats = field(default_factory=Repeats)
-    # each measurement is taken once per round, rounds one after the other, and the median over rounds
-    # kept: a neighbour's burst on a shared host then spoils one round of a size, not the size
-    rounds: int = 3
+    fsdp: str | None = None  # key of FSDP2's own overheads (fsdp.py), or None: not measured
+    fsdp_calls: int = FSDP_CALLS
+    # (key, strategy, checkpoint, depth, micro-batch): one round of one calibration step (calibration.py)
+    calibration: tuple[tuple[str, str, bool, int, int], ...] = ()
+    calibration_steps: tuple[int, int] = (WARMUP_STEPS, TIMED_STEPS)  # (warm-up, timed) steps per case
     show_progress: bool = True
-    fsdp: bool = False  # also measure FSDP2's own overheads (fsdp.py)
-    calibration: bool = False  # also time whole training steps of the calibration model (calibration.py)
-    calibration_rounds: int = CALIBRATION_ROUNDS
+
+    @property
+    def empty(self) -> bool:
+        return not (self.collectives or self.overlap or self.fsdp or self.calibration)
 
 
 def measurement_key(collective: str, group_size: int, nbytes: int) -> str:
@@ -67,52 +86,101 @@ def message_bytes(nbytes: int, group_size: int) -> int:
     return numel * ELEMENT_BYTES
 
 
-def run_comm_benchmark(request: CommRequest) -> dict:
-    """{"collectives": {measurement_key: seconds}, "overlap", "fsdp", "calibration": {...} or None}, measured in
-    request.world_size spawned processes."""
+class _Results:
+    """Reads the complete lines rank 0 has appended to the results file so far, once each."""
+
+    def __init__(self, path: Path, on_result: Callable[[str, object], None]):
+        self.path, self.on_result, self.offset = path, on_result, 0
+
+    def drain(self) -> None:
+        if not self.path.is_file():
+            return
+        with self.path.open("rb") as handle:
+            handle.seek(self.offset)
+            chunk = handle.read()
+        complete = chunk[:chunk.rfind(b"\n") + 1]  # a line still being written waits for the next read
+        self.offset += len(complete)
+        for line in complete.decode().splitlines():
+            if line.strip():
+                item = json.loads(line)
+                self.on_result(item["key"], item["value"])
+
+
+def _stop(context) -> None:
+    """End the ranks of an interrupted benchmark: SIGINT (each rank leaves its process group and exits, as
+    on Ctrl-C in a terminal), a grace period, then SIGKILL."""
+    for process in context.processes:
+        if process.is_alive():
+            os.kill(process.pid, signal.SIGINT)
+    deadline = time.monotonic() + STOP_GRACE_S
+    for process in context.processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+        if process.is_alive():
+            process.kill()
+            process.join()
+
+
+def run_comm_benchmark(request: CommRequest, on_result: Callable[[str, object], None]) -> None:
+    """Measure `request` in request.world_size spawned processes, calling `on_result(key, value)` for each
+    item as it is measured (also when the benchmark fails or is interrupted: what finished is kept)."""
     with tempfile.TemporaryDirectory(prefix="autoplan-comm-") as tmp:
-        store, result = Path(tmp) / "store", Path(tmp) / "result.json"
+        store, path = Path(tmp) / "store", Path(tmp) / "results.jsonl"
+        results = _Results(path, on_result)
+        context = mp.start_processes(_worker, args=(asdict(request), str(store), str(path)),
+                                     nprocs=request.world_size, join=False, start_method="spawn")
         try:
-            mp.spawn(_worker, args=(asdict(request), str(store), str(result)), nprocs=request.world_size, join=True)
+            while not context.join(timeout=POLL_S):
+                results.drain()
+        except KeyboardInterrupt:
+            _stop(context)
+            raise
         except Exception as exc:  # ProcessRaisedException / ProcessExitedException carry the rank's error
             raise CommProfileError(
                 f"collective benchmark with {request.world_size} {request.backend} processes failed: {exc}"
             ) from exc
-        return json.loads(result.read_text())
+        finally:
+            results.drain()
 
 
 def _worker(rank: int, request_fields: dict, store_path: str, result_path: str) -> None:
     request_fields["repeats"] = Repeats(**request_fields["repeats"])
-    request_fields["measurements"] = tuple(tuple(m) for m in request_fields["measurements"])
+    for name in ("collectives", "calibration"):
+        request_fields[name] = tuple(tuple(item) for item in request_fields[name])
+    for name in ("overlap", "calibration_steps"):
+        request_fields[name] = tuple(request_fields[name]) if request_fields[name] is not None else None
     request = CommRequest(**request_fields)
     if request.threads:
         torch.set_num_threads(request.threads)
     device = torch.device("cuda", rank) if request.device_type == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
+
+    def report(key: str, value) -> None:
+        if rank == 0:
+            with open(result_path, "a") as handle:
+                handle.write(json.dumps({"key": key, "value": value}) + "\n")
+
     dist.init_process_group(request.backend, init_method=f"file://{store_path}", rank=rank,
                             world_size=request.world_size)
     try:
         # every rank creates every group, in the same order, as torch.distributed requires
-        groups = {size: dist.new_group(list(range(size))) for size in sorted({g for _, g, _ in request.measurements})}
+        groups = {size: dist.new_group(list(range(size))) for size in sorted({g for _, _, g, _ in request.collectives})}
         _warm_up(device)
-        rounds: dict[str, list[float]] = {}
-        todo = [m for _ in range(request.rounds) for m in request.measurements]
-        for collective, group_size, nbytes in tqdm(todo, desc="collectives", unit="call",
-                                                   disable=rank != 0 or not request.show_progress):
+        for key, collective, group_size, nbytes in tqdm(request.collectives, desc="collectives", unit="call",
+                                                        disable=rank != 0 or not request.show_progress):
+            seconds = None
             if rank < group_size:
                 seconds = _time_collective(collective, nbytes, groups[group_size], group_size, device, request.repeats)
-                rounds.setdefault(measurement_key(collective, group_size, nbytes), []).append(seconds)
+            report(key, seconds)  # rank 0 is in every group
             dist.barrier()
-        collectives = {key: statistics.median(values) for key, values in rounds.items()}
-        overlap = None
-        if request.overlap_bytes:
-            overlap = measure_overlap(device, request.overlap_bytes, request.overlap_phase_s, request.overlap_trials)
-        fsdp = measure_fsdp(device, request.repeats) if request.fsdp else None
-        calibration = measure_training_steps(device, request.calibration_rounds) if request.calibration else None
-        if rank == 0:
-            Path(result_path).write_text(json.dumps({"collectives": collectives, "overlap": overlap, "fsdp": fsdp,
-                                                     "calibration": calibration}))
+        if request.overlap is not None:
+            key, nbytes = request.overlap
+            report(key, measure_overlap(device, nbytes, request.overlap_phase_s, request.overlap_trials))
+        if request.fsdp is not None:
+            report(request.fsdp, measure_fsdp(device, request.repeats, request.fsdp_calls))
+        if request.calibration:
+            measure_training_steps(device, request.calibration, request.calibration_steps, report,
+                                   progress=request.show_progress)
     finally:
         dist.destroy_process_group()
 

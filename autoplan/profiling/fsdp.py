@@ -31,10 +31,13 @@ import torch.nn as nn
 
 from autoplan.profiling.timing import Repeats, synchronize
 
+__all__ = ["DEPTHS", "FSDP_CALLS", "OVERLAP_THRESHOLD", "measure_fsdp"]
+
 DEPTHS = (2, 8)
 TINY_WIDTH, TINY_TOKENS = 32, 8
 WIDE = {"cpu": (512, 256), "cuda": (4096, 4096)}  # (width, tokens): compute ~ all-gather time
 OVERLAP_THRESHOLD = 0.5
+FSDP_CALLS = 10  # timed calls per phase and stack (every rank makes the same number: they hold collectives)
 
 
 class _Unit(nn.Module):
@@ -72,11 +75,11 @@ def _build(depth: int, width: int, device: torch.device, fsdp: bool) -> nn.Modul
     return model
 
 
-def _median_s(fn, device: torch.device, repeats: Repeats, before_each=None) -> float:
-    """Median seconds per call. Every rank makes the same number of calls (they hold collectives),
-    so the count is fixed: min_repeats, at least 10."""
+def _median_s(fn, device: torch.device, repeats: Repeats, calls: int, before_each=None) -> float:
+    """Median seconds per call over `calls` timed calls after the warm-up. Every rank makes the same
+    number of calls (they hold collectives), so the count is fixed, not a time budget."""
     times = []
-    for index in range(repeats.warmup + max(10, repeats.min_repeats)):
+    for index in range(repeats.warmup + calls):
         if before_each:
             before_each()
         synchronize(device)
@@ -95,7 +98,7 @@ def _group_max(value: float, device: torch.device) -> float:
 
 
 def _phase_times(depth: int, width: int, tokens: int, device: torch.device, fsdp: bool,
-                 repeats: Repeats) -> dict[str, float]:
+                 repeats: Repeats, calls: int) -> dict[str, float]:
     """Median seconds of forward, backward and optimizer step of one stack, the slowest rank's."""
     model = _build(depth, width, device, fsdp)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -114,15 +117,15 @@ def _phase_times(depth: int, width: int, tokens: int, device: torch.device, fsdp
 
     forward(), backward(), step()  # optimizer states exist from here on
     out = {
-        "fwd": _median_s(forward, device, repeats),
-        "bwd": _median_s(backward, device, repeats, before_each=forward),
-        "step": _median_s(step, device, repeats, before_each=lambda: (forward(), backward())),
+        "fwd": _median_s(forward, device, repeats, calls),
+        "bwd": _median_s(backward, device, repeats, calls, before_each=forward),
+        "step": _median_s(step, device, repeats, calls, before_each=lambda: (forward(), backward())),
     }
     dist.barrier()
     return {phase: _group_max(seconds, device) for phase, seconds in out.items()}
 
 
-def _collective_times(width: int, device: torch.device, repeats: Repeats) -> dict[str, float]:
+def _collective_times(width: int, device: torch.device, repeats: Repeats, calls: int) -> dict[str, float]:
     """One unit's all-gather (bf16 parameters) and reduce-scatter (fp32 gradients), timed alone."""
     world = dist.get_world_size()
     numel = -(-(width * width + width) // world) * world
@@ -130,31 +133,32 @@ def _collective_times(width: int, device: torch.device, repeats: Repeats) -> dic
     shard16 = torch.randn(numel // world, device=device).to(torch.bfloat16)
     full32, shard32 = torch.randn(numel, device=device), torch.empty(numel // world, device=device)
     times = {
-        "all_gather": _median_s(lambda: dist.all_gather_into_tensor(full16, shard16), device, repeats),
-        "reduce_scatter": _median_s(lambda: dist.reduce_scatter_tensor(shard32, full32), device, repeats),
+        "all_gather": _median_s(lambda: dist.all_gather_single(full16, shard16), device, repeats, calls),
+        "reduce_scatter": _median_s(lambda: dist.reduce_scatter_single(shard32, full32), device, repeats, calls),
     }
     return {name: _group_max(seconds, device) for name, seconds in times.items()}
 
 
-def _slopes(width: int, tokens: int, device: torch.device, fsdp: bool, repeats: Repeats) -> dict[str, float]:
-    low, high = (_phase_times(d, width, tokens, device, fsdp, repeats) for d in DEPTHS)
+def _slopes(width: int, tokens: int, device: torch.device, fsdp: bool, repeats: Repeats,
+            calls: int) -> dict[str, float]:
+    low, high = (_phase_times(d, width, tokens, device, fsdp, repeats, calls) for d in DEPTHS)
     return {phase: (high[phase] - low[phase]) / (DEPTHS[1] - DEPTHS[0]) for phase in low}
 
 
-def measure_fsdp(device: torch.device, repeats: Repeats) -> dict[str, float | bool]:
+def measure_fsdp(device: torch.device, repeats: Repeats, calls: int = FSDP_CALLS) -> dict[str, float | bool]:
     """Per-unit FSDP2 overheads, per-tensor optimizer overhead and the overlap verdict (see the module
-    docstring); every rank of the default group calls it."""
-    tiny_fsdp = _slopes(TINY_WIDTH, TINY_TOKENS, device, True, repeats)
-    tiny_plain = _slopes(TINY_WIDTH, TINY_TOKENS, device, False, repeats)
-    tiny_comm = _collective_times(TINY_WIDTH, device, repeats)
+    docstring), each phase timed `calls` times; every rank of the default group calls it."""
+    tiny_fsdp = _slopes(TINY_WIDTH, TINY_TOKENS, device, True, repeats, calls)
+    tiny_plain = _slopes(TINY_WIDTH, TINY_TOKENS, device, False, repeats, calls)
+    tiny_comm = _collective_times(TINY_WIDTH, device, repeats, calls)
     unit_fwd = max(0.0, tiny_fsdp["fwd"] - tiny_plain["fwd"] - tiny_comm["all_gather"])
     unit_bwd = max(0.0, tiny_fsdp["bwd"] - tiny_plain["bwd"] - tiny_comm["all_gather"] - tiny_comm["reduce_scatter"])
     tensor_s = max(0.0, tiny_fsdp["step"] / 2)  # weight and bias
 
     width, tokens = WIDE[device.type]
-    wide_fsdp = _slopes(width, tokens, device, True, repeats)
-    wide_plain = _slopes(width, tokens, device, False, repeats)
-    wide_comm = _collective_times(width, device, repeats)
+    wide_fsdp = _slopes(width, tokens, device, True, repeats, calls)
+    wide_plain = _slopes(width, tokens, device, False, repeats, calls)
+    wide_comm = _collective_times(width, device, repeats, calls)
     serial = wide_plain["fwd"] + wide_comm["all_gather"] + unit_fwd
     hidden = (serial - wide_fsdp["fwd"]) / max(min(wide_plain["fwd"], wide_comm["all_gather"]), 1e-9)
     return {

@@ -20,36 +20,26 @@ from autoplan.profiling.cache import MeasurementCache, default_cache_dir
 from autoplan.profiling.calibration import (
     CALIBRATION_ROUNDS,
     CALIBRATION_SEQ_LEN,
-    CALIBRATION_WIDTH,
-    calibration_cases,
+    TIMED_STEPS,
+    WARMUP_STEPS,
     calibration_workloads,
     fit_calibration,
 )
-from autoplan.profiling.comm import (
-    COLLECTIVES,
-    CommRequest,
-    default_backend,
-    group_sizes,
-    measurement_key,
-    message_bytes,
-    run_comm_benchmark,
-)
+from autoplan.profiling.comm import default_backend
+from autoplan.profiling.defaults import DEFAULT_DTYPES, DEFAULT_MODELS
 from autoplan.profiling.fit import FitReport, fit_affine, fit_op_families, heldout_errors
+from autoplan.profiling.fsdp import FSDP_CALLS
 from autoplan.profiling.op_timings import measure_ops, points_and_timings, remeasure_outliers
 from autoplan.profiling.ops import OpCase, collect_cases, sweep_workload, unique_cases, zoo_workload
 from autoplan.profiling.overlap import OVERLAP_PHASE_S, OVERLAP_TRIALS
+from autoplan.profiling.ranks import measure_on_ranks
 from autoplan.profiling.timing import Repeats
 from cost_models.comm import ring_factor
 from cost_models.profile import CollectiveFit, DeviceProfile, FsdpOverhead, Link, Overlap, Provenance
 
-__all__ = ["DEFAULT_MODELS", "DEFAULT_DTYPES", "ProfileSettings", "CollectiveReport", "ProfileResult", "measure_profile"]
+__all__ = ["DEFAULT_MODELS", "DEFAULT_DTYPES", "ProfileSettings", "CollectiveReport", "ProfileResult", "measure_profile",
+           "default_profile_name"]
 
-# zoo model -> micro-batch sizes. The search traces at micro-batch 1 and 2 (and extrapolates to
-# others), so these keys match a search over these models directly; other shapes go through the fits.
-DEFAULT_MODELS: dict[str, tuple[int, ...]] = {
-    "gpt2-tiny": (1, 2), "llama-tiny": (1, 2), "bert-tiny": (1, 2), "gpt2": (1,),
-}
-DEFAULT_DTYPES = ("fp32", "bf16")
 # (width, tokens) of the sweep MLP blocks: problem sizes between the tiny models and real ones
 DEFAULT_SWEEP = {
     "cpu": tuple((w, t) for w in (256, 512, 1024) for t in (512, 2048)),
@@ -59,7 +49,6 @@ DEFAULT_COMM_SIZES_BYTES = {
     "cpu": tuple(4 ** k for k in range(6, 14)),  # 4 KiB .. 64 MiB
     "cuda": tuple(4 ** k for k in range(6, 16)),  # 4 KiB .. 1 GiB
 }
-OVERLAP_GATHER_BYTES = {"cpu": 16 << 20, "cuda": 256 << 20}
 
 
 @dataclass
@@ -78,8 +67,11 @@ class ProfileSettings:
     overlap_trials: int = OVERLAP_TRIALS
     comm_rounds: int = 3  # each collective size measured once per round, median over rounds
     calibration_rounds: int = CALIBRATION_ROUNDS  # each calibration step timed once per round, fastest kept
+    calibration_steps: tuple[int, int] = (WARMUP_STEPS, TIMED_STEPS)  # (warm-up, timed) training steps per round
+    fsdp_calls: int = FSDP_CALLS  # timed calls per phase of FSDP2's overhead stacks (fsdp.py)
+    quick: bool = False  # a rough run (`--quick`): named "...-quick" and marked so in its provenance
     cache_dir: Path | None = field(default_factory=default_cache_dir)  # None: no cache
-    name: str | None = None  # None: "<device>-<backend>-<nproc>"
+    name: str | None = None  # None: default_profile_name(): "<device>-<backend>-<nproc>", "-quick" if quick
     progress: bool = True
 
 
@@ -100,6 +92,8 @@ class ProfileResult:
     ops_cached: int  # taken from the cache
     ops_remeasured: int  # measured a second time for being far off their kind's fit
     wall_s: float
+    rank_items: int = 0  # measurements on the ranks: collective rounds, overlap, FSDP2, calibration step rounds
+    rank_items_measured: int = 0  # of them measured in this run (the rest from the cache)
 
 
 def _resolve(settings: ProfileSettings) -> tuple[torch.device, str, int | None]:
@@ -126,7 +120,7 @@ def measure_profile(settings: ProfileSettings) -> ProfileResult:
     started = time.perf_counter()
     device, backend, threads = _resolve(settings)
     kind = device.type
-    name = settings.name or f"{kind}-{backend}-{settings.nproc}"
+    name = settings.name or default_profile_name(settings)
     device_name = device_bench.device_name(device)
     cache = MeasurementCache(settings.cache_dir, {
         "device": device_name, "torch": torch.__version__, "threads": threads,
@@ -146,7 +140,8 @@ def measure_profile(settings: ProfileSettings) -> ProfileResult:
         points, op_times = points_and_timings(cases, op_seconds)
         op_fits = fit_op_families(points)
         device_numbers = _device_numbers(device, settings.repeats, cache)
-        comm = _measure_comm(settings, kind, backend, threads, cache)
+        sizes = DEFAULT_COMM_SIZES_BYTES[kind] if settings.comm_sizes_bytes is None else settings.comm_sizes_bytes
+        comm = measure_on_ranks(settings, kind, backend, threads, sizes, cache)
     finally:
         torch.set_num_threads(previous_threads)
     collective_fits = _collective_fits(comm["collectives"])
@@ -191,7 +186,13 @@ def measure_profile(settings: ProfileSettings) -> ProfileResult:
     fitted = {name: calibration[name] for name in FsdpOverhead.model_fields if name != "calibration"}
     profile = profile.model_copy(update={"fsdp": FsdpOverhead(**fitted, calibration=calibration)})
     return ProfileResult(profile, op_fits, collective_fits, len(fresh), len(cases) - len(fresh), remeasured,
-                         time.perf_counter() - started)
+                         time.perf_counter() - started, comm["items"], comm["measured"])
+
+
+def default_profile_name(settings: ProfileSettings) -> str:
+    """"<device>-<backend>-<nproc>", e.g. cpu-gloo-2; a quick profile's ends in "-quick"."""
+    backend = settings.backend or default_backend(settings.device)
+    return f"{settings.device}-{backend}-{settings.nproc}" + ("-quick" if settings.quick else "")
 
 
 def _op_cases(settings: ProfileSettings, kind: str) -> list[OpCase]:
@@ -224,44 +225,6 @@ def _device_numbers(device: torch.device, repeats: Repeats, cache: MeasurementCa
     }
 
 
-def _measure_comm(settings: ProfileSettings, kind: str, backend: str, threads: int | None,
-                  cache: MeasurementCache) -> dict:
-    """{"collectives": {(collective, group, bytes): seconds}, "overlap": {...}}; spawns the ranks only
-    for what the cache lacks."""
-    sizes = DEFAULT_COMM_SIZES_BYTES[kind] if settings.comm_sizes_bytes is None else settings.comm_sizes_bytes
-    wanted = sorted({(c, g, message_bytes(s, g)) for g in group_sizes(settings.nproc) for c in COLLECTIVES
-                     for s in sizes}, key=lambda m: (COLLECTIVES.index(m[0]), m[1], m[2]))
-    prefix = f"comm:{backend}:"
-    overlap_key = f"overlap:{backend}:n{settings.nproc}:{OVERLAP_GATHER_BYTES[kind]}"
-    fsdp_key = f"fsdp:{backend}:n{settings.nproc}"
-    calibration_key = (f"calibration:{backend}:n{settings.nproc}:"
-                       + ",".join(f"{s}{'+ckpt' if ckpt else ''}x{d}x{mb}" for s, ckpt, d, mb in calibration_cases(kind))
-                       + f":w{CALIBRATION_WIDTH[kind]}:r{settings.calibration_rounds}")
-    missing = tuple(m for m in wanted if prefix + measurement_key(*m) not in cache)
-    if missing or overlap_key not in cache or fsdp_key not in cache or calibration_key not in cache:
-        results = run_comm_benchmark(CommRequest(
-            backend=backend, device_type=kind, world_size=settings.nproc, threads=threads, measurements=missing,
-            overlap_bytes=OVERLAP_GATHER_BYTES[kind] if overlap_key not in cache else None,
-            overlap_phase_s=settings.overlap_phase_s, overlap_trials=settings.overlap_trials, rounds=settings.comm_rounds,
-            repeats=settings.repeats, show_progress=settings.progress, fsdp=fsdp_key not in cache,
-            calibration=calibration_key not in cache, calibration_rounds=settings.calibration_rounds,
-        ))
-        for key, seconds in results["collectives"].items():
-            cache.put(prefix + key, seconds)
-        if results["overlap"] is not None:
-            cache.put(overlap_key, results["overlap"])
-        if results.get("fsdp") is not None:
-            cache.put(fsdp_key, results["fsdp"])
-        if results.get("calibration") is not None:
-            cache.put(calibration_key, results["calibration"])
-    return {
-        "collectives": {m: cache.get(prefix + measurement_key(*m)) for m in wanted},
-        "overlap": cache.get(overlap_key),
-        "fsdp": cache.get(fsdp_key),
-        "calibration": cache.get(calibration_key),
-    }
-
-
 def _collective_fits(seconds: dict[tuple[str, int, int], float]) -> list[CollectiveReport]:
     """alpha + beta * bytes per (collective, group size), measured inside one node."""
     by_series: dict[tuple[str, int], list[tuple[int, float]]] = {}
@@ -288,9 +251,11 @@ def _provenance(settings: ProfileSettings, kind: str, backend: str, threads: int
     sweep = DEFAULT_SWEEP[kind] if settings.sweep is None else settings.sweep
     sizes = DEFAULT_COMM_SIZES_BYTES[kind] if settings.comm_sizes_bytes is None else settings.comm_sizes_bytes
     host = platform.node()
+    rough = ("a quick, rough profile (`autoplan profile --quick`: one tiny model, few repeats and sizes), "
+             "for trying the machinery, not for planning; ") if settings.quick else ""
     return Provenance(
         description=(
-            f"measured by `autoplan profile` on {host} ({device_name}): per-op forward/backward times of the "
+            f"{rough}measured by `autoplan profile` on {host} ({device_name}): per-op forward/backward times of the "
             f"models' traced ops and of sweep MLP blocks, per-family fits, {backend} collectives over "
             f"{settings.nproc} processes, compute/communication overlap, per-tensor optimizer overhead (profiling/fsdp.py), whole FSDP2 training steps of a calibration model fitted for the in-step compute scale and per-unit cost (profiling/calibration.py), AdamW step throughput. "
             "peak_flops is the best achieved matmul FLOP/s and mem_bandwidth a large copy, so both "
@@ -317,5 +282,8 @@ def _provenance(settings: ProfileSettings, kind: str, backend: str, threads: int
             "statistic": "median of repeats; ops far off their kind's fit timed twice, lower median kept",
             "comm_rounds": settings.comm_rounds,
             "calibration_rounds": settings.calibration_rounds,
+            "calibration_steps": f"{settings.calibration_steps[0]}+{settings.calibration_steps[1]}",
+            "fsdp_calls": settings.fsdp_calls,
+            "quick": settings.quick,
         },
     )
