@@ -12,11 +12,15 @@ from pathlib import Path
 
 from autoplan.cli.flags import to_flags
 from autoplan.errors import AutoplanError, UsageError
+from autoplan.plan.schema import load_plan
 from autoplan.run.apply import DEFAULT_LR
+from autoplan.run.fake_world import format_fake_world, run_fake_world
 from autoplan.run.launch import LaunchResult, Nodes, launch, torchrun_args
+from autoplan.run.memtrack import allocation_failure
 from autoplan.run.prepare import PreparedRun, prepare_run, run_outline
 from autoplan.run.procs import exit_status
 from autoplan.run.report import build_report, format_report
+from autoplan.sizes import parse_mem_bytes
 
 __all__ = ["register", "run_apply"]
 
@@ -30,6 +34,7 @@ examples:
   autoplan apply plan.json --data alpaca.json       # local Alpaca JSON, tokenised as bytes
   autoplan apply plan.json --model mypkg.models:build   # a plan made from your own model factory
   autoplan apply plan.json --mem-limit plan         # fail like an out-of-memory error above the plan's limit
+  autoplan apply plan64.json --fake-world           # this process as rank 0 of the plan's world (no torchrun)
   # two nodes: the same line on each, with its own --node-rank; the report is printed on node 0
   autoplan apply plan.json --nnodes 2 --node-rank 0 --rdzv-endpoint node0.cluster:29500
 
@@ -75,6 +80,9 @@ def register(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--mem-limit", default=None, metavar="SIZE|plan",
                         help="fail a rank whose memory exceeds SIZE (e.g. 2GB), or the plan's limit with 'plan'; "
                              "on the CPU this counts live tensor bytes, on CUDA it caps the allocator")
+    parser.add_argument("--fake-world", action="store_true",
+                        help="run here, without torchrun, as rank 0 of the plan's world on torch's fake process "
+                             "group: real per-rank memory, collectives free (step time is compute only)")
     parser.add_argument("--lr", type=float, default=DEFAULT_LR, help=f"learning rate (default {DEFAULT_LR})")
     parser.add_argument("--seed", type=int, default=0, help="seed for initial weights and synthetic data")
     parser.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
@@ -99,6 +107,8 @@ def run_apply(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error(f"--nproc must be at least 1, got {args.nproc}")
     if args.timeout <= 0:
         parser.error(f"--timeout must be positive, got {args.timeout}")
+    if args.fake_world:
+        return _run_fake_world(args, parser)
     nodes = Nodes(args.nnodes, args.node_rank, args.rdzv_endpoint)
     try:
         prepared = prepare_run(
@@ -139,6 +149,41 @@ def run_apply(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         return RUN_FAILED_EXIT_CODE
     for message in report.failures:  # all ranks finished; a teardown hiccup is only worth a note
         print(f"autoplan apply: note: {message}", file=sys.stderr)
+    return 0
+
+
+def _run_fake_world(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """`--fake-world`: rank 0 of the plan's world in this process (autoplan.run.fake_world)."""
+    clashing = [flag for flag, given in (("--nproc", args.nproc is not None), ("--data", args.data is not None),
+                                         ("--nnodes", args.nnodes != 1), ("--rdzv-endpoint", args.rdzv_endpoint))
+                if given]
+    if clashing:
+        parser.error(f"--fake-world runs one process on synthetic tokens; it does not take {', '.join(clashing)}")
+    try:
+        plan = load_plan(args.plan)
+        limit = None if args.mem_limit is None else (plan.cluster.mem_limit_bytes if args.mem_limit == "plan"
+                                                     else parse_mem_bytes(args.mem_limit))
+        print(f"autoplan apply: {args.plan} as rank 0 of a fake {plan.cluster.world_size}-rank world, in this process "
+              "(no torchrun)", flush=True)
+        result = run_fake_world(args.plan, steps=args.steps, model=args.model, warmup=args.warmup, seed=args.seed,
+                                lr=args.lr, mem_limit_bytes=limit, log=lambda line: print(f"autoplan apply: {line}",
+                                                                                          flush=True))
+    except UsageError as exc:
+        parser.error(to_flags(str(exc), parser))
+    except Exception as exc:  # the allocator refusing memory is reported as what it refused
+        refused = allocation_failure(exc)
+        if refused is None:
+            raise
+        print(f"autoplan apply: the fake-world run failed: out of memory: {refused}", file=sys.stderr)
+        return RUN_FAILED_EXIT_CODE
+    print(format_fake_world(result))
+    if args.report:
+        try:
+            result.save(args.report)
+        except OSError as exc:
+            raise AutoplanError(f"could not write the report to {args.report}: {exc.strerror or exc}; the table "
+                                "above holds its numbers") from None
+        print(f"autoplan apply: report written to {args.report}")
     return 0
 
 

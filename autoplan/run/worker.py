@@ -40,7 +40,7 @@ from autoplan.run.data import AlpacaTokens, BatchShape, SyntheticTokens, rank_mi
 from autoplan.run.memtrack import RankMemory, allocation_failure
 from autoplan.run.procs import die_with_parent, rank_signals
 
-__all__ = ["RankResult", "RunSpec", "main", "next_token_loss", "train"]
+__all__ = ["RankResult", "RunSpec", "main", "next_token_loss", "train", "train_measured", "train_untracked"]
 
 
 @dataclass
@@ -138,51 +138,68 @@ def train(spec: RunSpec, rank: int, world_size: int, result: RankResult, sender:
         result.phase = "training"
         result.save(spec.run_dir)
 
-        for step in range(spec.warmup_steps + spec.steps):
-            micro_batches = _batches(data, step, rank, shape, result)
-            phase_peaks = {"forward": 0, "backward": 0, "optimizer": 0}
-
-            def phase_done(phase: str) -> None:
-                phase_peaks[phase] = max(phase_peaks[phase], memory.peak_and_reset())
-
-            step_s, step_loss = _train_step(model, optimizer, micro_batches, device, phase_done, result)
-            result.step_times_s.append(step_s)
-            result.losses.append(step_loss)
-            result.phase_peak_bytes_by_step.append(phase_peaks)
-            result.peak_mem_bytes_by_step.append(max(phase_peaks.values()))
-            result.peak_mem_bytes = max(result.peak_mem_bytes, *phase_peaks.values())
-            result.peak_rss_bytes = _peak_rss_bytes()
-            result.steps_done = step + 1
+        def step_done(step: int, label: str, step_s: float, step_loss: float) -> None:
             result.save(spec.run_dir)
             sender.send(result)
             if rank == 0:
-                phase = "warm-up" if step < spec.warmup_steps else "timed" if memory.tracker is None else "memory"
-                print(
-                    f"[autoplan apply] step {step + 1}/{spec.warmup_steps + spec.steps} ({phase}), rank 0: "
-                    f"loss {step_loss:.4f} on its micro-batches, {step_s:.3f} s",
-                    flush=True,
-                )
+                print(f"[autoplan apply] {label}, rank 0: loss {step_loss:.4f} on its micro-batches, {step_s:.3f} s",
+                      flush=True)
 
+        train_measured(model, optimizer, data, rank, shape, memory, result, spec.warmup_steps, spec.steps, step_done)
+    train_untracked(model, optimizer, data, rank, shape, memory, result, spec.warmup_steps, spec.steps, step_done)
+
+
+def train_measured(model, optimizer, data, rank: int, shape: BatchShape, memory: RankMemory, result: RankResult,
+                   warmup_steps: int, steps: int, step_done=None) -> None:
+    """Train warmup_steps + steps steps, with `memory` entered: per step the time, the loss and the peak
+    within each phase go into `result`; then `step_done(step, label, seconds, loss)` is called.
+    Shared by the ranks of `autoplan apply` and its fake world (autoplan.run.fake_world)."""
+    device = memory.device
+    for step in range(warmup_steps + steps):
+        micro_batches = _batches(data, step, rank, shape, result)
+        phase_peaks = {"forward": 0, "backward": 0, "optimizer": 0}
+
+        def phase_done(phase: str) -> None:
+            phase_peaks[phase] = max(phase_peaks[phase], memory.peak_and_reset())
+
+        step_s, step_loss = _train_step(model, optimizer, micro_batches, device, phase_done, result)
+        result.step_times_s.append(step_s)
+        result.losses.append(step_loss)
+        result.phase_peak_bytes_by_step.append(phase_peaks)
+        result.peak_mem_bytes_by_step.append(max(phase_peaks.values()))
+        result.peak_mem_bytes = max(result.peak_mem_bytes, *phase_peaks.values())
+        result.peak_rss_bytes = _peak_rss_bytes()
+        result.steps_done = step + 1
+        if step_done is not None:
+            phase = "warm-up" if step < warmup_steps else "timed" if memory.tracker is None else "memory"
+            step_done(step, f"step {step + 1}/{warmup_steps + steps} ({phase})", step_s, step_loss)
+
+
+def train_untracked(model, optimizer, data, rank: int, shape: BatchShape, memory: RankMemory, result: RankResult,
+                    warmup_steps: int, steps: int, step_done=None) -> None:
+    """CPU, after `memory` was left: the live-tensor tracker runs Python on every op, which on a small model
+    more than doubles the step, so the step time is measured again over `steps` steps with the tracker off
+    (into `result.untracked_step_times_s`). Nothing to do when the memory was CUDA's allocator's."""
     if memory.tracker is None:
         return
-    # The live-tensor tracker runs Python on every op, which on a small model more than doubles the
-    # step; the step time is measured again over as many steps with the tracker off.
-    total = spec.warmup_steps + spec.steps
-    for step in range(total, total + spec.steps):
+    total = warmup_steps + steps
+    for step in range(total, total + steps):
         micro_batches = _batches(data, step, rank, shape, result)
-        step_s, step_loss = _train_step(model, optimizer, micro_batches, device, result=result)
+        step_s, step_loss = _train_step(model, optimizer, micro_batches, memory.device, result=result)
         result.untracked_step_times_s.append(step_s)
-        result.save(spec.run_dir)
-        sender.send(result)
-        if rank == 0:
-            print(f"[autoplan apply] untracked step {step + 1 - total}/{spec.steps} (timed, memory tracker off), "
-                  f"rank 0: loss {step_loss:.4f} on its micro-batches, {step_s:.3f} s", flush=True)
+        if step_done is not None:
+            step_done(step, f"untracked step {step + 1 - total}/{steps} (timed, memory tracker off)", step_s,
+                      step_loss)
 
 
 def _batches(data, step: int, rank: int, shape: BatchShape, result: RankResult):
     result.doing = (f"making step {step + 1}'s batch of token ids ({shape.global_batch_size:,} sequences x "
                     f"{shape.seq_len + 1} ids; every rank makes the whole global batch)")
-    return rank_micro_batches(data.global_batch(step, shape), rank, shape)
+    # Copies of this rank's rows, so that the global batch is freed at once: a rank of a large world would
+    # otherwise hold every rank's tokens through the step (64 ranks x micro-batch 8 x 65 ids: 266 KB), which
+    # no training job holds and no prediction counts.
+    return [(ids.clone(), labels.clone())
+            for ids, labels in rank_micro_batches(data.global_batch(step, shape), rank, shape)]
 
 
 def _train_step(model, optimizer, micro_batches, device: torch.device, phase_done=None,
