@@ -30,20 +30,47 @@ run). `print(plan)` shows the decision table; `plan.to_dict()`, `plan.unit_table
 `plan.timeline_table()` give plain data.
 """
 
-from autoplan import plots  # matplotlib itself is imported only when a figure is drawn
-from autoplan.api.estimate import estimate
-from autoplan.api.frontier import FrontierPoint, frontier
-from autoplan.api.search import search
-from autoplan.api.traced import TracedModel, trace
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
 from autoplan.errors import AutoplanError, InfeasibleError, PlanFileError, TraceError, UsageError
-from autoplan.plan.estimate import Estimate
-from autoplan.plan.schema import Plan, load_plan
-from autoplan.profile_store import available_profiles, load_profile
-from autoplan.settings import EstimateSettings, SearchSettings
-from autoplan.sizes import parse_mem_bytes
-from autoplan.tracing.tracer import TRACERS, ExampleInputs
 from autoplan.version import __version__
-from cost_models.profile import DeviceProfile
+
+if TYPE_CHECKING:  # what the lazy names below resolve to, for readers and type checkers
+    from autoplan import plots
+    from autoplan.api.estimate import estimate
+    from autoplan.api.frontier import FrontierPoint, frontier
+    from autoplan.api.search import search
+    from autoplan.api.traced import TracedModel, trace
+    from autoplan.plan.estimate import Estimate
+    from autoplan.plan.schema import Plan, load_plan
+    from autoplan.profile_store import available_profiles, load_profile
+    from autoplan.run.apply import apply
+    from autoplan.settings import EstimateSettings, SearchSettings
+    from autoplan.sizes import parse_mem_bytes
+    from autoplan.tracing.tracer import TRACERS, ExampleInputs
+    from cost_models.profile import DeviceProfile
+
+# Public name -> the module that defines it. Importing `autoplan` costs only errors and version: torch
+# (~2 s), ortools and pydantic are imported when a name that needs them is first used, so that
+# `autoplan --help` and `autoplan models` do not pay for what a search needs.
+_LAZY = {
+    "plots": "autoplan.plots",  # matplotlib itself is imported only when a figure is drawn
+    "estimate": "autoplan.api.estimate",
+    "FrontierPoint": "autoplan.api.frontier", "frontier": "autoplan.api.frontier",
+    "search": "autoplan.api.search",
+    "TracedModel": "autoplan.api.traced", "trace": "autoplan.api.traced",
+    "Estimate": "autoplan.plan.estimate",
+    "Plan": "autoplan.plan.schema", "load_plan": "autoplan.plan.schema",
+    "available_profiles": "autoplan.profile_store", "load_profile": "autoplan.profile_store",
+    "apply": "autoplan.run.apply",  # torch.distributed.fsdp: only in training scripts
+    "EstimateSettings": "autoplan.settings", "SearchSettings": "autoplan.settings",
+    "parse_mem_bytes": "autoplan.sizes",
+    "TRACERS": "autoplan.tracing.tracer", "ExampleInputs": "autoplan.tracing.tracer",
+    "DeviceProfile": "cost_models.profile",
+}
 
 __all__ = [
     "AutoplanError", "DeviceProfile", "apply", "Estimate", "EstimateSettings", "ExampleInputs", "FrontierPoint",
@@ -54,9 +81,14 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    # `apply` pulls in torch.distributed.fsdp (~0.4 s): import it only when used, not for `search`
-    if name == "apply":
-        from autoplan.run.apply import apply
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'autoplan' has no attribute {name!r}")
+    imported = importlib.import_module(module)
+    value = imported if module == f"{__name__}.{name}" else getattr(imported, name)
+    globals()[name] = value  # the next access is a plain attribute lookup
+    return value
 
-        return apply
-    raise AttributeError(f"module 'autoplan' has no attribute {name!r}")
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -76,7 +76,8 @@ def kept_saved_bytes(trace: ModelTrace, units: list[Unit]) -> dict[str, int]:
 
 
 def backward_points(ops: list[OpRecord], owners: list[int], seg: Segment, checkpointed: bool,
-                    kept_saved: dict[str, int] | None = None) -> list[tuple[str, BackwardPeak]]:
+                    kept_saved: dict[str, int] | None = None,
+                    positions: list[int] | None = None) -> list[tuple[str, BackwardPeak]]:
     """The backward of a segment, op by op in reverse order. While op j's backward runs it holds:
     - the activations saved by the segment's ops up to j (an op's are freed once its backward ran;
       a storage that several ops saved counts for the first, see trace.saved_tensor_recorder);
@@ -88,8 +89,11 @@ def backward_points(ops: list[OpRecord], owners: list[int], seg: Segment, checkp
     any: the recomputation's forward (saved activations so far plus the op's transients, as in the
     forward) runs then, with that op's incoming gradients alive; and the activations of the unit's
     earlier segments are recomputed ones, alive through this segment; what the unit keeps from the
-    forward (kept_saved, see kept_saved_bytes) is the timeline's. Labelled by op name."""
+    forward (kept_saved, see kept_saved_bytes) is the timeline's. Labelled by op name. `positions`: where
+    the unit's ops are in `ops` (found in `owners` when not given; a table passes them, or a deep model
+    costs a scan of every op per segment)."""
     unit = seg.unit
+    positions = positions if positions is not None else [p for p, u in enumerate(owners) if u == unit]
     span = range(seg.first_op, seg.last_op + 1)
     kept_saved = kept_saved if checkpointed and kept_saved else {}
 
@@ -97,19 +101,18 @@ def backward_points(ops: list[OpRecord], owners: list[int], seg: Segment, checkp
         return op.saved_bytes - kept_saved.get(op.name, 0)
 
     grads_after = {}  # the unit's parameter gradients computed by the ops after each (its backward ran)
-    grads = sum(op.param_grad_bytes for op, u in zip(ops[seg.last_op + 1:], owners[seg.last_op + 1:]) if u == unit)
+    grads = sum(ops[p].param_grad_bytes for p in positions if p > seg.last_op)
     for position in reversed(span):
         grads_after[position] = grads
         grads += ops[position].param_grad_bytes
     saved_upto = {}  # saved by the segment's ops up to and including each (and by earlier segments when recomputed)
-    running = sum(saved(op) for op, u in zip(ops[:seg.first_op], owners[:seg.first_op])
-                  if u == unit) if checkpointed else 0
+    running = sum(saved(ops[p]) for p in positions if p < seg.first_op) if checkpointed else 0
     for position in span:
         running += saved(ops[position])
         saved_upto[position] = running
     points = [(ops[p].name, BackwardPeak(saved_upto[p], ops[p].bwd_live_bytes + ops[p].param_grad_bytes
                                          + grads_after[p])) for p in reversed(span)]
-    last_saver = max((p for p, u in enumerate(owners) if u == unit and ops[p].saved_bytes), default=None)
+    last_saver = max((p for p in positions if ops[p].saved_bytes), default=None)
     if checkpointed and last_saver in span:
         held = ops[last_saver].bwd_in_bytes + grads_after[last_saver]
         points += [(f"recompute {ops[p].name}", BackwardPeak(
@@ -119,7 +122,7 @@ def backward_points(ops: list[OpRecord], owners: list[int], seg: Segment, checkp
 
 
 def backward_peak(ops: list[OpRecord], owners: list[int], seg: Segment, checkpointed: bool,
-                  kept_saved: dict[str, int] | None = None) -> BackwardPeak:
+                  kept_saved: dict[str, int] | None = None, positions: list[int] | None = None) -> BackwardPeak:
     """The most the segment's backward holds (see backward_points)."""
-    return max((point for _, point in backward_points(ops, owners, seg, checkpointed, kept_saved)),
+    return max((point for _, point in backward_points(ops, owners, seg, checkpointed, kept_saved, positions)),
                key=lambda point: point.total, default=BackwardPeak(0, 0))

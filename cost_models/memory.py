@@ -25,6 +25,8 @@ of it: table._pending_reduce_bytes).
 
 from __future__ import annotations
 
+import bisect
+import heapq
 from dataclasses import dataclass
 from enum import Enum
 
@@ -115,11 +117,27 @@ def timeline(table: CostTable, alg: Algebra) -> list[MemoryPoint]:
         running = alg.define(running + alg.pick(seg.unit, per_option), f"act_{index}")
         activations_upto.append(running)
 
-    def running_units(position: int) -> list[int]:
-        return [u for u in range(n_units) if units[u].first_op <= position <= units[u].last_op]
+    # units by where their ops start and end: the questions below take O(log units) each, for a model of
+    # thousands of layers must not scan every unit at every segment
+    starts = sorted((units[u].first_op, u) for u in range(n_units))
+    ends = sorted((units[u].last_op, u) for u in range(n_units))
+    start_ops, end_ops = [op for op, _ in starts], [op for op, _ in ends]
 
-    def count_before(order: list[int], key, position: int) -> int:
-        return sum(1 for u in order if key(units[u]) < position)
+    def ending_before(position: int) -> int:
+        return bisect.bisect_left(end_ops, position)
+
+    def starting_after(position: int) -> int:
+        return n_units - bisect.bisect_right(start_ops, position)
+
+    def first_starting_after(position: int) -> int | None:
+        """Of the units starting after `position`, the first to start (the lowest index among ties)."""
+        rank = bisect.bisect_right(start_ops, position)
+        return starts[rank][1] if rank < n_units else None
+
+    def last_ending_before(position: int) -> int | None:
+        """Of the units ending before `position`, the last to end (the lowest index among ties)."""
+        rank = bisect.bisect_left(end_ops, position)
+        return ends[bisect.bisect_left(end_ops, end_ops[rank - 1])][1] if rank else None
 
     index_of = {unit.path: u for u, unit in enumerate(units)}
 
@@ -150,15 +168,21 @@ def timeline(table: CostTable, alg: Algebra) -> list[MemoryPoint]:
 
     grads_in_step = grads_all if table.grad_accum_steps > 1 else 0
     fwd_points, bwd_points = [], []
-    for index, seg in enumerate(segments):
+    spanning: list[tuple[int, int]] = []  # (last op, unit) of the units started by the segment, less some ended
+    started = 0
+    for index, seg in enumerate(segments):  # in op order: a sweep over the units' spans
+        while started < n_units and start_ops[started] <= seg.first_op:
+            heapq.heappush(spanning, (units[starts[started][1]].last_op, starts[started][1]))
+            started += 1
+        while spanning and spanning[0][0] < seg.first_op:
+            heapq.heappop(spanning)
         # the loss runs after the model's forward returned and before its backward starts: FSDP2 holds no
         # unit gathered then (apply sets reshard_after_forward explicitly, so the root reshards too)
-        around = [] if seg.outside_model else running_units(seg.first_op)
+        around = [] if seg.outside_model else sorted(u for _, u in spanning)  # the units whose ops span it
         label = "loss" if seg.outside_model else units[seg.unit].path or "<root>"
-        held_done = held_upto[count_before(by_last, lambda u: u.last_op, seg.first_op)]
+        held_done = held_upto[ending_before(seg.first_op)]
 
-        upcoming = [u for u in range(n_units) if units[u].first_op > seg.last_op]
-        prefetch_fwd = min(upcoming, key=lambda u: units[u].first_op) if upcoming and not seg.outside_model else None
+        prefetch_fwd = None if seg.outside_model else first_starting_after(seg.last_op)
         gathered_fwd = _sum([pick(u, "gathered_bytes") for u in around]) + held_done
         if prefetch_fwd is not None:
             gathered_fwd = gathered_fwd + pick(prefetch_fwd, "gathered_bytes")
@@ -168,13 +192,12 @@ def timeline(table: CostTable, alg: Algebra) -> list[MemoryPoint]:
             temporaries=seg.fwd_temp_bytes,
         )))
 
-        finished = [u for u in range(n_units) if units[u].last_op < seg.first_op]
-        prefetch_bwd = max(finished, key=lambda u: units[u].last_op) if finished and not seg.outside_model else None
+        prefetch_bwd = None if seg.outside_model else last_ending_before(seg.first_op)
         gathered_bwd = held_done
         if prefetch_bwd is not None:  # prefetched for the next backward unless already held
             gathered_bwd = gathered_bwd + alg.pick(prefetch_bwd, [
                 c.gathered_bytes - c.held_bytes for c in table.costs[prefetch_bwd]])
-        done_rank = count_before(by_first, lambda u: -u.first_op, -seg.last_op)  # units starting after b
+        done_rank = starting_after(seg.last_op)
         grads_done = grads_all if table.grad_accum_steps > 1 else grads_from[n_units - done_rank]
         # the gradients of every unit whose backward is running accumulate unsharded until its reduction
         pending = last_reduced_before[index]
@@ -196,7 +219,7 @@ def timeline(table: CostTable, alg: Algebra) -> list[MemoryPoint]:
             # input (the previous unit's input freed just before); the activations of its subtree
             # are freed by now
             outer = enclosing(u)
-            later_rank = count_before(by_first, lambda v: -v.first_op, -units[u].first_op)
+            later_rank = starting_after(units[u].first_op)
             bwd_here.append(MemoryPoint(f"reduce {units[u].path or '<root>'}", _parts(
                 params=params_all,
                 grads=grads_all if table.grad_accum_steps > 1 else grads_from[n_units - later_rank],

@@ -10,6 +10,7 @@ Memory follows FSDP2's allocations (per rank):
 
 from __future__ import annotations
 
+import heapq
 import math
 from dataclasses import dataclass
 
@@ -247,13 +248,24 @@ def build_cost_table(
         seg.saved_bytes += op.saved_bytes
         seg.fwd_temp_bytes = max(seg.fwd_temp_bytes, op.fwd_max_alloc_bytes, op.fwd_transient_bytes)
     owners = [owner[op.name] for op in ops]
-    for seg in segments:
-        seg.bwd_peak = backward_peak(ops, owners, seg, checkpointed=False)
-        seg.bwd_peak_checkpointed = backward_peak(ops, owners, seg, checkpointed=True, kept_saved=kept_saved)
-        around = [u for u, unit in enumerate(units)
-                  if u != seg.unit and unit.first_op <= seg.first_op <= unit.last_op]
-        seg.outer_grad_bytes = sum(op.param_grad_bytes for op, u in zip(ops[seg.last_op + 1:], owners[seg.last_op + 1:])
-                                   if u in around)
+    positions: dict[int, list[int]] = {}  # unit -> where its ops are: a deep model must not scan every op per segment
+    for position, u in enumerate(owners):
+        positions.setdefault(u, []).append(position)
+    by_start = sorted(range(len(units)), key=lambda u: units[u].first_op)
+    spanning: list[tuple[int, int]] = []  # (last_op, unit) of the units whose ops span the segment's start
+    started = 0
+    for seg in segments:  # in op order: a sweep over the units' spans
+        seg.bwd_peak = backward_peak(ops, owners, seg, checkpointed=False, positions=positions[seg.unit])
+        seg.bwd_peak_checkpointed = backward_peak(ops, owners, seg, checkpointed=True, kept_saved=kept_saved,
+                                                  positions=positions[seg.unit])
+        while started < len(by_start) and units[by_start[started]].first_op <= seg.first_op:
+            heapq.heappush(spanning, (units[by_start[started]].last_op, by_start[started]))
+            started += 1
+        while spanning and spanning[0][0] < seg.first_op:
+            heapq.heappop(spanning)
+        around = [u for _, u in spanning if u != seg.unit]
+        seg.outer_grad_bytes = sum(ops[p].param_grad_bytes for u in around for p in positions.get(u, [])
+                                   if p > seg.last_op)
 
     return CostTable(
         units=units, options=all_options, costs=all_costs, segments=segments,

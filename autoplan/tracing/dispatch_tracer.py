@@ -16,8 +16,6 @@ names the module it was in.
 
 from __future__ import annotations
 
-import copy
-
 import networkx as nx
 import torch
 import torch.nn as nn
@@ -27,7 +25,7 @@ from torch.utils._pytree import tree_flatten
 
 from autoplan.errors import TraceError
 from autoplan.tracing.counting import (
-    DTYPES,
+    BackwardAttribution,
     CostMode,
     clear_grads,
     default_inputs,
@@ -35,14 +33,15 @@ from autoplan.tracing.counting import (
     fill_forward_transients,
     fused_sdpa,
     logits_of,
-    needs_copy,
     op_variant,
     saved_tensor_recorder,
-    storage_key,
     tensor_bytes,
+    to_meta,
     training_loss,
 )
 from cost_models.records import LOSS_NODE, ModelTrace, OpRecord
+
+__all__ = ["trace_dispatch"]
 
 
 def _tensors(value) -> list[torch.Tensor]:
@@ -74,6 +73,7 @@ class _Recorder:
     """Opens one OpRecord per leaf-module call or top-level torch function call, in execution order."""
 
     def __init__(self, model: nn.Module, mode: CostMode, records: dict[str, OpRecord], dtype: str):
+        self.attribution = BackwardAttribution(mode)
         self.paths: dict[int, str] = {}
         for name, module in model.named_modules():
             self.paths.setdefault(id(module), name)
@@ -93,7 +93,7 @@ class _Recorder:
         tensors_in = _tensors(inputs)
         self.records[name] = OpRecord(name, kind, module, tuple(tuple(t.shape) for t in tensors_in), self.dtype,
                                       variant=variant)
-        self.input_storages[name] = [(storage_key(t), t.untyped_storage().nbytes()) for t in tensors_in]
+        self.input_storages[name] = self.mode.read(tensors_in)
         self.mode.current = name
         self.last_call = f"{label or kind} in module {module or '<root>'!r}"
         return name
@@ -107,14 +107,7 @@ class _Recorder:
             self.mode.current = LOSS_NODE
             return
         record.out_bytes = sum(map(tensor_bytes, outs))
-        for tensor in outs:
-            if tensor.grad_fn is not None:
-                tensor.grad_fn.register_prehook(self._backward_prehook(name))
-
-    def _backward_prehook(self, name: str):
-        def prehook(grad_outputs):
-            self.mode.current = name
-        return prehook
+        self.attribution.attach(name, outs)
 
     def pre_forward(self, module: nn.Module, args, kwargs):
         self.module_stack.append(self.paths[id(module)])
@@ -151,6 +144,25 @@ class _FunctionMode(TorchFunctionMode):
         return output
 
 
+def _run(meta_model: nn.Module, args: tuple, kwargs: dict, mode: CostMode, recorder: _Recorder,
+         records: dict[str, OpRecord], pack) -> None:
+    """Forward, loss and backward; the graph's tensors are this frame's alone, gone when it returns."""
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), mode:
+        with _FunctionMode(recorder):
+            output = meta_model(*args, **kwargs)
+        mode.current = LOSS_NODE
+        recorder.last_call = "the loss (cross-entropy over the model's output)"
+        records[LOSS_NODE].input_shapes = (tuple(logits_of(output).shape),)
+        logits = logits_of(output)
+        recorder.input_storages[LOSS_NODE] = mode.read([logits])
+        loss = training_loss(output)
+    mode.backward = True
+    recorder.last_call = "the backward pass"
+    with mode:
+        clear_grads(meta_model)
+        loss.backward()
+
+
 def trace_dispatch(
     model: nn.Module,
     micro_batch_size: int,
@@ -158,16 +170,18 @@ def trace_dispatch(
     dtype: str = "bf16",
     args: tuple | None = None,
     kwargs: dict | None = None,
+    progress=None,
 ) -> ModelTrace:
     """Trace `model` (any device; copied to meta in `dtype`) by running it eagerly on meta tensors.
-    `args`/`kwargs` are the forward's inputs at this micro-batch (default: token ids)."""
-    meta_model = copy.deepcopy(model).to(device="meta", dtype=DTYPES[dtype]) if needs_copy(model, dtype) else model
+    `args`/`kwargs` are the forward's inputs at this micro-batch (default: token ids); `progress` is
+    told of each op as it runs (see counting.CostMode)."""
+    meta_model = to_meta(model, dtype)
     if args is None and not kwargs:
         args = default_inputs(meta_model, micro_batch_size, seq_len)
     args, kwargs = tuple(args or ()), dict(kwargs or {})
 
     records: dict[str, OpRecord] = {LOSS_NODE: OpRecord(LOSS_NODE, "cross_entropy", "", (), dtype)}
-    mode = CostMode(records)
+    mode = CostMode(records, progress)
     recorder = _Recorder(meta_model, mode, records, dtype)
     saved, pack = saved_tensor_recorder(meta_model, mode)
 
@@ -175,27 +189,17 @@ def trace_dispatch(
     for module in meta_model.modules():
         handles.append(module.register_forward_pre_hook(recorder.pre_forward, with_kwargs=True))
         handles.append(module.register_forward_hook(recorder.post_forward, with_kwargs=True))
+    failure = None
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), mode:
-            with _FunctionMode(recorder):
-                output = meta_model(*args, **kwargs)
-            mode.current = LOSS_NODE
-            recorder.last_call = "the loss (cross-entropy over the model's output)"
-            records[LOSS_NODE].input_shapes = (tuple(logits_of(output).shape),)
-            logits = logits_of(output)
-            recorder.input_storages[LOSS_NODE] = [(storage_key(logits), logits.untyped_storage().nbytes())]
-            loss = training_loss(output)
-        mode.backward = True
-        recorder.last_call = "the backward pass"
-        with mode:
-            clear_grads(meta_model)
-            loss.backward()
+        _run(meta_model, args, kwargs, mode, recorder, records, pack)
     except Exception as exc:
+        failure = exc
         raise TraceError(f"running {type(model).__name__} on the meta device failed at {recorder.last_call}: "
                          f"{type(exc).__name__}: {exc}") from exc
     finally:
         for handle in handles:
             handle.remove()
+        recorder.attribution.release(failure)
 
     for nbytes, name in saved.values():
         records[name].saved_bytes += nbytes

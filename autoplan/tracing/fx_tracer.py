@@ -13,8 +13,6 @@ Nothing is allocated: meta tensors carry shapes and dtypes only.
 
 from __future__ import annotations
 
-import copy
-
 import networkx as nx
 import torch
 import torch.fx as fx
@@ -24,7 +22,7 @@ from torch.utils._pytree import tree_flatten
 
 from autoplan.errors import TraceError
 from autoplan.tracing.counting import (
-    DTYPES,
+    BackwardAttribution,
     CostMode,
     clear_grads,
     default_inputs,
@@ -32,11 +30,10 @@ from autoplan.tracing.counting import (
     fill_forward_transients,
     fused_sdpa,
     logits_of,
-    needs_copy,
     op_variant,
     saved_tensor_recorder,
-    storage_key,
     tensor_bytes,
+    to_meta,
     training_loss,
 )
 from cost_models.records import LOSS_NODE, ModelTrace, OpRecord
@@ -100,9 +97,11 @@ def trace_model(
     dtype: str = "bf16",
     inputs: tuple[torch.Tensor, ...] | None = None,
     graph_module: fx.GraphModule | None = None,
+    progress=None,
 ) -> ModelTrace:
-    """Trace `model` (any device; it is copied to meta in `dtype`) at one micro-batch size."""
-    meta_model = copy.deepcopy(model).to(device="meta", dtype=DTYPES[dtype]) if needs_copy(model, dtype) else model
+    """Trace `model` (any device; it is copied to meta in `dtype`) at one micro-batch size. `progress` is
+    told of each op as it runs (see counting.CostMode)."""
+    meta_model = to_meta(model, dtype)
     gm = graph_module if graph_module is not None else symbolic_trace(meta_model)
     if graph_module is not None:
         gm = _rebind(graph_module, meta_model)
@@ -116,14 +115,10 @@ def trace_model(
             records[node.name] = OpRecord(node.name, _kind(gm, node), _module_path(node), (), dtype)
     records[LOSS_NODE] = OpRecord(LOSS_NODE, "cross_entropy", "", (), dtype)
 
-    mode = CostMode(records)
+    mode = CostMode(records, progress)
     saved, pack = saved_tensor_recorder(meta_model, mode)
     input_storages: dict[str, list[tuple[int, int]]] = {}
-
-    def make_prehook(name: str):
-        def prehook(grad_outputs):
-            mode.current = name
-        return prehook
+    attribution = BackwardAttribution(mode)
 
     class _Interpreter(fx.Interpreter):
         def run_node(self, node: fx.Node):
@@ -134,13 +129,11 @@ def trace_model(
             tensors_in = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
             records[node.name].input_shapes = tuple(tuple(t.shape) for t in tensors_in)
             records[node.name].variant = _variant(gm, node, args, kwargs)
-            input_storages[node.name] = [(storage_key(t), t.untyped_storage().nbytes()) for t in tensors_in]
+            input_storages[node.name] = mode.read(tensors_in)
             out = super().run_node(node)
             outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
             records[node.name].out_bytes = sum(map(tensor_bytes, outs))
-            for tensor in outs:
-                if tensor.grad_fn is not None:
-                    tensor.grad_fn.register_prehook(make_prehook(node.name))
+            attribution.attach(node.name, outs)
             return out
 
         def call_function(self, target, args, kwargs):
@@ -148,21 +141,28 @@ def trace_model(
                 target = fused_sdpa
             return super().call_function(target, args, kwargs)
 
-    try:
+    def run() -> None:  # the graph's tensors are this frame's alone, gone when it returns
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), mode:
             output = _Interpreter(gm).run(*inputs)
             mode.current = LOSS_NODE
             records[LOSS_NODE].input_shapes = (tuple(logits_of(output).shape),)
-            input_storages[LOSS_NODE] = [(storage_key(logits_of(output)), logits_of(output).untyped_storage().nbytes())]
+            input_storages[LOSS_NODE] = mode.read([logits_of(output)])
             loss = training_loss(output)
         mode.backward = True
         with mode:
             clear_grads(meta_model)
             loss.backward()
+
+    failure = None
+    try:
+        run()
     except Exception as exc:
+        failure = exc
         failing = records.get(mode.current)
         where = f"op {failing.name} ({failing.kind}) in module {failing.module or '<root>'!r}" if failing else "?"
         raise TraceError(f"tracing failed at {where}: {type(exc).__name__}: {exc}") from exc
+    finally:
+        attribution.release(failure)
 
     for storage, (nbytes, name) in saved.items():
         records[name].saved_bytes += nbytes

@@ -1,12 +1,14 @@
 """Which tracer reads a model, and with what inputs: torch.fx first, the dispatch tracer when fx fails.
 
 Planning needs each op's cost at any micro-batch; costs are affine in it, so every model is traced
-twice, at micro-batch 1 and 2 (see trace.extrapolate_ops). Both traces must come from the same
-tracer and hold the same ops.
+twice, at micro-batch 1 and 2 (see cost_models.records.extrapolate_ops). Both traces must come from
+the same tracer and hold the same ops. A model whose blocks repeat is traced by a few of its blocks
+(see reuse); a trace of every block shows its progress (see progress) when it takes a while.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,8 +17,13 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from autoplan.errors import TraceError, UsageError
+from autoplan.tracing.counting import to_meta
 from autoplan.tracing.dispatch_tracer import trace_dispatch
+from autoplan.tracing.expand import Mismatch, Repeats, expand
 from autoplan.tracing.fx_tracer import symbolic_trace, trace_model
+from autoplan.tracing.progress import BlockProgress
+from autoplan.tracing.reuse import TRACED_PERIODS, block_tensors, find_repeats, predict_and_check, truncated
+from autoplan.tracing.units import largest_module_list
 from cost_models.records import ModelTrace
 
 TRACERS = ("fx", "dispatch")
@@ -76,21 +83,31 @@ class TracePair:
     tracer: str  # "fx" or "dispatch"
     at_1: ModelTrace  # micro-batch 1
     at_2: ModelTrace  # micro-batch 2
+    # how the blocks were traced: "48 blocks of transformer.h from traces of 3 and 4", or why all were
+    reuse: str = ""
 
 
-def _trace_fx(model: nn.Module, seq_len: int, dtype: str, inputs: ExampleInputs | None) -> list[ModelTrace]:
+TraceFunction = Callable[[nn.Module, Any], list[ModelTrace]]  # (model on meta, progress) -> traces at 1 and 2
+
+
+def _trace_fx(model: nn.Module, seq_len: int, dtype: str, inputs: ExampleInputs | None, progress=None
+              ) -> list[ModelTrace]:
     if inputs is not None and inputs.kwargs:
         raise TraceError("torch.fx passes positional inputs only; keyword example inputs need the dispatch tracer")
-    graph_module = symbolic_trace(model)
-    return [trace_model(model, batch, seq_len, dtype, inputs=inputs.at_batch(batch)[0] if inputs else None,
-                        graph_module=graph_module) for batch in TRACED_BATCHES]
+    graph_module = symbolic_trace(model)  # before copying the model: it fails at once where it fails
+    meta = to_meta(model, dtype)
+    return [trace_model(meta, batch, seq_len, dtype, inputs=inputs.at_batch(batch)[0] if inputs else None,
+                        graph_module=graph_module, progress=progress and progress(batch))
+            for batch in TRACED_BATCHES]
 
 
-def _trace_dispatch(model: nn.Module, seq_len: int, dtype: str, inputs: ExampleInputs | None) -> list[ModelTrace]:
-    traces = []
+def _trace_dispatch(model: nn.Module, seq_len: int, dtype: str, inputs: ExampleInputs | None, progress=None
+                    ) -> list[ModelTrace]:
+    traces, meta = [], to_meta(model, dtype)
     for batch in TRACED_BATCHES:
         args, kwargs = inputs.at_batch(batch) if inputs else (None, None)
-        traces.append(trace_dispatch(model, batch, seq_len, dtype, args=args, kwargs=kwargs))
+        traces.append(trace_dispatch(meta, batch, seq_len, dtype, args=args, kwargs=kwargs,
+                                     progress=progress and progress(batch)))
     names_1, names_2 = [op.name for op in traces[0].ops], [op.name for op in traces[1].ops]
     if names_1 != names_2:
         first = next((a, b) for a, b in zip(names_1 + [""], names_2 + [""]) if a != b)
@@ -102,6 +119,40 @@ def _trace_dispatch(model: nn.Module, seq_len: int, dtype: str, inputs: ExampleI
 _TRACE_FUNCTIONS = {"fx": _trace_fx, "dispatch": _trace_dispatch}
 
 
+def _by_blocks(model: nn.Module, repeats: Repeats, tracer: str, run: TraceFunction, dtype: str) -> list[ModelTrace]:
+    """The traces of the whole model from traces of it truncated to 3 and 4 periods of its blocks (see
+    reuse). Raises Mismatch when the 4-period traces are not the 3-period ones repeated."""
+    short, longer = {}, {}
+    for periods, into in zip(TRACED_PERIODS, (short, longer)):
+        with truncated(model, repeats, periods):
+            meta = to_meta(model, dtype)
+            into["traces"], into["tensors"] = run(meta, None), block_tensors(meta, repeats)
+    for trace, longer_trace in zip(short["traces"], longer["traces"]):
+        predict_and_check(trace, longer_trace, repeats, tracer, short["tensors"])
+    return [expand(trace, repeats, TRACED_PERIODS[0], repeats.periods, tracer, short["tensors"])
+            for trace in short["traces"]]
+
+
+def _traced(model: nn.Module, tracer: str, seq_len: int, dtype: str, inputs: ExampleInputs | None,
+            blocks_path: str | None, repeats: Repeats | None) -> TracePair:
+    def run(some_model: nn.Module, progress) -> list[ModelTrace]:
+        return _TRACE_FUNCTIONS[tracer](some_model, seq_len, dtype, inputs, progress)
+
+    blocks = len(model.get_submodule(blocks_path)) if blocks_path else 0
+    reuse = ("no repeated blocks" if not blocks else f"blocks differ, or too few to reuse ({blocks} blocks)")
+    if repeats is not None:
+        try:
+            traces = _by_blocks(model, repeats, tracer, run, dtype)
+            traced = " and ".join(str(periods * repeats.period) for periods in TRACED_PERIODS)
+            return TracePair(tracer, *traces, reuse=f"{repeats.count} blocks of {repeats.path} from traces of {traced}")
+        except Exception as exc:  # noqa: BLE001 - reuse only saves time: whatever stops it, trace every block
+            reuse = f"traced every block: {exc}" if isinstance(exc, (Mismatch, TraceError)) else (
+                f"traced every block: {type(exc).__name__}: {exc}")
+    progress = (lambda batch: BlockProgress(f"tracing {type(model).__name__} at micro-batch {batch}", blocks_path,
+                                            blocks)) if blocks else None
+    return TracePair(tracer, *run(model, progress), reuse=reuse)
+
+
 def trace_pair(model: nn.Module, seq_len: int, dtype: str = "bf16", inputs: ExampleInputs | None = None,
                tracer: str | None = None) -> TracePair:
     """Traces at micro-batch 1 and 2 by the first tracer that works (or the one named). Raises
@@ -109,9 +160,11 @@ def trace_pair(model: nn.Module, seq_len: int, dtype: str = "bf16", inputs: Exam
     if tracer is not None and tracer not in TRACERS:
         raise UsageError(f"unknown tracer {tracer!r}; choose one of {', '.join(TRACERS)}")
     failures = []
+    blocks_path = largest_module_list(model)
+    repeats = find_repeats(model, blocks_path)
     for name in (tracer,) if tracer else TRACERS:
         try:
-            return TracePair(name, *_TRACE_FUNCTIONS[name](model, seq_len, dtype, inputs))
+            return _traced(model, name, seq_len, dtype, inputs, blocks_path, repeats)
         except TraceError as exc:
             failures.append(f"{name}: {exc}")
     raise TraceError(f"cannot trace {type(model).__name__}; tried " + ", ".join((tracer,) if tracer else TRACERS)

@@ -20,6 +20,8 @@ from autoplan.errors import UsageError
 from autoplan.settings import GRANULARITIES
 from cost_models.records import ModelTrace, ParamInfo, Unit
 
+__all__ = ["MIN_CHILD_FRACTION", "MIN_SIBLING_FRACTION", "build_units", "candidate_paths", "largest_module_list"]
+
 # A sibling module along the path to the blocks becomes a unit only if it is at least this
 # fraction of one block's parameters: tiny units cost a collective's latency for nothing.
 MIN_SIBLING_FRACTION = 0.25
@@ -36,16 +38,22 @@ def _params_of(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
-def _shared_outside(model: nn.Module, path: str) -> bool:
-    """True when a parameter under `path` is also registered under a module outside `path`."""
-    inside = {id(p) for p in model.get_submodule(path).parameters()}
+def _registrations(model: nn.Module) -> dict[int, list[str]]:
+    """Parameter id -> the paths of every module it is registered under (a tied weight has several)."""
+    found: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
-        if id(param) in inside and not _owns(path, name.rsplit(".", 1)[0] if "." in name else ""):
-            return True
-    return False
+        found.setdefault(id(param), []).append(name.rsplit(".", 1)[0] if "." in name else "")
+    return found
 
 
-def _largest_module_list(model: nn.Module) -> str | None:
+def _shared_outside(model: nn.Module, path: str, registrations: dict[int, list[str]]) -> bool:
+    """True when a parameter under `path` is also registered under a module outside `path`."""
+    return any(not _owns(path, owner) for param in model.get_submodule(path).parameters()
+               for owner in registrations[id(param)])
+
+
+def largest_module_list(model: nn.Module) -> str | None:
+    """The path of the ModuleList (of two or more modules) holding the most parameters: the blocks."""
     best, best_params = None, 0
     for name, module in model.named_modules():
         if isinstance(module, nn.ModuleList) and len(module) > 1:
@@ -65,7 +73,7 @@ def candidate_paths(model: nn.Module, granularity: str = "block") -> list[str]:
             if name and any(True for _ in module.parameters(recurse=False))
         ]
     paths = [""]
-    blocks_path = _largest_module_list(model)
+    blocks_path = largest_module_list(model)
     if blocks_path is None:
         # no repeated blocks: every direct child with parameters is a unit
         return paths + [name for name, child in model.named_children() if _params_of(child) > 0]
@@ -95,15 +103,20 @@ def candidate_paths(model: nn.Module, granularity: str = "block") -> list[str]:
 
 def build_units(model: nn.Module, trace: ModelTrace, granularity: str = "block") -> list[Unit]:
     """Units in execution order (by first op), each owning its parameters and ops."""
-    paths = [p for p in candidate_paths(model, granularity) if p == "" or not _shared_outside(model, p)]
+    registrations = _registrations(model)
+    paths = [p for p in candidate_paths(model, granularity) if p == "" or not _shared_outside(model, p, registrations)]
     units = {path: Unit(path) for path in paths}
+    innermost_of: dict[str, str] = {}
 
     def innermost(module_path: str) -> str:
-        best = ""
-        for path in paths:
-            if path and _owns(path, module_path) and len(path) > len(best):
-                best = path
-        return best
+        """The deepest unit that owns the module: the first unit path met walking up its path."""
+        found = innermost_of.get(module_path)
+        if found is None:
+            found = module_path
+            while found and found not in units:
+                found = found.rsplit(".", 1)[0] if "." in found else ""
+            innermost_of[module_path] = found
+        return found
 
     for path in paths:
         if path:

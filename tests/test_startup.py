@@ -1,0 +1,77 @@
+"""The command line answers before it imports what it does not need: `autoplan --help` imports neither
+torch nor the solver, `models` and `profiles` not the solver; `import autoplan` imports the API's
+modules only when a name is first used, and every public name still resolves."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+import autoplan
+from autoplan.cli import main as cli_main
+
+HEAVY = ("torch", "ortools", "pydantic", "networkx", "transformers")
+
+
+def _imported_after(code: str) -> dict[str, bool]:
+    probe = code + "\nimport sys\nprint(' '.join(str(name in sys.modules) for name in %r))" % (HEAVY,)
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    return dict(zip(HEAVY, (flag == "True" for flag in done.stdout.split()[-len(HEAVY):])))
+
+
+def _cli(*argv: str) -> str:
+    return (f"from autoplan.cli.main import main\ntry:\n    main({list(argv)!r})\nexcept SystemExit:\n    pass\n"
+            "import sys; sys.stdout.flush()")
+
+
+def test_help_imports_neither_torch_nor_the_solver():
+    assert not any(_imported_after(_cli("--help")).values())
+    assert not any(_imported_after("import autoplan").values())
+
+
+@pytest.mark.parametrize("argv", [("models",), ("profiles",), ("search", "--help"), ("estimate", "--help")])
+def test_commands_that_solve_nothing_do_not_import_the_solver(argv):
+    imported = _imported_after(_cli(*argv))
+    assert not imported["ortools"]
+    if argv == ("profiles",):
+        assert not imported["torch"]
+
+
+def test_the_overview_lists_every_subcommand_with_its_own_help():
+    full = cli_main.build_parser()
+    helps = {action.dest: action.help for action in full._subparsers._group_actions[0]._choices_actions}
+    assert helps == {name: help_text for name, (_module, help_text) in cli_main.COMMANDS.items()}
+
+
+def test_a_misspelt_command_lists_the_commands(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main.main(["serach"])
+    assert exit_info.value.code == 2
+    assert "invalid choice: 'serach'" in capsys.readouterr().err
+
+
+def test_every_public_name_resolves_lazily():
+    for name in autoplan.__all__:
+        assert getattr(autoplan, name) is not None, name
+    assert set(autoplan.__all__) <= set(dir(autoplan))
+    from autoplan import Plan, search
+
+    assert callable(search) and Plan.__name__ == "Plan"
+    with pytest.raises(AttributeError, match="no attribute 'nonexistent'"):
+        autoplan.nonexistent  # noqa: B018
+
+
+def test_a_command_that_exits_without_teardown_still_flushes_its_output_and_exit_code(tmp_path):
+    # search, estimate, models and profiles end with os._exit (the interpreter's teardown after torch
+    # costs 0.6 s): what they print and write must all be there, and the exit code be theirs
+    plan = tmp_path / "plan.json"
+    args = ["--model", "gpt2-tiny", "--gpus", "2", "--seq-len", "32", "-o", str(plan)]
+    done = subprocess.run([sys.executable, "-m", "autoplan", "search", *args, "--mem", "40MB", "--json"],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == json.loads(plan.read_text())
+    done = subprocess.run([sys.executable, "-m", "autoplan", "search", *args, "--mem", "1MB"],
+                          capture_output=True, text=True)
+    assert done.returncode == 3 and "autoplan search: error: no plan for gpt2-tiny fits" in done.stderr
+    assert cli_main.QUICK_EXIT == {"search", "estimate", "models", "profiles"}  # not apply or profile
