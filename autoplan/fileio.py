@@ -6,13 +6,14 @@ a plan or report shared in a team folder is readable by the team. `check_writabl
 refuse an output path it could not write before doing the work that produces the file.
 """
 
+import json
 import os
 import tempfile
 from pathlib import Path
 
-from autoplan.errors import UsageError
+from autoplan.errors import AutoplanError, UsageError
 
-__all__ = ["check_writable", "write_text_atomic"]
+__all__ = ["check_writable", "read_versioned_json", "write_text_atomic"]
 
 
 def _umask() -> int:
@@ -64,3 +65,26 @@ def check_writable(path: str | os.PathLike, what: str = "output file", param: st
     except OSError as exc:
         raise UsageError(f"cannot write {name}: the directory {folder} takes no new file ({exc.strerror or exc}); "
                          "give a path in a directory you can write to") from None
+
+
+def read_versioned_json(path: str | os.PathLike, kind: str, newest_version: int, error: type[AutoplanError],
+                        remake: str) -> dict:
+    """The JSON object in a record file (a plan, a run report) with a `schema_version` this autoplan reads.
+    Every failure is an `error` naming the file and what is wrong; `remake` says what would help with a
+    corrupt or newer file (e.g. "make the plan again"). Validating the fields is the caller's."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise error(f"cannot read {kind} {path}: {exc.strerror or exc}") from exc
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise error(f"{kind} {path} is not valid JSON ({exc}); {remake}") from exc
+    if not isinstance(data, dict) or "schema_version" not in data:
+        raise error(f"{path} is not an autoplan {kind} (no schema_version)")
+    version = data["schema_version"]
+    if not isinstance(version, int) or version > newest_version:
+        raise error(f"{kind} {path} has schema_version {version!r}, newer than this autoplan reads "
+                    f"({newest_version}); upgrade autoplan, or {remake} with this one")
+    return data

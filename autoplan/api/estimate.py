@@ -19,7 +19,7 @@ from autoplan.models.resolve import check_seq_len, model_from_plan
 from autoplan.plan.assemble import prediction, unit_decisions
 from autoplan.plan.estimate import Estimate
 from autoplan.plan.schema import ClusterSpec, ModelRef, Plan, TrainingSpec, load_plan
-from autoplan.settings import DEFAULT_MODEL, EstimateSettings, check_choice, check_mem_limit, choices_of
+from autoplan.settings import DEFAULT_MODEL, EstimateSettings, check_mem_limit
 from autoplan.sizes import format_bytes, parse_mem_bytes
 from autoplan.solve.cluster import resolve_cluster
 from autoplan.solve.tables import compute_dtype_of, micro_batch_candidates
@@ -92,8 +92,6 @@ def estimate(model: Any = None, strategy: str | None = None, *, settings: Estima
     strategy = s.strategy or DEFAULT_SHARDING
     checkpoint = s.checkpoint
     dtype, optimizer, granularity = dtype or DEFAULT_PRECISION, optimizer or DEFAULT_OPTIMIZER, granularity or "block"
-    check_choice("dtype", dtype, choices_of("dtype"))
-    check_choice("optimizer", optimizer, choices_of("optimizer"))
 
     session = reuse_traced(model if model is not None else DEFAULT_MODEL, seq_len, s.example_inputs)
     check_seq_len(session.resolved, session.seq_len)

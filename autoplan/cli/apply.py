@@ -128,11 +128,7 @@ def run_apply(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if launched.interrupted is None:
         print(format_report(report))
     if args.report:
-        try:
-            report.save(args.report)
-        except OSError as exc:
-            raise AutoplanError(f"could not write the report to {args.report}: {exc.strerror or exc}; the table "
-                                "above holds its numbers") from None
+        _save_report(report, args.report)
         print(f"autoplan apply: report written to {args.report}" + (" (the run was interrupted)"
                                                                     if launched.interrupted else ""))
     if launched.interrupted is not None:
@@ -178,13 +174,18 @@ def _run_fake_world(args: argparse.Namespace, parser: argparse.ArgumentParser) -
         return RUN_FAILED_EXIT_CODE
     print(format_fake_world(result))
     if args.report:
-        try:
-            result.save(args.report)
-        except OSError as exc:
-            raise AutoplanError(f"could not write the report to {args.report}: {exc.strerror or exc}; the table "
-                                "above holds its numbers") from None
+        _save_report(result, args.report)
         print(f"autoplan apply: report written to {args.report}")
     return 0
+
+
+def _save_report(report, path: str) -> None:
+    """Write a run report (or a fake-world result) after the run; the table printed above holds its numbers."""
+    try:
+        report.save(path)
+    except OSError as exc:
+        raise AutoplanError(f"could not write the report to {path}: {exc.strerror or exc}; the table "
+                            "above holds its numbers") from None
 
 
 def _say_before(prepared: PreparedRun, args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:

@@ -10,14 +10,13 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic_core import PydanticCustomError, core_schema
 
 from autoplan.errors import PlanFileError
-from autoplan.fileio import write_text_atomic
+from autoplan.fileio import read_versioned_json, write_text_atomic
 from autoplan.solve.solver import SolveStatus
 from cost_models.options import OPTIMIZERS, PRECISIONS, SHARDING_KINDS, unknown_message
 
@@ -213,23 +212,7 @@ class Plan(_Strict):
 
 def load_plan(path: str | os.PathLike) -> Plan:
     """Read and validate a plan file; every failure is a PlanFileError that says what is wrong."""
-    path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise PlanFileError(f"cannot read plan file {path}: {exc.strerror or exc}") from exc
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise PlanFileError(f"plan file {path} is not valid JSON ({exc}); make the plan again") from exc
-    if not isinstance(data, dict) or "schema_version" not in data:
-        raise PlanFileError(f"{path} is not an autoplan plan (no schema_version)")
-    version = data["schema_version"]
-    if not isinstance(version, int) or version > PLAN_SCHEMA_VERSION:
-        raise PlanFileError(
-            f"plan file {path} has schema_version {version!r}, newer than this autoplan reads "
-            f"({PLAN_SCHEMA_VERSION}); upgrade autoplan or make the plan again with this one"
-        )
+    data = read_versioned_json(path, "plan file", PLAN_SCHEMA_VERSION, PlanFileError, "make the plan again")
     try:
         return Plan.model_validate(data)
     except ValidationError as exc:

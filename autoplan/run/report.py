@@ -16,13 +16,12 @@ from __future__ import annotations
 import json
 import os
 import statistics
-from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from autoplan.errors import AutoplanError
-from autoplan.fileio import write_text_atomic
+from autoplan.fileio import read_versioned_json, write_text_atomic
 from autoplan.plan.schema import Plan
 from autoplan.profile_store import load_profile
 from autoplan.run.failures import failure_messages
@@ -134,19 +133,7 @@ class RunReport(_Strict):
 
 def load_report(path: str | os.PathLike) -> RunReport:
     """Read and validate a run report; every failure is an AutoplanError that says what is wrong."""
-    path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-    except OSError as exc:
-        raise AutoplanError(f"cannot read run report {path}: {exc.strerror or exc}") from exc
-    except json.JSONDecodeError as exc:
-        raise AutoplanError(f"run report {path} is not valid JSON ({exc})") from exc
-    if not isinstance(data, dict) or "schema_version" not in data:
-        raise AutoplanError(f"{path} is not an autoplan run report (no schema_version)")
-    version = data["schema_version"]
-    if not isinstance(version, int) or version > REPORT_SCHEMA_VERSION:
-        raise AutoplanError(f"run report {path} has schema_version {version!r}, newer than this autoplan reads "
-                            f"({REPORT_SCHEMA_VERSION}); upgrade autoplan")
+    data = read_versioned_json(path, "run report", REPORT_SCHEMA_VERSION, AutoplanError, "run the plan again")
     try:
         return RunReport.model_validate(data)
     except ValidationError as exc:
