@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 __all__ = [
     "PROFILE_SCHEMA_VERSION", "Provenance", "Link", "CollectiveFit", "OpTiming", "OpFit", "Overlap", "FsdpOverhead",
-    "DeviceProfile",
+    "HostLink", "DeviceProfile",
 ]
 
 PROFILE_SCHEMA_VERSION = 1
@@ -33,6 +33,10 @@ class Provenance(_Strict):
     torch_version: str | None = None
     date: str | None = None
     settings: dict[str, str | int | float | bool | None] = Field(default_factory=dict)
+    sources: dict[str, str] = Field(default_factory=dict)
+    """Where each achievable figure comes from: the profile field it sets (e.g. "matmul_efficiency",
+    "links.inter_node", "host_link.h2d_bytes_s") -> the published measurement or datasheet it is read
+    from (document, table or figure, and the number there). `autoplan profiles` prints them."""
 
 
 class Link(_Strict):
@@ -108,6 +112,29 @@ class FsdpOverhead(_Strict):
     calibration: dict | None = None
 
 
+class HostLink(_Strict):
+    """The device's link to host memory, for offloaded parameters, gradients and optimizer states
+    (FSDP2's CPUOffloadPolicy): pinned copy bandwidth each way, whether those copies run alongside
+    compute (CUDA copy engines: yes; a CPU "device" moves nothing), and the host side that runs the
+    optimizer step of offloaded parameters."""
+
+    h2d_bytes_s: float = Field(gt=0)
+    """Host-to-device copy bandwidth, pinned memory, one large copy, bytes/s."""
+    d2h_bytes_s: float = Field(gt=0)
+    """Device-to-host copy bandwidth, pinned memory, bytes/s."""
+    overlaps_compute: bool = True
+    """True where the copies run on their own engine/stream alongside compute (a unit's copy then hides
+    behind compute like its collectives); False: a copy adds to the unit's time."""
+    cpu_optimizer_bytes_s: float = Field(gt=0)
+    """The host's optimizer throughput over offloaded state (bytes of state touched per second, as
+    `optimizer_bytes_s`), with `cpu_threads` threads per rank."""
+    cpu_threads: int = Field(default=1, ge=1)
+    """The torch thread count per rank `cpu_optimizer_bytes_s` was measured (or is assumed) with."""
+    host_mem_bytes: int | None = Field(default=None, gt=0)
+    """Host memory per node that offloaded state may use (None: the search asks for `--host-mem`,
+    or takes this machine's memory for a CPU profile)."""
+
+
 class DeviceProfile(_Strict):
     schema_version: int = PROFILE_SCHEMA_VERSION
     name: str
@@ -127,5 +154,6 @@ class DeviceProfile(_Strict):
     # the optimizer step's fixed cost per parameter tensor (per-tensor kernels, DTensor dispatch)
     optimizer_tensor_s: float = Field(default=0.0, ge=0)
     fsdp: FsdpOverhead = Field(default_factory=FsdpOverhead)
+    host_link: HostLink | None = None  # None: offload is not costed (the search does not offer it)
     op_times: list[OpTiming] = Field(default_factory=list)
     op_fits: list[OpFit] = Field(default_factory=list)
