@@ -13,7 +13,7 @@ True
 >>> [row["module"] for row in plan.unit_table()]        # plain data: one dict per FSDP unit, "" is the root
 ['', 'transformer.h.0', 'transformer.h.1']
 >>> [baseline.name for baseline in plan.baselines]      # uniform strategies under the same limit
-['all-shard', 'all-shard+ckpt', 'all-replicate']
+['all-shard', 'all-shard+sel', 'all-shard+ckpt', 'all-replicate']
 >>> est = autoplan.estimate(traced, "shard", checkpoint=True, gpus=2, batch_size=8)  # a fixed strategy
 >>> est.fits and est.predicted.peak_mem_bytes > est.model_state_bytes
 True

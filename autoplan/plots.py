@@ -141,7 +141,7 @@ def plot_memory_timeline(result, *, limit_bytes: int | None = None, ax=None, tit
         limit_bytes = result.cluster.mem_limit_bytes
     points = prediction.timeline
     n = len(points)
-    decisions = {(unit.module or "<root>"): unit.sharding + (" +ckpt" if unit.checkpoint else "")
+    decisions = {(unit.module or "<root>"): unit.label
                  for unit in getattr(result, "units", [])}
     figure, ax = _axes(ax, (min(MAX_FIGURE_WIDTH_IN, max(6.4, 0.22 * n + 3.2)), 4.8))
 

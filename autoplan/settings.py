@@ -20,7 +20,14 @@ from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, mo
 
 from autoplan.errors import UsageError
 from autoplan.sizes import format_bytes, parse_mem_bytes
-from cost_models.options import DEFAULT_OPTIMIZER, DEFAULT_PRECISION, OPTIMIZERS, PRECISIONS, SHARDING_KINDS
+from cost_models.options import (
+    CHECKPOINT_MODES,
+    DEFAULT_OPTIMIZER,
+    DEFAULT_PRECISION,
+    OPTIMIZERS,
+    PRECISIONS,
+    SHARDING_KINDS,
+)
 
 __all__ = [
     "DEFAULT_HEADROOM", "DEFAULT_MODEL", "DEFAULT_PROFILE", "DEFAULT_TIME_LIMIT_S", "GRANULARITIES", "MAX_HEADROOM",
@@ -47,6 +54,7 @@ class Flag:
     name: str | None = None  # the flag, when not `--` + the field name with dashes
     kind: str | None = None  # "mem" (a size such as 8GB), "choice" (from the registry, see _choices)
     api_only: bool = False  # a Python object (a module, example inputs): no flag
+    bare: str | None = None  # a "choice" flag given without a value means this one (`--checkpoint`: full)
 
 
 def check_choice(param: str, value: str, choices) -> None:
@@ -71,6 +79,7 @@ def choices_of(field: str) -> tuple[str, ...] | None:
         "dtype": lambda: tuple(PRECISIONS),
         "optimizer": lambda: tuple(OPTIMIZERS),
         "strategy": lambda: tuple(SHARDING_KINDS),
+        "checkpoint": lambda: tuple(CHECKPOINT_MODES),
         "granularity": lambda: GRANULARITIES,
     }.get(field, lambda: None)()
 
@@ -100,10 +109,16 @@ class _Settings(BaseModel):
         """No cluster was asked for: the plan is for the default one (one node of 8 A100s)."""
         return all(getattr(self, name) is None for name in ("gpus", "nodes", "gpus_per_node", "profile"))
 
-    @field_validator("mem", mode="before", check_fields=False)
+    @field_validator("mem", "host_mem", mode="before", check_fields=False)
     @classmethod
     def _mem_bytes(cls, value):
         return value if value is None else parse_mem_bytes(value)
+
+    @field_validator("checkpoint", mode="before", check_fields=False)
+    @classmethod
+    def _checkpoint_name(cls, value):
+        """`checkpoint=True` (and a bare `--checkpoint`) is full checkpointing; False is none."""
+        return {True: "full", False: "none"}[value] if isinstance(value, bool) else value
 
     @model_validator(mode="after")
     def _check(self):
@@ -111,7 +126,7 @@ class _Settings(BaseModel):
             value = getattr(self, name, None)
             if value is not None and value < 1:
                 raise UsageError(f"`{name}` must be at least 1, got {value}")
-        for name in ("dtype", "optimizer", "granularity", "strategy"):
+        for name in ("dtype", "optimizer", "granularity", "strategy", "checkpoint"):
             value = getattr(self, name, None)
             if value is not None:
                 check_choice(name, value, choices_of(name))
@@ -171,6 +186,10 @@ class PlanningSettings(_Settings):
     granularity: Annotated[str | None, Flag(kind="choice")] = None
     """unit size: one per block (default), attention/MLP apart (fine), every module (leaf)"""
 
+    host_mem: Annotated[int | None, Flag(kind="mem")] = None
+    """host memory per node that offloaded parameters, gradients and optimizer states may use (default: the
+    profile's figure; for a CPU profile this machine's memory)"""
+
     example_inputs: Annotated[Any, Flag(api_only=True)] = None
     """inputs of a model whose forward does not take token ids [batch, seq] (a tensor, a tuple or a dict;
     batch in dim 0, sequence in dim 1; only shapes and dtypes matter)"""
@@ -209,8 +228,13 @@ class SearchSettings(PlanningSettings):
     strategy: Annotated[str | None, Flag(kind="choice")] = None
     """no solver: every unit takes this sharding (a uniform plan to run or compare)"""
 
-    checkpoint: bool = False
-    """with `strategy`: activation checkpointing on every unit but the root"""
+    checkpoint: Annotated[str | None, Flag(kind="choice", bare="full")] = None
+    """with `strategy`: this checkpoint mode on every unit but the root (none, selective: keep matmul and
+    attention outputs, full: keep inputs only; given without a mode: full)"""
+
+    offload: bool = False
+    """with `strategy`: parameters, gradients and optimizer states of every unit in host memory (FSDP2
+    CPUOffloadPolicy; the profile must price the host link)"""
 
     allow_over_device_mem: bool = False
     """accept a `mem` above the profile's device memory (a plan that could not run on that device; the report
@@ -223,8 +247,10 @@ class SearchSettings(PlanningSettings):
                              f"{self.headroom:g} (e.g. 0.02 plans to 98% of `mem`)")
         if not self.time_limit_s > 0:
             raise UsageError(f"`time_limit_s` must be positive, got {self.time_limit_s}")
-        if self.checkpoint and self.strategy is None:
+        if self.checkpoint is not None and self.strategy is None:
             raise UsageError("`checkpoint` goes with `strategy`; without it the solver decides checkpointing per unit")
+        if self.offload and self.strategy is None:
+            raise UsageError("`offload` goes with `strategy`; without it the solver decides offload per unit")
         return self
 
 
@@ -234,8 +260,12 @@ class EstimateSettings(PlanningSettings):
     strategy: Annotated[str | None, Flag(kind="choice")] = None
     """the option every unit takes (default shard)"""
 
-    checkpoint: bool = False
-    """activation checkpointing on every unit but the root"""
+    checkpoint: Annotated[str | None, Flag(kind="choice", bare="full")] = None
+    """checkpoint mode on every unit but the root (none, selective: keep matmul and attention outputs, full:
+    keep inputs only; given without a mode: full)"""
+
+    offload: bool = False
+    """parameters, gradients and optimizer states of every unit in host memory (FSDP2 CPUOffloadPolicy)"""
 
     plan: Annotated[Any, Flag()] = None
     """a plan file from `autoplan search` (in Python also a Plan): estimate its decisions, model and settings"""
@@ -248,9 +278,9 @@ class EstimateSettings(PlanningSettings):
 
     @model_validator(mode="after")
     def _check_estimate(self):
-        if self.plan is not None and (self.strategy is not None or self.checkpoint):
-            raise UsageError("give either `strategy` (with or without `checkpoint`) or `plan`, not both: a plan says "
-                             "per unit how it shards and where it checkpoints")
+        if self.plan is not None and (self.strategy is not None or self.checkpoint is not None or self.offload):
+            raise UsageError("give either `strategy` (with or without `checkpoint` and `offload`) or `plan`, not both: "
+                             "a plan says per unit how it shards, where it checkpoints and what it offloads")
         return self
 
 

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cost_models.options import SAVED_BY_SELECTIVE_KINDS, Recompute
 from cost_models.records import ModelTrace, OpRecord, Unit
 
-__all__ = ["BackwardPeak", "Segment", "activation_keep_bytes", "kept_saved_bytes", "backward_points", "backward_peak"]
+__all__ = ["BackwardPeak", "Segment", "activation_keep_bytes", "kept_saved_bytes", "backward_points", "backward_peak",
+           "saved_by_selective"]
 
 
 @dataclass(frozen=True)
@@ -36,15 +38,33 @@ class Segment:
     saved_bytes: int
     fwd_temp_bytes: int
     bwd_peak: BackwardPeak = BackwardPeak(0, 0)  # its unit not checkpointed
-    bwd_peak_checkpointed: BackwardPeak = BackwardPeak(0, 0)
+    bwd_peak_checkpointed: BackwardPeak = BackwardPeak(0, 0)  # fully checkpointed
+    bwd_peak_selective: BackwardPeak = BackwardPeak(0, 0)  # selectively checkpointed
     # parameter gradients that the units around its unit have computed when its backward runs
     outer_grad_bytes: int = 0
     outside_model: bool = False  # the loss, computed on the model's output (it is the root's op)
 
 
-def _kept_inputs(trace: ModelTrace, unit: Unit) -> dict[int, tuple[int, str | None]]:
-    """What a checkpointed unit keeps: its inputs produced outside it, unless saved elsewhere already.
-    Storage -> (bytes, the unit's op that saved it first, if one did)."""
+def saved_by_selective(op: OpRecord) -> bool:
+    """Whether selective checkpointing keeps this op's outputs (matmuls and attention; the rest is
+    recomputed): the trace-side twin of the aten ops apply's policy saves (options.SAVED_BY_SELECTIVE_ATEN)."""
+    return op.is_matmul or op.kind in SAVED_BY_SELECTIVE_KINDS
+
+
+def _storage_bytes(trace: ModelTrace) -> dict[int, int]:
+    """Bytes of every storage an op read or saved."""
+    sizes = {storage: nbytes for storage, (nbytes, _) in trace.saved_storages.items()}
+    for storages in trace.input_storages.values():
+        for storage, nbytes in storages:
+            sizes.setdefault(storage, nbytes)
+    return sizes
+
+
+def _kept_inputs(trace: ModelTrace, unit: Unit, recompute: Recompute = Recompute.ALL,
+                 sizes: dict[int, int] | None = None) -> dict[int, tuple[int, str | None]]:
+    """What a checkpointed unit keeps: its inputs produced outside it, unless saved elsewhere already;
+    selectively checkpointed (Recompute.CHEAP), also the outputs of its matmul and attention ops that
+    another op reads or saves. Storage -> (bytes, the unit's op that saved it first, if one did)."""
     owned = set(unit.ops)
     keep: dict[int, tuple[int, str | None]] = {}
     for name in unit.ops:
@@ -56,20 +76,32 @@ def _kept_inputs(trace: ModelTrace, unit: Unit) -> dict[int, tuple[int, str | No
             if saver is not None and saver[1] not in owned:
                 continue  # already kept alive by an op outside this unit
             keep[storage] = (nbytes, saver[1] if saver is not None else None)
+    if recompute is Recompute.CHEAP:
+        sizes = sizes if sizes is not None else _storage_bytes(trace)
+        kept_ops = {name for name in unit.ops if saved_by_selective(trace.op(name))}
+        for storage, producer in trace.storage_producer.items():
+            if producer in kept_ops and storage in sizes and storage not in keep:
+                saver = trace.saved_storages.get(storage)
+                if saver is not None and saver[1] not in owned:
+                    continue
+                keep[storage] = (sizes[storage], saver[1] if saver is not None else None)
     return keep
 
 
-def activation_keep_bytes(trace: ModelTrace, units: list[Unit]) -> list[int]:
-    """Per unit, the bytes it keeps from its forward to its backward when checkpointed."""
-    return [sum(nbytes for nbytes, _ in _kept_inputs(trace, unit).values()) for unit in units]
+def activation_keep_bytes(trace: ModelTrace, units: list[Unit], recompute: Recompute = Recompute.ALL) -> list[int]:
+    """Per unit, the bytes it keeps from its forward to its backward when checkpointed this way."""
+    sizes = _storage_bytes(trace) if recompute is Recompute.CHEAP else None
+    return [sum(nbytes for nbytes, _ in _kept_inputs(trace, unit, recompute, sizes).values()) for unit in units]
 
 
-def kept_saved_bytes(trace: ModelTrace, units: list[Unit]) -> dict[str, int]:
+def kept_saved_bytes(trace: ModelTrace, units: list[Unit], recompute: Recompute = Recompute.ALL) -> dict[str, int]:
     """Per op, the bytes it saved first that its checkpointed unit keeps anyway (an input, e.g. a
-    block's first norm saves the block's input): counted in the unit's kept bytes, not recomputed."""
+    block's first norm saves the block's input; selectively, a matmul output the next op saves):
+    counted in the unit's kept bytes, not recomputed."""
+    sizes = _storage_bytes(trace) if recompute is Recompute.CHEAP else None
     kept: dict[str, int] = {}
     for unit in units:
-        for nbytes, saver in _kept_inputs(trace, unit).values():
+        for nbytes, saver in _kept_inputs(trace, unit, recompute, sizes).values():
             if saver is not None:
                 kept[saver] = kept.get(saver, 0) + nbytes
     return kept

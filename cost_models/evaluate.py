@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cost_models.options import DEFAULT_SHARDING, SHARDING_KINDS
+from cost_models.options import DEFAULT_CHECKPOINT, DEFAULT_SHARDING, SHARDING_KINDS
 
 from .algebra import NumericAlgebra
 from .memory import CATEGORIES, MemCategory, MemoryPoint, timeline, total
@@ -20,6 +20,7 @@ class Evaluation:
     step_time_s: float
     micro_batch_s: float
     optimizer_s: float
+    host_bytes: int = 0  # offloaded state in host memory, per rank
 
     @property
     def peak_mem_bytes(self) -> int:
@@ -29,8 +30,10 @@ class Evaluation:
     def peak_point(self) -> MemoryPoint:
         return self.points[self.peak_index]
 
-    def fits(self, mem_limit_bytes: int) -> bool:
-        return self.peak_mem_bytes <= mem_limit_bytes
+    def fits(self, mem_limit_bytes: int, host_limit_bytes: int | None = None) -> bool:
+        """Device peak within `mem_limit_bytes` and, given a host limit (per rank), offloaded state within it."""
+        return self.peak_mem_bytes <= mem_limit_bytes and (host_limit_bytes is None
+                                                            or self.host_bytes <= host_limit_bytes)
 
 
 def evaluate(table: CostTable, choices: list[int]) -> Evaluation:
@@ -39,24 +42,48 @@ def evaluate(table: CostTable, choices: list[int]) -> Evaluation:
     totals = [total(p) for p in points]
     peak = max(range(len(points)), key=lambda i: totals[i])
     step = step_time(table, alg)
-    return Evaluation(list(choices), points, peak, float(step.step_s), float(step.micro_batch_s), float(step.optimizer_s))
+    host = sum(table.costs[u][c].host_bytes for u, c in enumerate(choices))
+    return Evaluation(list(choices), points, peak, float(step.step_s), float(step.micro_batch_s),
+                      float(step.optimizer_s), host)
 
 
-def uniform_choices(table: CostTable, sharding: str, checkpoint: bool, exact: bool = False) -> list[int] | None:
+def checkpoint_name(checkpoint: str | bool | None) -> str:
+    """A checkpoint mode's name from the forms the API takes: a name, True (full), False/None (none)."""
+    if checkpoint is True:
+        return "full"
+    if checkpoint is False or checkpoint is None:
+        return DEFAULT_CHECKPOINT
+    return checkpoint
+
+
+def uniform_choices(table: CostTable, sharding: str, checkpoint: str | bool = DEFAULT_CHECKPOINT,
+                    exact: bool = False, offload: bool = False) -> list[int] | None:
     """Option index per unit for a uniform strategy. Units without a checkpointing option run
-    without it; a unit not offered the kind (the root is not offered kinds that keep parameters
-    gathered, see options_for) takes its resharding twin (same shard group, reshard_after_forward,
-    e.g. "shard" for "shard_keep"), else DEFAULT_SHARDING. With `exact`, None when the sharding kind
-    itself is not offered (a multi-node kind on one node)."""
+    without it, units without parameters without offload; a unit not offered the kind (the root is
+    not offered kinds that keep parameters gathered, see options_for) takes its resharding twin (same
+    shard group, reshard_after_forward, e.g. "shard" for "shard_keep"), else DEFAULT_SHARDING. With
+    `exact`, None when the sharding kind itself is not offered (a multi-node kind on one node), or
+    offload is asked and offered nowhere."""
+    checkpoint = checkpoint_name(checkpoint)
+    if exact and offload and not any(o.offload for opts in table.options for o in opts):
+        return None
     twins = _resharding_twins(sharding)
     choices = []
     for options in table.options:
-        match = [i for i, o in enumerate(options) if o.sharding == sharding and o.checkpoint == checkpoint]
-        match = match or [i for i, o in enumerate(options) if o.sharding == sharding and not o.checkpoint]
+        def find(kind: str) -> list[int]:
+            ranked = ([i for i, o in enumerate(options) if o.sharding == kind and o.checkpoint == checkpoint
+                       and o.offload == offload]
+                      or [i for i, o in enumerate(options) if o.sharding == kind and not o.mode.checkpoints
+                          and o.offload == offload]
+                      or [i for i, o in enumerate(options) if o.sharding == kind and o.checkpoint == checkpoint]
+                      or [i for i, o in enumerate(options) if o.sharding == kind and not o.mode.checkpoints])
+            return ranked
+
+        match = find(sharding)
         if exact and not match and not any(o.sharding == sharding for opts in table.options for o in opts):
             return None
         for twin in twins:
-            match = match or [i for i, o in enumerate(options) if o.sharding == twin and not o.checkpoint]
+            match = match or find(twin)
         if not match:
             return None
         choices.append(match[0])
@@ -72,4 +99,4 @@ def _resharding_twins(sharding: str) -> list[str]:
     return twins + [DEFAULT_SHARDING]
 
 
-__all__ = ["CATEGORIES", "MemCategory", "Evaluation", "evaluate", "uniform_choices"]
+__all__ = ["CATEGORIES", "MemCategory", "Evaluation", "checkpoint_name", "evaluate", "uniform_choices"]

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from .algebra import Algebra
+from .options import Recompute
 from .table import CostTable
 
 __all__ = ["MemCategory", "CATEGORIES", "MemoryPoint", "timeline", "total"]
@@ -79,6 +80,11 @@ def _sum(terms: list) -> object:
     return total
 
 
+def _backward_peak(seg, recompute: Recompute):
+    return {Recompute.NOTHING: seg.bwd_peak, Recompute.ALL: seg.bwd_peak_checkpointed,
+            Recompute.CHEAP: seg.bwd_peak_selective}[recompute]
+
+
 def timeline(table: CostTable, alg: Algebra) -> list[MemoryPoint]:
     units, segments = table.units, table.segments
     n_units = len(units)
@@ -110,7 +116,7 @@ def timeline(table: CostTable, alg: Algebra) -> list[MemoryPoint]:
     for index, seg in enumerate(segments):
         first_segment_of.setdefault(seg.unit, index)
         per_option = [
-            (cost.activation_bytes if index == first_segment_of[seg.unit] else 0) if option.checkpoint
+            (cost.activation_bytes if index == first_segment_of[seg.unit] else 0) if option.mode.checkpoints
             else seg.saved_bytes
             for option, cost in zip(table.options[seg.unit], table.costs[seg.unit])
         ]
@@ -204,8 +210,8 @@ def timeline(table: CostTable, alg: Algebra) -> list[MemoryPoint]:
         pending_reduce = pick(pending, "pending_reduce_bytes") if pending is not None else 0
         # [Point] the segment's backward at its peak (table.backward_peak): its own activations and
         # gradients as simulated op by op, the checkpointed unit's kept inputs, earlier segments' activations
-        peak = [seg.bwd_peak_checkpointed if option.checkpoint else seg.bwd_peak for option in table.options[seg.unit]]
-        kept = [cost.activation_bytes if option.checkpoint and index == first_segment_of[seg.unit] else 0
+        peak = [_backward_peak(seg, option.recompute) for option in table.options[seg.unit]]
+        kept = [cost.activation_bytes if option.mode.checkpoints and index == first_segment_of[seg.unit] else 0
                 for option, cost in zip(table.options[seg.unit], table.costs[seg.unit])]
         bwd_here = [MemoryPoint(f"bwd {label}", _parts(
             params=params_all, grads=grads_done, optimizer=optimizer_all,

@@ -1,10 +1,10 @@
-"""The one registry of options: sharding kinds, training precisions and optimizers, one row each.
+"""The one registry of options: sharding kinds, checkpoint modes, training precisions and optimizers, one row each.
 
 Every other place that needs an option's name or one of its properties reads it from here: the cost
 table (bytes and seconds per option), the solver's per-unit choices, the plan schema (which names a
 plan file may hold), `apply` (the device mesh, FSDP2's `reshard_after_forward`, the mixed-precision
 policy, the torch optimizer class) and the command line's choices. So adding an option is adding one
-row: to `SHARDING_KINDS`, `PRECISIONS` or `OPTIMIZERS` below, or at run time with `register(row)`
+row: to `SHARDING_KINDS`, `CHECKPOINT_MODES`, `PRECISIONS` or `OPTIMIZERS` below, or at run time with `register(row)`
 (`registered(row)` for a block, e.g. a test). A row says what an option *is* in declarative terms
 (how many ranks share a parameter, which dtypes, how many state elements); the code that turns those
 terms into numbers or torch calls never names an option.
@@ -23,9 +23,11 @@ from enum import Enum
 from typing import Any, Union
 
 __all__ = [
-    "DEFAULT_OPTIMIZER", "DEFAULT_PRECISION", "DEFAULT_SHARDING", "Dtype", "MESH_OF_GROUP", "MeshShape", "OPTIMIZERS",
-    "Option", "OptimizerKind", "PRECISIONS", "Precision", "Row", "SHARDING_KINDS", "ShardGroup", "ShardingKind",
-    "UnknownOptionError", "find", "options_for", "register", "registered", "registry_of", "unknown_message",
+    "CHECKPOINT_MODES", "CheckpointMode", "DEFAULT_CHECKPOINT", "DEFAULT_OPTIMIZER", "DEFAULT_PRECISION",
+    "DEFAULT_SHARDING", "Dtype", "MESH_OF_GROUP", "MeshShape", "OPTIMIZERS", "OptimizerKind", "PRECISIONS",
+    "Precision", "Recompute", "Row", "SAVED_BY_SELECTIVE_ATEN", "SAVED_BY_SELECTIVE_KINDS", "SHARDING_KINDS",
+    "ShardGroup", "ShardingKind", "UnknownOptionError", "find", "register", "registered", "registry_of",
+    "unknown_message",
 ]
 
 
@@ -105,6 +107,46 @@ class ShardingKind:
         return MESH_OF_GROUP[self.shard_group]
 
 
+class Recompute(_Category):
+    """What a checkpointed unit recomputes in its backward (and so what it keeps from its forward)."""
+
+    NOTHING = "nothing"  # no checkpointing: every activation its ops save is kept
+    CHEAP = "cheap"  # keeps its inputs and the outputs of matmuls, attention and collectives; re-runs the rest
+    ALL = "all"  # keeps its inputs only; re-runs its whole forward
+
+
+# The ops a selective checkpoint saves, by what the trace knows of an op (OpRecord.is_matmul, its kind) and,
+# for apply, by the aten ops that do that work: torchtitan's list for selective activation checkpointing.
+SAVED_BY_SELECTIVE_KINDS = ("scaled_dot_product_attention",)
+SAVED_BY_SELECTIVE_ATEN = (
+    "mm", "addmm", "bmm", "baddbmm", "_scaled_mm",
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
+)
+
+
+@dataclass(frozen=True)
+class CheckpointMode:
+    """How a unit trades recomputation for activation memory."""
+
+    name: str
+    """What plans, `--checkpoint` and reports call it."""
+    recompute: Recompute
+    """What the unit's backward re-runs (see Recompute)."""
+    label: str = ""
+    """The suffix reports and pins write after the sharding kind ("+ckpt"); "" for none."""
+    description: str = ""
+    """One line for help texts and reports."""
+
+    def __post_init__(self):
+        object.__setattr__(self, "recompute", Recompute(self.recompute))
+
+    @property
+    def checkpoints(self) -> bool:
+        """True when the unit is wrapped in activation checkpointing at all."""
+        return self.recompute is not Recompute.NOTHING
+
+
 @dataclass(frozen=True)
 class Precision:
     """A training precision: the dtype of each tensor class, and from it the bytes per element."""
@@ -172,7 +214,7 @@ class OptimizerKind:
         object.__setattr__(self, "kwargs", dict(self.kwargs))  # a copy: the caller's dict may change
 
 
-Row = Union[ShardingKind, Precision, OptimizerKind]
+Row = Union[ShardingKind, CheckpointMode, Precision, OptimizerKind]
 
 SHARDING_KINDS: dict[str, ShardingKind] = {
     kind.name: kind
@@ -185,6 +227,18 @@ SHARDING_KINDS: dict[str, ShardingKind] = {
                      description="every unit replicated, gradients all-reduced (DDP-like)"),
         ShardingKind("hybrid", ShardGroup.NODE, True, multi_node_only=True,
                      description="sharded within a node, replicated across nodes (HSDP)"),
+    )
+}
+
+CHECKPOINT_MODES: dict[str, CheckpointMode] = {
+    mode.name: mode
+    for mode in (
+        CheckpointMode("none", Recompute.NOTHING, description="no activation checkpointing"),
+        CheckpointMode("selective", Recompute.CHEAP, "+sel",
+                       description="selective checkpointing: keeps matmul, attention and collective outputs, "
+                                   "recomputes the rest (torch.utils.checkpoint's selective policy)"),
+        CheckpointMode("full", Recompute.ALL, "+ckpt",
+                       description="full activation checkpointing: keeps the unit's inputs, recomputes its forward"),
     )
 }
 
@@ -214,11 +268,13 @@ OPTIMIZERS: dict[str, OptimizerKind] = {
 }
 
 DEFAULT_SHARDING = "shard"  # offered to every unit on every cluster: the fallback of uniform plans
+DEFAULT_CHECKPOINT = "none"
 DEFAULT_PRECISION = "bf16-mixed"
 DEFAULT_OPTIMIZER = "adamw"
 
 _REGISTRIES: dict[type, tuple[str, dict]] = {
     ShardingKind: ("sharding", SHARDING_KINDS),
+    CheckpointMode: ("checkpoint", CHECKPOINT_MODES),
     Precision: ("dtype", PRECISIONS),  # what plans and the command line call a precision
     OptimizerKind: ("optimizer", OPTIMIZERS),
 }
@@ -233,7 +289,7 @@ def registry_of(row: Row) -> tuple[str, dict]:
     try:
         return _REGISTRIES[type(row)]
     except KeyError:
-        raise TypeError(f"not an option row: {row!r} (expected ShardingKind, Precision or OptimizerKind)") from None
+        raise TypeError(f"not an option row: {row!r} (expected ShardingKind, CheckpointMode, Precision or OptimizerKind)") from None
 
 
 def unknown_message(what: str, name: object, registry: Mapping[str, Row], where: str = "") -> str:
@@ -274,33 +330,3 @@ def registered(row: Row) -> Iterator[Row]:
     finally:
         if registry.get(row.name) is row:
             del registry[row.name]
-
-
-@dataclass(frozen=True)
-class Option:
-    """One choice for one unit: a sharding kind, with or without activation checkpointing."""
-
-    sharding: str
-    checkpoint: bool
-
-    @property
-    def kind(self) -> ShardingKind:
-        return SHARDING_KINDS[self.sharding]
-
-    @property
-    def label(self) -> str:
-        return self.sharding + ("+ckpt" if self.checkpoint else "")
-
-
-def options_for(is_leaf: bool, is_root: bool, nodes: int) -> list[Option]:
-    """Options open to a unit. Checkpointing applies to leaf units that are not the whole model."""
-    options = []
-    for kind in SHARDING_KINDS.values():
-        if kind.multi_node_only and nodes < 2:
-            continue
-        if is_root and not kind.reshard_after_forward:
-            continue  # not offered for the root yet (apply reshards it after forward like any unit)
-        options.append(Option(kind.name, False))
-        if is_leaf and not is_root:
-            options.append(Option(kind.name, True))
-    return options

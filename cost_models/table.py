@@ -6,6 +6,11 @@ Memory follows FSDP2's allocations (per rank):
 - while a unit runs, its parameters are all-gathered in the compute dtype (g * ceil(d0/g) rows);
 - its backward holds the unsharded gradients (compute dtype) and the reduce-scatter input (reduce
   dtype) until the reduction ends.
+Offloaded (FSDP2's CPUOffloadPolicy), the sharded parameters, reduced gradients and optimizer states
+live in (pinned) host memory instead: each all-gather first copies the shard host-to-device, the
+reduced gradient goes device-to-host, and the optimizer step runs on the host (profile.host_link).
+Checkpointed, a unit keeps what its checkpoint mode keeps (activations.activation_keep_bytes) and
+re-runs in its backward the forward ops that mode does not keep.
 """
 
 from __future__ import annotations
@@ -14,8 +19,9 @@ import heapq
 import math
 from dataclasses import dataclass
 
-from cost_models.activations import Segment, backward_peak
-from cost_models.options import OPTIMIZERS, PRECISIONS, OptimizerKind, Option, Precision, ShardGroup, options_for
+from cost_models.activations import Segment, backward_peak, saved_by_selective
+from cost_models.choices import Option, options_for
+from cost_models.options import OPTIMIZERS, PRECISIONS, OptimizerKind, Precision, Recompute, ShardGroup
 from cost_models.profile import DeviceProfile
 from cost_models.records import LOSS_NODE, OpRecord, Unit
 
@@ -55,6 +61,8 @@ class OptionCost:
     local_numel: int
     collectives_fwd: int = 0  # collective calls across ranks per micro-batch (groups of one excluded)
     collectives_bwd: int = 0
+    host_bytes: int = 0  # offloaded: parameters, gradients and optimizer states in host memory, per rank
+    copy_s: float = 0.0  # offloaded: host<->device copies per micro-batch (in comm or overhead, see build)
 
 
 @dataclass
@@ -73,6 +81,7 @@ class CostTable:
     overlap_comm: float
     optimizer_scratch_bytes: int = 0  # plan-independent optimizer temporaries (per-tensor steps)
     overlap_enabled: bool = True  # False: a unit's collectives and compute add up (CPU + gloo)
+    host_limit_bytes: int | None = None  # host memory per rank for offloaded state (node's / GPUs per node)
 
     @property
     def samples_per_step(self) -> int:
@@ -151,9 +160,20 @@ def build_cost_table(
     seq_len: int,
     dtype: str,
     optimizer: str,
-    kept_saved: dict[str, int] | None = None,
+    kept_saved: dict[Recompute, dict[str, int]] | dict[str, int] | None = None,
+    offload: bool = False,
+    host_limit_bytes: int | None = None,
 ) -> CostTable:
-    """`keep_bytes` (per unit) and `kept_saved` (per op, see kept_saved_bytes) at this micro-batch."""
+    """`keep_bytes` (per checkpointing Recompute, per unit) and `kept_saved` (per Recompute, per op, see
+    activations.kept_saved_bytes) at this micro-batch; a plain list and dict are full checkpointing's.
+    `offload`: offer host offload (the profile must have a host link); `host_limit_bytes`: per rank."""
+    if not isinstance(keep_bytes, dict):
+        keep_bytes = {Recompute.ALL: keep_bytes, Recompute.CHEAP: keep_bytes}
+    if kept_saved is None or not all(isinstance(k, Recompute) for k in kept_saved):
+        kept_saved = {Recompute.ALL: kept_saved or {}, Recompute.CHEAP: kept_saved or {}}
+    host = profile.host_link
+    if offload and host is None:
+        raise ValueError(f"profile {profile.name} has no host_link: offload cannot be priced on it")
     precision, optimizer_kind = PRECISIONS[dtype], OPTIMIZERS[optimizer]
     compute = ComputeModel(profile, precision.compute_dtype)
     comm = CommModel(profile)
@@ -176,9 +196,14 @@ def build_cost_table(
         # ops as they run inside a training step, not one at a time (see FsdpOverhead)
         fwd_s = fwd_scale * sum(compute.op_time_s(op, "fwd") for op in unit_ops)
         bwd_s = bwd_scale * sum(compute.op_time_s(op, "bwd") for op in unit_ops)
-        recompute_s = recompute_scale * sum(compute.op_time_s(op, "fwd") for op in unit_ops)
+        recompute_s = {
+            Recompute.NOTHING: 0.0,
+            Recompute.ALL: recompute_scale * sum(compute.op_time_s(op, "fwd") for op in unit_ops),
+            Recompute.CHEAP: recompute_scale * sum(compute.op_time_s(op, "fwd") for op in unit_ops
+                                                   if not saved_by_selective(op)),
+        }
         saved = sum(op.saved_bytes for op in unit_ops)
-        options = options_for(unit.is_leaf, unit.is_root, cluster.nodes)
+        options = options_for(unit.is_leaf, unit.is_root, cluster.nodes, offload, bool(unit.params))
         costs = []
         for option in options:
             shard = _shard_group(option, cluster)
@@ -200,16 +225,28 @@ def build_cost_table(
             has_params = bool(unit.params)
             calls_fwd = int(has_params and shard > 1)
             calls_bwd = int(has_params and shard > 1) * (1 + int(regathers)) + int(has_params and replicas > 1)
-            # a checkpointed unit re-runs its forward ops within the backward, at their in-backward speed
-            # (calibrated); no further per-unit time or collectives (the recompute finds it gathered)
-            bwd_total = bwd_s + (recompute_s if option.checkpoint else 0.0)
+            # a checkpointed unit re-runs (some of) its forward ops within the backward, at their in-backward
+            # speed (calibrated); no further per-unit time or collectives (the recompute finds it gathered)
+            recompute = option.recompute
+            bwd_total = bwd_s + recompute_s[recompute]
+            state = (local * precision.master_bytes, local * precision.master_bytes,
+                     local * optimizer_kind.states * precision.state_bytes)  # parameters, gradients, states
+            copy_fwd = copy_bwd = 0.0
+            if option.offload:
+                # each gather copies the shard host-to-device first (staged on the device while gathering);
+                # each reduction's output goes device-to-host
+                h2d = local * precision.master_bytes / host.h2d_bytes_s
+                copy_fwd = h2d
+                copy_bwd = (h2d if regathers else 0.0) + local * precision.reduce_bytes / host.d2h_bytes_s
+                if host.overlaps_compute:  # on the copy engines, beside the collectives
+                    comm_fwd, comm_bwd = comm_fwd + copy_fwd, comm_bwd + copy_bwd
             costs.append(OptionCost(
-                param_bytes=local * precision.master_bytes,
-                optimizer_bytes=local * optimizer_kind.states * precision.state_bytes,
-                grad_bytes=local * precision.master_bytes,
-                gathered_bytes=gathered,
+                param_bytes=0 if option.offload else state[0],
+                optimizer_bytes=0 if option.offload else state[2],
+                grad_bytes=0 if option.offload else state[1],
+                gathered_bytes=gathered + (local * precision.master_bytes if option.offload else 0),
                 held_bytes=0 if option.kind.reshard_after_forward else gathered,
-                activation_bytes=keep_bytes[index] if option.checkpoint else saved,
+                activation_bytes=keep_bytes[recompute][index] if option.mode.checkpoints else saved,
                 unsharded_grad_bytes=padded * precision.compute_bytes,
                 reduce_buffer_bytes=reduction_input,
                 reduce_peak_bytes=_reduce_peak_bytes(reduction_input, padded * precision.compute_bytes,
@@ -219,15 +256,20 @@ def build_cost_table(
                 bwd_s=bwd_total * (cs if comm_bwd > 0 else 1.0),
                 comm_fwd_s=comm_fwd * (ms if fwd_s > 0 else 1.0),
                 comm_bwd_s=comm_bwd * (ms if bwd_total > 0 else 1.0),
-                optimizer_s=local * optimizer_kind.touches * precision.master_bytes / opt_rate
+                optimizer_s=local * optimizer_kind.touches * precision.master_bytes
+                / (host.cpu_optimizer_bytes_s if option.offload else opt_rate)
                 + (len(unit.params) * profile.optimizer_tensor_s if unit.params else 0.0),
-                overhead_fwd_s=unit_fwd + calls_fwd * call_fwd,
-                overhead_bwd_s=unit_bwd + calls_bwd * call_bwd,
-                optimizer_temp_bytes=_optimizer_temp_bytes(unit, shard, precision, optimizer_kind,
-                                                           profile.device_type),
+                overhead_fwd_s=unit_fwd + calls_fwd * call_fwd + (0.0 if host is None or host.overlaps_compute
+                                                                  else copy_fwd),
+                overhead_bwd_s=unit_bwd + calls_bwd * call_bwd + (0.0 if host is None or host.overlaps_compute
+                                                                  else copy_bwd),
+                optimizer_temp_bytes=0 if option.offload else _optimizer_temp_bytes(
+                    unit, shard, precision, optimizer_kind, profile.device_type),
                 local_numel=local,
                 collectives_fwd=calls_fwd,
                 collectives_bwd=calls_bwd,
+                host_bytes=sum(state) if option.offload else 0,
+                copy_s=copy_fwd + copy_bwd,
             ))
         all_options.append(options)
         all_costs.append(costs)
@@ -256,8 +298,10 @@ def build_cost_table(
     started = 0
     for seg in segments:  # in op order: a sweep over the units' spans
         seg.bwd_peak = backward_peak(ops, owners, seg, checkpointed=False, positions=positions[seg.unit])
-        seg.bwd_peak_checkpointed = backward_peak(ops, owners, seg, checkpointed=True, kept_saved=kept_saved,
-                                                  positions=positions[seg.unit])
+        seg.bwd_peak_checkpointed = backward_peak(ops, owners, seg, checkpointed=True,
+                                                  kept_saved=kept_saved[Recompute.ALL], positions=positions[seg.unit])
+        seg.bwd_peak_selective = backward_peak(ops, owners, seg, checkpointed=True,
+                                               kept_saved=kept_saved[Recompute.CHEAP], positions=positions[seg.unit])
         while started < len(by_start) and units[by_start[started]].first_op <= seg.first_op:
             heapq.heappush(spanning, (units[by_start[started]].last_op, by_start[started]))
             started += 1
@@ -272,5 +316,5 @@ def build_cost_table(
         micro_batch_size=micro_batch_size, grad_accum_steps=grad_accum_steps, seq_len=seq_len,
         cluster=cluster, precision=precision, root=root, overlap_compute=cs, overlap_comm=ms,
         optimizer_scratch_bytes=per_tensor_optimizer_scratch_bytes(units, precision, optimizer, profile.device_type),
-        overlap_enabled=overlap,
+        overlap_enabled=overlap, host_limit_bytes=host_limit_bytes,
     )

@@ -72,15 +72,15 @@ def test_old_plan_files_without_a_tracer_still_load(traced, tmp_path):
 
 
 def test_frontier_is_monotone_and_never_below_a_fitting_baseline(traced):
-    points = autoplan.frontier(traced, ["80MB", "1MB", "10MB", "20MB"], gpus=2)
-    assert [p.mem_limit_bytes for p in points] == [1_000_000, 10_000_000, 20_000_000, 80_000_000]
+    points = autoplan.frontier(traced, ["80MB", "100KB", "10MB", "20MB"], gpus=2)
+    assert [p.mem_limit_bytes for p in points] == [100_000, 10_000_000, 20_000_000, 80_000_000]
     assert points[0].plan is None and set(points[0].baselines.values()) == {None}
     throughputs = [p.throughput_samples_s for p in points[1:]]
     assert throughputs == sorted(throughputs)
     for point in points[1:]:
         for value in point.baselines.values():
             assert value is None or point.throughput_samples_s >= value * (1 - 1e-9)
-        assert set(point.to_dict()) == {"mem_limit_bytes", "autoplan", "all-shard", "all-shard+ckpt", "all-replicate"}
+        assert set(point.to_dict()) == {"mem_limit_bytes", "autoplan", "all-shard", "all-shard+sel", "all-shard+ckpt", "all-replicate"}
 
 
 def _run_doctests(module, tmp_path, monkeypatch):

@@ -56,7 +56,7 @@ def test_unknown_profile_lists_available(run_cli):
 
 def test_infeasible_limit_exits_nonzero_writes_nothing_and_says_what_fits(run_cli, tmp_path):
     (tmp_path / "old.json").write_text("keep me")
-    result = run_cli("search", "--model", "gpt2-tiny", "--mem", "1MB", "--gpus", "2", "--seq-len", "64",
+    result = run_cli("search", "--model", "gpt2-tiny", "--mem", "100KB", "--gpus", "2", "--seq-len", "64",
                      "-o", "old.json")
     assert result.returncode == 3
     assert "smallest peak" in result.stderr and "more GPUs" in result.stderr and "at least" in result.stderr

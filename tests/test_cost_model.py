@@ -129,21 +129,27 @@ def test_compute_scales_stretch_ops_and_recompute_not_collectives(tiny_gpt2_trac
     scaled = traced.table(2, 1, _with_profile(cluster, fsdp=FsdpOverhead(compute_fwd_scale=1.5, compute_bwd_scale=1.2)),
                           64, "bf16-mixed", "adamw")
     for unit in range(len(base.units)):
-        plain = next(c for c, o in zip(base.costs[unit], base.options[unit]) if not o.checkpoint)
+        plain = next(c for c, o in zip(base.costs[unit], base.options[unit]) if o.checkpoint == "none")
         for option, (a, b) in enumerate(zip(base.costs[unit], scaled.costs[unit])):
             assert b.fwd_s == pytest.approx(1.5 * a.fwd_s)
             # without a scale of its own, the recomputed forward runs at the backward's
-            recompute_s = plain.fwd_s if base.options[unit][option].checkpoint else 0.0
+            mode = base.options[unit][option].checkpoint
+            recompute_s = plain.fwd_s if mode == "full" else 0.0
             assert b.bwd_s == pytest.approx(1.2 * a.bwd_s)
-            assert a.bwd_s == pytest.approx(plain.bwd_s + recompute_s)
+            if mode == "selective":  # re-runs only the ops it does not keep: between none and full
+                assert plain.bwd_s < a.bwd_s < plain.bwd_s + plain.fwd_s
+            else:
+                assert a.bwd_s == pytest.approx(plain.bwd_s + recompute_s)
             assert (b.comm_fwd_s, b.comm_bwd_s) == (a.comm_fwd_s, a.comm_bwd_s)
     # a profile calibrated on checkpointed steps gives the recompute its own scale
     own = traced.table(2, 1, _with_profile(cluster, fsdp=FsdpOverhead(
         compute_fwd_scale=1.5, compute_bwd_scale=1.2, compute_recompute_scale=2.0)), 64, "bf16-mixed", "adamw")
     for unit in range(len(base.units)):
-        plain = next(c for c, o in zip(base.costs[unit], base.options[unit]) if not o.checkpoint)
+        plain = next(c for c, o in zip(base.costs[unit], base.options[unit]) if o.checkpoint == "none")
         for option, (a, c) in enumerate(zip(base.costs[unit], own.costs[unit])):
-            recompute_s = plain.fwd_s if base.options[unit][option].checkpoint else 0.0
+            if base.options[unit][option].checkpoint == "selective":
+                continue
+            recompute_s = plain.fwd_s if base.options[unit][option].checkpoint == "full" else 0.0
             assert c.bwd_s == pytest.approx(1.2 * plain.bwd_s + 2.0 * recompute_s)
 
 

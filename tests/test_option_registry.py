@@ -19,6 +19,7 @@ from autoplan.errors import PlanFileError
 from autoplan.plan.schema import plan_json_schema
 from autoplan.run.apply import build_optimizer, model_for_plan
 from autoplan.solve.cluster import resolve_cluster
+from cost_models.choices import options_for
 from cost_models.options import (
     DEFAULT_OPTIMIZER,
     DEFAULT_PRECISION,
@@ -29,7 +30,6 @@ from cost_models.options import (
     OptimizerKind,
     ShardGroup,
     ShardingKind,
-    options_for,
     register,
     registered,
 )

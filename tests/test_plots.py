@@ -92,12 +92,12 @@ def test_estimate_timeline_marks_the_peak_row(traced):
 
 
 def test_frontier_plot_draws_autoplan_and_each_baseline(traced, tmp_path):
-    points = autoplan.frontier(traced, ["1MB", "10MB", "40MB"], gpus=2)
+    points = autoplan.frontier(traced, ["100KB", "10MB", "40MB"], gpus=2)
     figure = autoplan.plots.plot_frontier(points)
     lines = {line.get_label(): line for line in figure.axes[0].get_lines()}
-    assert set(lines) == {"autoplan", "all-shard", "all-shard+ckpt", "all-replicate"}
+    assert set(lines) == {"autoplan", "all-shard", "all-shard+sel", "all-shard+ckpt", "all-replicate"}
     ys = list(lines["autoplan"].get_ydata())
-    assert ys[0] != ys[0]  # nothing fits in 1 MB: a gap (NaN)
+    assert ys[0] != ys[0]  # nothing fits in 100 KB: a gap (NaN)
     assert ys[1:] == pytest.approx([p.throughput_samples_s for p in points[1:]])
     figure.savefig(tmp_path / "frontier.png")
     assert (tmp_path / "frontier.png").stat().st_size > 0

@@ -35,15 +35,15 @@ def test_all_replicate_is_picked_where_it_fits_and_is_fastest():
     replicate = next(b for b in plan.baselines if b.name == "all-replicate")
     assert replicate.fits
     assert {u.sharding for u in plan.units} == {"replicate"}
-    assert not any(u.checkpoint for u in plan.units)
+    assert all(u.checkpoint == "none" for u in plan.units)
     assert plan.predicted.throughput_samples_s == pytest.approx(replicate.throughput_samples_s)
 
 
 def test_limit_below_the_smallest_plan_reports_the_needed_amount():
     with pytest.raises(InfeasibleError) as info:
-        search(mem="1MB", **TINY)
+        search(mem="100KB", **TINY)
     needed = info.value.min_mem_bytes
-    assert needed and needed > 10**6
+    assert needed and needed > 10**5
     assert "what would help" in str(info.value).lower() and "more GPUs" in str(info.value)
     plan = search(mem=needed, batch_size=1, **TINY)  # exactly that much fits
     assert plan.predicted.peak_mem_bytes <= needed
@@ -61,7 +61,7 @@ def test_headroom_keeps_a_fraction_of_the_limit_free():
     assert plan.predicted.peak_mem_bytes <= exact * 0.98 and plan.cluster.mem_headroom == 0.02
     # the needed amount an infeasible search reports leaves the headroom free
     with pytest.raises(InfeasibleError) as info:
-        search(mem="1MB", batch_size=1, headroom=0.1, **TINY)
+        search(mem="100KB", batch_size=1, headroom=0.1, **TINY)
     lean = search(mem=info.value.min_mem_bytes, batch_size=1, headroom=0.1, **TINY)
     assert lean.predicted.peak_mem_bytes <= info.value.min_mem_bytes * 0.9
 

@@ -71,7 +71,7 @@ def test_a_command_that_exits_without_teardown_still_flushes_its_output_and_exit
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout) == json.loads(plan.read_text())
-    done = subprocess.run([sys.executable, "-m", "autoplan", "search", *args, "--mem", "1MB"],
+    done = subprocess.run([sys.executable, "-m", "autoplan", "search", *args, "--mem", "100KB"],
                           capture_output=True, text=True)
     assert done.returncode == 3 and "autoplan search: error: no plan for gpt2-tiny fits" in done.stderr
     assert cli_main.QUICK_EXIT == {"search", "estimate", "models", "profiles"}  # not apply or profile

@@ -23,8 +23,14 @@ from autoplan.settings import DEFAULT_MODEL, EstimateSettings, check_mem_limit
 from autoplan.sizes import format_bytes, parse_mem_bytes
 from autoplan.solve.cluster import resolve_cluster
 from autoplan.solve.tables import compute_dtype_of, micro_batch_candidates
-from cost_models.evaluate import evaluate, uniform_choices
-from cost_models.options import DEFAULT_OPTIMIZER, DEFAULT_PRECISION, DEFAULT_SHARDING, SHARDING_KINDS
+from cost_models.evaluate import checkpoint_name, evaluate, uniform_choices
+from cost_models.options import (
+    CHECKPOINT_MODES,
+    DEFAULT_OPTIMIZER,
+    DEFAULT_PRECISION,
+    DEFAULT_SHARDING,
+    SHARDING_KINDS,
+)
 from cost_models.table import CostTable
 
 
@@ -39,10 +45,11 @@ def _plan_choices(table: CostTable, plan: Plan) -> list[int]:
     choices = []
     for unit, options in zip(table.units, table.options):
         decision = decisions[unit.path]
-        match = [i for i, o in enumerate(options) if (o.sharding, o.checkpoint) == (decision.sharding, decision.checkpoint)]
+        match = [i for i, o in enumerate(options)
+                 if (o.sharding, o.checkpoint, o.offload) == (decision.sharding, decision.checkpoint, decision.offload)]
         if not match:
-            raise PlanFileError(f"unit {unit.path or '<root>'}: {decision.sharding}"
-                                f"{' +ckpt' if decision.checkpoint else ''} is not an option on this cluster")
+            why = " (offload needs a profile with a host link)" if decision.offload else ""
+            raise PlanFileError(f"unit {unit.path or '<root>'}: {decision.label} is not an option on this cluster{why}")
         choices.append(match[0])
     return choices
 
@@ -52,8 +59,8 @@ def estimate(model: Any = None, strategy: str | None = None, *, settings: Estima
     """Per-rank peak memory (by category), the memory timeline and the step time of a fixed strategy.
 
     `strategy`: a sharding kind ("shard", the default, "shard_keep", "replicate", "hybrid", ...) for
-    every unit, with `checkpoint=True` turning on activation checkpointing wherever it applies (every
-    unit but the root); or `plan=` (a Plan or a plan file) for its decisions, its model and, unless
+    every unit, with `checkpoint` a checkpoint mode ("selective", "full"; True is full) wherever it applies
+    (every unit but the root) and `offload=True` putting every unit's state in host memory; or `plan=` (a Plan or a plan file) for its decisions, its model and, unless
     given, its settings (the plan's model is rebuilt from the plan's data only: its zoo config, or its
     "hf:" config relative to the plan file's folder; a plan made from a factory needs `model`).
     `batch_size` is the micro-batch per GPU (default 1); `global_batch` adds gradient accumulation;
@@ -90,7 +97,7 @@ def estimate(model: Any = None, strategy: str | None = None, *, settings: Estima
         if model is None:  # from the plan's data: never code the plan names
             model = model_from_plan(plan.model.name, plan.model.config, plan_file)
     strategy = s.strategy or DEFAULT_SHARDING
-    checkpoint = s.checkpoint
+    checkpoint = checkpoint_name(s.checkpoint)
     dtype, optimizer, granularity = dtype or DEFAULT_PRECISION, optimizer or DEFAULT_OPTIMIZER, granularity or "block"
 
     session = reuse_traced(model if model is not None else DEFAULT_MODEL, seq_len, s.example_inputs)
@@ -98,7 +105,7 @@ def estimate(model: Any = None, strategy: str | None = None, *, settings: Estima
     if plan is not None and model_fingerprint(session.module) != plan.model.fingerprint:
         raise PlanFileError(f"the plan was made for a different model than {session.name} (module tree or "
                             "parameter shapes differ); search again for this model")
-    cluster = resolve_cluster(gpus, nodes, gpus_per_node, profile)
+    cluster = resolve_cluster(gpus, nodes, gpus_per_node, profile, s.host_mem)
     if SHARDING_KINDS[strategy].multi_node_only and cluster.shape.nodes < 2:
         raise UsageError(f"`strategy` {strategy} needs more than one node (`nodes`)")
     mem_limit_bytes = parse_mem_bytes(mem) if mem is not None else cluster.profile.mem_bytes
@@ -112,10 +119,15 @@ def estimate(model: Any = None, strategy: str | None = None, *, settings: Estima
         choices, label = _plan_choices(table, plan), "plan"
         description = f"the plan's decisions ({session.name}, limit {format_bytes(plan.cluster.mem_limit_bytes)})"
     else:
-        choices = uniform_choices(table, strategy, checkpoint)
-        label = strategy + ("+ckpt" if checkpoint else "")
-        description = SHARDING_KINDS[strategy].description + ("; activation checkpointing on every unit but the root"
-                                              if checkpoint else "; no activation checkpointing")
+        choices = uniform_choices(table, strategy, checkpoint, offload=s.offload, exact=s.offload)
+        if choices is None:
+            raise UsageError(f"`offload` needs a profile that prices the host link; {cluster.profile_name} has none "
+                             "(see `autoplan profiles`)")
+        mode = CHECKPOINT_MODES[checkpoint]
+        label = strategy + mode.label + ("+offload" if s.offload else "")
+        description = (SHARDING_KINDS[strategy].description + "; " + mode.description
+                       + (" on every unit but the root" if mode.checkpoints else "")
+                       + ("; parameters, gradients and optimizer states offloaded to the host" if s.offload else ""))
     result = evaluate(table, choices)
 
     return Estimate(
@@ -124,7 +136,8 @@ def estimate(model: Any = None, strategy: str | None = None, *, settings: Estima
         strategy=label, description=description,
         cluster=ClusterSpec(world_size=cluster.shape.world_size, nodes=cluster.shape.nodes,
                             gpus_per_node=cluster.shape.gpus_per_node, profile=cluster.profile_name,
-                            device_mem_bytes=cluster.profile.mem_bytes, mem_limit_bytes=mem_limit_bytes),
+                            device_mem_bytes=cluster.profile.mem_bytes, mem_limit_bytes=mem_limit_bytes,
+                            host_mem_bytes=cluster.host_mem_bytes if cluster.offload_allowed else None),
         training=TrainingSpec(micro_batch_size=micro_batch_size, grad_accum_steps=accum,
                               global_batch_size=table.samples_per_step, seq_len=session.seq_len, dtype=dtype,
                               optimizer=optimizer, granularity=granularity),

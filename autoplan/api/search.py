@@ -32,7 +32,7 @@ def search(model: Any = None, mem: str | int | None = None, *, settings: SearchS
     (default: the profile's device memory). `fields` are `autoplan.settings.SearchSettings`'s (the
     same as `autoplan search`'s flags): the cluster is `gpus` in `nodes` x `gpus_per_node` with a
     device `profile`; without `batch_size` the micro-batch is swept; `global_batch` fixes the samples
-    per step (gradient accumulation fills it). `strategy` (a sharding kind), with `checkpoint`, skips
+    per step (gradient accumulation fills it). `strategy` (a sharding kind), with `checkpoint` and `offload`, skips
     the solver: every unit takes that option, and only the micro-batch is searched. A `settings`
     record gives all of them at once; `model`, `mem` and `fields` override it. A `mem` above the device's
     memory (without `allow_over_device_mem`) and a `seq_len` longer than the model's positions are refused.
@@ -46,7 +46,7 @@ def search(model: Any = None, mem: str | int | None = None, *, settings: SearchS
     session = reuse_traced(s.model_or_default, s.seq_len, s.example_inputs)
     resolved, seq_len = session.resolved, session.seq_len
     check_seq_len(resolved, seq_len)
-    cluster = resolve_cluster(s.gpus, s.nodes, s.gpus_per_node, s.profile)
+    cluster = resolve_cluster(s.gpus, s.nodes, s.gpus_per_node, s.profile, s.host_mem)
     mem_limit_bytes = s.mem if s.mem is not None else cluster.profile.mem_bytes
     check_mem_limit(mem_limit_bytes, cluster.profile.mem_bytes, cluster.profile_name, s.allow_over_device_mem)
     # the headroom keeps plans under the limit when they run (see DEFAULT_HEADROOM)
@@ -57,6 +57,7 @@ def search(model: Any = None, mem: str | int | None = None, *, settings: SearchS
     outcome = sweep(tables, cluster, candidates, seq_len=seq_len, dtype=dtype, optimizer=optimizer,
                     planned_bytes=planned_bytes, mem_limit_bytes=mem_limit_bytes, headroom=s.headroom,
                     time_limit_s=s.time_limit_s, strategy=s.strategy, checkpoint=s.checkpoint,
+                    offload=s.offload,
                     model_name=resolved.name, fixed_batch=s.batch_size is not None)
     model_ref = ModelRef(name=resolved.name, config=resolved.config, n_params=count_params(resolved.module),
                          fingerprint=model_fingerprint(resolved.module), tracer=tables.tracer)

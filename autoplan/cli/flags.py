@@ -58,6 +58,8 @@ def add_settings_flags(parser: argparse.ArgumentParser, cls: type[BaseModel], sk
             parser._negative_number_matcher = _NEGATIVE_SIZE
         elif meta.kind == "choice":
             kwargs["choices"] = choices_of(name)
+            if meta.bare is not None:
+                kwargs.update(nargs="?", const=meta.bare)
             if name == "strategy":
                 kwargs["help"] += ": " + "; ".join(f"{kind.name}: {kind.description}" for kind in SHARDING_KINDS.values())
         elif kind is int:

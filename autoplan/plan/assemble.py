@@ -30,8 +30,9 @@ from cost_models.table import CostTable
 
 __all__ = ["BASELINES", "assemble_plan", "baselines", "prediction", "unit_decisions"]
 
-# the uniform plans every search is compared with: (name, sharding kind, checkpoint)
-BASELINES = (("all-shard", "shard", False), ("all-shard+ckpt", "shard", True), ("all-replicate", "replicate", False))
+# the uniform plans every search is compared with: (name, sharding kind, checkpoint mode)
+BASELINES = (("all-shard", "shard", "none"), ("all-shard+sel", "shard", "selective"), ("all-shard+ckpt", "shard", "full"),
+             ("all-replicate", "replicate", "none"))
 
 
 def _breakdown(point) -> MemoryBreakdown:
@@ -49,6 +50,8 @@ def prediction(table: CostTable, result: Evaluation) -> Prediction:
         throughput_tokens_s=samples * table.seq_len / result.step_time_s,
         timeline=[TimelinePoint(point=p.label, total_bytes=int(total(p)), breakdown=_breakdown(p))
                   for p in result.points],
+        host_mem_bytes=result.host_bytes,
+        host_mem_per_node_bytes=result.host_bytes * table.cluster.gpus_per_node,
     )
 
 
@@ -57,14 +60,14 @@ def unit_decisions(table: CostTable, choices: list[int]) -> list[UnitDecision]:
     for unit, options, costs, choice in zip(table.units, table.options, table.costs, choices):
         option, cost = options[choice], costs[choice]
         decisions.append(UnitDecision(
-            module=unit.path, sharding=option.sharding, checkpoint=option.checkpoint,
+            module=unit.path, sharding=option.sharding, checkpoint=option.checkpoint, offload=option.offload,
             reshard_after_forward=option.kind.reshard_after_forward, params=unit.numel,
             param_shapes={p.name: list(p.shape) for p in unit.params},
             predicted=UnitPrediction(
                 persistent_bytes=cost.param_bytes + cost.optimizer_bytes, grad_bytes=cost.grad_bytes,
                 gathered_bytes=cost.gathered_bytes, activation_bytes=cost.activation_bytes,
                 fwd_s=cost.fwd_s, bwd_s=cost.bwd_s, comm_s=cost.comm_fwd_s + cost.comm_bwd_s,
-                optimizer_s=cost.optimizer_s,
+                optimizer_s=cost.optimizer_s, host_bytes=cost.host_bytes,
             ),
         ))
     return decisions
@@ -79,7 +82,7 @@ def baselines(tables: list[CostTable], mem_limit_bytes: int) -> list[Baseline]:
             choices = uniform_choices(table, sharding, checkpoint)
             result = evaluate(table, choices)
             smallest = smallest or (table, result)
-            if result.fits(mem_limit_bytes):
+            if result.fits(mem_limit_bytes, table.host_limit_bytes):
                 throughput = table.samples_per_step / result.step_time_s
                 if best is None or throughput > best[0].samples_per_step / best[1].step_time_s:
                     best = (table, result)
@@ -102,7 +105,8 @@ def assemble_plan(outcome: SweepOutcome, *, model: ModelRef, cluster: Cluster, m
         cluster=ClusterSpec(world_size=cluster.shape.world_size, nodes=cluster.shape.nodes,
                             gpus_per_node=cluster.shape.gpus_per_node, profile=cluster.profile_name,
                             device_mem_bytes=cluster.profile.mem_bytes, mem_limit_bytes=mem_limit_bytes,
-                            mem_headroom=headroom),
+                            mem_headroom=headroom,
+                            host_mem_bytes=cluster.host_mem_bytes if cluster.offload_allowed else None),
         training=TrainingSpec(micro_batch_size=table.micro_batch_size, grad_accum_steps=table.grad_accum_steps,
                               global_batch_size=table.samples_per_step, seq_len=seq_len, dtype=dtype,
                               optimizer=optimizer, granularity=granularity),

@@ -22,7 +22,7 @@ def _count(n: int) -> str:
 
 
 def _decision(unit: UnitDecision) -> str:
-    return unit.sharding + (" +ckpt" if unit.checkpoint else "")
+    return unit.label
 
 
 def _same_row(a: UnitDecision, b: UnitDecision) -> bool:

@@ -12,13 +12,13 @@ import os
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 from pydantic_core import PydanticCustomError, core_schema
 
 from autoplan.errors import PlanFileError
 from autoplan.fileio import read_versioned_json, write_text_atomic
 from autoplan.solve.solver import SolveStatus
-from cost_models.options import OPTIMIZERS, PRECISIONS, SHARDING_KINDS, unknown_message
+from cost_models.options import CHECKPOINT_MODES, OPTIMIZERS, PRECISIONS, SHARDING_KINDS, unknown_message
 
 PLAN_SCHEMA_VERSION = 1
 UNKNOWN_OPTION = "unknown_option"  # the pydantic error type of a name no registered row has
@@ -35,7 +35,7 @@ class RegisteredName:
         self.what, self.registry = what, registry
 
     def __get_pydantic_core_schema__(self, source: Any, handler) -> core_schema.CoreSchema:
-        return core_schema.no_info_after_validator_function(self._check, core_schema.str_schema())
+        return core_schema.no_info_after_validator_function(self._check, handler(source))
 
     def __get_pydantic_json_schema__(self, schema: core_schema.CoreSchema, handler) -> dict[str, Any]:
         return {"enum": list(self.registry), "type": "string"}
@@ -47,7 +47,13 @@ class RegisteredName:
         return name
 
 
+def _checkpoint_of_bool(value: Any) -> Any:
+    """Plans written before checkpoint modes said `checkpoint: true/false`: full checkpointing, or none."""
+    return {True: "full", False: "none"}[value] if isinstance(value, bool) else value
+
+
 Sharding = Annotated[str, RegisteredName("sharding", SHARDING_KINDS)]
+CheckpointName = Annotated[str, BeforeValidator(_checkpoint_of_bool), RegisteredName("checkpoint", CHECKPOINT_MODES)]
 TrainDtype = Annotated[str, RegisteredName("dtype", PRECISIONS)]
 OptimizerName = Annotated[str, RegisteredName("optimizer", OPTIMIZERS)]
 Granularity = Literal["block", "fine", "leaf"]
@@ -76,6 +82,7 @@ class ClusterSpec(_Strict):
     device_mem_bytes: int
     mem_limit_bytes: int
     mem_headroom: float = 0.0  # the plan fits mem_limit_bytes * (1 - mem_headroom)
+    host_mem_bytes: int | None = None  # per node, for offloaded state (None: offload was not offered)
 
 
 class TrainingSpec(_Strict):
@@ -95,18 +102,27 @@ class UnitPrediction(_Strict):
     activation_bytes: int  # saved for backward per micro-batch (unit input only when checkpointed)
     fwd_s: float
     bwd_s: float  # includes the recompute when checkpointed
-    comm_s: float  # all-gathers, reduce-scatter, all-reduce per micro-batch
+    comm_s: float  # all-gathers, reduce-scatter, all-reduce per micro-batch (and offload's host copies)
     optimizer_s: float
+    host_bytes: int = 0  # offloaded parameters, gradients and optimizer states in host memory, per rank
 
 
 class UnitDecision(_Strict):
     module: str  # module path; "" is the root module
     sharding: Sharding
-    checkpoint: bool
+    checkpoint: CheckpointName  # "none", "selective", "full" (older plans: true = full, false = none)
+    offload: bool = False  # parameters, gradients and optimizer states on the host (FSDP2 CPUOffloadPolicy)
     reshard_after_forward: bool
     params: int  # parameters owned (not counting nested units)
     param_shapes: dict[str, list[int]]
     predicted: UnitPrediction
+
+    @property
+    def label(self) -> str:
+        """"shard", "shard +ckpt", "replicate +sel +offload": the decision as reports show it."""
+        mode = CHECKPOINT_MODES.get(self.checkpoint)
+        suffix = mode.label if mode is not None else f"+{self.checkpoint}"
+        return self.sharding + (f" {suffix}" if suffix else "") + (" +offload" if self.offload else "")
 
 
 class MemoryBreakdown(_Strict):
@@ -132,6 +148,8 @@ class Prediction(_Strict):
     throughput_samples_s: float
     throughput_tokens_s: float
     timeline: list[TimelinePoint]
+    host_mem_bytes: int = 0  # offloaded state per rank in host memory (pinned)
+    host_mem_per_node_bytes: int = 0  # the same over the node's ranks: what must fit the node's host memory
 
 
 class SweepEntry(_Strict):
@@ -182,7 +200,7 @@ class Plan(_Strict):
     def unit_table(self) -> list[dict[str, Any]]:
         """One flat row per unit, in execution order: its decision and its predicted bytes and seconds."""
         return [{"module": unit.module, "sharding": unit.sharding, "checkpoint": unit.checkpoint,
-                 "reshard_after_forward": unit.reshard_after_forward, "params": unit.params,
+                 "offload": unit.offload, "reshard_after_forward": unit.reshard_after_forward, "params": unit.params,
                  **unit.predicted.model_dump()} for unit in self.units]
 
     def timeline_table(self) -> list[dict[str, Any]]:
@@ -233,7 +251,8 @@ def _unknown_option(exc: ValidationError, data: dict) -> str | None:
             unit = data["units"][loc[1]]
             module = unit.get("module") if isinstance(unit, dict) else None
             where = f"in unit {module or '<root>'}" if isinstance(module, str) else f"in unit #{loc[1]}"
-        registry = {"sharding": SHARDING_KINDS, "dtype": PRECISIONS, "optimizer": OPTIMIZERS}[what]
+        registry = {"sharding": SHARDING_KINDS, "checkpoint": CHECKPOINT_MODES, "dtype": PRECISIONS,
+                    "optimizer": OPTIMIZERS}[what]
         return unknown_message(what, error["input"], registry, where)
     return None
 

@@ -284,7 +284,7 @@ def fit_calibration(profile, measured: dict[str, dict[str, float]], world_size: 
         choices = uniform_choices(table, strategy, checkpoint)
         chosen = [table.costs[u][c] for u, c in enumerate(choices)]
         # the uncalibrated table charges a checkpointed unit's recompute at scale 1: its forward ops again
-        recompute = sum(table.costs[u][c].fwd_s for u, c in enumerate(choices) if table.options[u][c].checkpoint)
+        recompute = sum(table.costs[u][c].fwd_s for u, c in enumerate(choices) if table.options[u][c].mode.checkpoints)
         cases.append({
             "strategy": strategy, "checkpoint": checkpoint, "depth": depth, "micro_batch": micro_batch,
             "units": len(chosen), "ops_fwd_s": sum(c.fwd_s for c in chosen),

@@ -39,6 +39,7 @@ from autoplan.models.hf import HF_PREFIX
 from autoplan.models.resolve import ResolvedModel, model_from_plan, resolve_model
 from autoplan.plan.schema import Plan, UnitDecision
 from cost_models.options import (
+    CHECKPOINT_MODES,
     OPTIMIZERS,
     PRECISIONS,
     SHARDING_KINDS,
@@ -89,7 +90,7 @@ def apply(
         model.to(master)
     mp_policy = mixed_precision_policy(precision)
     for decision, kind, module in units:
-        if decision.checkpoint:
+        if CHECKPOINT_MODES[decision.checkpoint].checkpoints:
             checkpoint_activations(module)
         fully_shard(
             module,

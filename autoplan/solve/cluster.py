@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from autoplan.errors import UsageError
@@ -13,6 +14,10 @@ __all__ = ["Cluster", "resolve_cluster"]
 
 from autoplan.settings import DEFAULT_GPUS_PER_NODE, DEFAULT_PROFILE
 
+# Host memory per node assumed for a GPU profile that states none, when `host_mem` is not given: a
+# conservative figure for an 8-GPU training node (DGX A100 ships 1 TB, DGX H100 2 TB).
+DEFAULT_GPU_HOST_MEM_BYTES = 1_000_000_000_000
+
 
 @dataclass(frozen=True)
 class Cluster:
@@ -20,9 +25,39 @@ class Cluster:
     profile: DeviceProfile
     profile_name: str
     is_default: bool
+    host_mem_bytes: int | None = None  # per node, for offloaded state (None: offload is not offered)
+    host_mem_source: str = ""  # where host_mem_bytes comes from, for reports
+
+    @property
+    def offload_allowed(self) -> bool:
+        """Offload is priced (and offered) only where the profile knows the host link."""
+        return self.profile.host_link is not None and self.host_mem_bytes is not None
 
 
-def resolve_cluster(gpus: int | None, nodes: int | None, gpus_per_node: int | None, profile: str | None) -> Cluster:
+def machine_mem_bytes() -> int | None:
+    """This machine's physical memory (None where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def host_memory(profile: DeviceProfile, host_mem: int | None) -> tuple[int | None, str]:
+    """Host memory per node for offloaded state, and where the figure comes from: `host_mem` if given,
+    else the profile's, else this machine's for a CPU profile, else DEFAULT_GPU_HOST_MEM_BYTES."""
+    if host_mem is not None:
+        return host_mem, "`host_mem`"
+    if profile.host_link is None:
+        return None, "the profile has no host link"
+    if profile.host_link.host_mem_bytes is not None:
+        return profile.host_link.host_mem_bytes, "the profile"
+    if profile.device_type == "cpu":
+        return machine_mem_bytes(), "this machine"
+    return DEFAULT_GPU_HOST_MEM_BYTES, "default for GPU nodes"
+
+
+def resolve_cluster(gpus: int | None, nodes: int | None, gpus_per_node: int | None, profile: str | None,
+                    host_mem: int | None = None) -> Cluster:
     for label, value in (("gpus", gpus), ("nodes", nodes), ("gpus_per_node", gpus_per_node)):
         if value is not None and value < 1:
             raise UsageError(f"`{label}` must be at least 1, got {value}")
@@ -35,5 +70,7 @@ def resolve_cluster(gpus: int | None, nodes: int | None, gpus_per_node: int | No
     if gpus is not None and gpus != nodes * gpus_per_node:
         raise UsageError(f"`gpus` {gpus} does not equal `nodes` {nodes} x `gpus_per_node` {gpus_per_node}")
     profile_name = profile or DEFAULT_PROFILE
-    return Cluster(ClusterShape(nodes * gpus_per_node, nodes, gpus_per_node), load_profile(profile_name),
-                   profile_name, is_default)
+    loaded = load_profile(profile_name)
+    host_bytes, host_source = host_memory(loaded, host_mem)
+    return Cluster(ClusterShape(nodes * gpus_per_node, nodes, gpus_per_node), loaded, profile_name, is_default,
+                   host_bytes, host_source)

@@ -3,6 +3,7 @@
 The memory and time formulas live in cost_models (memory.timeline, step.step_time) and are shared
 with the evaluator; here they are taken as affine rows over the one-hot option literals:
     memory(point p) = c_p + sum_l A[p, l] x_l        step time = sum_l t_l x_l
+    host memory (offloaded state, per rank) = sum_l h_l x_l
 Memory constraints are added lazily: most of a step's time points never bind, so the model starts
 with the peaks of a few reference plans, and each solution is checked against every point; a point
 it violates is added and the model solved again. The final plan satisfies every constraint and is
@@ -80,15 +81,20 @@ class AffineModel:
     mem_const: np.ndarray  # [points]
     step_coef_ns: np.ndarray  # [literals], integer nanoseconds
     step_const_ns: int
+    host_coef: np.ndarray | None = None  # [literals], bytes of offloaded state per rank (None: no offload)
+    host_limit_bytes: int | None = None  # per rank: the node's host memory over its GPUs
 
     @classmethod
     def of(cls, table: CostTable) -> "AffineModel":
         alg = AffineAlgebra([len(options) for options in table.options])
         rows = [total(point) for point in timeline(table, alg)]
         step = step_time(table, alg).step_s
+        host = np.array([cost.host_bytes for costs in table.costs for cost in costs], dtype=np.int64)
+        offloads = table.host_limit_bytes is not None and bool(host.any())
         return cls(
             alg, np.stack([row.coef for row in rows]), np.array([row.const for row in rows], dtype=np.int64),
             np.round(step.coef * NS_PER_S).astype(np.int64), int(round(step.const * NS_PER_S)),
+            host if offloads else None, table.host_limit_bytes if offloads else None,
         )
 
     def memory(self, choices) -> np.ndarray:
@@ -99,7 +105,8 @@ class AffineModel:
         return [int(np.argmin(self.step_coef_ns[offsets[u]:offsets[u + 1]])) for u in range(len(offsets) - 1)]
 
     def leanest_each(self) -> list[int]:
-        """Per unit, the option with the smallest total memory coefficient (a rough min-memory plan)."""
+        """Per unit, the option with the smallest total memory coefficient (a rough min-memory plan; may
+        overrun the host limit, which the model enforces: a seed only picks the first points)."""
         weight = self.mem_coef.max(axis=0)
         offsets = self.algebra.offsets
         return [int(np.argmin(weight[offsets[u]:offsets[u + 1]])) for u in range(len(offsets) - 1)]
@@ -119,6 +126,10 @@ class _Model:
         for unit in range(len(offsets) - 1):
             # [Constraint] exactly one option per unit
             self.model.add_exactly_one(self.x[offsets[unit]:offsets[unit + 1]])
+        if affine.host_coef is not None:
+            # [Constraint] offloaded state of the node's ranks fits its host memory:
+            #   gpus_per_node * sum_l h_l x_l <= host_mem   (per rank: <= host_mem // gpus_per_node)
+            self.model.add(self.expr(affine.host_coef, 0) <= affine.host_limit_bytes)
         self.points: list[int] = []
 
     def expr(self, coef: np.ndarray, const: int):

@@ -57,10 +57,11 @@ class SweepOutcome:
 
 def sweep(tables: CostTables, cluster: Cluster, candidates: list[tuple[int, int]], *, seq_len: int, dtype: str,
           optimizer: str, planned_bytes: int, mem_limit_bytes: int, headroom: float, time_limit_s: float,
-          strategy: str | None, checkpoint: bool, model_name: str, fixed_batch: bool) -> SweepOutcome:
+          strategy: str | None, checkpoint: str | bool | None, model_name: str, fixed_batch: bool,
+          offload: bool = False) -> SweepOutcome:
     """The fastest plan over the micro-batch `candidates` whose predicted peak is at most `planned_bytes`.
 
-    `strategy` (a sharding kind) with `checkpoint` replaces the solve by that uniform plan. Raises
+    `strategy` (a sharding kind) with `checkpoint` (a mode) and `offload` replaces the solve by that uniform plan. Raises
     InfeasibleError (with the smallest limit that would fit) when nothing fits, AutoplanError when the
     solver's time ran out before any verdict."""
     steps: list[SweepStep] = []
@@ -78,7 +79,7 @@ def sweep(tables: CostTables, cluster: Cluster, candidates: list[tuple[int, int]
         if strategy is None:
             result = solve_min_time(table, planned_bytes, time_limit_s, affine=affine)
         else:
-            result = _fixed_strategy(table, affine, strategy, checkpoint, planned_bytes)
+            result = _fixed_strategy(table, affine, strategy, checkpoint, planned_bytes, offload)
         wall_s += result.wall_time_s
         num_vars, num_cons = result.num_variables, result.num_constraints
         if result.choices is None:
@@ -117,14 +118,16 @@ def sweep(tables: CostTables, cluster: Cluster, candidates: list[tuple[int, int]
                         num_constraints=num_cons)
 
 
-def _fixed_strategy(table: CostTable, affine: AffineModel, strategy: str, checkpoint: bool,
-                    mem_limit_bytes: int) -> SolveResult:
+def _fixed_strategy(table: CostTable, affine: AffineModel, strategy: str, checkpoint: str | bool | None,
+                    mem_limit_bytes: int, offload: bool = False) -> SolveResult:
     """A uniform plan evaluated in place of a solve, reported in the solver's terms."""
-    choices = uniform_choices(table, strategy, checkpoint, exact=True)
+    choices = uniform_choices(table, strategy, checkpoint, exact=True, offload=offload)
+    if choices is None and offload:
+        raise UsageError("`offload` needs a profile that prices the host link (its `host_link`); this one has none")
     if choices is None:
         raise UsageError(f"`strategy` {strategy} is not available on this cluster (it needs `nodes` 2 or more)")
     result = evaluate(table, choices)
-    fits = result.peak_mem_bytes <= mem_limit_bytes
+    fits = result.fits(mem_limit_bytes, table.host_limit_bytes)
     stats = (affine.algebra.size, 0, len(affine.mem_const))
     if not fits:
         return SolveResult(SolveStatus.INFEASIBLE, None, None, None, 0.0, *stats)
@@ -151,7 +154,7 @@ def _infeasible(table: CostTable, mem_limit_bytes: int, headroom: float, model_n
         helps.insert(1, "a smaller `batch_size`")
     return InfeasibleError(
         f"no plan for {model_name} fits in {format_bytes(mem_limit_bytes)} per GPU less {headroom:.0%} headroom: the "
-        f"smallest peak any plan reaches (all units sharded, checkpointing where it helps, micro-batch "
+        f"smallest peak any plan reaches (sharding, checkpointing and offload where they help, micro-batch "
         f"{table.micro_batch_size}) is {format_bytes(peak) if peak else 'unknown'}{state}. What would help: "
         + "; ".join(helps) + ".",
         min_mem_bytes=needed,

@@ -13,13 +13,14 @@ from autoplan.solve.cluster import Cluster
 from autoplan.tracing.tracer import TracePair, trace_pair
 from autoplan.tracing.units import build_units
 from cost_models.activations import activation_keep_bytes, kept_saved_bytes
-from cost_models.options import PRECISIONS
+from cost_models.options import PRECISIONS, Recompute
 from cost_models.records import extrapolate_ops
 from cost_models.table import CostTable, build_cost_table
 
 __all__ = ["CostTables", "micro_batch_candidates", "compute_dtype_of", "MAX_MICRO_BATCH"]
 
 MAX_MICRO_BATCH = 256
+CHECKPOINTED = (Recompute.ALL, Recompute.CHEAP)  # the ways of checkpointing that keep a subset of activations
 
 
 def compute_dtype_of(dtype: str) -> str:
@@ -56,16 +57,21 @@ class CostTables:
         self.tracer = traces.tracer
         self.trace_1, self.trace_2 = traces.at_1, traces.at_2
         self.units = build_units(model, self.trace_1, granularity)
-        self.keep_1 = activation_keep_bytes(self.trace_1, self.units)
-        self.keep_2 = activation_keep_bytes(self.trace_2, self.units)
-        self.kept_saved_1 = kept_saved_bytes(self.trace_1, self.units)
-        self.kept_saved_2 = kept_saved_bytes(self.trace_2, self.units)
+        # what a checkpointed unit keeps, per way of checkpointing, at micro-batch 1 and 2
+        self.keep = {mode: (activation_keep_bytes(self.trace_1, self.units, mode),
+                            activation_keep_bytes(self.trace_2, self.units, mode)) for mode in CHECKPOINTED}
+        self.kept_saved = {mode: (kept_saved_bytes(self.trace_1, self.units, mode),
+                                  kept_saved_bytes(self.trace_2, self.units, mode)) for mode in CHECKPOINTED}
 
     def table(self, micro_batch_size: int, grad_accum_steps: int, cluster: Cluster, seq_len: int,
               dtype: str, optimizer: str) -> CostTable:
         ops = extrapolate_ops(self.trace_1.ops, self.trace_2.ops, micro_batch_size)
-        keep = [a + (b - a) * (micro_batch_size - 1) for a, b in zip(self.keep_1, self.keep_2)]
-        kept_saved = {name: a + (self.kept_saved_2.get(name, 0) - a) * (micro_batch_size - 1)
-                      for name, a in self.kept_saved_1.items()}
+        keep = {mode: [a + (b - a) * (micro_batch_size - 1) for a, b in zip(*self.keep[mode])]
+                for mode in CHECKPOINTED}
+        kept_saved = {mode: {name: a + (at_2.get(name, 0) - a) * (micro_batch_size - 1) for name, a in at_1.items()}
+                      for mode, (at_1, at_2) in self.kept_saved.items()}
         return build_cost_table(self.units, ops, keep, cluster.profile, cluster.shape, micro_batch_size,
-                                grad_accum_steps, seq_len, dtype, optimizer, kept_saved)
+                                grad_accum_steps, seq_len, dtype, optimizer, kept_saved,
+                                offload=cluster.offload_allowed,
+                                host_limit_bytes=cluster.host_mem_bytes // cluster.shape.gpus_per_node
+                                if cluster.offload_allowed else None)
