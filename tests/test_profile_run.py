@@ -288,7 +288,8 @@ def test_op_replay_keeps_strides_index_ranges_and_grad_flags():
 
 
 @pytest.mark.parametrize("argv, message", [
-    (("--nproc", "1"), "at least 2"),
+    (("--nproc", "1"), "measures no collectives"),  # a CPU has no datasheet profile to take the links of
+    (("--links-from", "cpu-gloo-2"), "applies to --nproc 1"),
     (("--model", "no-such-model"), "unknown model"),
     (("--micro-batch", "2"), "--micro-batch applies to --model"),
     (("--no-cache", "--cache-dir", "x"), "contradict"),

@@ -23,6 +23,7 @@ QUICK_TIME = "about half a minute on a 2-core CPU"
 PROFILE_EXAMPLES = """examples:
   autoplan profile                                   # CPU + gloo, 2 processes, default models
   autoplan profile --device cuda --nproc 8           # this GPU node, NCCL
+  autoplan profile --device cuda --nproc 1           # one GPU: no collectives, links from its datasheet profile
   autoplan profile --model gpt2 llama-tiny --micro-batch 1 2 -o profiles/mine.json
   autoplan profile --quick                           # rough, as cpu-gloo-2-quick: tries the machinery
   autoplan search --model gpt2 --gpus 2 --mem 4GB --profile cpu-gloo-2-local   # then plan with it
@@ -55,7 +56,11 @@ def register(subparsers) -> None:
     default_models = " ".join(f"{m}(mb {','.join(map(str, b))})" for m, b in DEFAULT_MODELS.items())
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="device to measure (default cpu)")
     parser.add_argument("--nproc", type=positive_int, default=2,
-                        help="processes (ranks) for the collectives, at least 2 (default 2)")
+                        help="processes (ranks) for the collectives (default 2); 1 (a one-GPU machine) measures no "
+                             "collectives and takes the links of --links-from")
+    parser.add_argument("--links-from", metavar="PROFILE",
+                        help="with --nproc 1: the profile whose links, collective fits and overlap to use (default: "
+                             "the shipped datasheet profile of this device)")
     parser.add_argument("--model", nargs="+", metavar="NAME",
                         help=f"zoo models whose ops to time (default: {default_models})")
     parser.add_argument("--micro-batch", nargs="+", type=positive_int, metavar="N",
@@ -103,7 +108,10 @@ def settings_from_args(args: argparse.Namespace):
     if args.no_cache and args.cache_dir:
         raise UsageError("--no-cache and --cache-dir contradict each other; give one")
     settings = ProfileSettings(device=args.device, nproc=args.nproc, seq_len=args.seq_len, threads=args.threads,
-                               backend=args.backend, name=args.name, progress=not args.no_progress)
+                               backend=args.backend, name=args.name, progress=not args.no_progress,
+                               links_from=args.links_from)
+    if args.links_from and args.nproc > 1:
+        raise UsageError(f"--links-from applies to --nproc 1; {args.nproc} processes measure their own collectives")
     if args.model:
         from autoplan.models.resolve import parse_zoo_spec
 
@@ -213,6 +221,11 @@ def format_profile_summary(result) -> str:
                  f"AdamW {profile.optimizer_bytes_s / 1e9:.1f} GB/s of state; op overhead {profile.op_overhead_s * 1e6:.1f} us")
     lines.append(f"overlap: compute x{profile.overlap.compute_slowdown:.2f}, communication "
                  f"x{profile.overlap.comm_slowdown:.2f} while both run")
+    if profile.host_link is not None:
+        host = profile.host_link
+        lines.append(f"host link: {host.h2d_bytes_s / 1e9:.1f} GB/s to the device, {host.d2h_bytes_s / 1e9:.1f} GB/s "
+                     f"back, {'alongside' if host.overlaps_compute else 'not alongside'} compute; host AdamW "
+                     f"{host.cpu_optimizer_bytes_s / 1e9:.1f} GB/s of state with {host.cpu_threads} threads")
     lines.append("")
     lines.append(f"{'op fit':<34} {'dir':<4} {'dtype':<5} {'points':>6} {'intercept':>10} {'rate':>14} "
                  f"{'held-out err (median/max)':>26}")

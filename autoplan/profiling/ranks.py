@@ -52,7 +52,8 @@ def measure_on_ranks(settings, kind: str, backend: str, threads: int | None, siz
         backend=backend, device_type=kind, world_size=settings.nproc, threads=threads,
         collectives=tuple((keys[r], *m) for r in range(settings.comm_rounds) for m, keys in collective_keys.items()
                           if keys[r] not in cache),
-        overlap=(overlap_key, OVERLAP_GATHER_BYTES[kind]) if overlap_key not in cache else None,
+        # one rank's all-gather moves nothing to overlap with: a one-process profile takes another's overlap
+        overlap=(overlap_key, OVERLAP_GATHER_BYTES[kind]) if overlap_key not in cache and settings.nproc > 1 else None,
         overlap_phase_s=settings.overlap_phase_s, overlap_trials=settings.overlap_trials, repeats=settings.repeats,
         fsdp=fsdp_key if fsdp_key not in cache else None, fsdp_calls=settings.fsdp_calls,
         calibration=tuple((keys[r], *case) for r in range(settings.calibration_rounds)
@@ -64,7 +65,7 @@ def measure_on_ranks(settings, kind: str, backend: str, threads: int | None, siz
     return {
         "measured": (len(request.collectives) + (request.overlap is not None) + (request.fsdp is not None)
                      + len(request.calibration)),
-        "items": sum(map(len, collective_keys.values())) + 2 + sum(map(len, step_keys.values())),
+        "items": sum(map(len, collective_keys.values())) + 1 + (settings.nproc > 1) + sum(map(len, step_keys.values())),
         "collectives": {m: statistics.median(cache.get(k) for k in keys) for m, keys in collective_keys.items()},
         "overlap": cache.get(overlap_key),
         "fsdp": cache.get(fsdp_key),

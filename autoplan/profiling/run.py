@@ -1,6 +1,10 @@
-"""`autoplan profile` end to end: measure ops, collectives, overlap and the optimizer step on this
-device (from the cache where already measured), fit, and assemble a DeviceProfile. The ops' own
-timing steps live in op_timings.py, the calibration steps in calibration.py."""
+"""`autoplan profile` end to end: measure ops, collectives, overlap, the optimizer step and the host link
+on this device (from the cache where already measured), fit, and assemble a DeviceProfile. The ops' own
+timing steps live in op_timings.py, the calibration steps in calibration.py, the host link in host_link.py.
+
+One process (`nproc` 1, a machine with one GPU) measures no collectives: its links, collective fits and
+overlap are then another profile's (`links_from`, by default the shipped datasheet profile of the same
+device), and its provenance's sources say so."""
 
 from __future__ import annotations
 
@@ -29,13 +33,14 @@ from autoplan.profiling.comm import default_backend
 from autoplan.profiling.defaults import DEFAULT_DTYPES, DEFAULT_MODELS
 from autoplan.profiling.fit import FitReport, fit_affine, fit_op_families, heldout_errors
 from autoplan.profiling.fsdp import FSDP_CALLS
+from autoplan.profiling.host_link import HOST_COPY_BYTES, host_threads_per_rank, measure_host_link
 from autoplan.profiling.op_timings import measure_ops, points_and_timings, remeasure_outliers
 from autoplan.profiling.ops import OpCase, collect_cases, sweep_workload, unique_cases, zoo_workload
 from autoplan.profiling.overlap import OVERLAP_PHASE_S, OVERLAP_TRIALS
 from autoplan.profiling.ranks import measure_on_ranks
 from autoplan.profiling.timing import Repeats
 from cost_models.comm import ring_factor
-from cost_models.profile import CollectiveFit, DeviceProfile, FsdpOverhead, Link, Overlap, Provenance
+from cost_models.profile import CollectiveFit, DeviceProfile, FsdpOverhead, HostLink, Link, Overlap, Provenance
 
 __all__ = ["DEFAULT_MODELS", "DEFAULT_DTYPES", "ProfileSettings", "CollectiveReport", "ProfileResult", "measure_profile",
            "default_profile_name"]
@@ -73,6 +78,10 @@ class ProfileSettings:
     cache_dir: Path | None = field(default_factory=default_cache_dir)  # None: no cache
     name: str | None = None  # None: default_profile_name(): "<device>-<backend>-<nproc>", "-quick" if quick
     progress: bool = True
+    # nproc 1: the profile whose links, collective fits and overlap to take (None: the shipped datasheet
+    # profile of this device); unused with several processes, which measure their own
+    links_from: str | None = None
+    host_copy_bytes: int = HOST_COPY_BYTES  # the host link's copy size
 
 
 @dataclass(frozen=True)
@@ -99,8 +108,8 @@ class ProfileResult:
 def _resolve(settings: ProfileSettings) -> tuple[torch.device, str, int | None]:
     if settings.device not in ("cpu", "cuda"):
         raise UsageError(f"unknown device {settings.device!r}; use cpu or cuda")
-    if settings.nproc < 2:
-        raise UsageError(f"`nproc` {settings.nproc}: collectives need at least 2 processes")
+    if settings.nproc < 1:
+        raise UsageError(f"`nproc` {settings.nproc}: a profile needs at least 1 process")
     if settings.device == "cuda":
         if not torch.cuda.is_available():
             raise UsageError("`device` cuda, but torch sees no CUDA device here (use `device` cpu)")
@@ -122,6 +131,7 @@ def measure_profile(settings: ProfileSettings) -> ProfileResult:
     kind = device.type
     name = settings.name or default_profile_name(settings)
     device_name = device_bench.device_name(device)
+    reference = _links_reference(settings, device_name)
     cache = MeasurementCache(settings.cache_dir, {
         "device": device_name, "torch": torch.__version__, "threads": threads,
         # a rougher run (--quick) keeps its own entries rather than passing them off to a full one
@@ -140,6 +150,11 @@ def measure_profile(settings: ProfileSettings) -> ProfileResult:
         points, op_times = points_and_timings(cases, op_seconds)
         op_fits = fit_op_families(points)
         device_numbers = _device_numbers(device, settings.repeats, cache)
+        # the host threads a rank's offloaded optimizer step gets: every GPU of this node runs a rank
+        host_threads = threads or host_threads_per_rank(max(settings.nproc, torch.cuda.device_count()))
+        host = _cached(cache, f"host_link:{host_threads}threads:{settings.host_copy_bytes}B",
+                       lambda: measure_host_link(device, settings.repeats, host_threads, settings.host_copy_bytes,
+                                                 device_numbers["adamw_bytes_s"] if kind == "cpu" else None))
         sizes = DEFAULT_COMM_SIZES_BYTES[kind] if settings.comm_sizes_bytes is None else settings.comm_sizes_bytes
         comm = measure_on_ranks(settings, kind, backend, threads, sizes, cache)
     finally:
@@ -152,12 +167,26 @@ def measure_profile(settings: ProfileSettings) -> ProfileResult:
             peak_flops[point.dtype] = max(peak_flops.get(point.dtype, 0.0), point.flops / point.seconds)
     memory_fwd = next((r.fit for r in op_fits if r.fit.family == "memory" and r.fit.direction == "fwd"
                        and r.fit.dtype == settings.dtypes[0]), None)
-    largest_all_reduce = max((r.fit for r in collective_fits if r.fit.collective == "all_reduce"),
-                             key=lambda f: f.group_size)
+    if reference is None:
+        largest_all_reduce = max((r.fit for r in collective_fits if r.fit.collective == "all_reduce"),
+                                 key=lambda f: f.group_size)
+        # the link as the cost model's fallback sees it: bus bandwidth and latency of the all-reduce
+        # fit at the largest group measured (its beta holds the ring factor: bus = factor / beta)
+        links = {"intra_node": Link(
+            bus_bandwidth_bytes_s=ring_factor("all_reduce", largest_all_reduce.group_size)
+            / max(largest_all_reduce.beta_s_per_byte, 1e-30),
+            latency_s=largest_all_reduce.alpha_s,
+        )}
+        collectives = [r.fit for r in collective_fits]
+        overlap = Overlap(enabled=comm["fsdp"]["overlap_enabled"], **comm["overlap"])
+    else:  # one process: nothing of the links was measured
+        links, collectives, overlap = reference.links, reference.collectives, reference.overlap
+    provenance = _provenance(settings, kind, backend, threads, device_name)
+    provenance.sources.update(_sources(host, reference))
     profile = DeviceProfile(
         name=name,
         source="measured",
-        provenance=_provenance(settings, kind, backend, threads, device_name),
+        provenance=provenance,
         device_type=kind,
         mem_bytes=device_bench.device_mem_bytes(device),
         peak_flops=peak_flops,
@@ -167,18 +196,13 @@ def measure_profile(settings: ProfileSettings) -> ProfileResult:
         # the zero-work time of ops as the model runs them (Python call, dispatch, kernel launch);
         # the bare dispatch micro-benchmark only when no memory-op fit exists
         op_overhead_s=memory_fwd.intercept_s if memory_fwd else device_numbers["dispatch_overhead_s"],
-        # the link as the cost model's fallback sees it: bus bandwidth and latency of the all-reduce
-        # fit at the largest group measured (its beta holds the ring factor: bus = factor / beta)
-        links={"intra_node": Link(
-            bus_bandwidth_bytes_s=ring_factor("all_reduce", largest_all_reduce.group_size)
-            / max(largest_all_reduce.beta_s_per_byte, 1e-30),
-            latency_s=largest_all_reduce.alpha_s,
-        )},
-        collectives=[r.fit for r in collective_fits],
-        overlap=Overlap(enabled=comm["fsdp"]["overlap_enabled"], **comm["overlap"]),
+        links=links,
+        collectives=collectives,
+        overlap=overlap,
         optimizer_bytes_s=device_numbers["adamw_bytes_s"],
         optimizer_tensor_s=comm["fsdp"]["optimizer_tensor_s"],
         fsdp=FsdpOverhead(),  # calibrated below, against this profile's own prediction of the steps' parts
+        host_link=HostLink(**{field: host[field] for field in HostLink.model_fields}),
         op_times=op_times,
         op_fits=[r.fit for r in op_fits],
     )
@@ -225,6 +249,42 @@ def _device_numbers(device: torch.device, repeats: Repeats, cache: MeasurementCa
     }
 
 
+def _links_reference(settings: ProfileSettings, device_name: str) -> DeviceProfile | None:
+    """With one process: the profile whose links, collective fits and overlap the measured one takes
+    (`links_from`, else the shipped datasheet profile of this device); None with several processes."""
+    from autoplan.profile_store import load_profile, profile_entries
+
+    if settings.nproc > 1:
+        return None
+    if settings.links_from:
+        return load_profile(settings.links_from)
+    for entry in profile_entries():
+        if entry.location == "shipped":
+            candidate = load_profile(str(entry.path))
+            if candidate.source == "datasheet" and candidate.provenance.device_name == device_name:
+                return candidate
+    raise UsageError(f"`nproc` 1 measures no collectives, and no shipped datasheet profile is of this device "
+                     f"({device_name}): give `links_from` (the profile whose links, collective fits and overlap "
+                     "to use; `autoplan profiles` lists them) or `nproc` 2 or more")
+
+
+def _sources(host: dict, reference: DeviceProfile | None) -> dict[str, str]:
+    """provenance.sources of what was not measured the usual way: the host link's figures, and with one
+    process the links taken from another profile."""
+    sources = {"host_link": (
+        f"measured here: one {host['copy_bytes'] >> 20} MiB copy each way (pinned host memory on CUDA, a memcpy "
+        f"on the CPU), AdamW on host fp32 tensors with {host['cpu_threads']} threads"
+        + (f"; a side-stream copy hid {host['overlap']['hidden_fraction']:.0%} of itself or of a matmul loop"
+           if "overlap" in host else "; the CPU runs no copy beside compute")
+        + ("" if host["host_mem_bytes"] is None else "; host memory: this machine's"))}
+    if reference is not None:
+        for field in ("links", "collectives", "overlap"):
+            sources[field] = (f"not measured (one process, no collectives): taken from profile {reference.name!r}"
+                              + (f", whose source is: {reference.provenance.sources[field]}"
+                                 if field in reference.provenance.sources else ""))
+    return sources
+
+
 def _collective_fits(seconds: dict[tuple[str, int, int], float]) -> list[CollectiveReport]:
     """alpha + beta * bytes per (collective, group size), measured inside one node."""
     by_series: dict[tuple[str, int], list[tuple[int, float]]] = {}
@@ -257,7 +317,7 @@ def _provenance(settings: ProfileSettings, kind: str, backend: str, threads: int
         description=(
             f"{rough}measured by `autoplan profile` on {host} ({device_name}): per-op forward/backward times of the "
             f"models' traced ops and of sweep MLP blocks, per-family fits, {backend} collectives over "
-            f"{settings.nproc} processes, compute/communication overlap, per-tensor optimizer overhead (profiling/fsdp.py), whole FSDP2 training steps of a calibration model fitted for the in-step compute scale and per-unit cost (profiling/calibration.py), AdamW step throughput. "
+            f"{settings.nproc} processes, compute/communication overlap, per-tensor optimizer overhead (profiling/fsdp.py), whole FSDP2 training steps of a calibration model fitted for the in-step compute scale and per-unit cost (profiling/calibration.py), AdamW step throughput, the host link (profiling/host_link.py). "
             "peak_flops is the best achieved matmul FLOP/s and mem_bandwidth a large copy, so both "
             "efficiencies are 1.0."
         ),
