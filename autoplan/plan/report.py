@@ -68,12 +68,12 @@ def format_plan(plan: Plan, cluster_is_default: bool = False) -> str:
         f"samples per step; {t.dtype}, {t.optimizer}",
         "",
     ]
-    header = f"{'units':<34} {'params/unit':>11}  {'decision':<18} {'act/mb':>10} {'fwd ms':>8} {'bwd ms':>8} {'comm ms':>8}"
+    header = f"{'units':<34} {'params/unit':>11}  {'decision':<20} {'act/mb':>10} {'fwd ms':>8} {'bwd ms':>8} {'comm ms':>8}"
     lines += [header, "-" * len(header)]
     for label, _count_units, unit in unit_rows(plan):
         pred = unit.predicted
         lines.append(
-            f"{label:<34} {_count(unit.params):>11}  {_decision(unit):<18} {format_bytes(pred.activation_bytes):>10} "
+            f"{label:<34} {_count(unit.params):>11}  {_decision(unit):<20} {format_bytes(pred.activation_bytes):>10} "
             f"{pred.fwd_s * 1e3:>8.2f} {pred.bwd_s * 1e3:>8.2f} {pred.comm_s * 1e3:>8.2f}"
         )
     b = p.breakdown
@@ -84,6 +84,12 @@ def format_plan(plan: Plan, cluster_is_default: bool = False) -> str:
         f"  params {format_bytes(b.params_bytes)} | grads {format_bytes(b.grads_bytes)} | optimizer "
         f"{format_bytes(b.optimizer_bytes)} | activations {format_bytes(b.activations_bytes)} | gathered params "
         f"{format_bytes(b.gathered_bytes)} | temporaries {format_bytes(b.temporaries_bytes)}",
+    ]
+    if p.host_mem_bytes:
+        of = f" of {format_bytes(c.host_mem_bytes)}" if c.host_mem_bytes else ""
+        lines.append(f"host memory (offloaded state, pinned) {format_bytes(p.host_mem_bytes)} per GPU, "
+                     f"{format_bytes(p.host_mem_per_node_bytes)} per node{of}")
+    lines += [
         f"predicted step time {p.step_time_s * 1e3:.1f} ms; throughput {p.throughput_samples_s:.1f} samples/s "
         f"({p.throughput_tokens_s:,.0f} tokens/s)",
     ]
