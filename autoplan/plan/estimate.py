@@ -71,7 +71,14 @@ def format_estimate(est: Estimate, timeline: bool = False) -> str:
     lines += [
         f"  {'total':<20} {format_bytes(p.peak_mem_bytes):>12}  of {format_bytes(c.mem_limit_bytes)} {limit_name}: "
         f"{verdict}",
-        f"model states (parameters + gradients + optimizer states) {format_bytes(est.model_state_bytes)} per GPU",
+        f"valley (held after the step: parameters, gradients, optimizer states) {format_bytes(est.model_state_bytes)} "
+        "per GPU",
+    ]
+    if p.host_mem_bytes:
+        lines.append(f"host memory (offloaded state, pinned) {format_bytes(p.host_mem_bytes)} per GPU, "
+                     f"{format_bytes(p.host_mem_per_node_bytes)} per node"
+                     + (f" of {format_bytes(c.host_mem_bytes)}" if c.host_mem_bytes else ""))
+    lines += [
         f"step time {p.step_time_s * 1e3:.1f} ms; throughput {p.throughput_samples_s:.1f} samples/s "
         f"({p.throughput_tokens_s:,.0f} tokens/s)",
     ]

@@ -8,6 +8,14 @@ Memory constraints are added lazily: most of a step's time points never bind, so
 with the peaks of a few reference plans, and each solution is checked against every point; a point
 it violates is added and the model solved again. The final plan satisfies every constraint and is
 optimal for the full model (an optimum of a relaxation that is feasible for the full model).
+
+Identical consecutive units (a model's repeated blocks) make the model highly symmetric: any
+permutation of their options gives the same step time and nearly the same memory, and CP-SAT can
+spend its whole time limit proving that. Such a run of units takes its options in a canonical order,
+leanest (least activation and kept-gathered memory) first: those bytes are held from a unit's forward
+to its backward, so at every time point the units before it hold theirs too, and the leaner options
+first give every prefix of the run, and so every point, the least memory (an exchange argument);
+parameters, gradients, optimizer and host state do not depend on the position.
 """
 
 from __future__ import annotations
@@ -24,7 +32,7 @@ from autoplan.settings import DEFAULT_TIME_LIMIT_S
 from cost_models.algebra import AffineAlgebra
 from cost_models.memory import timeline, total
 from cost_models.step import step_time
-from cost_models.table import CostTable
+from cost_models.table import CostTable  # noqa: F401  (annotations)
 
 NS_PER_S = 1_000_000_000
 # Solver settings in one place. One worker keeps the search deterministic: the same inputs give
@@ -83,6 +91,9 @@ class AffineModel:
     step_const_ns: int
     host_coef: np.ndarray | None = None  # [literals], bytes of offloaded state per rank (None: no offload)
     host_limit_bytes: int | None = None  # per rank: the node's host memory over its GPUs
+    # runs of identical consecutive units, and per unit the rank of each option in the canonical order
+    runs: list[list[int]] | None = None
+    order: list[list[int]] | None = None
 
     @classmethod
     def of(cls, table: CostTable) -> "AffineModel":
@@ -91,10 +102,11 @@ class AffineModel:
         step = step_time(table, alg).step_s
         host = np.array([cost.host_bytes for costs in table.costs for cost in costs], dtype=np.int64)
         offloads = table.host_limit_bytes is not None and bool(host.any())
+        runs, order = _identical_runs(table)
         return cls(
             alg, np.stack([row.coef for row in rows]), np.array([row.const for row in rows], dtype=np.int64),
             np.round(step.coef * NS_PER_S).astype(np.int64), int(round(step.const * NS_PER_S)),
-            host if offloads else None, table.host_limit_bytes if offloads else None,
+            host if offloads else None, table.host_limit_bytes if offloads else None, runs, order,
         )
 
     def memory(self, choices) -> np.ndarray:
@@ -112,6 +124,36 @@ class AffineModel:
         return [int(np.argmin(weight[offsets[u]:offsets[u + 1]])) for u in range(len(offsets) - 1)]
 
 
+def _identical_runs(table: CostTable) -> tuple[list[list[int]], list[list[int]]]:
+    """Runs (of two or more) of consecutive units with the same options at the same costs, whose ops are
+    one segment each, and per unit each option's rank, leanest first (see the module docstring)."""
+    def signature(u: int):
+        segments = [seg for seg in table.segments if seg.unit == u]
+        peaks = tuple((seg.bwd_peak, seg.bwd_peak_checkpointed, seg.bwd_peak_selective, seg.saved_bytes,
+                       seg.fwd_temp_bytes, seg.outer_grad_bytes) for seg in segments)
+        return (tuple(o.label for o in table.options[u]), tuple(map(repr, table.costs[u])), peaks,
+                table.units[u].parent, len(segments) == 1, u != table.root, not table.units[u].children)
+
+    order = []
+    for u in range(len(table.units)):
+        lean = sorted(range(len(table.options[u])),
+                      key=lambda i: (table.costs[u][i].activation_bytes + table.costs[u][i].held_bytes, i))
+        rank = [0] * len(lean)
+        for position, i in enumerate(lean):
+            rank[i] = position
+        order.append(rank)
+    runs: list[list[int]] = []
+    previous = None
+    for u in range(len(table.units)):
+        sig = signature(u)
+        if runs and sig == previous and all(sig[4:]):
+            runs[-1].append(u)
+        else:
+            runs.append([u])
+        previous = sig
+    return [run for run in runs if len(run) > 1], order
+
+
 def _top_points(memory: np.ndarray, count: int) -> list[int]:
     return [int(p) for p in np.argsort(-memory, kind="stable")[:count]]
 
@@ -126,6 +168,14 @@ class _Model:
         for unit in range(len(offsets) - 1):
             # [Constraint] exactly one option per unit
             self.model.add_exactly_one(self.x[offsets[unit]:offsets[unit + 1]])
+        for run in affine.runs or []:
+            for a, b in zip(run, run[1:]):
+                # [Constraint] identical consecutive units take options in the canonical order:
+                #   rank(option of a) <= rank(option of b), with rank(u) = sum_i rank_i x[u, i]
+                ranks_a, ranks_b = affine.order[a], affine.order[b]
+                self.model.add(
+                    cp_model.LinearExpr.weighted_sum(self.x[offsets[a]:offsets[a + 1]], ranks_a)
+                    <= cp_model.LinearExpr.weighted_sum(self.x[offsets[b]:offsets[b + 1]], ranks_b))
         if affine.host_coef is not None:
             # [Constraint] offloaded state of the node's ranks fits its host memory:
             #   gpus_per_node * sum_l h_l x_l <= host_mem   (per rank: <= host_mem // gpus_per_node)
