@@ -32,7 +32,7 @@ from autoplan.settings import DEFAULT_TIME_LIMIT_S
 from cost_models.algebra import AffineAlgebra
 from cost_models.memory import timeline, total
 from cost_models.step import step_time
-from cost_models.table import CostTable  # noqa: F401  (annotations)
+from cost_models.table import CostTable
 
 NS_PER_S = 1_000_000_000
 # Solver settings in one place. One worker keeps the search deterministic: the same inputs give
