@@ -27,7 +27,7 @@ from cost_models.profile import PROFILE_SCHEMA_VERSION, DeviceProfile
 
 __all__ = [
     "LOCAL_PREFIX", "PRECEDENCE_RULE", "ProfileEntry", "load_profile", "save_profile", "available_profiles",
-    "profile_entries", "shipped_profile_dir", "local_profile_dir", "is_shipped_name",
+    "profile_entries", "shipped_profile_dir", "local_profile_dir", "is_shipped_name", "figure_value", "sourced_figures",
 ]
 
 LOCAL_PROFILE_DIR_ENV = "AUTOPLAN_PROFILE_DIR"
@@ -87,6 +87,23 @@ def available_profiles() -> dict[str, Path]:
     """What each profile name picks -> its file: shipped names pick the shipped file; a local profile
     whose name a shipped one has appears as `local:NAME`, other local profiles by their name."""
     return {entry.pick: entry.path for entry in profile_entries()}
+
+
+def figure_value(profile: DeviceProfile, path: str):
+    """The value a dotted figure path of `provenance.sources` names ("matmul_efficiency",
+    "links.inter_node.bus_bandwidth_bytes_s", "host_link.h2d_bytes_s", "collectives"); None where the
+    profile has no such figure."""
+    node = profile.model_dump()
+    for part in path.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def sourced_figures(profile: DeviceProfile) -> list[tuple[str, object, str]]:
+    """(figure path, its value, its source) for every figure `provenance.sources` names, in its order."""
+    return [(path, figure_value(profile, path), source) for path, source in profile.provenance.sources.items()]
 
 
 def _read_profile(path: Path) -> DeviceProfile:

@@ -1,7 +1,8 @@
 """Which profile a name picks: a shipped name always the shipped profile (a local file of the same name,
 such as a rough `--quick` measurement, never changes what the name means), `local:NAME` or a path the
-local one; `autoplan profiles` lists both and says so; `autoplan profile` names its output so that it
-never lands under a shipped name by default. Nothing here measures anything."""
+local one; `autoplan profiles` lists both and says so, and prints where each profile's figures come from
+(`provenance.sources`); `autoplan profile` names its output so that it never lands under a shipped name by
+default. Nothing here measures anything."""
 
 import argparse
 import re
@@ -12,7 +13,14 @@ import autoplan
 from autoplan.cli import profile as cli_profile
 from autoplan.cli.main import main
 from autoplan.errors import UsageError
-from autoplan.profile_store import available_profiles, load_profile, save_profile, shipped_profile_dir
+from autoplan.profile_store import (
+    available_profiles,
+    figure_value,
+    load_profile,
+    save_profile,
+    shipped_profile_dir,
+    sourced_figures,
+)
 
 
 @pytest.fixture
@@ -96,3 +104,58 @@ def test_quick_help_says_how_long_it_takes(capsys):
     help_text = " ".join(capsys.readouterr().out.split())
     assert cli_profile.QUICK_TIME in help_text and "-quick" in help_text
     assert "rough, seconds" not in help_text
+
+
+def test_every_source_names_a_figure_of_its_profile():
+    # a source under a path the profile does not have would print a figure that is not there
+    for name in ("a100-sxm4-80gb", "h100-sxm-80gb", "v100-sxm2-32gb", "cpu-gloo-2"):
+        profile = load_profile(name)
+        for path, value, source in sourced_figures(profile):
+            assert source and (value is not None or path == "host_link.host_mem_bytes"), (name, path)
+    a100 = load_profile("a100-sxm4-80gb")
+    assert figure_value(a100, "links.inter_node.bus_bandwidth_bytes_s") == a100.links["inter_node"].bus_bandwidth_bytes_s
+    assert figure_value(a100, "links.nowhere.latency_s") is None
+
+
+def test_gpu_profiles_carry_sourced_achievable_figures():
+    for name in ("a100-sxm4-80gb", "h100-sxm-80gb", "v100-sxm2-32gb"):
+        sources = load_profile(name).provenance.sources
+        for figure in ("matmul_efficiency", "mem_bandwidth_efficiency", "links.inter_node.bus_bandwidth_bytes_s",
+                       "collectives", "host_link.h2d_bytes_s", "host_link.host_mem_bytes"):
+            assert figure in sources, (name, figure)
+    a100 = load_profile("a100-sxm4-80gb")
+    # whole-node rings across DGX A100s run at the node's 8 NICs (192 GB/s), not at one NIC's 24 GB/s
+    inter = [f for f in a100.collectives if f.scope == "inter_node" and f.collective == "all_gather"]
+    assert inter and 150e9 < (inter[0].group_size - 1) / inter[0].group_size / inter[0].beta_s_per_byte < 250e9
+    assert "192GB/s" in a100.provenance.sources["collectives"]
+
+
+def test_profiles_counts_each_profiles_sources(local_dir, capsys):
+    assert main(["profiles"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.strip()}
+    for name in ("a100-sxm4-80gb", "cpu-gloo-2"):
+        assert rows[name][-1] == str(len(load_profile(name).provenance.sources))
+    assert "`autoplan profiles NAME`" in out
+
+
+def test_profiles_name_prints_each_figure_with_its_value_and_source(local_dir, capsys):
+    assert main(["profiles", "a100-sxm4-80gb"]) == 0
+    out = capsys.readouterr().out
+    for path in load_profile("a100-sxm4-80gb").provenance.sources:
+        assert f"\n  {path}: " in out, path
+    assert "matmul_efficiency: 86.9%" in out and "Maximum Achievable Matmul FLOPS" in " ".join(out.split())
+    assert "links.inter_node.bus_bandwidth_bytes_s: 24.00 GB/s" in out
+
+
+def test_profiles_verbose_prints_every_profile_and_says_when_none_is_sourced(local_dir, capsys):
+    bare = load_profile("cpu-gloo-2")
+    bare = bare.model_copy(update={"name": "bare", "provenance": bare.provenance.model_copy(update={"sources": {}})})
+    save_profile(bare, local_dir / "bare.json")
+    assert main(["profiles", "--verbose"]) == 0
+    out = capsys.readouterr().out
+    for name in ("a100-sxm4-80gb", "h100-sxm-80gb", "v100-sxm2-32gb", "cpu-gloo-2", "bare"):
+        assert f"\n{name} (" in out, name
+    assert "no figure names its source" in out
+    assert main(["profiles", "no-such-profile"]) == 2
+    assert "unknown profile 'no-such-profile'" in capsys.readouterr().err

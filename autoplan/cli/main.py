@@ -24,7 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "search": ("autoplan.cli.search", "find the fastest sharding plan that fits a memory limit"),
     "models": ("autoplan.cli.models", "list the model zoo with parameter counts"),
     "profile": ("autoplan.cli.profile", "measure this machine's ops and collectives into a device profile"),
-    "profiles": ("autoplan.cli.profile", "list the shipped and local device profiles"),
+    "profiles": ("autoplan.cli.profiles", "list the shipped and local device profiles and their figures' sources"),
     "estimate": ("autoplan.cli.estimate", "per-GPU peak memory and step time of a fixed sharding strategy or a plan"),
     "apply": ("autoplan.cli.apply", "run a plan as a measured training run (torchrun + FSDP2)"),
 }

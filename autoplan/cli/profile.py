@@ -1,7 +1,6 @@
-"""`autoplan profile` (measure this machine into a device profile) and `autoplan profiles` (list the
-shipped and local ones, and which one each `--profile` name picks). `register(subparsers)` adds both
-to the main parser without importing torch; the work is done by autoplan.profiling and
-autoplan.profile_store, printing happens here."""
+"""`autoplan profile`: measure this machine into a device profile (`autoplan profiles`, which lists them,
+is autoplan/cli/profiles.py). `register(subparsers)` adds it to the main parser without importing torch;
+the work is done by autoplan.profiling and autoplan.profile_store, printing happens here."""
 
 from __future__ import annotations
 
@@ -12,9 +11,9 @@ import sys
 from pathlib import Path
 
 from autoplan.cli.args import positive_int
-from autoplan.errors import AutoplanError, UsageError
+from autoplan.errors import UsageError
 
-__all__ = ["register", "settings_from_args", "run_profile", "run_profiles", "profile_listing", "QUICK_TIME"]
+__all__ = ["register", "settings_from_args", "run_profile", "QUICK_TIME"]
 
 # what `--quick` costs, measured on this project's 2-core CPU test machine: 30-40 s, up to a minute while
 # other work shares its cores (before the FSDP2 and calibration timing were cut down for it: 60-85 s)
@@ -33,15 +32,8 @@ A profile measured here is written to the local profile folder as NAME.json. NAM
 that name, -local is added (cpu-gloo-2-local), since a shipped name always picks the shipped profile.
 """
 
-PROFILES_EXAMPLES = """examples:
-  autoplan profiles
-  AUTOPLAN_PROFILE_DIR=./my-profiles autoplan profiles
-  autoplan search --model gpt2 --gpus 2 --mem 4GB --profile local:cpu-gloo-2   # a local one a shipped name hides
-"""
-
-
 def register(subparsers) -> None:
-    """Add the `profile` and `profiles` subcommands to an argparse subparsers object."""
+    """Add the `profile` subcommand to an argparse subparsers object."""
     from autoplan.profiling.defaults import DEFAULT_DTYPES, DEFAULT_MODELS
     from cost_models.options import Dtype
 
@@ -84,17 +76,6 @@ def register(subparsers) -> None:
                              "named <device>-<backend>-<nproc>-quick, so it never takes a full profile's name")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     parser.set_defaults(handler=run_profile, subparser=parser)
-
-    listing = subparsers.add_parser(
-        "profiles", help="list the shipped and local device profiles",
-        description="Shipped profiles (datasheets, and measured ones that come with autoplan) and local ones "
-                    "(written by `autoplan profile`), with where each came from, under the name that picks "
-                    "each with --profile. A shipped profile's name always picks the shipped profile (a name "
-                    "means the same profile on every machine); a local profile of the same name is listed "
-                    "as local:NAME, which picks it, as does its path.",
-        epilog=PROFILES_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    listing.set_defaults(handler=run_profiles, subparser=listing)
 
 
 def settings_from_args(args: argparse.Namespace):
@@ -250,52 +231,3 @@ def _errors(report) -> str:
     if report.heldout_median_rel_err is None:
         return "-"
     return f"{report.heldout_median_rel_err:.0%} / {report.heldout_max_rel_err:.0%}"
-
-
-def profile_listing() -> list[dict]:
-    """One row per profile file: the name that picks it, where it lives, source, device, date (or the
-    error), and a note where a shipped and a local profile share a name."""
-    from autoplan.profile_store import LOCAL_PREFIX, load_profile, profile_entries
-
-    entries = profile_entries()
-    hidden = {entry.name for entry in entries if entry.shadowed}
-    rows = []
-    for entry in entries:
-        row = {"name": entry.pick, "location": entry.location, "path": str(entry.path), "note": ""}
-        if entry.shadowed:
-            row["note"] = f"{entry.name} picks the shipped one"
-        elif entry.name in hidden:
-            row["note"] = f"a local one is {LOCAL_PREFIX}{entry.name}"
-        try:
-            profile = load_profile(str(entry.path))
-        except AutoplanError as exc:
-            row["error"] = str(exc).splitlines()[0]
-        else:
-            quick = bool(profile.provenance.settings.get("quick"))
-            row.update(source="quick" if quick else profile.source,
-                       device=profile.provenance.device_name or profile.device_type,
-                       device_type=profile.device_type, date=(profile.provenance.date or "")[:10],
-                       host=profile.provenance.host or "", ops=len(profile.op_times),
-                       collectives=len(profile.collectives))
-        rows.append(row)
-    return rows
-
-
-def run_profiles(args: argparse.Namespace) -> int:
-    from autoplan.profile_store import PRECEDENCE_RULE, local_profile_dir
-
-    rows = profile_listing()
-    width = max([len("name (--profile)")] + [len(row["name"]) for row in rows])
-    print(f"{'name (--profile)':<{width}} {'where':<8} {'source':<10} {'type':<5} {'device':<30} {'date':<10} "
-          f"{'ops':>5} {'coll':>5}  note")
-    for row in rows:
-        if "error" in row:
-            print(f"{row['name']:<{width}} {row['location']:<8} unreadable: {row['error']}")
-            continue
-        print(f"{row['name']:<{width}} {row['location']:<8} {row['source']:<10} {row['device_type']:<5} "
-              f"{row['device'][:30]:<30} {row['date'] or '-':<10} {row['ops']:>5} {row['collectives']:>5}  "
-              f"{row['note']}".rstrip())
-    print(f"\n--profile NAME: {PRECEDENCE_RULE}.")
-    print(f"local profiles live in {local_profile_dir()} (set $AUTOPLAN_PROFILE_DIR to change); "
-          "`autoplan profile` writes one there")
-    return 0
