@@ -194,6 +194,41 @@ class PlanningSettings(_Settings):
     """inputs of a model whose forward does not take token ids [batch, seq] (a tensor, a tuple or a dict;
     batch in dim 0, sequence in dim 1; only shapes and dtypes matter)"""
 
+    pins: Annotated[Any, Flag()] = None
+    """pins file (YAML or JSON: `pins:` mapping module-path patterns to decisions, e.g. `transformer.h.*:
+    shard+ckpt`) fixing those units; the solver completes the rest (in Python also a mapping)"""
+
+    pin: Annotated[tuple[str, ...] | None, Flag()] = None
+    """a pin PATTERN=DECISION, repeatable: `*` one path component, `**` any depth, 0-11 a range, <root> the
+    root; the decision an option's label (shard+ckpt) or fields (checkpoint=full)"""
+
+    @field_validator("pins", mode="before")
+    @classmethod
+    def _pins_file(cls, value):
+        from autoplan.pins import PinSet
+
+        return None if value is None else PinSet.of(value)
+
+    @field_validator("pin", mode="before")
+    @classmethod
+    def _pin_texts(cls, value):
+        from autoplan.pins import parse_pin
+
+        if value is None:
+            return None
+        texts = (value,) if isinstance(value, str) else tuple(value)
+        for text in texts:
+            parse_pin(text)  # refused here, before any tracing
+        return texts
+
+    @property
+    def pin_set(self):
+        """The pins file's pins, then `pin`'s (an autoplan.pins.PinSet; None when there are none)."""
+        from autoplan.pins import PinSet, parse_pin
+
+        pins = (self.pins or PinSet()) + PinSet(parse_pin(text) for text in self.pin or ())
+        return pins if len(pins) else None
+
     @property
     def model_or_default(self) -> Any:
         return DEFAULT_MODEL if self.model is None else self.model

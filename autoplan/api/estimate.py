@@ -22,6 +22,7 @@ from autoplan.plan.schema import ClusterSpec, ModelRef, Plan, TrainingSpec, load
 from autoplan.settings import DEFAULT_MODEL, EstimateSettings, check_mem_limit
 from autoplan.sizes import format_bytes, parse_mem_bytes
 from autoplan.solve.cluster import resolve_cluster
+from autoplan.solve.pins import resolve_pins
 from autoplan.solve.tables import compute_dtype_of, micro_batch_candidates
 from cost_models.evaluate import checkpoint_name, evaluate, uniform_choices
 from cost_models.options import (
@@ -65,7 +66,8 @@ def estimate(model: Any = None, strategy: str | None = None, *, settings: Estima
     "hf:" config relative to the plan file's folder; a plan made from a factory needs `model`).
     `batch_size` is the micro-batch per GPU (default 1); `global_batch` adds gradient accumulation;
     `mem` is a limit to compare with (default: the device's memory; above it only with
-    `allow_over_device_mem`). The fields are `autoplan.settings.EstimateSettings`'s (the same as
+    `allow_over_device_mem`). `pins` / `pin` override the units they name (the rest keep the strategy's or
+    the plan's options). The fields are `autoplan.settings.EstimateSettings`'s (the same as
     `autoplan estimate`'s flags).
 
     >>> import autoplan
@@ -113,7 +115,17 @@ def estimate(model: Any = None, strategy: str | None = None, *, settings: Estima
                     mem_source)
     [(micro_batch_size, accum)] = micro_batch_candidates(cluster.shape.world_size, batch_size or 1, global_batch)
 
-    traced = session.cache(compute_dtype_of(dtype), granularity)
+    # the plan's units (some may be modules its pins made units), and the modules these pins make units
+    extra = tuple(unit.module for unit in plan.units) if plan is not None else ()
+    pins = None
+    if s.pin_set is not None:
+        base = session.cache(compute_dtype_of(dtype), granularity, extra)
+        pins = resolve_pins(s.pin_set, [unit.path for unit in base.units], session.module, session.name)
+        if plan is not None and pins.extra_units:
+            raise UsageError(f"pins that make modules units ({', '.join(pins.extra_units[:3])}) cannot change a "
+                             "`plan`: it has no decision for them; search again with the pins")
+        extra += pins.extra_units
+    traced = session.cache(compute_dtype_of(dtype), granularity, extra)
     table = traced.table(micro_batch_size, accum, cluster, session.seq_len, dtype, optimizer)
     if plan is not None:
         choices, label = _plan_choices(table, plan), "plan"
@@ -128,6 +140,10 @@ def estimate(model: Any = None, strategy: str | None = None, *, settings: Estima
         description = (SHARDING_KINDS[strategy].description + "; " + mode.description
                        + (" on every unit but the root" if mode.checkpoints else "")
                        + ("; parameters, gradients and optimizer states offloaded to the host" if s.offload else ""))
+    if pins is not None:  # the pinned units take their pins; the rest keep the strategy's or the plan's option
+        choices = pins.overlay(table, choices)
+        label += f" + {len(pins.pins)} pin{'s' if len(pins.pins) > 1 else ''}"
+        description += "; pinned: " + ", ".join(f"{p}: {d}" for p, d in pins.records())
     result = evaluate(table, choices)
 
     return Estimate(

@@ -13,9 +13,10 @@ from autoplan.models.fingerprint import model_fingerprint
 from autoplan.models.resolve import check_seq_len
 from autoplan.models.zoo import count_params
 from autoplan.plan.assemble import assemble_plan
-from autoplan.plan.schema import ModelRef, Plan
+from autoplan.plan.schema import ModelRef, PinRecord, Plan
 from autoplan.settings import SearchSettings, check_mem_limit
 from autoplan.solve.cluster import resolve_cluster
+from autoplan.solve.pins import resolve_pins
 from autoplan.solve.sweep import sweep
 from autoplan.solve.tables import compute_dtype_of, micro_batch_candidates
 
@@ -33,7 +34,8 @@ def search(model: Any = None, mem: str | int | None = None, *, settings: SearchS
     same as `autoplan search`'s flags): the cluster is `gpus` in `nodes` x `gpus_per_node` with a
     device `profile`; without `batch_size` the micro-batch is swept; `global_batch` fixes the samples
     per step (gradient accumulation fills it). `strategy` (a sharding kind), with `checkpoint` and `offload`, skips
-    the solver: every unit takes that option, and only the micro-batch is searched. A `settings`
+    the solver: every unit takes that option, and only the micro-batch is searched. `pins` (a pins file or a
+    mapping) and `pin` (["PATTERN=DECISION", ...]) fix the units they name; the solver completes the rest. A `settings`
     record gives all of them at once; `model`, `mem` and `fields` override it. A `mem` above the device's
     memory (without `allow_over_device_mem`) and a `seq_len` longer than the model's positions are refused.
 
@@ -54,13 +56,20 @@ def search(model: Any = None, mem: str | int | None = None, *, settings: SearchS
     candidates = micro_batch_candidates(cluster.shape.world_size, s.batch_size, s.global_batch)
     dtype, optimizer, granularity = s.dtype_or_default, s.optimizer_or_default, s.granularity_or_default
     tables = session.cache(compute_dtype_of(dtype), granularity)
+    pins = None
+    if s.pin_set is not None:  # matched once against the granularity's units; modules they name become units
+        pins = resolve_pins(s.pin_set, [unit.path for unit in tables.units], session.module, resolved.name)
+        tables = session.cache(compute_dtype_of(dtype), granularity, pins.extra_units)
     outcome = sweep(tables, cluster, candidates, seq_len=seq_len, dtype=dtype, optimizer=optimizer,
                     planned_bytes=planned_bytes, mem_limit_bytes=mem_limit_bytes, headroom=s.headroom,
                     time_limit_s=s.time_limit_s, strategy=s.strategy, checkpoint=s.checkpoint,
-                    offload=s.offload,
+                    offload=s.offload, pins=pins,
                     model_name=resolved.name, fixed_batch=s.batch_size is not None)
     model_ref = ModelRef(name=resolved.name, config=resolved.config, n_params=count_params(resolved.module),
                          fingerprint=model_fingerprint(resolved.module), tracer=tables.tracer)
-    return assemble_plan(outcome, model=model_ref, cluster=cluster, mem_limit_bytes=mem_limit_bytes,
+    plan = assemble_plan(outcome, model=model_ref, cluster=cluster, mem_limit_bytes=mem_limit_bytes,
                          headroom=s.headroom, seq_len=seq_len, dtype=dtype, optimizer=optimizer,
                          granularity=granularity, planned_bytes=planned_bytes)
+    if pins is None:
+        return plan
+    return plan.model_copy(update={"pins": [PinRecord(pattern=p, decision=d) for p, d in pins.records()]})

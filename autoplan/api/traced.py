@@ -46,7 +46,7 @@ class TracedModel:
         self.seq_len = seq_len
         self.forced_tracer = tracer
         self._traces: dict[str, TracePair] = {}
-        self._caches: dict[tuple[str, str], CostTables] = {}
+        self._caches: dict[tuple[str, ...], CostTables] = {}
 
     @property
     def name(self) -> str:
@@ -71,12 +71,17 @@ class TracedModel:
                                                      self.example_inputs, self.forced_tracer)
         return self._traces[compute_dtype]
 
-    def cache(self, compute_dtype: str, granularity: str) -> CostTables:
+    def cache(self, compute_dtype: str, granularity: str, extra_units: tuple[str, ...] = ()) -> CostTables:
+        """The cost tables at `granularity`, with `extra_units` (module paths, e.g. pinned) made units too."""
         key = (compute_dtype, granularity)
         if key not in self._caches:
             self._caches[key] = CostTables(self.resolved.module, self.seq_len, compute_dtype, granularity,
                                             self.traces(compute_dtype))
-        return self._caches[key]
+        extra = tuple(sorted(set(extra_units) - {unit.path for unit in self._caches[key].units}))
+        if extra and key + extra not in self._caches:
+            self._caches[key + extra] = CostTables(self.resolved.module, self.seq_len, compute_dtype, granularity,
+                                                   self.traces(compute_dtype), extra)
+        return self._caches[key + extra]
 
     def __repr__(self) -> str:
         return (f"TracedModel({self.name!r}, {self.n_params:,} parameters, seq_len={self.seq_len}, "

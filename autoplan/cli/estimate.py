@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from autoplan.cli.flags import add_settings_flags, settings_fields
+from autoplan.cli.pins import add_pin_flag
 
 __all__ = ["register"]
 
@@ -15,6 +16,7 @@ EXAMPLES = """examples:
   autoplan estimate --model hf:./my-llama/config.json --gpus 4 --seq-len 2048 --timeline
   autoplan estimate --model mypkg.models:build --seq-len 512 --strategy shard_keep
   autoplan estimate --plan plan.json            # the plan's decisions, model and settings
+  autoplan estimate --plan plan.json --pin 'transformer.h.*=shard+ckpt'   # the plan with those units changed
 """
 
 
@@ -29,7 +31,8 @@ def register(subparsers) -> None:
                     "parameters and temporaries, and the step time.",
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    add_settings_flags(parser, EstimateSettings)
+    add_settings_flags(parser, EstimateSettings, skip=("pin",))
+    add_pin_flag(parser, EstimateSettings)
     parser.add_argument("--timeline", action="store_true", help="also print memory at every time point of the step")
     parser.add_argument("--json", action="store_true", help="print the estimate as JSON")
     parser.set_defaults(handler=_run, subparser=parser)

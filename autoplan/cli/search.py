@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from autoplan.cli.flags import add_settings_flags, settings_fields, to_flags
+from autoplan.cli.pins import add_pin_flag, emit_pins
 
 __all__ = ["register"]
 
@@ -22,6 +23,8 @@ EXAMPLES = """examples:
   autoplan search --model llama2-70b --mem 80GB --nodes 8 --gpus-per-node 8 --profile h100-sxm-80gb
   autoplan search --model gpt2 --mem 2GB --gpus 2 --seq-len 128 --global-batch 64 -o plan.json
   autoplan search --model mypkg.models:build --seq-len 2048 --mem 40GiB --json
+  autoplan search --model gpt2-1.5b --mem 8GB --emit-pins pins.yaml      # the plan's decisions as pins
+  autoplan search --model gpt2-1.5b --mem 8GB --pins pins.yaml --pin 'lm_head=replicate'
 """
 
 
@@ -34,8 +37,12 @@ def register(subparsers) -> None:
                     "whose predicted per-GPU peak memory fits --mem. Writes the plan (JSON) and prints it.",
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    add_settings_flags(parser, SearchSettings)
+    add_settings_flags(parser, SearchSettings, skip=("pin",))
+    add_pin_flag(parser, SearchSettings)
     parser.add_argument("-o", "--out", default="plan.json", help="plan file to write (default plan.json)")
+    parser.add_argument("--emit-pins", metavar="FILE", help="also write the plan's decisions as a pins file (YAML; "
+                        "JSON if FILE ends in .json), units that agree grouped by ranges: edit it and search again "
+                        "with --pins FILE")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON instead of the table")
     parser.set_defaults(handler=_run, subparser=parser)
 
@@ -64,11 +71,18 @@ def _run(args) -> int:
     start = time.perf_counter()
     settings = SearchSettings.create(**settings_fields(SearchSettings, args))
     check_writable(args.out, "plan file", param="out", example="plan.json")
+    if args.emit_pins:
+        check_writable(args.emit_pins, "pins file", param="emit_pins", example="pins.yaml")
     plan = _hf_relative_to(search(settings=settings), args.out)
     plan.save(args.out)
+    if args.emit_pins:
+        emit_pins(plan, args.emit_pins, args.out)
     if args.json:
         sys.stdout.write(plan.to_json())
     else:
         print(to_flags(format_plan(plan, cluster_is_default=settings.cluster_is_default), args.subparser))
-        print(f"plan written to {args.out} ({time.perf_counter() - start:.1f} s)")
+        if plan.pins:
+            print(f"pins: {', '.join(f'{p.pattern}: {p.decision}' for p in plan.pins)}")
+        print(f"plan written to {args.out} ({time.perf_counter() - start:.1f} s)"
+              + (f"; its decisions as pins to {args.emit_pins}" if args.emit_pins else ""))
     return 0

@@ -179,6 +179,13 @@ class Baseline(_Strict):
     throughput_samples_s: float
 
 
+class PinRecord(_Strict):
+    """A pin the plan was searched with (see autoplan.pins): its pattern and its decision as written."""
+
+    pattern: str  # e.g. "transformer.h.0-11", "**.mlp", "<root>"
+    decision: str  # an option's label ("shard+ckpt") or the fields it fixes ("checkpoint=full")
+
+
 class Plan(_Strict):
     schema_version: Literal[1] = PLAN_SCHEMA_VERSION
     autoplan_version: str
@@ -189,6 +196,7 @@ class Plan(_Strict):
     predicted: Prediction
     solver: SolverInfo
     baselines: list[Baseline]
+    pins: list[PinRecord] = Field(default_factory=list)  # the user's pins it was searched with (none: all free)
 
     def to_json(self) -> str:
         return self.model_dump_json(indent=2) + "\n"

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from autoplan.errors import AutoplanError, InfeasibleError, UsageError
 from autoplan.sizes import format_bytes
 from autoplan.solve.cluster import Cluster
+from autoplan.solve.pins import PinResolution
 from autoplan.solve.solver import AffineModel, SolveResult, SolveStatus, solve_min_memory, solve_min_time
 from autoplan.solve.tables import CostTables
 from cost_models.evaluate import Evaluation, evaluate, uniform_choices
@@ -58,18 +59,23 @@ class SweepOutcome:
 def sweep(tables: CostTables, cluster: Cluster, candidates: list[tuple[int, int]], *, seq_len: int, dtype: str,
           optimizer: str, planned_bytes: int, mem_limit_bytes: int, headroom: float, time_limit_s: float,
           strategy: str | None, checkpoint: str | bool | None, model_name: str, fixed_batch: bool,
-          offload: bool = False) -> SweepOutcome:
+          offload: bool = False, pins: PinResolution | None = None) -> SweepOutcome:
     """The fastest plan over the micro-batch `candidates` whose predicted peak is at most `planned_bytes`.
 
-    `strategy` (a sharding kind) with `checkpoint` (a mode) and `offload` replaces the solve by that uniform plan. Raises
+    `strategy` (a sharding kind) with `checkpoint` (a mode) and `offload` replaces the solve by that uniform plan.
+    `pins` restrict the options of the units they name (with `strategy`: those units take their pins). Raises
     InfeasibleError (with the smallest limit that would fit) when nothing fits, AutoplanError when the
     solver's time ran out before any verdict."""
     steps: list[SweepStep] = []
     seen: list[CostTable] = []
+    unpinned: list[CostTable] = []  # the tables with every option: for the baselines, and to explain pins
     best = None  # (throughput, table, result, affine)
     wall_s, num_vars, num_cons = 0.0, 0, 0
     for micro_batch_size, accum in candidates:
         table = tables.table(micro_batch_size, accum, cluster, seq_len, dtype, optimizer)
+        unpinned.append(table)
+        if pins is not None and strategy is None:
+            table = pins.restrict(table)
         if best is not None and table.samples_per_step / lower_bound_step_s(table) <= best[0]:
             # even with no memory limit this micro-batch cannot beat the best plan: skip the solve
             steps.append(SweepStep(micro_batch_size, accum, SolveStatus.PRUNED, None, None))
@@ -79,7 +85,7 @@ def sweep(tables: CostTables, cluster: Cluster, candidates: list[tuple[int, int]
         if strategy is None:
             result = solve_min_time(table, planned_bytes, time_limit_s, affine=affine)
         else:
-            result = _fixed_strategy(table, affine, strategy, checkpoint, planned_bytes, offload)
+            result = _fixed_strategy(table, affine, strategy, checkpoint, planned_bytes, offload, pins)
         wall_s += result.wall_time_s
         num_vars, num_cons = result.num_variables, result.num_constraints
         if result.choices is None:
@@ -102,7 +108,15 @@ def sweep(tables: CostTables, cluster: Cluster, candidates: list[tuple[int, int]
             f"({', '.join(f'{s.micro_batch_size}: {s.status.lower()}' for s in steps)}); raise `time_limit_s`, or "
             "give `batch_size` to try a single micro-batch size")
     if best is None:
-        raise _infeasible(seen[0], mem_limit_bytes, headroom, model_name, cluster, time_limit_s, fixed_batch)
+        if pins is not None and strategy is None:
+            explained = pins.explain_infeasible(unpinned[0], planned_bytes, model_name, mem_limit_bytes, headroom,
+                                                time_limit_s)
+            if explained is not None:
+                raise explained
+        error = _infeasible(unpinned[0], mem_limit_bytes, headroom, model_name, cluster, time_limit_s, fixed_batch)
+        if pins is not None and strategy is None:
+            error.args = (error.args[0] + " The pins are not the cause: without them no plan fits either.",)
+        raise error
 
     _, table, result, affine = best
     choices = result.choices
@@ -112,20 +126,22 @@ def sweep(tables: CostTables, cluster: Cluster, candidates: list[tuple[int, int]
                                 mem_limit_bytes=planned_bytes, affine=affine, start_from=result.choices)
         wall_s += lean.wall_time_s
         choices = lean.choices or result.choices
-    fitting = [t for t, step in zip(seen, steps) if step.status != SolveStatus.INFEASIBLE]
+    fitting = [t for t, step in zip(unpinned, steps) if step.status != SolveStatus.INFEASIBLE]
     return SweepOutcome(table=table, choices=choices, evaluation=evaluate(table, choices), result=result,
-                        steps=steps, tables=fitting or seen, wall_time_s=wall_s, num_variables=num_vars,
+                        steps=steps, tables=fitting or unpinned, wall_time_s=wall_s, num_variables=num_vars,
                         num_constraints=num_cons)
 
 
 def _fixed_strategy(table: CostTable, affine: AffineModel, strategy: str, checkpoint: str | bool | None,
-                    mem_limit_bytes: int, offload: bool = False) -> SolveResult:
-    """A uniform plan evaluated in place of a solve, reported in the solver's terms."""
+                    mem_limit_bytes: int, offload: bool = False, pins: PinResolution | None = None) -> SolveResult:
+    """A uniform plan (the pinned units as pinned) evaluated in place of a solve, reported in the solver's terms."""
     choices = uniform_choices(table, strategy, checkpoint, exact=True, offload=offload)
     if choices is None and offload:
         raise UsageError("`offload` needs a profile that prices the host link (its `host_link`); this one has none")
     if choices is None:
         raise UsageError(f"`strategy` {strategy} is not available on this cluster (it needs `nodes` 2 or more)")
+    if pins is not None:
+        choices = pins.overlay(table, choices)
     result = evaluate(table, choices)
     fits = result.fits(mem_limit_bytes, table.host_limit_bytes)
     stats = (affine.algebra.size, 0, len(affine.mem_const))

@@ -52,11 +52,11 @@ class CostTables:
     """Op costs at any micro-batch from two traces (micro-batch 1 and 2): they are affine in it."""
 
     def __init__(self, model: nn.Module, seq_len: int, compute_dtype: str, granularity: str,
-                 traces: TracePair | None = None):
+                 traces: TracePair | None = None, extra_units: tuple[str, ...] = ()):
         traces = traces or trace_pair(model, seq_len, compute_dtype)
         self.tracer = traces.tracer
         self.trace_1, self.trace_2 = traces.at_1, traces.at_2
-        self.units = build_units(model, self.trace_1, granularity)
+        self.units = build_units(model, self.trace_1, granularity, extra_units)  # extra: modules pins make units
         # what a checkpointed unit keeps, per way of checkpointing, at micro-batch 1 and 2
         self.keep = {mode: (activation_keep_bytes(self.trace_1, self.units, mode),
                             activation_keep_bytes(self.trace_2, self.units, mode)) for mode in CHECKPOINTED}

@@ -20,7 +20,9 @@ from autoplan.errors import UsageError
 from autoplan.settings import GRANULARITIES
 from cost_models.records import ModelTrace, ParamInfo, Unit
 
-__all__ = ["MIN_CHILD_FRACTION", "MIN_SIBLING_FRACTION", "build_units", "candidate_paths", "largest_module_list"]
+__all__ = [
+    "MIN_CHILD_FRACTION", "MIN_SIBLING_FRACTION", "build_units", "candidate_paths", "largest_module_list", "unit_refusal",
+]
 
 # A sibling module along the path to the blocks becomes a unit only if it is at least this
 # fraction of one block's parameters: tiny units cost a collective's latency for nothing.
@@ -101,10 +103,37 @@ def candidate_paths(model: nn.Module, granularity: str = "block") -> list[str]:
     return paths
 
 
-def build_units(model: nn.Module, trace: ModelTrace, granularity: str = "block") -> list[Unit]:
-    """Units in execution order (by first op), each owning its parameters and ops."""
+def unit_refusal(model: nn.Module, path: str, registrations: dict[int, list[str]] | None = None) -> str | None:
+    """Why the module at `path` cannot be a unit of its own (None: it can): what a pin that names a module
+    outside the granularity's units is checked against."""
+    try:
+        module = model.get_submodule(path)
+    except AttributeError:
+        return f"{path} is not a module of the model"
+    if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+        return (f"{path} is a {type(module).__name__}, a container whose forward never runs (FSDP's hooks would "
+                f"never fire); name its elements instead ({path}.*)")
+    registrations = registrations or _registrations(model)
+    for param in module.parameters():
+        outside = [owner for owner in registrations[id(param)] if not _owns(path, owner)]
+        if outside:
+            return (f"{path} shares a parameter with {outside[0] or '<root>'} outside it (tied weights), so it "
+                    "cannot be a unit of its own: FSDP would reshard the parameter while the other still needs it")
+    return None
+
+
+def build_units(model: nn.Module, trace: ModelTrace, granularity: str = "block",
+                extra_paths: tuple[str, ...] = ()) -> list[Unit]:
+    """Units in execution order (by first op), each owning its parameters and ops. `extra_paths` are
+    modules made units beside the granularity's (pinned ones); one that cannot be is a UsageError."""
     registrations = _registrations(model)
     paths = [p for p in candidate_paths(model, granularity) if p == "" or not _shared_outside(model, p, registrations)]
+    for path in extra_paths:
+        if path not in paths:
+            why = unit_refusal(model, path, registrations)
+            if why:
+                raise UsageError(why)
+            paths.append(path)
     units = {path: Unit(path) for path in paths}
     innermost_of: dict[str, str] = {}
 
