@@ -24,6 +24,7 @@ from autoplan.errors import PlanFileError
 from autoplan.models.zoo import build_model, get_config
 from autoplan.run.apply import apply
 from autoplan.run.data import BatchShape, SyntheticTokens, rank_micro_batches
+from autoplan.run.fsdp import offloaded_params
 
 STEPS = 3
 SEED = 1234
@@ -54,6 +55,14 @@ CASES = {
     "dry_run_from_4": dict(model="gpt2-tiny", world_size=4, nodes=2, gpus_per_node=2, dry_run=True,
                            decisions={"transformer.h.0": "hybrid", "transformer.h.1": "shard_keep+ckpt"},
                            probe="transformer.h.0"),
+    # Selective checkpointing (an op-level policy: matmul and attention outputs kept, the rest re-run).
+    "selective": dict(model="gpt2-tiny", grad_accum_steps=2, decisions={b: "shard+sel" for b in GPT2_BLOCKS},
+                      probe="transformer.h.0"),
+    # Offload (FSDP2 CPUOffloadPolicy; on the CPU the host is the device): every kind of unit offloaded or not,
+    # with and without checkpointing, the optimizer split into a device group and a host group.
+    "offload": dict(model="llama-tiny", probe="layers.1",
+                    decisions={"tok_embeddings": "shard_keep+offload", "layers.0": "shard+offload",
+                               "layers.1": "replicate+sel+offload", "lm_head": "shard+ckpt"}),
     # Precision: compared with the fp32 reference within bf16 rounding.
     "bf16_mixed": dict(model="gpt2-tiny", dtype="bf16-mixed", decisions={b: "shard" for b in GPT2_BLOCKS},
                        probe="transformer.h.0"),
@@ -124,7 +133,10 @@ def applied_run(plan, shape: BatchShape, probe: str, dry_run: bool):
         name: p.to_local().numel() / p.numel() for name, p in probe_module.named_parameters() if p.dim() == 2
     }
     params = {name: p.full_tensor() if isinstance(p, DTensor) else p.detach() for name, p in model.named_parameters()}
+    on_host = {id(p) for p in offloaded_params(model)}
     return {
+        "offloaded_params": sorted(name for name, p in model.named_parameters() if id(p) in on_host),
+        "optimizer_groups": [len(group["params"]) for group in optimizer.param_groups],
         "losses": losses,
         "params": params,
         "param_dtype": str(next(model.parameters()).dtype),
@@ -150,6 +162,8 @@ def run_case(case: dict) -> dict:
         "probe_local_fraction": applied["probe_local_fraction"],
         "probe_gathered_after_forward": applied["probe_gathered_after_forward"],
         "probe_inner_forward_calls_per_micro_batch": applied["probe_inner_forward_calls_per_micro_batch"],
+        "offloaded_params": applied["offloaded_params"],
+        "optimizer_groups": applied["optimizer_groups"],
     }
 
 

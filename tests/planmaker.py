@@ -16,7 +16,7 @@ from autoplan.plan.schema import (
     UnitPrediction,
 )
 from autoplan.version import __version__
-from cost_models.options import SHARDING_KINDS
+from cost_models.options import CHECKPOINT_MODES, SHARDING_KINDS
 
 _ZERO_UNIT = UnitPrediction(persistent_bytes=0, grad_bytes=0, gathered_bytes=0, activation_bytes=0,
                             fwd_s=0.0, bwd_s=0.0, comm_s=0.0, optimizer_s=0.0)
@@ -48,7 +48,8 @@ def make_plan(
     predicted_step_time_s: float = 0.1,
 ) -> Plan:
     """`decisions` maps a unit's module path to "shard", "shard_keep", "replicate" or "hybrid",
-    with "+ckpt" appended for activation checkpointing; the root "" defaults to "shard".
+    with "+ckpt" (full) or "+sel" (selective checkpointing) and "+offload" appended; the root "" defaults
+    to "shard".
     `factory_model` (a model on meta) makes a plan for a user factory named `name`."""
     decisions = {"": "shard", **(decisions or {})}
     if factory_model is not None:
@@ -65,10 +66,12 @@ def make_plan(
         module_path = param_name.rsplit(".", 1)[0] if "." in param_name else ""
         shapes[_owner(paths, module_path)][param_name] = list(param.shape)
     units = []
+    modes_by_label = {mode.label.lstrip("+"): name for name, mode in CHECKPOINT_MODES.items() if mode.label}
     for path, label in decisions.items():
-        sharding, _, ckpt = label.partition("+")
+        sharding, *flags = label.split("+")
+        checkpoint = next((modes_by_label[f] for f in flags if f in modes_by_label), "none")
         units.append(UnitDecision(
-            module=path, sharding=sharding, checkpoint=ckpt == "ckpt",
+            module=path, sharding=sharding, checkpoint=checkpoint, offload="offload" in flags,
             reshard_after_forward=SHARDING_KINDS[sharding].reshard_after_forward,
             params=sum(_numel(s) for s in shapes[path].values()), param_shapes=shapes[path], predicted=_ZERO_UNIT,
         ))

@@ -28,10 +28,15 @@ EXPECTED_PROBE = {
     "mixed": (1.0, False, 2),  # layers.0.attn: replicate + checkpoint, nested in a sharded block
     "sgd": (1.0, False, 2),
     "dry_run_from_4": (0.5, False, 1),  # hybrid over 2 nodes x 2 GPUs, on 2 ranks: one node of 2
+    "selective": (0.5, False, 2),  # re-run in the backward, its matmul outputs taken from the forward
+    "offload": (1.0, False, 2),  # layers.1: replicate + selective + offload
     "bf16_mixed": (0.5, False, 1),
     "bf16": (0.5, False, 1),
 }
 LOW_PRECISION = {"bf16_mixed", "bf16"}
+# The offload case: its offloaded units, how many parameters they hold, and the optimizer's groups
+# (the root's norm and lm_head on the device, the offloaded units' 19 parameters on the host).
+OFFLOADED = {"offload": (("tok_embeddings.", "layers.0.", "layers.1."), 19, [2, 19])}
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +73,13 @@ def test_decision_is_what_runs(results, case):
     assert result["probe_gathered_after_forward"] is gathered
     assert result["probe_inner_forward_calls_per_micro_batch"] == calls
     assert result["param_dtype"] == ("torch.bfloat16" if case == "bf16" else "torch.float32")
+    prefixes, count, groups = OFFLOADED.get(case, ((), 0, None))
+    assert len(result["offloaded_params"]) == count
+    assert all(name.startswith(prefixes) for name in result["offloaded_params"])
+    if groups is None:
+        assert len(result["optimizer_groups"]) == 1
+    else:
+        assert result["optimizer_groups"] == groups
 
 
 def test_refuses_another_world_size(results):

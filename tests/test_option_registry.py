@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import autoplan
-import autoplan.run.apply as apply_module
+import autoplan.run.fsdp as fsdp_module
 from autoplan.errors import PlanFileError
 from autoplan.plan.schema import plan_json_schema
 from autoplan.run.apply import build_optimizer, model_for_plan
@@ -61,7 +61,7 @@ def fake_world():
 def fully_shard_calls(monkeypatch):
     """What apply hands FSDP2's fully_shard per unit (the call itself still runs)."""
     calls = []
-    real = apply_module.fully_shard
+    real = fsdp_module.fully_shard
 
     def spy(module, **kwargs):
         mesh = kwargs["mesh"]
@@ -69,7 +69,7 @@ def fully_shard_calls(monkeypatch):
                       "reshard_after_forward": kwargs["reshard_after_forward"]})
         return real(module, **kwargs)
 
-    monkeypatch.setattr(apply_module, "fully_shard", spy)
+    monkeypatch.setattr(fsdp_module, "fully_shard", spy)
     return calls
 
 

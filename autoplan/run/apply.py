@@ -10,34 +10,39 @@ Per unit, the plan's decision maps to one FSDP2 call, as its sharding kind's row
   named ("replicate", "shard"): full copies, gradients all-reduced (replicate); HYBRID, a
   (nodes, gpus_per_node) mesh: sharded within a node, replicated across nodes (hybrid);
 - the row's reshard_after_forward: False keeps the parameters gathered from forward to backward;
-- checkpoint:  composable activation checkpointing on the unit's module before fully_shard. It
-               works by forward hooks, so module paths (and the fingerprint) stay unchanged.
+- the checkpoint mode's row: what the unit recomputes (apply_ac in ac.py: none, selective by an op-level
+  policy, full), on the unit's module before fully_shard; forward hooks, so module paths stay unchanged;
+- offload: FSDP2's CPUOffloadPolicy on the unit's fully_shard (pinned host memory where the device is a
+  GPU): its sharded parameters, gradients and optimizer states live on the host, and its optimizer step
+  runs there. On a CPU device the host is the device: the same code path, no copy.
 
 The precision's row gives the mixed-precision policy, the optimizer's row the torch.optim class.
-The optimizer is built here over the parameters FSDP2 registered. `to_empty` keeps those parameter
-objects (FSDP2 resets its shards in place), so the optimizer stays valid after materialisation.
+The optimizer is built here over the parameters FSDP2 registered, one parameter group per device they
+will live on (torch picks its foreach implementation per group, and a group mixing host and GPU
+tensors would fall back to one tensor at a time). `materialise` keeps those parameter objects (FSDP2
+resets its shards in place), so the optimizer stays valid; it puts offloaded units' shards on the host.
 """
 
 from __future__ import annotations
 
 import math
 import os
-import warnings
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed._composable import checkpoint as checkpoint_activations
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from autoplan.errors import PlanFileError, UsageError
 from autoplan.models.fingerprint import model_fingerprint
 from autoplan.models.hf import HF_PREFIX
 from autoplan.models.resolve import ResolvedModel, model_from_plan, resolve_model
 from autoplan.plan.schema import Plan, UnitDecision
+from autoplan.run.ac import apply_ac
+from autoplan.run.fsdp import apply_fsdp, materialise, param_groups  # noqa: F401 - materialise: re-exported
 from cost_models.options import (
     CHECKPOINT_MODES,
     OPTIMIZERS,
@@ -89,16 +94,11 @@ def apply(
     if master != torch.float32:  # models are built in fp32
         model.to(master)
     mp_policy = mixed_precision_policy(precision)
+    pin_memory = world_mesh.device_type != "cpu"  # pinned host memory needs an accelerator
     for decision, kind, module in units:
-        if CHECKPOINT_MODES[decision.checkpoint].checkpoints:
-            checkpoint_activations(module)
-        fully_shard(
-            module,
-            mesh=meshes.for_kind(kind),
-            reshard_after_forward=kind.reshard_after_forward,
-            mp_policy=mp_policy,
-        )
-    return Applied(model, build_optimizer(model.parameters(), optimizer_kind, lr))
+        apply_ac(module, _plan_row(CHECKPOINT_MODES, decision.checkpoint))
+        apply_fsdp(module, meshes.for_kind(kind), kind, mp_policy, offload=decision.offload, pin_memory=pin_memory)
+    return Applied(model, build_optimizer(param_groups(model), optimizer_kind, lr))
 
 
 def torch_dtype(dtype: Dtype | str) -> torch.dtype:
@@ -315,22 +315,3 @@ def model_label_note(plan: Plan, model: ResolvedModel) -> str | None:
                 f"{model.name}'s; the run is labelled {model.name}")
     return (f"the plan was made for {plan.model.name!r}; running {model.name}, the model given, "
             "whose parameters match the plan's")
-
-
-def materialise(model: nn.Module, device: torch.device | str, seed: int) -> None:
-    """Allocate a meta-built model on `device` and initialise it; the same seed on every rank.
-
-    On a CPU mesh each rank draws its shards from its own generator: the same seed keeps replicated
-    parameters equal across ranks (sharded ones are not the values a single process would draw).
-    DTensor warns about exactly that, so the warning is silenced here.
-    """
-    model.to_empty(device=device)
-    torch.manual_seed(seed)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="DTensor random operators")
-        if hasattr(model, "init_weights"):
-            model.init_weights()
-            return
-        for module in model.modules():  # a user model without init_weights: each layer's own init
-            if hasattr(module, "reset_parameters"):
-                module.reset_parameters()

@@ -1,0 +1,78 @@
+"""Activation checkpointing of one unit, as its checkpoint mode's row says (cost_models.options.CHECKPOINT_MODES).
+
+Why one place: the cost model prices a checkpoint mode by what it recomputes (`CheckpointMode.recompute`);
+this module turns that same property into torch calls, so that what runs is what was priced, and a new
+row with a known `recompute` runs without a change here. No mode is named.
+
+- Recompute.NOTHING: the unit is left alone; its ops save what autograd saves.
+- Recompute.ALL: torch's composable checkpoint on the unit's module: its forward keeps the unit's inputs
+  only and is re-run in its backward.
+- Recompute.CHEAP (selective checkpointing): the same composable checkpoint, with torch's op-level policy
+  (`torch.utils.checkpoint.create_selective_checkpoint_contexts`): the outputs of the ops that do the
+  heavy work are kept from the forward (MUST_SAVE) and every other op is re-run (PREFER_RECOMPUTE). The
+  kept ops are the registry's aten names (options.SAVED_BY_SELECTIVE_ATEN: matmuls and the attention
+  kernels, the trace-side twin of which is activations.saved_by_selective) and the c10d functional
+  collectives (re-running one would repeat its communication; torchtitan keeps them for the same reason).
+
+The composable checkpoint works by forward hooks, so module paths (and the model's fingerprint) stay
+unchanged. FSDP2's own hooks, registered after it by `fully_shard`, are prepended: the all-gather runs
+before the checkpointed region opens and the reshard after it closes, so gathered parameters are
+never among what a checkpoint keeps.
+"""
+
+from __future__ import annotations
+
+import importlib
+from functools import lru_cache
+
+import torch
+import torch.nn as nn
+from torch.distributed._composable import checkpoint as composable_checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from cost_models.options import SAVED_BY_SELECTIVE_ATEN, CheckpointMode, Recompute
+
+__all__ = ["SAVED_COLLECTIVES", "apply_ac", "saved_by_selective_ops", "selective_context_fn", "selective_policy"]
+
+# The c10d functional collectives (torch.ops._c10d_functional) whose outputs a selective checkpoint keeps.
+SAVED_COLLECTIVES = (
+    "all_reduce", "all_reduce_coalesced", "all_gather_into_tensor", "all_gather_into_tensor_coalesced",
+    "reduce_scatter_tensor", "reduce_scatter_tensor_coalesced", "all_to_all_single",
+)
+
+
+def apply_ac(module: nn.Module, mode: CheckpointMode) -> None:
+    """Checkpoint `module`'s activations as `mode.recompute` says (nothing to do for Recompute.NOTHING).
+    Call it before `fully_shard` on the same module (see the module docstring)."""
+    if mode.recompute is Recompute.NOTHING:
+        return
+    if mode.recompute is Recompute.ALL:
+        composable_checkpoint(module)
+    elif mode.recompute is Recompute.CHEAP:
+        composable_checkpoint(module, context_fn=selective_context_fn)
+    else:  # a Recompute value added to the registry without a way to run it
+        raise NotImplementedError(f"checkpoint mode {mode.name!r}: apply has no way to run recompute="
+                                  f"{mode.recompute.value!r}; known: {', '.join(r.value for r in Recompute)}")
+
+
+@lru_cache(maxsize=1)
+def saved_by_selective_ops() -> frozenset:
+    """The op packets a selective checkpoint keeps: the registry's aten names that this torch has, and the
+    c10d functional collectives (those registered: importing torch.distributed registers them)."""
+    packets = [getattr(torch.ops.aten, name) for name in SAVED_BY_SELECTIVE_ATEN if hasattr(torch.ops.aten, name)]
+    if torch.distributed.is_available():
+        importlib.import_module("torch.distributed._functional_collectives")  # registers torch.ops._c10d_functional
+        functional = torch.ops._c10d_functional
+        packets += [getattr(functional, name) for name in SAVED_COLLECTIVES if hasattr(functional, name)]
+    return frozenset(packets)
+
+
+def selective_policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
+    """Keep the outputs of matmuls, attention and collectives; re-run everything else in the backward."""
+    packet = getattr(func, "overloadpacket", func)
+    return CheckpointPolicy.MUST_SAVE if packet in saved_by_selective_ops() else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def selective_context_fn():
+    """The (forward, recompute) context pair of one selectively checkpointed forward (checkpoint's context_fn)."""
+    return create_selective_checkpoint_contexts(selective_policy)
