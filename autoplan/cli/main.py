@@ -27,6 +27,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "profiles": ("autoplan.cli.profiles", "list the shipped and local device profiles and their figures' sources"),
     "estimate": ("autoplan.cli.estimate", "per-GPU peak memory and step time of a fixed sharding strategy or a plan"),
     "apply": ("autoplan.cli.apply", "run a plan as a measured training run (torchrun + FSDP2)"),
+    "explain": ("autoplan.cli.explain",
+                "why a plan chose each option: time and memory of the alternatives, where the limit binds"),
+    "diff": ("autoplan.cli.diff",
+             "the units two plans decide differently, with each difference's step-time and memory change"),
 }
 
 
