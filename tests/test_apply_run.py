@@ -65,6 +65,24 @@ def test_run_reports_predicted_beside_measured(tmp_path, capfd):
     assert load_report(report_path).measured.losses == measured["losses"]  # the file is a valid RunReport
 
 
+def test_offloaded_and_selectively_checkpointed_units_run_with_host_memory_reported(tmp_path, capfd):
+    plan_path, report_path = tmp_path / "plan.json", tmp_path / "r.json"
+    plan = make_plan("gpt2-tiny", {"transformer.h.0": "shard+offload", "transformer.h.1": "shard+sel"})
+    block = sum(p.numel() for p in build_model("gpt2-tiny").transformer.h[0].parameters())
+    plan.predicted.host_mem_bytes = 16 * block // 2  # parameters, gradients, two AdamW states; sharded over 2
+    plan.save(plan_path)
+    code = main(["apply", str(plan_path), "--steps", "1", "--warmup", "1", "--report", str(report_path)])
+    out, err = capfd.readouterr()
+    assert code == 0, err[-3000:]
+    assert "host memory per rank" in out and "the host is the device" in out
+    measured = load_report(report_path).measured
+    # the measured host storages: the shards (no padding: every dim 0 here is even) plus AdamW's step counters
+    n_tensors = len(list(build_model("gpt2-tiny").transformer.h[0].parameters()))
+    assert measured.host_mem_bytes == 16 * block // 2 + 4 * n_tensors
+    assert set(measured.host_mem_bytes_per_rank) == {"0", "1"}
+    assert all(math.isfinite(loss) for loss in measured.losses)
+
+
 def test_factory_plan_dry_run_on_fewer_ranks(tmp_path, capfd):
     plan_path, report_path = tmp_path / "plan.json", tmp_path / "r.json"
     factory_model = build_model("gpt2-tiny")  # same structure as factory_models.tiny_gpt2

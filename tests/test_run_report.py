@@ -140,3 +140,48 @@ def test_ranks_of_another_node_that_sent_nothing_are_named_as_such(tmp_path):
     assert report.status == "failed"
     assert report.failures == [
         "rank 1 ran on another node and sent nothing to this node; that node's output says what happened to it"]
+
+
+def test_host_memory_of_offloaded_units_is_shown_beside_device_memory(tmp_path):
+    plan_path = tmp_path / "plan.json"
+    plan = make_plan("gpt2-tiny", {"transformer.h.0": "shard+offload", "transformer.h.1": "shard+sel"}, world_size=4,
+                     nodes=2)
+    plan.predicted.host_mem_bytes, plan.predicted.host_mem_per_node_bytes = 400_000, 800_000
+    plan.save(plan_path)
+    spec = RunSpec(plan_path=str(plan_path), run_dir=str(tmp_path), device="cpu", steps=2, warmup_steps=1,
+                   dry_run=False)
+    ranks = {rank: rank_result(rank) for rank in range(4)}
+    for rank, result in ranks.items():
+        result.host_state_bytes = 390_000 + 1000 * rank
+    report = build_report(plan, str(plan_path), spec, 4, LaunchResult(0, ranks, {}), nodes=2)
+    measured = report.measured
+    assert measured.host_mem_bytes == 393_000
+    assert measured.host_mem_bytes_per_rank == {"0": 390_000, "1": 391_000, "2": 392_000, "3": 393_000}
+    assert measured.host_mem_per_node_bytes == 392_000 + 393_000  # node 1: ranks 2 and 3
+    assert report.predicted.host_mem_bytes == 400_000
+    table = format_report(report)
+    rows = {line[:24].strip(): line[24:].split() for line in table.splitlines()}
+    assert rows["host memory per rank"] == ["400.00", "KB", "393.00", "KB", "0.98"]
+    assert rows["host memory per node"] == ["800.00", "KB", "785.00", "KB", "0.98"]
+    assert "the host is the device" in table  # a CPU run: device and host are one memory
+    assert RunReport.load(_saved(report, tmp_path)).measured.host_mem_per_node_bytes == 785_000
+
+
+def test_a_run_without_offload_shows_no_host_rows_and_older_reports_still_load(tmp_path):
+    report = a_report(tmp_path)
+    assert report.measured.host_mem_bytes is None and report.predicted.host_mem_bytes == 0
+    assert "host memory" not in format_report(report)
+    data = json.loads(report.to_json())
+    for key in ("host_mem_bytes", "host_mem_per_node_bytes"):
+        del data["predicted"][key]
+    for key in ("host_mem_bytes", "host_mem_bytes_per_rank", "host_mem_per_node_bytes"):
+        del data["measured"][key]
+    older = tmp_path / "older.json"
+    older.write_text(json.dumps(data))
+    assert load_report(older).measured.host_mem_bytes is None
+
+
+def _saved(report: RunReport, tmp_path) -> Path:
+    path = tmp_path / "report.json"
+    report.save(path)
+    return path

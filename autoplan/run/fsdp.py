@@ -21,7 +21,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 
 from cost_models.options import ShardingKind
 
-__all__ = ["apply_fsdp", "materialise", "offloaded_params", "param_groups"]
+__all__ = ["apply_fsdp", "host_state_bytes", "materialise", "offloaded_params", "param_groups"]
 
 
 def apply_fsdp(module: nn.Module, mesh: DeviceMesh, kind: ShardingKind, mp_policy: MixedPrecisionPolicy, *,
@@ -83,3 +83,17 @@ def materialise(model: nn.Module, device: torch.device | str, seed: int) -> None
         for module in model.modules():  # a user model without init_weights: each layer's own init
             if hasattr(module, "reset_parameters"):
                 module.reset_parameters()
+
+
+def host_state_bytes(params: list[nn.Parameter], optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the storages that hold `params` (offloaded ones: see offloaded_params), their gradients and
+    their optimizer states, each storage counted once: the host memory offload takes, measured."""
+    storages: dict[int, int] = {}
+    for param in params:
+        state = optimizer.state.get(param, {})
+        for tensor in (param, param.grad, *state.values()):
+            if isinstance(tensor, torch.Tensor):
+                local = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # a DTensor: this rank's shard
+                storage = local.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())

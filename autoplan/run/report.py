@@ -62,6 +62,8 @@ class PredictedRun(_Strict):
     throughput_samples_s: float
     throughput_tokens_s: float
     phase_peak_bytes: PhasePeaks | None  # the largest timeline point of each phase; None: a phase has none
+    host_mem_bytes: int = 0  # offloaded units' parameters, gradients and optimizer states in host memory
+    host_mem_per_node_bytes: int = 0  # the same over a node's ranks
 
 
 class MeasuredRun(_Strict):
@@ -80,6 +82,11 @@ class MeasuredRun(_Strict):
     peak_mem_source: str | None  # what peak memory counts: the CUDA allocator, or live tensors on the CPU
     peak_rss_bytes_per_rank: dict[str, int]  # for reference: the processes' resident set
     losses: list[float]  # per step, the mean over ranks (the global batch's loss)
+    # offloaded units' parameters, gradients and optimizer states on the host (their storages' bytes, after the
+    # last optimizer step): largest over ranks, per rank, and the most a node's ranks hold together
+    host_mem_bytes: int | None = None
+    host_mem_bytes_per_rank: dict[str, int] = Field(default_factory=dict)
+    host_mem_per_node_bytes: int | None = None
 
 
 class RunReport(_Strict):
@@ -202,6 +209,7 @@ def build_report(plan: Plan, plan_path: str, spec: RunSpec, nproc: int, launched
         peak_mem_source=results[0].mem_source if results else None,
         peak_rss_bytes_per_rank={str(r.rank): r.peak_rss_bytes for r in results},
         losses=losses,
+        **_measured_host(plan, results, nproc, nodes),
     )
     predicted = plan.predicted
     return RunReport(
@@ -232,6 +240,8 @@ def build_report(plan: Plan, plan_path: str, spec: RunSpec, nproc: int, launched
             throughput_samples_s=predicted.throughput_samples_s,
             throughput_tokens_s=predicted.throughput_tokens_s,
             phase_peak_bytes=predicted_phase_peaks(plan),
+            host_mem_bytes=predicted.host_mem_bytes,
+            host_mem_per_node_bytes=predicted.host_mem_per_node_bytes,
         ),
         profile=plan.cluster.profile,
         profile_note=profile_note(plan, spec.device),
@@ -240,6 +250,21 @@ def build_report(plan: Plan, plan_path: str, spec: RunSpec, nproc: int, launched
         interrupted_by=launched.interrupted,
         failures=failure_messages(plan, nproc, launched),
     )
+
+
+def _measured_host(plan: Plan, results: list, nproc: int, nodes: int) -> dict:
+    """The measured host memory of offloaded state: nothing where no unit is offloaded. A node's ranks are
+    consecutive (torchrun's static rendezvous: node k runs ranks k * ranks_per_node onwards)."""
+    if not any(unit.offload for unit in plan.units) or not results:
+        return {}
+    per_rank = {r.rank: r.host_state_bytes for r in results}
+    per_node = max(nproc // nodes, 1)
+    by_node: dict[int, int] = {}
+    for rank, nbytes in per_rank.items():
+        by_node[rank // per_node] = by_node.get(rank // per_node, 0) + nbytes
+    return {"host_mem_bytes": max(per_rank.values()),
+            "host_mem_bytes_per_rank": {str(rank): nbytes for rank, nbytes in sorted(per_rank.items())},
+            "host_mem_per_node_bytes": max(by_node.values())}
 
 
 def format_report(report: RunReport) -> str:
@@ -269,9 +294,20 @@ def format_report(report: RunReport) -> str:
     for phase in PHASES:
         rows.append((f"  in {phase}", getattr(phase_pred, phase, None), getattr(phase_meas, phase, None),
                      format_bytes))
+    offloaded = predicted.host_mem_bytes or measured.host_mem_bytes is not None
+    if offloaded:  # host memory beside device memory
+        rows.append(("host memory per rank", predicted.host_mem_bytes, measured.host_mem_bytes, format_bytes))
+        rows.append(("host memory per node", predicted.host_mem_per_node_bytes, measured.host_mem_per_node_bytes,
+                     format_bytes))
     for label, pred, meas, fmt in rows:
         ratio = f"{meas / pred:.2f}" if meas is not None and pred else "-"
         lines.append(f"{label:24}{_or_dash(pred, fmt):>14}{_or_dash(meas, fmt):>14}{ratio:>21}")
+    if offloaded:
+        lines.append("  host memory: offloaded units' parameters, gradients and optimizer states (measured: their "
+                     "storages after the last optimizer step)")
+        if r.device == "cpu":
+            lines.append("  note: on the CPU the host is the device: the measured peak memory counts the offloaded "
+                         "state too, which the predicted device peak leaves to the host row")
     if r.profile_note:
         lines.append(f"  note: {r.profile_note}")
     if r.model_note:

@@ -37,6 +37,7 @@ from autoplan.fileio import write_text_atomic
 from autoplan.plan.schema import load_plan
 from autoplan.run.apply import apply, materialise, model_for_plan
 from autoplan.run.data import AlpacaTokens, BatchShape, SyntheticTokens, rank_micro_batches, vocab_size_of
+from autoplan.run.fsdp import host_state_bytes, offloaded_params
 from autoplan.run.memtrack import RankMemory, allocation_failure
 from autoplan.run.procs import die_with_parent, rank_signals
 
@@ -87,6 +88,8 @@ class RankResult:
     peak_mem_bytes: int = 0  # since the start, materialisation included
     peak_rss_bytes: int = 0
     mem_source: str = ""  # what peak_mem_bytes counts
+    # offloaded units' parameters, gradients and optimizer states (on the host), at the latest optimizer step
+    host_state_bytes: int = 0
 
     @staticmethod
     def path(run_dir: str | os.PathLike, rank: int) -> Path:
@@ -155,6 +158,7 @@ def train_measured(model, optimizer, data, rank: int, shape: BatchShape, memory:
     within each phase go into `result`; then `step_done(step, label, seconds, loss)` is called.
     Shared by the ranks of `autoplan apply` and its fake world (autoplan.run.fake_world)."""
     device = memory.device
+    _watch_host_state(model, optimizer, result)
     for step in range(warmup_steps + steps):
         micro_batches = _batches(data, step, rank, shape, result)
         phase_peaks = {"forward": 0, "backward": 0, "optimizer": 0}
@@ -173,6 +177,19 @@ def train_measured(model, optimizer, data, rank: int, shape: BatchShape, memory:
         if step_done is not None:
             phase = "warm-up" if step < warmup_steps else "timed" if memory.tracker is None else "memory"
             step_done(step, f"step {step + 1}/{warmup_steps + steps} ({phase})", step_s, step_loss)
+
+
+def _watch_host_state(model, optimizer, result: RankResult) -> None:
+    """After every optimizer step (gradients still there, states made), what the offloaded units hold on the
+    host goes into `result.host_state_bytes`. Nothing is watched where no unit is offloaded."""
+    offloaded = offloaded_params(model)
+    if not offloaded:
+        return
+
+    def measure(*_) -> None:
+        result.host_state_bytes = host_state_bytes(offloaded, optimizer)
+
+    optimizer.register_step_post_hook(measure)
 
 
 def train_untracked(model, optimizer, data, rank: int, shape: BatchShape, memory: RankMemory, result: RankResult,
