@@ -6,7 +6,7 @@ VENV_FLAGS ?=
 PY := $(VENV)/bin/python
 TORCH_CPU := torch==2.13.0
 
-.PHONY: demo test install clean
+.PHONY: demo test install clean gpu-truth
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV_FLAGS) $(VENV)
@@ -22,6 +22,11 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(PY) -m pytest
+
+# on a machine with a GPU: profile it, run the fake-world memory grid and single-GPU runs (at most 20 min);
+# results in benchmarks/results/gpu_truth/ (see benchmarks/gpu_truth.py for a machine without a package index)
+gpu-truth: $(VENV)/.installed
+	$(PY) benchmarks/gpu_truth.py --device cuda
 
 clean:
 	rm -rf $(VENV) build *.egg-info

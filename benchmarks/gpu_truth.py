@@ -1,0 +1,361 @@
+"""The GPU kit: on one GPU, in at most 20 minutes, everything a GPU can tell about autoplan's predictions,
+written to one results file (gpu_truth.json, and gpu_truth.txt to read).
+
+A GPU is only lent now and then, so the first run on one must not be the kit's first run: the same
+command runs here with `--device cpu` (a small grid; tests/test_gpu_truth.py runs it), and it copes with
+a GPU machine that has torch but neither ortools nor pydantic and no package index (wheels carried in
+benchmarks/wheels/, git-ignored, installed with `pip install --no-index`).
+
+Stages (`--stages`, default all three):
+  profile  `autoplan profile --device cuda --nproc 1`: ops, host link, calibration steps, saved as a measured
+           profile named after the device (profiles/<device>-measured.json on a GPU; a copy in --out). One
+           process measures no collectives: links and collective fits come from the device's datasheet profile.
+  grid     the fake-world memory grid: zoo models (Llama-3-8B and Llama-2-7B shapes, smaller ones) at 2-3
+           micro-batches, plans all-shard, all-shard+checkpoint and the solver's at a tight limit, each run as
+           rank 0 of an 8-GPU world on torch's fake process group (autoplan.run.fake_world, which `autoplan apply
+           --fake-world` runs): predicted peak against the measured live-tensor peak and CUDA's
+           max_memory_allocated and max_memory_reserved; compute time (collectives free) against the predicted.
+  compute  single-GPU training runs (`autoplan apply` on one GPU): measured step time and peak against the plan's.
+
+On a machine with a GPU and a package index, or with the wheels installed:
+    python benchmarks/gpu_truth.py --device cuda --out benchmarks/results/gpu_truth_cuda
+    make gpu-truth
+On this project's `run` tool (one H100, no package index, 10 minutes a command, so two commands):
+    python benchmarks/gpu_truth.py --fetch-wheels        # here, once: wheels into benchmarks/wheels/
+    run(command="PYTHONUNBUFFERED=1 python3 benchmarks/gpu_truth.py --device cuda --stages profile --budget-min 9
+                 --out $OUT", carry=["benchmarks/wheels"], timeout_s=600)
+    # here: copy <files_at>/*-measured.json to profiles/ and <files_at>/gpu_truth.json to
+    # benchmarks/results/gpu_truth_cuda.json, then (within 30 s the machine stays warm, or on a fresh one):
+    run(command="PYTHONUNBUFFERED=1 python3 benchmarks/gpu_truth.py --device cuda --stages grid,compute
+                 --resume benchmarks/results/gpu_truth_cuda.json --budget-min 9 --out $OUT",
+        carry=["benchmarks/wheels"], timeout_s=600)
+On this machine: python benchmarks/gpu_truth.py --device cpu --quick --out /tmp/gpu-truth-cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))  # gpu_truth_report, beside this file
+WHEELS = REPO / "benchmarks" / "wheels"
+SITE = Path("/tmp/autoplan-gpu-truth-site")
+# what the kit needs beyond the GPU image's packages (torch, numpy, networkx, tqdm, absl-py, pandas are
+# there): the versions this project's environment runs, for CPython 3.12 on x86-64 Linux
+WHEEL_PINS = ["pydantic==2.14.3", "pydantic-core==2.50.4", "annotated-types==0.8.0", "typing-inspection==0.4.5",
+              "typing-extensions==4.16.0", "ortools==9.15.6755", "immutabledict==4.3.1", "protobuf==6.33.6"]
+WHEEL_PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
+                   "manylinux1_x86_64"]
+STAGES = ("profile", "grid", "compute")
+WORLD = 8  # the grid's plans are for 8 GPUs; one of them runs here
+TIGHT = 1.15  # the solver's limit: 15% above the leanest plan's (all-shard+checkpoint) predicted peak
+FIT_FRACTION = 0.92  # a plan predicted above this share of the GPU's memory is not run (it could not be measured)
+# (model, sequence, micro-batches), most telling first: the budget may end the grid early
+GRID = {
+    "cuda": [("llama3-8b", 2048, (1, 2)), ("llama2-7b", 1024, (1, 2, 4)), ("llama-1b", 2048, (2, 8)),
+             ("gpt2", 1024, (8, 32))],
+    "cuda-quick": [("llama-1b", 1024, (2, 4)), ("gpt2", 512, (4, 8))],
+    "cpu": [("gpt2-tiny", 64, (2, 8)), ("llama-tiny", 64, (2, 8))],
+    "cpu-quick": [("gpt2-tiny", 64, (2, 8))],
+}
+COMPUTE = {  # single-GPU runs: (model, sequence, micro-batch)
+    "cuda": [("gpt2", 1024, 16), ("llama-1b", 2048, 4)], "cuda-quick": [("gpt2", 1024, 8)],
+    "cpu": [("gpt2-tiny", 64, 8)], "cpu-quick": [("gpt2-tiny", 64, 8)],
+}
+
+
+def fetch_wheels() -> int:
+    """Download the wheels a GPU machine without a package index needs (here, where pip reaches an index)."""
+    WHEELS.mkdir(parents=True, exist_ok=True)
+    platforms = [arg for platform in WHEEL_PLATFORMS for arg in ("--platform", platform)]
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--python-version", "3.12",
+               "--implementation", "cp", *platforms, "-d", str(WHEELS), *WHEEL_PINS]
+    print(" ".join(command), flush=True)
+    done = subprocess.run(command)
+    if done.returncode == 0:
+        size = sum(p.stat().st_size for p in WHEELS.glob("*.whl")) >> 20
+        print(f"{len(list(WHEELS.glob('*.whl')))} wheels, {size} MiB, in {WHEELS}: carry benchmarks/wheels")
+    return done.returncode
+
+
+def ensure_packages() -> str:
+    """Make autoplan importable here and in the commands the kit starts: the repository on the path, and
+    pydantic and ortools installed from the carried wheels where the machine lacks them. What was done."""
+    paths = [str(REPO)]
+    missing = [name for name in ("pydantic", "ortools") if importlib.util.find_spec(name) is None]
+    note = "pydantic and ortools were installed"
+    if missing:
+        wheels = sorted(WHEELS.glob("*.whl"))
+        if not wheels:
+            sys.exit(f"gpu_truth: {', '.join(missing)} missing and no wheels in {WHEELS}: run `python "
+                     "benchmarks/gpu_truth.py --fetch-wheels` where pip reaches a package index, and carry that folder")
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                        "--find-links", str(WHEELS), "--target", str(SITE), "--upgrade", *map(str, wheels)], check=True)
+        paths.insert(0, str(SITE))
+        note = f"installed from {len(wheels)} carried wheels: {', '.join(missing)} were missing"
+    for path in reversed(paths):
+        if path not in sys.path:
+            sys.path.insert(0, path)
+    os.environ["PYTHONPATH"] = os.pathsep.join(paths + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+                                                        if p and p not in paths])
+    importlib.invalidate_caches()
+    return note
+
+
+class Budget:
+    """The kit's time limit: what is left of it, and whether another item should start."""
+
+    def __init__(self, minutes: float):
+        self.end = time.monotonic() + minutes * 60
+
+    def left_s(self) -> float:
+        return self.end - time.monotonic()
+
+    def allows(self, seconds: float) -> bool:
+        return self.left_s() > seconds
+
+
+def cli(*args: str, timeout: float) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "autoplan", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=max(timeout, 1))
+
+
+def device_slug(name: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+def links_reference(device: str, device_name: str) -> str | None:
+    """The profile whose links a one-process profile of this device takes; None: the device's datasheet one."""
+    from autoplan.profile_store import load_profile, profile_entries
+
+    if device == "cpu":
+        return "cpu-gloo-2"
+    for entry in profile_entries():
+        profile = load_profile(str(entry.path))
+        if profile.source == "datasheet" and profile.provenance.device_name == device_name:
+            return None
+    return "h100-sxm-80gb" if re.search(r"H100|H200|H800|H20", device_name) else "a100-sxm4-80gb"
+
+
+def stage_profile(args, device_name: str, budget: Budget) -> dict:
+    name = f"{device_slug(device_name)}-measured" + ("-quick" if args.quick else "")
+    out = args.out / f"{name}.json"
+    reference = links_reference(args.device, device_name)
+    command = ["profile", "--device", args.device, "--nproc", "1", "--name", name, "-o", str(out), "--no-progress",
+               "--cache-dir", str(args.out / "cache")]
+    command += ["--quick"] if args.quick else []
+    command += ["--links-from", reference] if reference else []
+    started = time.monotonic()
+    try:
+        done = cli(*command, timeout=budget.left_s())
+    except subprocess.TimeoutExpired:
+        return {"status": "out of time", "command": "autoplan " + " ".join(command),
+                "note": "the measurements finished are in the cache (--out/cache): the same command resumes"}
+    record = {"status": "ok" if done.returncode == 0 else "failed", "command": "autoplan " + " ".join(command),
+              "wall_s": time.monotonic() - started, "stdout_tail": done.stdout[-4000:],
+              "stderr_tail": done.stderr[-4000:]}
+    if done.returncode == 0:
+        profile = json.loads(out.read_text())
+        if args.device == "cuda":  # shipped with the project: the profile is data like the others
+            (REPO / "profiles" / out.name).write_text(out.read_text())
+        calibration = profile["fsdp"].get("calibration") or {}
+        record.update(name=name, path=str(out), links_from=reference or "the device's datasheet profile",
+                      peak_flops=profile["peak_flops"], mem_bandwidth_bytes_s=profile["mem_bandwidth_bytes_s"],
+                      optimizer_bytes_s=profile["optimizer_bytes_s"], host_link=profile["host_link"],
+                      op_times=len(profile["op_times"]), op_fits=len(profile["op_fits"]),
+                      calibration_fit_max_rel_err=calibration.get("fit_max_rel_err"),
+                      fsdp={k: v for k, v in profile["fsdp"].items() if k != "calibration"})
+    return record
+
+
+def plan_profile(args, results: dict) -> str:
+    """The profile the grid and the single-GPU runs plan with: the one measured (this run or --resume), else
+    the device's shipped one."""
+    measured = results.get("stages", {}).get("profile", {})
+    if measured.get("status") == "ok" and Path(measured["path"]).is_file():
+        return measured["path"]
+    for candidate in ([REPO / "profiles" / Path(measured["path"]).name] if measured.get("path") else []):
+        if candidate.is_file():
+            return str(candidate)
+    return "cpu-gloo-2" if args.device == "cpu" else "h100-sxm-80gb"
+
+
+def _plan(model: str, seq_len: int, batch: int, kind: str, profile: str, lean: int | None = None):
+    import autoplan
+
+    common = {"gpus": WORLD, "profile": profile, "seq_len": seq_len, "batch_size": batch, "allow_over_device_mem": True}
+    if kind == "all-shard":
+        return autoplan.search(model, "10000GB", strategy="shard", **common)
+    if kind == "all-shard+ckpt":
+        return autoplan.search(model, "10000GB", strategy="shard", checkpoint=True, **common)
+    return autoplan.search(model, int(lean * TIGHT), **common)
+
+
+def _decisions(plan) -> list[str]:
+    """The plan's distinct unit decisions, e.g. "shard+full", "replicate+none+offload"."""
+    return sorted({f"{u.sharding}+{u.checkpoint}" + ("+offload" if getattr(u, "offload", False) else "")
+                   for u in plan.units})
+
+
+def stage_grid(args, profile: str, budget: Budget) -> dict:
+    import gc
+
+    import torch
+
+    from autoplan.errors import AutoplanError, InfeasibleError
+    from autoplan.run.fake_world import run_fake_world
+    from autoplan.run.memtrack import allocation_failure
+
+    on_gpu = args.device == "cuda"
+    gpu_mem = torch.cuda.get_device_properties(0).total_memory if on_gpu else None
+    rows = []
+    for model, seq_len, batches in GRID[args.device + ("-quick" if args.quick else "")]:
+        for batch in batches:
+            lean = None
+            for kind in ("all-shard+ckpt", "all-shard", "autoplan"):
+                row = {"model": model, "seq_len": seq_len, "micro_batch": batch, "plan": kind, "world_size": WORLD}
+                rows.append(row)
+                if not budget.allows(30):
+                    row["status"] = "skipped: out of time"
+                    continue
+                if kind == "autoplan" and lean is None:
+                    row["status"] = "skipped: no all-shard+checkpoint plan to set its limit from"
+                    continue
+                try:
+                    plan = _plan(model, seq_len, batch, kind, profile, lean)
+                except InfeasibleError as exc:
+                    row.update(status="no plan", note=str(exc).splitlines()[0])
+                    continue
+                lean = lean or plan.predicted.peak_mem_bytes
+                row.update(predicted=plan.predicted.model_dump(mode="json"),
+                           mem_limit_bytes=plan.cluster.mem_limit_bytes, decisions=_decisions(plan))
+                if gpu_mem and plan.predicted.peak_mem_bytes > FIT_FRACTION * gpu_mem:
+                    row["status"] = f"skipped: predicted above {FIT_FRACTION:.0%} of the GPU's memory"
+                    continue
+                if on_gpu:
+                    gc.collect()
+                    torch.cuda.empty_cache()
+                    torch.cuda.reset_peak_memory_stats()
+                started = time.monotonic()
+                try:
+                    result = run_fake_world(plan, steps=2, warmup=1, device=args.device)
+                except (AutoplanError, RuntimeError, MemoryError) as exc:
+                    refused = allocation_failure(exc)
+                    row.update(status="out of memory" if refused else "failed", note=refused or repr(exc)[:500])
+                    continue
+                measured = result.measured_peak_bytes
+                row.update(status="ok", wall_s=time.monotonic() - started,
+                           predicted_peak_bytes=result.predicted_peak_bytes, measured_peak_bytes=measured,
+                           mem_error=(result.predicted_peak_bytes - measured) / measured,
+                           cuda_max_allocated_bytes=result.cuda_max_allocated_bytes,
+                           cuda_max_reserved_bytes=result.cuda_max_reserved_bytes,
+                           predicted_phase_bytes=result.predicted_phase_bytes,
+                           measured_phase_bytes=result.measured_phase_bytes,
+                           over_limit=measured > plan.cluster.mem_limit_bytes,
+                           predicted_compute_s=result.predicted_compute_s, measured_compute_s=result.measured_compute_s,
+                           mem_source=result.mem_source)
+    return {"profile": profile, "world_size": WORLD, "rows": rows}
+
+
+def stage_compute(args, profile: str, budget: Budget) -> dict:
+    import tempfile
+
+    rows = []
+    for model, seq_len, batch in COMPUTE[args.device + ("-quick" if args.quick else "")]:
+        row = {"model": model, "seq_len": seq_len, "micro_batch": batch, "gpus": 1}
+        rows.append(row)
+        if not budget.allows(60):
+            row["status"] = "skipped: out of time"
+            continue
+        with tempfile.TemporaryDirectory() as scratch:
+            plan, report = Path(scratch) / "plan.json", Path(scratch) / "report.json"
+            search = cli("search", "--model", model, "--gpus", "1", "--seq-len", str(seq_len), "--batch-size",
+                         str(batch), "--profile", profile, "--mem", "10000GB", "--allow-over-device-mem",
+                         "-o", str(plan), timeout=budget.left_s())
+            if search.returncode != 0:
+                row.update(status="no plan", note=search.stderr.strip()[-500:])
+                continue
+            try:
+                steps = ("2", "1") if args.quick else ("5", "2")
+                done = cli("apply", str(plan), "--steps", steps[0], "--warmup", steps[1], "--report", str(report),
+                           timeout=budget.left_s())
+            except subprocess.TimeoutExpired:
+                row["status"] = "out of time"
+                continue
+            if not report.is_file():
+                row.update(status="failed", note=(done.stderr or done.stdout).strip()[-1000:])
+                continue
+            data = json.loads(report.read_text())
+        predicted, measured = data["predicted"], data["measured"]
+        row.update(status=data["status"], device=data["device"], predicted_step_s=predicted["step_time_s"],
+                   measured_step_s=measured["step_time_s"], predicted_peak_bytes=predicted["peak_mem_bytes"],
+                   measured_peak_bytes=measured["peak_mem_bytes"], step_times_s=measured["step_times_s"],
+                   peak_mem_source=measured["peak_mem_source"])
+        if row["measured_step_s"]:
+            row["time_error"] = (row["predicted_step_s"] - row["measured_step_s"]) / row["measured_step_s"]
+        if row["measured_peak_bytes"]:
+            row["mem_error"] = (row["predicted_peak_bytes"] - row["measured_peak_bytes"]) / row["measured_peak_bytes"]
+    return {"profile": profile, "rows": rows}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated, of {', '.join(STAGES)}")
+    parser.add_argument("--quick", action="store_true", help="a quick profile and a small grid")
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "gpu_truth",
+                        help="folder of gpu_truth.json, gpu_truth.txt and the measured profile")
+    parser.add_argument("--resume", type=Path, help="an earlier gpu_truth.json whose stages this run adds to")
+    parser.add_argument("--profile", help="plan with this profile (default: the one measured, else the shipped one)")
+    parser.add_argument("--budget-min", type=float, default=20.0, help="stop starting work after this (default 20)")
+    parser.add_argument("--fetch-wheels", action="store_true", help="download the wheels into benchmarks/wheels, exit")
+    args = parser.parse_args(argv)
+    if args.fetch_wheels:
+        return fetch_wheels()
+    stages = [s for s in args.stages.split(",") if s]
+    if unknown := [s for s in stages if s not in STAGES]:
+        parser.error(f"unknown stage(s) {', '.join(unknown)}; choose from {', '.join(STAGES)}")
+    if args.resume and not args.resume.is_file():
+        parser.error(f"--resume {args.resume}: no such file")
+    budget = Budget(args.budget_min)
+    packages = ensure_packages()
+
+    import torch
+    from gpu_truth_report import format_results, summarize
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda, but torch sees no GPU here (use --device cpu)")
+    device_name = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
+    args.out.mkdir(parents=True, exist_ok=True)
+    results = json.loads(args.resume.read_text()) if args.resume else {"kind": "autoplan gpu truth", "stages": {}}
+    results.setdefault("runs", []).append({
+        "stages": stages, "device": args.device, "device_name": device_name, "torch": torch.__version__,
+        "python": sys.version.split()[0], "quick": args.quick, "packages": packages,
+        "date": datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0).isoformat()})
+    for stage in stages:
+        print(f"gpu_truth: {stage} ({budget.left_s() / 60:.1f} min left)", flush=True)
+        if stage == "profile":
+            results["stages"]["profile"] = stage_profile(args, device_name, budget)
+        else:
+            profile = args.profile or plan_profile(args, results)
+            run = stage_grid if stage == "grid" else stage_compute
+            results["stages"][stage] = run(args, profile, budget)
+        results["summary"] = summarize(results)
+        (args.out / "gpu_truth.json").write_text(json.dumps(results, indent=2) + "\n")
+        (args.out / "gpu_truth.txt").write_text(format_results(results) + "\n")
+    print(format_results(results))
+    print(f"\nwritten: {args.out / 'gpu_truth.json'}, {args.out / 'gpu_truth.txt'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
