@@ -92,7 +92,7 @@ def ensure_packages() -> str:
     pydantic and ortools installed from the carried wheels where the machine lacks them. What was done."""
     paths = [str(REPO)]
     missing = [name for name in ("pydantic", "ortools") if importlib.util.find_spec(name) is None]
-    note = "pydantic and ortools were installed"
+    note = "pydantic and ortools already installed"
     if missing:
         wheels = sorted(WHEELS.glob("*.whl"))
         if not wheels:
