@@ -23,10 +23,10 @@ def add_pin_flag(parser: argparse.ArgumentParser, settings_cls) -> None:
 def emit_pins(plan, path: str, plan_file: str) -> None:
     """Write `plan`'s decisions as a pins file that reproduces them (YAML, or JSON for *.json)."""
     from autoplan.fileio import write_text_atomic
-    from autoplan.pins import pins_of_units
+    from autoplan.pins import pins_of_plan
     from autoplan.sizes import format_bytes
 
-    pins = pins_of_units((u.module, u.sharding, u.checkpoint, u.offload) for u in plan.units)
+    pins = pins_of_plan(plan)
     t, c = plan.training, plan.cluster
     header = (f"autoplan pins: the decisions of {plan_file} ({plan.model.name}, {c.world_size} GPUs, limit "
               f"{format_bytes(c.mem_limit_bytes)}, micro-batch {t.micro_batch_size} x {t.grad_accum_steps}).\n"

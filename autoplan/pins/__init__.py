@@ -17,10 +17,18 @@ writes them; it imports no torch: which units a pattern names, and whether a dec
 there, is decided where the units are known (autoplan.solve.pins).
 """
 
-from autoplan.pins.files import PinSet, PinsInfeasibleError, load_pins, path_groups, pins_of_units, range_text
+from autoplan.pins.files import (
+    PinSet,
+    PinsInfeasibleError,
+    load_pins,
+    path_groups,
+    pins_of_plan,
+    pins_of_units,
+    range_text,
+)
 from autoplan.pins.syntax import FIELDS, ROOT, Decision, Pattern, Pin, parse_decision, parse_pin
 
 __all__ = [
     "Decision", "FIELDS", "Pattern", "Pin", "PinSet", "PinsInfeasibleError", "ROOT", "load_pins", "parse_decision",
-    "parse_pin", "path_groups", "pins_of_units", "range_text",
+    "parse_pin", "path_groups", "pins_of_plan", "pins_of_units", "range_text",
 ]

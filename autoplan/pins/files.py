@@ -13,7 +13,7 @@ from typing import Any
 from autoplan.errors import InfeasibleError, UsageError
 from autoplan.pins.syntax import ROOT, Decision, Pattern, Pin, parse_decision
 
-__all__ = ["PinSet", "PinsInfeasibleError", "load_pins", "path_groups", "pins_of_units", "range_text"]
+__all__ = ["PinSet", "PinsInfeasibleError", "load_pins", "path_groups", "pins_of_plan", "pins_of_units", "range_text"]
 
 
 class PinSet:
@@ -173,6 +173,11 @@ def pins_of_units(units: Iterable[tuple[str, str, str, bool]]) -> PinSet:
     units that differ only in a block index and agree grouped under one range pattern."""
     decided = [(path, Decision(sharding=s, checkpoint=c, offload=o)) for path, s, c, o in units]
     return PinSet(Pin(Pattern(pattern), decision, "the plan") for pattern, _, decision in path_groups(decided))
+
+
+def pins_of_plan(plan) -> PinSet:
+    """The pins that reproduce a plan's decisions (an autoplan Plan, or anything with its `units`)."""
+    return pins_of_units((u.module, u.sharding, u.checkpoint, u.offload) for u in plan.units)
 
 
 class PinsInfeasibleError(InfeasibleError):

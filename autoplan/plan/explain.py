@@ -100,10 +100,12 @@ def explain_plan(plan: Plan, table: CostTable, choices: list[int]) -> Explanatio
     planned = int(plan.cluster.mem_limit_bytes * (1 - plan.cluster.mem_headroom))
     base = evaluate(table, choices)
     index = {unit.path: u for u, unit in enumerate(table.units)}
-    decided = [(unit.module, unit.label.replace(" ", "")) for unit in plan.units]
     pins = [(Pattern(p.pattern), f"{p.pattern}: {p.decision}") for p in plan.pins]
+    # grouped by decision and by the pins that name them: pinned units apart from those the solver chose alike
+    decided = [(unit.module, (unit.label.replace(" ", ""), tuple(text for pin, text in pins if pin.matches(unit.module))))
+               for unit in plan.units]
     groups = []
-    for pattern, paths, label in path_groups(decided):
+    for pattern, paths, (label, pinned_by) in path_groups(decided):
         units = [index[p] for p in paths]
         first = table.options[units[0]]
         outcomes = []
@@ -123,9 +125,8 @@ def explain_plan(plan: Plan, table: CostTable, choices: list[int]) -> Explanatio
                 over_bytes=max(0, peak - planned)))
         outcomes.sort(key=lambda o: (o.step_time_s, o.peak_mem_bytes))
         chosen = next(o for o in outcomes if o.chosen)
-        pinned_by = [text for pin, text in pins if any(pin.matches(p) for p in paths)]
-        groups.append(GroupExplanation(pattern=pattern, units=paths, decision=label, pinned_by=pinned_by,
-                                       why=_why(chosen, outcomes, pinned_by), options=outcomes))
+        groups.append(GroupExplanation(pattern=pattern, units=paths, decision=label, pinned_by=list(pinned_by),
+                                       why=_why(chosen, outcomes, list(pinned_by)), options=outcomes))
     return Explanation(model=plan.model.name, step_time_s=base.step_time_s, peak_mem_bytes=base.peak_mem_bytes,
                        peak_point=base.peak_point.label, mem_limit_bytes=plan.cluster.mem_limit_bytes,
                        planned_bytes=planned, micro_batch_size=plan.training.micro_batch_size, groups=groups)
