@@ -5,30 +5,34 @@ this module turns that same property into torch calls, so that what runs is what
 row with a known `recompute` runs without a change here. No mode is named.
 
 - Recompute.NOTHING: the unit is left alone; its ops save what autograd saves.
-- Recompute.ALL: torch's composable checkpoint on the unit's module: its forward keeps the unit's inputs
-  only and is re-run in its backward.
-- Recompute.CHEAP (selective checkpointing): the same composable checkpoint, with torch's op-level policy
+- Recompute.ALL: the unit's forward runs under torch.utils.checkpoint (non-reentrant): it keeps the
+  unit's inputs only and is re-run in its backward.
+- Recompute.CHEAP (selective checkpointing): the same, with torch's op-level policy
   (`torch.utils.checkpoint.create_selective_checkpoint_contexts`): the outputs of the ops that do the
   heavy work are kept from the forward (MUST_SAVE) and every other op is re-run (PREFER_RECOMPUTE). The
   kept ops are the registry's aten names (options.SAVED_BY_SELECTIVE_ATEN: matmuls and the attention
   kernels, the trace-side twin of which is activations.saved_by_selective) and the c10d functional
   collectives (re-running one would repeat its communication; torchtitan keeps them for the same reason).
 
-The composable checkpoint works by forward hooks, so module paths (and the model's fingerprint) stay
-unchanged. FSDP2's own hooks, registered after it by `fully_shard`, are prepended: the all-gather runs
-before the checkpointed region opens and the reshard after it closes, so gathered parameters are
-never among what a checkpoint keeps.
+How: the module's own `forward` is replaced (on the instance) by one that runs it under the checkpoint,
+so module paths, parameter names and the model's fingerprint stay unchanged, and FSDP2's hooks (on the
+module's __call__) stay outside the checkpointed region: the all-gather and the input cast run before
+it in the forward, the pre-backward hook gathers the parameters before the recompute, and the recompute
+runs the module's ops only. Not torch's composable `checkpoint(module, context_fn=...)`, although torch
+2.13's accepts the selective policy: its recompute calls the module with its hooks, so FSDP2's
+pre-forward (the mixed-precision cast of the inputs) runs inside the recompute but ran outside the
+forward's region, and the selective policy, which replays the forward's ops one for one, fails ("...
+encountered during backward but not found in storage") on every plan with a bf16-mixed policy.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
-from functools import lru_cache
 
 import torch
 import torch.nn as nn
-from torch.distributed._composable import checkpoint as composable_checkpoint
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts, noop_context_fn
 
 from cost_models.options import SAVED_BY_SELECTIVE_ATEN, CheckpointMode, Recompute
 
@@ -43,19 +47,23 @@ SAVED_COLLECTIVES = (
 
 def apply_ac(module: nn.Module, mode: CheckpointMode) -> None:
     """Checkpoint `module`'s activations as `mode.recompute` says (nothing to do for Recompute.NOTHING).
-    Call it before `fully_shard` on the same module (see the module docstring)."""
+    Before or after `fully_shard` on the same module: its hooks stay outside the region either way."""
     if mode.recompute is Recompute.NOTHING:
         return
-    if mode.recompute is Recompute.ALL:
-        composable_checkpoint(module)
-    elif mode.recompute is Recompute.CHEAP:
-        composable_checkpoint(module, context_fn=selective_context_fn)
-    else:  # a Recompute value added to the registry without a way to run it
+    if mode.recompute not in (Recompute.ALL, Recompute.CHEAP):  # a Recompute value with no way to run it here
         raise NotImplementedError(f"checkpoint mode {mode.name!r}: apply has no way to run recompute="
                                   f"{mode.recompute.value!r}; known: {', '.join(r.value for r in Recompute)}")
+    context_fn = selective_context_fn if mode.recompute is Recompute.CHEAP else noop_context_fn
+    forward = module.forward
+
+    @functools.wraps(forward)
+    def checkpointed_forward(*args, **kwargs):
+        return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+
+    module.forward = checkpointed_forward
 
 
-@lru_cache(maxsize=1)
+@functools.lru_cache(maxsize=1)
 def saved_by_selective_ops() -> frozenset:
     """The op packets a selective checkpoint keeps: the registry's aten names that this torch has, and the
     c10d functional collectives (those registered: importing torch.distributed registers them)."""
