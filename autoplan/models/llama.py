@@ -1,4 +1,14 @@
-"""Llama: `tok_embeddings`, `layers`, `norm`, `lm_head`; block = `attn_norm, attn, mlp_norm, mlp` (pre-RMSNorm, RoPE, SwiGLU, GQA)."""
+"""Llama: `tok_embeddings`, `layers`, `norm`, `lm_head`; block = `attn_norm, attn, mlp_norm, mlp` (pre-RMSNorm, RoPE, SwiGLU, GQA).
+
+It saves for backward what Hugging Face's LlamaForCausalLM saves (tests/test_models.py compares the two
+traces), since published runs use that implementation (and torchtitan's):
+- RMSNorm as LlamaRMSNorm computes it: the input upcast to fp32, normalised, cast back, then scaled; it
+  saves 6 bytes an element (the fp32 copy and the bf16 normalised output). torch's nn.RMSNorm runs a
+  composite on the CPU (and on the meta device the planner traces on) that saves 8, and a fused kernel
+  on CUDA that saves the input alone: the same model would then save different bytes per device.
+- RoPE as Hugging Face applies it: cos/sin computed per forward in fp32 from `inv_freq` (the only
+  buffer) and cast to the compute dtype, q and k rotated in the compute dtype.
+"""
 
 from __future__ import annotations
 
@@ -9,24 +19,36 @@ from torch import nn
 from autoplan.models.common import init_parameters, merge_heads, split_heads
 from autoplan.models.config import ModelConfig
 
-__all__ = ["Llama"]
+__all__ = ["Llama", "RMSNorm"]
 
 
-def _rope_tables(config: ModelConfig, device: torch.device | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables of shape [max_seq_len, head_dim] in the half-split layout."""
+class RMSNorm(nn.RMSNorm):
+    """nn.RMSNorm's parameters and repr, Hugging Face LlamaRMSNorm's arithmetic (see the module docstring)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = x.to(torch.float32)
+        hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * hidden.to(x.dtype)
+
+
+def _inv_freq(config: ModelConfig, device: torch.device | None) -> torch.Tensor:
     head_dim = config.head_dim
-    inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
-    positions = torch.arange(config.max_seq_len, device=device, dtype=torch.float32)
+    return 1.0 / config.rope_theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+
+
+def _rope_tables(inv_freq: torch.Tensor, seq_len, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin of shape [seq_len, head_dim] in the half-split layout, computed in fp32, returned in `dtype`."""
+    positions = torch.arange(seq_len, device=inv_freq.device, dtype=torch.float32)
     angles = torch.outer(positions, inv_freq)
     angles = torch.cat((angles, angles), dim=-1)
-    return angles.cos(), angles.sin()
+    return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
 def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [B, H, S, D]; rotate the pairs (x[i], x[i + D/2]).
+    # x: [B, H, S, D]; rotate the pairs (x[i], x[i + D/2]), in x's dtype as Hugging Face does.
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return (x.float() * cos + rotated.float() * sin).type_as(x)
+    return x * cos + rotated * sin
 
 
 class LlamaAttention(nn.Module):
@@ -67,9 +89,9 @@ class LlamaMLP(nn.Module):
 class LlamaBlock(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.attn_norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
+        self.attn_norm = RMSNorm(config.d_model, eps=config.norm_eps)
         self.attn = LlamaAttention(config)
-        self.mlp_norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
+        self.mlp_norm = RMSNorm(config.d_model, eps=config.norm_eps)
         self.mlp = LlamaMLP(config)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -87,12 +109,10 @@ class Llama(nn.Module):
         self.config = config
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.d_model)
         self.layers = nn.ModuleList(LlamaBlock(config) for _ in range(config.n_layers))
-        self.norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
+        self.norm = RMSNorm(config.d_model, eps=config.norm_eps)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
-        # Non-persistent buffers: not parameters, not in the state dict.
-        cos, sin = _rope_tables(config, device=None)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+        # Non-persistent buffer: not a parameter, not in the state dict (as Hugging Face's inv_freq).
+        self.register_buffer("inv_freq", _inv_freq(config, device=None), persistent=False)
         self._tie_weights()
 
     def _tie_weights(self) -> None:
@@ -103,15 +123,12 @@ class Llama(nn.Module):
         self._tie_weights()
         init_parameters(self, self.config.init_std)
         with torch.no_grad():
-            cos, sin = _rope_tables(self.config, device=self.rope_cos.device)
-            self.rope_cos.copy_(cos)
-            self.rope_sin.copy_(sin)
+            self.inv_freq.copy_(_inv_freq(self.config, device=self.inv_freq.device))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        seq_len = input_ids.size(1)
-        # narrow() rather than [:seq_len]: fx cannot slice a real tensor with a proxy.
-        cos = self.rope_cos.narrow(0, 0, seq_len)
-        sin = self.rope_sin.narrow(0, 0, seq_len)
+        # the compute dtype from the root's own norm (gathered in it under FSDP2 mixed precision): reading
+        # x.dtype would make torch.fx record the rotary tables as reading the embedding's output
+        cos, sin = _rope_tables(self.inv_freq, input_ids.size(1), self.norm.weight.dtype)
         x = self.tok_embeddings(input_ids)
         for layer in self.layers:
             x = layer(x, cos, sin)

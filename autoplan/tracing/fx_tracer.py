@@ -70,6 +70,14 @@ class _PathTracer(fx.Tracer):
         super().__init__()
         self.entered_modules: list[str] = []
 
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        """torch.nn's modules, and childless subclasses of them (the zoo's RMSNorm, a user's Linear with
+        another forward): one op each, as the dispatch tracer records a childless module."""
+        if super().is_leaf_module(m, module_qualified_name):
+            return True
+        return next(m.children(), None) is None and any(
+            cls.__module__.startswith("torch.nn.modules") for cls in type(m).__mro__[1:] if cls is not nn.Module)
+
     def call_module(self, m, forward, args, kwargs):
         self.entered_modules.append(self.path_of_module(m))
         out = super().call_module(m, forward, args, kwargs)
