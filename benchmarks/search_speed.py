@@ -4,6 +4,7 @@ time against its targets, beside a reference revision's in the same run.
     python benchmarks/search_speed.py                  # this tree; writes benchmarks/results/search_speed.json
     python benchmarks/search_speed.py --ref HEAD~3     # and the same commands on that revision, in the same run
     python benchmarks/search_speed.py --only gpt2      # a subset (substring of the case)
+    python benchmarks/search_speed.py --pins-only      # only the searches with 10 pins beside the same free
 
 Solver cases: `autoplan search` as a subprocess; the solver's wall time from the plan file against the
 targets of issue 5 (<= 0.5 s for gpt2-1.5b, 2 s for 70B, 5 s for the 405B-class model, 30 s for 500+
@@ -15,6 +16,10 @@ Hugging Face Llama (hidden 64, 4 heads; its config.json written to a temporary f
 --help` under 1 s; `autoplan models` and `autoplan profiles`, which need no solver, for the record.
 Each is run --repeat times (default 3) and its fastest run kept: on a shared machine a burst of load
 from a neighbour only ever slows a run down. The 2000-layer case runs once.
+
+Pin cases (issue 14): a search with 10 `--pin`s against the same search free, fastest of --repeat runs
+each; the target is pinned within 20% of free (solver and whole command). The pins fix blocks to
+shard+ckpt, spread over the stack (every few blocks) or in one stretch.
 """
 
 from __future__ import annotations
@@ -41,6 +46,14 @@ CASES = [
      ["--model", "llama2-70b", "--mem", "80GB", "--nodes", "8", "--gpus-per-node", "8",
       "--granularity", "leaf", "--seq-len", "1024"]),
 ]
+# (case, the free search's args, the 10 pins)
+PIN_CASES = [
+    ("gpt2-1.5b, 8 GB, 8 GPUs: transformer.h.{0,5,..,45}", CASES[0][2],
+     [f"transformer.h.{5 * k}=shard+ckpt" for k in range(10)]),
+    ("llama2-70b, 80 GB, 64 GPUs: layers.{0,8,..,72}", CASES[1][2], [f"layers.{8 * k}=shard+ckpt" for k in range(10)]),
+    ("llama2-70b, 80 GB, 64 GPUs: layers.{0,1,..,9}", CASES[1][2], [f"layers.{k}=shard+ckpt" for k in range(10)]),
+]
+PIN_TARGET = 1.2  # pinned / free
 DEEP_LAYERS = 2000
 # (case, whole-command target in s or None, argv after `autoplan`; {deep} is the 2000-layer config)
 COMMANDS = [
@@ -138,7 +151,32 @@ def run_commands(ref: Path | None, ref_name: str | None, only: str | None, repea
 
 
 def _name(row: dict) -> str:
-    return row.get("case") or row.get("command")
+    return row.get("case") or row.get("command") or row.get("pin_case")
+
+
+def _fastest(args: list[str], repeat: int) -> dict:
+    runs = [run_case(args) for _ in range(repeat)]
+    return {"solver_s": min(r["solver_s"] for r in runs), "command_s": min(r["command_s"] for r in runs),
+            "status": runs[0]["status"], "sweep": runs[0]["sweep"]}
+
+
+def run_pin_cases(only: str | None, repeat: int) -> list[dict]:
+    rows = []
+    print(f"\n{'10 pins':<56} {'free solver s':>13} {'pinned':>8} {'free cmd s':>10} {'pinned':>8}  ratio (target "
+          f"<= {PIN_TARGET:g})")
+    for name, args, pins in PIN_CASES:
+        if only and only not in name:
+            continue
+        free = _fastest(args, repeat)
+        pinned = _fastest(args + [flag for pin in pins for flag in ("--pin", pin)], repeat)
+        ratio = max(pinned["solver_s"] / free["solver_s"], pinned["command_s"] / free["command_s"])
+        row = {"pin_case": name, "pins": pins, "free": free, "pinned": pinned, "ratio": ratio,
+               "target_ratio": PIN_TARGET, "met": ratio <= PIN_TARGET}
+        rows.append(row)
+        print(f"{name:<56} {free['solver_s']:>13.2f} {pinned['solver_s']:>8.2f} {free['command_s']:>10.2f} "
+              f"{pinned['command_s']:>8.2f}  {ratio:.2f}{'' if row['met'] else '  MISSED'}"
+              + ("" if pinned["sweep"] == free["sweep"] else f"  (pinned sweep {pinned['sweep']})"), flush=True)
+    return rows
 
 
 def main() -> None:
@@ -148,8 +186,16 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3, help="runs per command case, the fastest kept (default 3)")
     parser.add_argument("--timeout", type=float, default=900, help="seconds before a command is given up (default 900)")
     parser.add_argument("--no-solver-cases", action="store_true", help="only the whole-command cases")
+    parser.add_argument("--pins-only", action="store_true", help="only the pin cases (issue 14)")
     args = parser.parse_args()
     solver_rows = []
+    if args.pins_only:
+        rows = run_pin_cases(args.only, args.repeat)
+        kept = [r for r in json.loads(RESULTS.read_text()) if "pin_case" not in r] if RESULTS.exists() else []
+        RESULTS.parent.mkdir(parents=True, exist_ok=True)
+        RESULTS.write_text(json.dumps(kept + rows, indent=2) + "\n")
+        print(f"written to {RESULTS.relative_to(REPO)}")
+        return
     if not args.no_solver_cases:
         print(f"{'case':<70} {'units':>5} {'solver s':>9} {'target':>7} {'command s':>10} {'status':>9} {'gap':>8}")
         for name, target_s, case_args in CASES:
@@ -175,11 +221,13 @@ def main() -> None:
                 subprocess.run(["git", "worktree", "remove", "--force", str(worktree)], cwd=REPO, capture_output=True)
     # the solver cases stay a list of rows, as before; the command cases follow as rows with "command".
     # With --only, the rows run replace theirs in the file and the others stay.
-    rows = solver_rows + command_rows
+    pin_rows = run_pin_cases(args.only, args.repeat)
+    rows = solver_rows + command_rows + pin_rows
     if args.only and RESULTS.exists():
         fresh = {_name(row) for row in rows}
         kept = [row for row in json.loads(RESULTS.read_text()) if _name(row) not in fresh]
-        rows = solver_rows + [r for r in kept if "case" in r] + command_rows + [r for r in kept if "command" in r]
+        rows = (solver_rows + [r for r in kept if "case" in r] + command_rows + [r for r in kept if "command" in r]
+                + pin_rows + [r for r in kept if "pin_case" in r])
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(rows, indent=2) + "\n")
     print(f"written to {RESULTS.relative_to(REPO)}")
