@@ -47,6 +47,10 @@ from the plan's predicted step time.
 
 Ranks are started with torch.distributed.run (nccl on CUDA, gloo on the CPU). Peak memory is
 torch.cuda.max_memory_allocated on CUDA, and the bytes of live tensors on the CPU (autoplan.memtrack).
+Each unit runs as its plan record says: its sharding (FSDP2 fully_shard), its checkpoint mode (none;
+selective: matmul, attention and collective outputs kept, the rest recomputed; full), and offload
+(FSDP2 CPUOffloadPolicy: its parameters, gradients and optimizer states on the host, its optimizer
+step there). Offloaded state is reported as host memory beside the device's peak.
 Each step prints rank 0's loss on its own micro-batches; the summary's loss is the mean over ranks.
 Ctrl-C (SIGINT), SIGTERM or SIGHUP stops every rank and removes the run directory; the command then
 exits with 128 + the signal's number (130, 143, 129). torchrun's own log is off unless LOGLEVEL is set.
