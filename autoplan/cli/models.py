@@ -17,8 +17,14 @@ def _run(args) -> int:
     for alias, target in ALIASES.items():
         aliases.setdefault(target, []).append(alias)
     print(f"{'name':<16} {'parameters':>18}  aliases")
+    follows: dict[str, str] = {}  # model class -> the implementation whose saved activations it matches
     for name in PRESETS:
-        n_params = count_params(build_model(name, device="meta"))
-        print(f"{name:<16} {n_params:>18,}  {', '.join(aliases.get(name, []))}")
+        model = build_model(name, device="meta")
+        follows.setdefault(type(model).__name__, getattr(model, "follows", ""))
+        print(f"{name:<16} {count_params(model):>18,}  {', '.join(aliases.get(name, []))}")
+    print("\nwhat each family saves for backward:")
+    for family, implementation in follows.items():
+        if implementation:
+            print(f"  {family}: {implementation}")
     print("\nor a factory of your own: --model package.module:factory (returns an nn.Module)")
     return 0

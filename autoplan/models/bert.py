@@ -103,6 +103,7 @@ class BertForMaskedLM(nn.Module):
     """
 
     block_list_path = "encoder.layer"
+    follows = "BERT's layout with torch's fused GELU and no dropout (not compared with Hugging Face's)"
 
     def __init__(self, config: ModelConfig):
         super().__init__()

@@ -55,6 +55,8 @@ class GPT2(nn.Module):
     """GPT-2: learned positions, pre-LN, GELU MLP, biases, tied LM head."""
 
     block_list_path = "transformer.h"
+    # Hugging Face's GPT2LMHeadModel saves twice as much per block (a Python GELU, dropout masks)
+    follows = "nanoGPT / torchtitan style: torch's fused GELU, no dropout"
 
     def __init__(self, config: ModelConfig):
         super().__init__()

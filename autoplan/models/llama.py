@@ -103,6 +103,8 @@ class Llama(nn.Module):
     """Llama 2/3: RMSNorm, RoPE, SwiGLU, no biases, GQA, untied head by default."""
 
     block_list_path = "layers"
+    # what it saves for backward, said by `autoplan models` (checked in tests/test_models.py)
+    follows = "saves what Hugging Face's LlamaForCausalLM saves (its RMSNorm and RoPE)"
 
     def __init__(self, config: ModelConfig):
         super().__init__()
