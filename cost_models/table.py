@@ -179,6 +179,7 @@ def build_cost_table(
     host = profile.host_link
     if offload and host is None:
         raise ValueError(f"profile {profile.name} has no host_link: offload cannot be priced on it")
+    host_is_device = profile.device_type == "cpu"
     precision, optimizer_kind = PRECISIONS[dtype], OPTIMIZERS[optimizer]
     compute = ComputeModel(profile, precision.compute_dtype)
     comm = CommModel(profile)
@@ -237,7 +238,10 @@ def build_cost_table(
             state = (local * precision.master_bytes, local * precision.master_bytes,
                      local * optimizer_kind.states * precision.state_bytes)  # parameters, gradients, states
             copy_fwd = copy_bwd = 0.0
-            if option.offload:
+            # offloaded state leaves the device only where the device is not the host (on a CPU profile it
+            # stays in the same memory, and FSDP2's copies to the "device" are no-ops)
+            off_device = option.offload and not host_is_device
+            if off_device:
                 # each gather copies the shard host-to-device first (staged on the device while gathering);
                 # each reduction's output goes device-to-host
                 h2d = local * precision.master_bytes / host.h2d_bytes_s
@@ -246,10 +250,10 @@ def build_cost_table(
                 if host.overlaps_compute:  # on the copy engines, beside the collectives
                     comm_fwd, comm_bwd = comm_fwd + copy_fwd, comm_bwd + copy_bwd
             costs.append(OptionCost(
-                param_bytes=0 if option.offload else state[0],
-                optimizer_bytes=0 if option.offload else state[2],
-                grad_bytes=0 if option.offload else state[1],
-                gathered_bytes=gathered + (local * precision.master_bytes if option.offload else 0),
+                param_bytes=0 if off_device else state[0],
+                optimizer_bytes=0 if off_device else state[2],
+                grad_bytes=0 if off_device else state[1],
+                gathered_bytes=gathered + (local * precision.master_bytes if off_device else 0),
                 held_bytes=0 if option.kind.reshard_after_forward else gathered,
                 activation_bytes=keep_bytes[recompute][index] if option.mode.checkpoints else saved,
                 unsharded_grad_bytes=padded * precision.compute_bytes,
@@ -268,7 +272,7 @@ def build_cost_table(
                                                                   else copy_fwd),
                 overhead_bwd_s=unit_bwd + calls_bwd * call_bwd + (0.0 if host is None or host.overlaps_compute
                                                                   else copy_bwd),
-                optimizer_temp_bytes=0 if option.offload else _optimizer_temp_bytes(
+                optimizer_temp_bytes=0 if off_device else _optimizer_temp_bytes(
                     unit, shard, precision, optimizer_kind, profile.device_type),
                 local_numel=local,
                 collectives_fwd=calls_fwd,

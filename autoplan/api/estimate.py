@@ -126,7 +126,8 @@ def estimate(model: Any = None, strategy: str | None = None, *, settings: Estima
                              "`plan`: it has no decision for them; search again with the pins")
         extra += pins.extra_units
     traced = session.cache(compute_dtype_of(dtype), granularity, extra)
-    table = traced.table(micro_batch_size, accum, cluster, session.seq_len, dtype, optimizer)
+    offloads = s.offload or (plan is not None and any(unit.offload for unit in plan.units))
+    table = traced.table(micro_batch_size, accum, cluster, session.seq_len, dtype, optimizer, offload=offloads or None)
     if plan is not None:
         choices, label = _plan_choices(table, plan), "plan"
         description = f"the plan's decisions ({session.name}, limit {format_bytes(plan.cluster.mem_limit_bytes)})"

@@ -38,7 +38,8 @@ def plan_table(plan: Plan | str | os.PathLike, model: Any = None) -> tuple[Plan,
                             "tree or parameter shapes differ)")
     cluster = resolve_cluster(c.world_size, c.nodes, c.gpus_per_node, c.profile, c.host_mem_bytes)
     traced = session.cache(compute_dtype_of(t.dtype), t.granularity, tuple(unit.module for unit in plan.units))
-    table = traced.table(t.micro_batch_size, t.grad_accum_steps, cluster, session.seq_len, t.dtype, t.optimizer)
+    table = traced.table(t.micro_batch_size, t.grad_accum_steps, cluster, session.seq_len, t.dtype, t.optimizer,
+                         offload=any(unit.offload for unit in plan.units) or None)
     return plan, table, _plan_choices(table, plan)
 
 

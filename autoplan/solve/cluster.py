@@ -33,6 +33,12 @@ class Cluster:
         """Offload is priced (and offered) only where the profile knows the host link."""
         return self.profile.host_link is not None and self.host_mem_bytes is not None
 
+    @property
+    def offload_searched(self) -> bool:
+        """The search offers offload only where it frees device memory: not where the "device" is the host
+        (a CPU profile), though a plan or strategy that asks for it there is still costed and run."""
+        return self.offload_allowed and self.profile.device_type != "cpu"
+
 
 def machine_mem_bytes() -> int | None:
     """This machine's physical memory (None where the OS does not say)."""

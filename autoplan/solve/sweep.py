@@ -72,7 +72,8 @@ def sweep(tables: CostTables, cluster: Cluster, candidates: list[tuple[int, int]
     best = None  # (throughput, table, result, affine)
     wall_s, num_vars, num_cons = 0.0, 0, 0
     for micro_batch_size, accum in candidates:
-        table = tables.table(micro_batch_size, accum, cluster, seq_len, dtype, optimizer)
+        table = tables.table(micro_batch_size, accum, cluster, seq_len, dtype, optimizer,
+                             offload=True if strategy is not None and offload else None)
         unpinned.append(table)
         if pins is not None and strategy is None:
             table = pins.restrict(table)

@@ -64,7 +64,10 @@ class CostTables:
                                   kept_saved_bytes(self.trace_2, self.units, mode)) for mode in CHECKPOINTED}
 
     def table(self, micro_batch_size: int, grad_accum_steps: int, cluster: Cluster, seq_len: int,
-              dtype: str, optimizer: str) -> CostTable:
+              dtype: str, optimizer: str, offload: bool | None = None) -> CostTable:
+        """The table at this micro-batch. `offload`: offer offload options (None: where the search offers
+        them, see Cluster.offload_searched; True: wherever the profile can price them)."""
+        offload = cluster.offload_searched if offload is None else offload and cluster.offload_allowed
         ops = extrapolate_ops(self.trace_1.ops, self.trace_2.ops, micro_batch_size)
         keep = {mode: [a + (b - a) * (micro_batch_size - 1) for a, b in zip(*self.keep[mode])]
                 for mode in CHECKPOINTED}
@@ -72,6 +75,6 @@ class CostTables:
                       for mode, (at_1, at_2) in self.kept_saved.items()}
         return build_cost_table(self.units, ops, keep, cluster.profile, cluster.shape, micro_batch_size,
                                 grad_accum_steps, seq_len, dtype, optimizer, kept_saved,
-                                offload=cluster.offload_allowed,
+                                offload=offload,
                                 host_limit_bytes=cluster.host_mem_bytes // cluster.shape.gpus_per_node
-                                if cluster.offload_allowed else None)
+                                if offload else None)
