@@ -4,8 +4,8 @@ It saves for backward what Hugging Face's LlamaForCausalLM saves (tests/test_mod
 traces), since published runs use that implementation (and torchtitan's):
 - RMSNorm as LlamaRMSNorm computes it: the input upcast to fp32, normalised, cast back, then scaled; it
   saves 6 bytes an element (the fp32 copy and the bf16 normalised output). torch's nn.RMSNorm runs a
-  composite on the CPU (and on the meta device the planner traces on) that saves 8, and a fused kernel
-  on CUDA that saves the input alone: the same model would then save different bytes per device.
+  composite on the CPU (and on the meta device the planner traces on) that saves 8, and may run a fused
+  kernel on CUDA that saves less: the same model would then save different bytes per device.
 - RoPE as Hugging Face applies it: cos/sin computed per forward in fp32 from `inv_freq` (the only
   buffer) and cast to the compute dtype, q and k rotated in the compute dtype.
 """
