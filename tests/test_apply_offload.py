@@ -42,8 +42,6 @@ def test_offloaded_units_hold_their_state_on_the_host_as_predicted(tmp_path, cap
     # AdamW's 4-byte step counter per parameter tensor)
     assert result.measured_host_bytes == pytest.approx(plan.predicted.host_mem_bytes, rel=0.01)
     assert result.measured_host_bytes >= plan.predicted.host_mem_bytes
-    # on the CPU the measured peak holds the host state too; without it, the device's share is no more than
-    # predicted (which also stages each shard on the device for its all-gather: no copy on a CPU)
-    device_share = result.measured_peak_bytes - result.measured_host_bytes
-    assert device_share <= result.predicted_peak_bytes * (1 + TOLERANCE)
-    assert device_share >= result.predicted_peak_bytes * 0.8
+    # on the CPU the host is the device: the peak holds the offloaded state, measured and predicted alike (by
+    # the plan's CPU profile; the NCCL costing beside it moves the state off the device, so it is not compared)
+    assert abs(result.error) <= TOLERANCE, result

@@ -274,8 +274,8 @@ def format_fake_world(r: FakeWorldResult) -> str:
     lines.append("  predicted compute: the units' forward and backward x accumulation + the optimizer step, "
                  f"no collectives or per-unit overheads (the plan's whole step: {_seconds(r.predicted_step_s)})")
     if r.measured_host_bytes and r.device == "cpu":
-        lines.append("  note: on the CPU the host is the device: the measured peak counts the offloaded state, which "
-                     "the predicted peak leaves to host memory (and offload's staging copy is never made)")
+        lines.append("  note: on the CPU the host is the device: the offloaded state is in the peak too (measured, "
+                     "and predicted by a CPU profile); the host row shows its share")
     lines.extend(f"  not exercised: {note}" for note in r.not_exercised)
     return "\n".join(lines)
 

@@ -306,8 +306,8 @@ def format_report(report: RunReport) -> str:
         lines.append("  host memory: offloaded units' parameters, gradients and optimizer states (measured: their "
                      "storages after the last optimizer step)")
         if r.device == "cpu":
-            lines.append("  note: on the CPU the host is the device: the measured peak memory counts the offloaded "
-                         "state too, which the predicted device peak leaves to the host row")
+            lines.append("  note: on the CPU the host is the device: the offloaded state is in the peak memory too "
+                         "(measured, and predicted by a CPU profile); the host rows show its share")
     if r.profile_note:
         lines.append(f"  note: {r.profile_note}")
     if r.model_note:
