@@ -175,8 +175,8 @@ def _not_an_option(unit, options: list[Option], decision: Decision, pins: list[P
     elif "sharding" in fixed and not any(o.sharding == fixed["sharding"] for o in options):
         kind = Option(fixed["sharding"]).kind
         why = (f"{kind.name} needs two or more nodes" if kind.multi_node_only and table.cluster.nodes < 2 else
-               f"the root is not offered kinds that keep parameters gathered ({kind.name})" if unit.is_root else
-               f"{kind.name} is not offered there")
+               f"the root is not offered kinds that keep parameters gathered ({kind.name})"
+               if unit.is_root and not kind.reshard_after_forward else f"{kind.name} is not offered there")
     pinned_by = pins[0] if len(pins) == 1 else "pins " + " and ".join(str(p) for p in pins)
     return (f"pin {pinned_by}: {decision.text()} is not an option for unit {name}"
             + (f": {why}" if why else "") + f"; its options: {', '.join(o.label for o in options)}")
