@@ -13,7 +13,13 @@ The plans of every limit of one model and micro-batch run in one launch; plans w
 decisions (the uniform ones recur at several limits, and autoplan's plan is often one of them) are
 run once; every plan runs in three rounds, one after the other, and keeps its fastest.
 
-    python benchmarks/plan_quality.py           # ~15-20 min on 2 cores
+Checkpointing per unit is none, selective or full (issue 12); the uniform plans include all-shard+sel
+(every block selectively checkpointed) beside all-shard+ckpt, and the summary says what selective
+checkpointing changed, measured: its step time and peak against full checkpointing's (where both ran
+at the same micro-batch). No plan offloads: on a CPU device the host is the device, so offloading frees
+nothing; the search offers none on a CPU profile, and `--host-mem 1` keeps it so.
+
+    python benchmarks/plan_quality.py           # ~25 min on 2 cores
     python benchmarks/plan_quality.py --skip-exhaustive
 
 Targets (issue 5): >= 1.1x all-shard (geometric mean, where the limit lets a mixed plan differ),
@@ -45,6 +51,22 @@ MICRO_BATCHES, SEQ_LEN = (4, 16), 128
 EXHAUSTIVE_BATCH_SIZE = 16
 LIMIT_FRACTIONS = (0.0, 1 / 3, 2 / 3, 1.0)  # of the way from the leanest plan to all-replicate
 CONFIRM_TOP = 5  # the sweep's fastest plans that fit, measured again beside autoplan's
+# uniform plans measured beside autoplan's: common.UNIFORM's and every block selectively checkpointed
+KINDS = {**{kind: (kind, []) for kind in UNIFORM}, "all-shard+sel": ("all-shard", ["--checkpoint", "selective"])}
+# on the CPU the host is the device: a 1-byte host memory keeps offload out of every plan (see the docstring)
+NO_OFFLOAD = ["--host-mem", "1"]
+
+
+def plan_of(model: str, limit, batch_size: int, kind: str) -> dict | None:
+    base, flags = KINDS.get(kind, (kind, []))
+    return make_plan(model, str(limit), batch_size, SEQ_LEN, base, [*flags, *NO_OFFLOAD])
+
+
+def unit_options(plan: dict) -> list[tuple]:
+    """Each unit's (sharding, checkpoint mode[, "offload"]); plans of older autoplans say checkpoint true/false."""
+    def mode(value) -> str:
+        return {True: "full", False: "none"}.get(value, value) if isinstance(value, bool) else value
+    return [(u["sharding"], mode(u["checkpoint"]), *(("offload",) if u.get("offload") else ())) for u in plan["units"]]
 
 
 def throughput(plan: dict, measured: dict) -> float:
@@ -56,13 +78,13 @@ def quality(models: list[str]) -> dict:
     print(f"{'model':<72} {'mb':>3} {'limit MB':>9} {'plan':<18} {'pred ms':>8} {'meas ms':>8} {'meas MB':>8} "
           f"{'fits':>5}")
     for model, batch_size in itertools.product(models, MICRO_BATCHES):
-        lean = make_plan(model, "100GB", batch_size, SEQ_LEN, "all-shard+ckpt")["predicted"]["peak_mem_bytes"]
-        full = make_plan(model, "100GB", batch_size, SEQ_LEN, "all-replicate")["predicted"]["peak_mem_bytes"]
+        lean = plan_of(model, "100GB", batch_size, "all-shard+ckpt")["predicted"]["peak_mem_bytes"]
+        full = plan_of(model, "100GB", batch_size, "all-replicate")["predicted"]["peak_mem_bytes"]
         # the search plans to the limit less its headroom: from the limit the leanest plan just fits
         limits = [int((lean + fraction * (full - lean)) / (1 - DEFAULT_HEADROOM)) + 1 for fraction in LIMIT_FRACTIONS]
         plans_at = {}
         for limit in limits:
-            plans = {kind: make_plan(model, str(limit), batch_size, SEQ_LEN, kind) for kind in ["autoplan", *UNIFORM]}
+            plans = {kind: plan_of(model, limit, batch_size, kind) for kind in ["autoplan", *KINDS]}
             plans_at[limit] = {kind: plan for kind, plan in plans.items() if plan is not None}
         # every limit's plans in one launch: a plan that recurs (the uniform ones) is measured once
         measured_all = iter(execute_many([plan for plans in plans_at.values() for plan in plans.values()]))
@@ -77,7 +99,8 @@ def quality(models: list[str]) -> dict:
                 case["plans"][kind] = {
                     "predicted_step_s": plan["predicted"]["step_time_s"], "measured_step_s": measured["step_time_s"],
                     "measured_peak_bytes": measured["peak_mem_bytes"], "measured_throughput": throughput(plan, measured),
-                    "under_limit": fits, "decisions": sorted({(u["sharding"], u["checkpoint"]) for u in plan["units"]}),
+                    "under_limit": fits, "decisions": sorted(set(unit_options(plan))),
+                    "micro_batch_size": plan["training"]["micro_batch_size"],
                     "same_plan_as": next((other for other, p in plans.items() if other != kind
                                           and decisions(p) == decisions(plan)), None),
                 }
@@ -97,9 +120,15 @@ def quality(models: list[str]) -> dict:
                     case["best_vs_all_shard"] = max(p["measured_throughput"] for p in case["plans"].values()
                                                     if p["under_limit"]) / shard_throughput
                 all_shard_plan = plans.get("all-shard")
-                case["differs_from_all_shard"] = all_shard_plan is not None and any(
-                    (a["sharding"], a["checkpoint"]) != (b["sharding"], b["checkpoint"])
-                    for a, b in zip(plans["autoplan"]["units"], all_shard_plan["units"]))
+                case["differs_from_all_shard"] = (all_shard_plan is not None
+                                                  and unit_options(plans["autoplan"]) != unit_options(all_shard_plan))
+            case["autoplan_selective_units"] = sum(o[1] == "selective" for o in unit_options(plans["autoplan"]))
+            sel, ckpt = case["plans"].get("all-shard+sel"), case["plans"].get("all-shard+ckpt")
+            if sel and ckpt and sel["micro_batch_size"] == ckpt["micro_batch_size"]:
+                # what selective checkpointing changed, measured: the same plan but for the mode
+                case["sel_vs_full"] = {"throughput": sel["measured_throughput"] / ckpt["measured_throughput"],
+                                       "peak": sel["measured_peak_bytes"] / ckpt["measured_peak_bytes"],
+                                       "predicted_step": sel["predicted_step_s"] / ckpt["predicted_step_s"]}
             rows.append(case)
 
     differing = [c for c in rows if c.get("differs_from_all_shard") and "vs_all_shard" in c]
@@ -114,6 +143,10 @@ def quality(models: list[str]) -> dict:
         "worst_vs_best_uniform": min((c["vs_best_uniform"] for c in rows if "vs_best_uniform" in c), default=None),
         "plans_over_limit": sum(1 for c in rows for p in c["plans"].values() if not p["under_limit"]),
         "plans_executed": sum(len(c["plans"]) for c in rows),
+        "limits_where_autoplan_picks_selective": sum(1 for c in rows if c.get("autoplan_selective_units")),
+        "geomean_all_shard_sel_vs_ckpt_throughput": geomean([c["sel_vs_full"]["throughput"] for c in rows
+                                                             if "sel_vs_full" in c]),
+        "geomean_all_shard_sel_vs_ckpt_peak": geomean([c["sel_vs_full"]["peak"] for c in rows if "sel_vs_full" in c]),
     }
     print("\nper limit: autoplan measured speedup")
     for case in rows:
@@ -126,11 +159,11 @@ def quality(models: list[str]) -> dict:
 
 def exhaustive(model: str) -> dict:
     """Every plan of the search space on a small model, at a limit where the solver must mix."""
-    lean = make_plan(model, "100GB", EXHAUSTIVE_BATCH_SIZE, SEQ_LEN, "all-shard+ckpt")["predicted"]["peak_mem_bytes"]
-    full = make_plan(model, "100GB", EXHAUSTIVE_BATCH_SIZE, SEQ_LEN, "all-replicate")["predicted"]["peak_mem_bytes"]
+    lean = plan_of(model, "100GB", EXHAUSTIVE_BATCH_SIZE, "all-shard+ckpt")["predicted"]["peak_mem_bytes"]
+    full = plan_of(model, "100GB", EXHAUSTIVE_BATCH_SIZE, "all-replicate")["predicted"]["peak_mem_bytes"]
     limit = int((lean + full) / 2)
-    mine = make_plan(model, str(limit), EXHAUSTIVE_BATCH_SIZE, SEQ_LEN, "autoplan")
-    base = make_plan(model, "100GB", EXHAUSTIVE_BATCH_SIZE, SEQ_LEN, "all-shard")
+    mine = plan_of(model, limit, EXHAUSTIVE_BATCH_SIZE, "autoplan")
+    base = plan_of(model, "100GB", EXHAUSTIVE_BATCH_SIZE, "all-shard")
     choices_per_unit = []
     for unit in base["units"]:
         if unit["module"] == "":
