@@ -7,6 +7,10 @@ working tree, and compares the outputs with the solver's wall time taken out.
 
     python benchmarks/plan_identity.py --ref main~5        # compare with an earlier revision
     python benchmarks/plan_identity.py --ref main --only gpt2-tiny   # a subset (substring match)
+    python benchmarks/plan_identity.py --ref main --decisions        # decisions only, not predictions
+
+`--decisions` compares what a plan decides (micro-batch, accumulation, each unit's options) and leaves
+the predicted figures out: for a change to the cost model that is meant to move predictions.
 
 Exit 0 when every output is identical, 1 when any differs (the first differing path is printed).
 """
@@ -90,6 +94,15 @@ def run_cases(tree: Path, out_dir: Path, cases) -> dict[str, dict]:
     return results
 
 
+def decisions(output: dict) -> dict:
+    """What a plan decides (or an estimate's failure), without its predictions."""
+    if "units" not in output or "training" not in output:
+        return output
+    keep = ("module", "sharding", "checkpoint", "offload", "reshard_after_forward")
+    return {"training": {k: output["training"][k] for k in ("micro_batch_size", "grad_accum_steps")},
+            "units": [{k: unit.get(k) for k in keep} for unit in output["units"]]}
+
+
 def first_difference(a, b, path="") -> str | None:
     if type(a) is not type(b):
         return f"{path}: {a!r} != {b!r}"
@@ -116,6 +129,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ref", default="HEAD", help="the revision to compare with (default HEAD)")
     parser.add_argument("--only", help="run only the cases whose label contains this")
+    parser.add_argument("--decisions", action="store_true", help="compare decisions only, not predictions")
     args = parser.parse_args()
     cases = [case for case in CASES if not args.only or args.only in case[0]]
     with tempfile.TemporaryDirectory(prefix="plan-identity-") as tmp:
@@ -134,7 +148,8 @@ def main() -> int:
             subprocess.run(["git", "worktree", "remove", "--force", str(worktree)], cwd=ROOT, capture_output=True)
     differing = 0
     for label, _ in cases:
-        found = first_difference(before[label], after[label])
+        a, b = before[label], after[label]
+        found = first_difference(decisions(a), decisions(b)) if args.decisions else first_difference(a, b)
         print(f"{label:<24} {'identical' if found is None else 'DIFFERS ' + found}")
         differing += found is not None
     print(f"{len(cases) - differing} of {len(cases)} identical")

@@ -5,9 +5,13 @@ reverse order, and the optimizer step. At the forward of segment s (ops a..b, ow
     params + optimizer states                      (all units, sharded or not per their option)
   + gradients                                      (only with gradient accumulation > 1)
   + activations saved by segments 1..s
-  + gathered params of every unit running at s (u and the units around it) and of the next unit
-    (prefetched), plus those kept gathered by finished units with reshard_after_forward=False
+  + gathered params of every unit running at s (u and the units around it), plus those kept gathered
+    by finished units with reshard_after_forward=False, plus the all-gather output of the unit gathered
+    last (FSDP2, torch 2.13: each unit's all-gather output stays alive until the next unit's copy-out;
+    the forward prefetches nothing by default)
   + the largest tensor the segment allocates.
+Before the first segment of each unit with parameters, a "pre-fwd" point: its copy-out, when the
+previous unit's all-gather output, its own and its unsharded parameters are alive at once.
 At the backward of s: the activations of segments 1..s-1 (those of later segments are freed), the
 inputs a checkpointed u keeps, reduced gradients of units whose backward finished, the parameter
 gradients the units around u have computed so far (unsharded, compute dtype), and the peak of s's
@@ -146,6 +150,18 @@ def timeline(table: CostTable, alg: Algebra) -> list[MemoryPoint]:
         return ends[bisect.bisect_left(end_ops, end_ops[rank - 1])][1] if rank else None
 
     index_of = {unit.path: u for u, unit in enumerate(units)}
+    depth = {u: units[u].path.count(".") + (0 if units[u].is_root else 1) for u in range(n_units)}
+    # units with parameters in the order FSDP2 gathers them in the forward: by first op, outer ones first
+    gather_order = sorted((u for u in range(n_units) if units[u].params), key=lambda u: (units[u].first_op, depth[u]))
+    gather_starts = [units[u].first_op for u in gather_order]
+    gather_rank = {u: rank for rank, u in enumerate(gather_order)}
+
+    def latest_gathered(position: int, before: int | None = None) -> int | None:
+        """The unit gathered last when the op at `position` runs (or the one gathered just before `before`)."""
+        rank = bisect.bisect_right(gather_starts, position)
+        if before is not None:
+            rank = gather_rank[before]
+        return gather_order[rank - 1] if rank else None
 
     def enclosing(unit: int) -> list[int]:
         """Units strictly around `unit` (its parent, the parent's parent, ...)."""
@@ -188,10 +204,18 @@ def timeline(table: CostTable, alg: Algebra) -> list[MemoryPoint]:
         label = "loss" if seg.outside_model else units[seg.unit].path or "<root>"
         held_done = held_upto[ending_before(seg.first_op)]
 
-        prefetch_fwd = None if seg.outside_model else first_starting_after(seg.last_op)
-        gathered_fwd = _sum([pick(u, "gathered_bytes") for u in around]) + held_done
-        if prefetch_fwd is not None:
-            gathered_fwd = gathered_fwd + pick(prefetch_fwd, "gathered_bytes")
+        running = _sum([pick(u, "gathered_bytes") for u in around]) + held_done
+        latest = None if seg.outside_model else latest_gathered(seg.first_op)
+        gathered_fwd = running + (pick(latest, "gathered_bytes") if latest is not None else 0)
+        if not seg.outside_model and seg.unit == latest and first_segment_of[seg.unit] == index:
+            # [Point] the unit's copy-out: the previous unit's all-gather output is still alive
+            previous = latest_gathered(seg.first_op, before=seg.unit)
+            fwd_points.append(MemoryPoint(f"pre-fwd {label}", _parts(
+                params=params_all, grads=grads_in_step, optimizer=optimizer_all,
+                activations=activations_upto[index - 1] if index > 0 else 0,
+                gathered=gathered_fwd + (pick(previous, "gathered_bytes") if previous is not None else 0),
+                temporaries=0,
+            )))
         fwd_points.append(MemoryPoint(f"fwd {label}", _parts(
             params=params_all, grads=grads_in_step, optimizer=optimizer_all,
             activations=activations_upto[index], gathered=gathered_fwd,
