@@ -81,6 +81,7 @@ def choices_of(field: str) -> tuple[str, ...] | None:
         "strategy": lambda: tuple(SHARDING_KINDS),
         "checkpoint": lambda: tuple(CHECKPOINT_MODES),
         "granularity": lambda: GRANULARITIES,
+        "sequence_parallel": lambda: ("on", "off"),
     }.get(field, lambda: None)()
 
 
@@ -122,11 +123,11 @@ class _Settings(BaseModel):
 
     @model_validator(mode="after")
     def _check(self):
-        for name in ("gpus", "nodes", "gpus_per_node", "seq_len", "batch_size", "global_batch"):
+        for name in ("gpus", "nodes", "gpus_per_node", "seq_len", "batch_size", "global_batch", "tp"):
             value = getattr(self, name, None)
             if value is not None and value < 1:
                 raise UsageError(f"`{name}` must be at least 1, got {value}")
-        for name in ("dtype", "optimizer", "granularity", "strategy", "checkpoint"):
+        for name in ("dtype", "optimizer", "granularity", "strategy", "checkpoint", "sequence_parallel"):
             value = getattr(self, name, None)
             if value is not None:
                 check_choice(name, value, choices_of(name))
@@ -274,6 +275,15 @@ class SearchSettings(PlanningSettings):
     allow_over_device_mem: bool = False
     """accept a `mem` above the profile's device memory (a plan that could not run on that device; the report
     says so)"""
+
+    tp: int | None = None
+    """tensor-parallel degree inside a node (a divisor of `gpus_per_node`, at most 8; 1: FSDP alone); default:
+    searched (1, 2, 4, 8 on 8-GPU nodes, each with and without sequence parallelism) where the model's blocks
+    take the Megatron layout"""
+
+    sequence_parallel: Annotated[str | None, Flag(kind="choice")] = None
+    """with tensor parallelism: norms and residual stream split along the sequence (on) or not (off); default:
+    both searched"""
 
     @model_validator(mode="after")
     def _check_search(self):

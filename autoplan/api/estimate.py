@@ -84,6 +84,10 @@ def estimate(model: Any = None, strategy: str | None = None, *, settings: Estima
     if plan is not None:
         if not isinstance(plan, Plan):
             plan_file, plan = Path(plan), load_plan(plan)
+        if plan.cluster.tp_degree > 1:
+            raise UsageError(f"the plan is tensor-parallel (degree {plan.cluster.tp_degree}), which estimate does not "
+                             "cost yet; the plan's own predictions are its estimate (`autoplan search --tp` makes "
+                             "them again)")
         cluster_given = any(v is not None for v in (gpus, nodes, gpus_per_node))
         if not cluster_given:
             gpus, nodes, gpus_per_node = plan.cluster.world_size, plan.cluster.nodes, plan.cluster.gpus_per_node

@@ -14,11 +14,13 @@ from autoplan.models.resolve import check_seq_len
 from autoplan.models.zoo import count_params
 from autoplan.plan.assemble import assemble_plan
 from autoplan.plan.schema import ModelRef, PinRecord, Plan
+from autoplan.plan.tp_plan import search_mesh
 from autoplan.settings import SearchSettings, check_mem_limit
 from autoplan.solve.cluster import resolve_cluster
 from autoplan.solve.pins import resolve_pins
 from autoplan.solve.sweep import sweep
 from autoplan.solve.tables import compute_dtype_of, micro_batch_candidates
+from autoplan.solve.tp_search import degrees_to_search
 
 __all__ = ["search"]
 
@@ -33,8 +35,9 @@ def search(model: Any = None, mem: str | int | None = None, *, settings: SearchS
     (default: the profile's device memory). `fields` are `autoplan.settings.SearchSettings`'s (the
     same as `autoplan search`'s flags): the cluster is `gpus` in `nodes` x `gpus_per_node` with a
     device `profile`; without `batch_size` the micro-batch is swept; `global_batch` fixes the samples
-    per step (gradient accumulation fills it). `strategy` (a sharding kind), with `checkpoint` and `offload`, skips
-    the solver: every unit takes that option, and only the micro-batch is searched. `pins` (a pins file or a
+    per step (gradient accumulation fills it). `tp` fixes the tensor-parallel degree (default: searched with
+    the rest). `strategy` (a sharding kind), with `checkpoint` and `offload`, skips the solver: every unit
+    takes that option, and only the micro-batch is searched. `pins` (a pins file or a
     mapping) and `pin` (["PATTERN=DECISION", ...]) fix the units they name; the solver completes the rest. A `settings`
     record gives all of them at once; `model`, `mem` and `fields` override it. A `mem` above the device's
     memory (without `allow_over_device_mem`) and a `seq_len` longer than the model's positions are refused.
@@ -49,6 +52,7 @@ def search(model: Any = None, mem: str | int | None = None, *, settings: SearchS
     resolved, seq_len = session.resolved, session.seq_len
     check_seq_len(resolved, seq_len)
     cluster = resolve_cluster(s.gpus, s.nodes, s.gpus_per_node, s.profile, s.host_mem)
+    degrees = degrees_to_search(s.tp, cluster.shape.gpus_per_node)  # tensor-parallel degrees, checked before tracing
     mem_limit_bytes = s.mem if s.mem is not None else cluster.profile.mem_bytes
     check_mem_limit(mem_limit_bytes, cluster.profile.mem_bytes, cluster.profile_name, s.allow_over_device_mem)
     # the headroom keeps plans under the limit when they run (see DEFAULT_HEADROOM)
@@ -60,16 +64,22 @@ def search(model: Any = None, mem: str | int | None = None, *, settings: SearchS
     if s.pin_set is not None:  # matched once against the granularity's units; modules they name become units
         pins = resolve_pins(s.pin_set, [unit.path for unit in tables.units], session.module, resolved.name)
         tables = session.cache(compute_dtype_of(dtype), granularity, pins.extra_units)
-    outcome = sweep(tables, cluster, candidates, seq_len=seq_len, dtype=dtype, optimizer=optimizer,
-                    planned_bytes=planned_bytes, mem_limit_bytes=mem_limit_bytes, headroom=s.headroom,
-                    time_limit_s=s.time_limit_s, strategy=s.strategy, checkpoint=s.checkpoint,
-                    offload=s.offload, pins=pins,
-                    model_name=resolved.name, fixed_batch=s.batch_size is not None)
+    sweep_args = dict(seq_len=seq_len, dtype=dtype, optimizer=optimizer, planned_bytes=planned_bytes,
+                      mem_limit_bytes=mem_limit_bytes, headroom=s.headroom, time_limit_s=s.time_limit_s,
+                      checkpoint=s.checkpoint, pins=pins, model_name=resolved.name,
+                      fixed_batch=s.batch_size is not None)
     model_ref = ModelRef(name=resolved.name, config=resolved.config, n_params=count_params(resolved.module),
                          fingerprint=model_fingerprint(resolved.module), tracer=tables.tracer)
-    plan = assemble_plan(outcome, model=model_ref, cluster=cluster, mem_limit_bytes=mem_limit_bytes,
-                         headroom=s.headroom, seq_len=seq_len, dtype=dtype, optimizer=optimizer,
-                         granularity=granularity, planned_bytes=planned_bytes)
+    assemble_args = dict(model=model_ref, mem_limit_bytes=mem_limit_bytes, headroom=s.headroom, seq_len=seq_len,
+                         dtype=dtype, optimizer=optimizer, granularity=granularity, planned_bytes=planned_bytes)
+    if degrees == [1]:  # FSDP alone
+        outcome = sweep(tables, cluster, candidates, strategy=s.strategy, offload=s.offload, **sweep_args)
+        plan = assemble_plan(outcome, cluster=cluster, **assemble_args)
+    else:  # the mesh too: every tensor-parallel degree (autoplan.solve.tp_search)
+        plan = search_mesh(session.module, tables, cluster, degrees,
+                           lambda world: micro_batch_candidates(world, s.batch_size, s.global_batch),
+                           strategy=s.strategy, offload=s.offload, sweep_args=sweep_args, assemble_args=assemble_args,
+                           sequence_parallel=None if s.sequence_parallel is None else s.sequence_parallel == "on")
     if pins is None:
         return plan
     return plan.model_copy(update={"pins": [PinRecord(pattern=p, decision=d) for p, d in pins.records()]})

@@ -22,7 +22,7 @@ def _count(n: int) -> str:
 
 
 def _decision(unit: UnitDecision) -> str:
-    return unit.label
+    return unit.label + (f" [{unit.tp}]" if unit.tp else "")  # the unit's tensor-parallel layout
 
 
 def _same_row(a: UnitDecision, b: UnitDecision) -> bool:
@@ -64,10 +64,15 @@ def format_plan(plan: Plan, cluster_is_default: bool = False) -> str:
         f"memory limit {format_bytes(c.mem_limit_bytes)} per GPU"
         + (f" (above the device's {format_bytes(c.device_mem_bytes)}: `allow_over_device_mem`)"
            if c.mem_limit_bytes > c.device_mem_bytes else "") + f"; sequence length {t.seq_len}; micro-batch "
-        f"{t.micro_batch_size} x {t.grad_accum_steps} accumulation x {c.world_size} GPUs = {t.global_batch_size} "
-        f"samples per step; {t.dtype}, {t.optimizer}",
-        "",
+        f"{t.micro_batch_size} x {t.grad_accum_steps} accumulation x "
+        + (f"{c.world_size} GPUs" if c.tp_degree == 1 else f"{c.world_size // c.tp_degree} data-parallel ranks")
+        + f" = {t.global_batch_size} samples per step; {t.dtype}, {t.optimizer}",
     ]
+    if c.tp_degree > 1:
+        lines.append(f"mesh {c.world_size // c.tp_degree} data-parallel x {c.tp_degree} tensor-parallel: the Megatron "
+                     "layout inside each group of GPUs of a node" + (" with sequence parallelism" if c.sequence_parallel
+                                                                     else "") + ", FSDP over the data-parallel ranks")
+    lines.append("")
     header = f"{'units':<34} {'params/unit':>11}  {'decision':<20} {'act/mb':>10} {'fwd ms':>8} {'bwd ms':>8} {'comm ms':>8}"
     lines += [header, "-" * len(header)]
     for label, _count_units, unit in unit_rows(plan):
@@ -106,4 +111,12 @@ def format_plan(plan: Plan, cluster_is_default: bool = False) -> str:
     gap = f", optimality gap {gap_pct:.3f}%" if gap_pct > 0 else ""
     lines.append(f"solver: {s.status}{gap} in {s.wall_time_s:.2f} s ({s.num_variables} variables); "
                  f"micro-batches tried {tried}")
+    if s.tp_degrees:
+        lines.append("tensor-parallel degrees (the fastest plan that fits of each):")
+        for e in s.tp_degrees:
+            name = f"tp {e.degree}" + (" +sp" if e.sequence_parallel else "")
+            found = (f"micro-batch {e.micro_batch_size} x {e.grad_accum_steps}: {e.step_time_s * 1e3:.1f} ms, "
+                     f"{e.throughput_samples_s:.1f} samples/s, peak {format_bytes(e.peak_mem_bytes)}" if e.fits
+                     else e.note)
+            lines.append(f"  {name:<10} {found} ({e.wall_time_s:.1f} s)")
     return "\n".join(lines)

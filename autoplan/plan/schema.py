@@ -57,6 +57,7 @@ CheckpointName = Annotated[str, BeforeValidator(_checkpoint_of_bool), Registered
 TrainDtype = Annotated[str, RegisteredName("dtype", PRECISIONS)]
 OptimizerName = Annotated[str, RegisteredName("optimizer", OPTIMIZERS)]
 Granularity = Literal["block", "fine", "leaf"]
+TpLayoutName = Literal["megatron", "megatron_sp", "vocab", "sequence"]  # cost_models.tensor_parallel.UnitLayout
 Tracer = Literal["fx", "dispatch"]
 
 
@@ -83,6 +84,10 @@ class ClusterSpec(_Strict):
     mem_limit_bytes: int
     mem_headroom: float = 0.0  # the plan fits mem_limit_bytes * (1 - mem_headroom)
     host_mem_bytes: int | None = None  # per node, for offloaded state (None: offload was not offered)
+    # a (world / tp_degree) x tp_degree mesh: tensor parallelism inside each group of tp_degree GPUs of a node,
+    # FSDP over the data-parallel dimension (autoplan.run.tp); written only above 1, so older plans load
+    tp_degree: int = Field(default=1, ge=1, exclude_if=lambda value: value == 1)
+    sequence_parallel: bool = Field(default=False, exclude_if=lambda value: not value)  # norms split along the sequence
 
 
 class TrainingSpec(_Strict):
@@ -116,6 +121,10 @@ class UnitDecision(_Strict):
     params: int  # parameters owned (not counting nested units)
     param_shapes: dict[str, list[int]]
     predicted: UnitPrediction
+    # under tensor parallelism: megatron (column/row-wise attention and MLP), megatron_sp (and sequence-parallel
+    # norms), vocab (vocabulary-parallel embedding or head), sequence (sequence-parallel norms only); None:
+    # data-parallel only, replicated across the tensor-parallel group
+    tp: TpLayoutName | None = Field(default=None, exclude_if=lambda value: value is None)
 
     @property
     def label(self) -> str:
@@ -160,6 +169,21 @@ class SweepEntry(_Strict):
     throughput_samples_s: float | None
 
 
+class TpDegreeEntry(_Strict):
+    """The best plan of one tensor-parallel degree (with or without sequence parallelism), or why there is none."""
+
+    degree: int
+    sequence_parallel: bool
+    fits: bool
+    micro_batch_size: int | None = None
+    grad_accum_steps: int | None = None
+    step_time_s: float | None = None
+    throughput_samples_s: float | None = None
+    peak_mem_bytes: int | None = None
+    wall_time_s: float  # the degree's sweep
+    note: str = ""  # why it was not searched, or what does not fit
+
+
 class SolverInfo(_Strict):
     status: SolveStatus  # OPTIMAL, FEASIBLE (time limit hit), FIXED (a uniform strategy, no solve)
     objective_s: float  # the solver's step-time objective
@@ -168,6 +192,8 @@ class SolverInfo(_Strict):
     num_variables: int
     num_constraints: int
     micro_batch_sweep: list[SweepEntry]
+    # every tensor-parallel degree searched (none: only degree 1 was)
+    tp_degrees: list[TpDegreeEntry] = Field(default_factory=list, exclude_if=lambda value: not value)
 
 
 class Baseline(_Strict):

@@ -1,0 +1,272 @@
+"""Tensor (and sequence) parallelism inside a node: what one rank of a tensor-parallel group runs and holds.
+
+Under the Megatron layout of degree t, a block's q/k/v and gate/up projections are split by output
+features (column-wise) and its o/down projections by input features (row-wise): each rank computes
+1/t of the heads and of the MLP's hidden width, and the row-wise outputs are partial sums that a
+collective completes. With sequence parallelism the norms and the residual stream between the
+blocks are split along the sequence too (1/t of their activations), and the collectives are an
+all-gather before each column-wise group and a reduce-scatter after each row-wise projection instead
+of one all-reduce. The embedding table and the output head can be split by vocabulary rows (the loss
+then runs on vocabulary-parallel logits: torch's loss_parallel).
+
+The search reuses the whole data-parallel machinery on this per-rank view: `tp_ops` and `tp_units`
+turn the traced ops and the units into what one rank of a TP group runs and owns, the cost table is
+built for the data-parallel cluster (world / t ranks, gpus_per_node / t per node) on `tp_profile`, and
+`add_tp_time` adds each unit's TP collectives (`tp_collectives`) to its forward and backward: they sit
+on the critical path between the unit's matmuls, so they are compute-side time, not overlapped with it.
+
+The layout itself (which module plays which role) is found by autoplan from the model's modules and
+handed here as plain data (`TpLayout`); this module imports nothing from autoplan and nothing from torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from enum import Enum
+
+from cost_models.choices import Option
+from cost_models.comm import CommModel
+from cost_models.options import Recompute
+from cost_models.profile import DeviceProfile
+from cost_models.records import LOSS_NODE, OpRecord, ParamInfo, Unit
+
+__all__ = [
+    "LOSS_COLLECTIVES", "TpLayout", "TpRole", "UnitLayout", "add_tp_time", "regions_per_unit", "tp_collectives",
+    "tp_keep_bytes", "tp_ops", "tp_profile", "tp_units", "unit_layouts",
+]
+
+# loss_parallel's forward all-reduces three per-token fp32 vectors across the group (max, sum of exp, target logit)
+LOSS_COLLECTIVES = 3
+_LOSS_BYTES = 4
+
+
+class TpRole(str, Enum):
+    """What a module is under the layout; its ops (and parameters) are transformed by it."""
+
+    COLWISE = "colwise"  # Linear split by output features (q, k, v, gate, up; the vocabulary-parallel head)
+    ROWWISE = "rowwise"  # Linear split by input features (o, down): its output is a partial sum
+    SHARDED = "sharded"  # ops between a column-wise and a row-wise projection (attention heads, the MLP's hidden)
+    SEQUENCE = "sequence"  # norms and the residual stream: split along the sequence with sequence parallelism
+    VOCAB_EMBED = "vocab_embed"  # embedding table split by vocabulary rows; its output is completed by a collective
+
+
+class UnitLayout(str, Enum):
+    """How a unit runs under the layout, as the plan records it (None: data-parallel only, replicated
+    across the tensor-parallel group)."""
+
+    MEGATRON = "megatron"  # holds column/row-wise attention or MLP, norms replicated
+    MEGATRON_SP = "megatron_sp"  # the same with sequence-parallel norms and residual stream
+    VOCAB = "vocab"  # a vocabulary-parallel embedding or head (the loss on vocabulary-parallel logits)
+    SEQUENCE = "sequence"  # only sequence-parallel norms (the final norm in the root)
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class TpLayout:
+    """The layout of one model at one degree: module path -> role, and where the collectives are."""
+
+    degree: int
+    sequence_parallel: bool
+    hidden: int  # the residual stream's width: TP collectives move [micro-batch, seq, hidden]
+    roles: Mapping[str, TpRole]  # module path -> role; a module's ops take its role (or its nearest ancestor's)
+    regions: tuple[str, ...]  # attention and MLP module paths: one collective pair each, forward and backward
+    split_params: Mapping[str, int]  # parameter name -> the dimension split over the group
+    embedding: str | None = None  # the vocabulary-parallel embedding's path
+    head: str | None = None  # the vocabulary-parallel head's path (the loss runs loss-parallel)
+    notes: tuple[str, ...] = field(default_factory=tuple)  # what stays data-parallel, and why
+
+    def role_of(self, module: str) -> TpRole | None:
+        path = module
+        while True:
+            role = self.roles.get(path)
+            if role is not None or not path:
+                return role
+            path = path.rpartition(".")[0]
+
+
+_BYTE_FIELDS = ("out_bytes", "fwd_bytes", "bwd_bytes", "saved_bytes", "fwd_max_alloc_bytes", "fwd_transient_bytes",
+                "bwd_in_bytes", "bwd_live_bytes")
+
+
+def _divided(op: OpRecord, t: int, fields: tuple[str, ...]) -> OpRecord:
+    return replace(op, **{name: -(-getattr(op, name) // t) for name in fields})
+
+
+def tp_op(op: OpRecord, layout: TpLayout) -> OpRecord:
+    """One op as a rank of the group runs it. Bytes and FLOPs divide by t where the tensors they count do:
+    a column-wise projection keeps its (whole) input saved and writes 1/t of the output; a row-wise one reads
+    1/t and writes a whole partial sum; the ops between them work on 1/t of the heads or hidden width;
+    norms and residual adds on 1/t of the sequence with sequence parallelism, all of it without."""
+    t = layout.degree
+    if t == 1:
+        return op
+    flops = ("fwd_flops", "bwd_flops")
+    if op.name == LOSS_NODE:
+        return _divided(op, t, _BYTE_FIELDS + flops) if layout.head else op
+    role = layout.role_of(op.module)
+    if role is TpRole.COLWISE:
+        return _divided(op, t, tuple(f for f in _BYTE_FIELDS if f != "saved_bytes") + flops + ("param_grad_bytes",))
+    if role is TpRole.ROWWISE:
+        return _divided(op, t, tuple(f for f in _BYTE_FIELDS if f not in ("out_bytes", "fwd_max_alloc_bytes"))
+                        + flops + ("param_grad_bytes",))
+    if role is TpRole.SHARDED:
+        return _divided(op, t, _BYTE_FIELDS + flops + ("param_grad_bytes",))
+    if role is TpRole.SEQUENCE:
+        return _divided(op, t, _BYTE_FIELDS + flops) if layout.sequence_parallel else op
+    if role is TpRole.VOCAB_EMBED:
+        return _divided(op, t, ("param_grad_bytes",))
+    return op
+
+
+def tp_ops(ops: list[OpRecord], layout: TpLayout) -> list[OpRecord]:
+    return [tp_op(op, layout) for op in ops]
+
+
+def tp_units(units: list[Unit], layout: TpLayout) -> list[Unit]:
+    """The units with each split parameter's local shape (what FSDP then shards over the data-parallel ranks)."""
+    t = layout.degree
+    if t == 1:
+        return units
+    out = []
+    for unit in units:
+        params = []
+        for param in unit.params:
+            dim = layout.split_params.get(param.name)
+            if dim is None:
+                params.append(param)
+                continue
+            if param.shape[dim] % t:
+                raise ValueError(f"parameter {param.name} {list(param.shape)}: dimension {dim} does not divide by "
+                                 f"the tensor-parallel degree {t}")
+            shape = list(param.shape)
+            shape[dim] //= t
+            params.append(ParamInfo(param.name, tuple(shape)))
+        out.append(replace(unit, params=params))
+    return out
+
+
+def _owner(units: list[Unit], path: str) -> int:
+    """The innermost unit whose module holds `path`."""
+    best, best_len = None, -1
+    for index, unit in enumerate(units):
+        if (unit.path == "" or path == unit.path or path.startswith(unit.path + ".")) and len(unit.path) > best_len:
+            best, best_len = index, len(unit.path)
+    return best
+
+
+def unit_layouts(units: list[Unit], layout: TpLayout) -> list[UnitLayout | None]:
+    """Per unit, how it runs under the layout (what the plan records)."""
+    tags: list[UnitLayout | None] = [None] * len(units)
+    if layout.degree == 1:
+        return tags
+    for region in layout.regions:
+        tags[_owner(units, region)] = UnitLayout.MEGATRON_SP if layout.sequence_parallel else UnitLayout.MEGATRON
+    for path in (layout.embedding, layout.head):
+        if path is not None and tags[_owner(units, path)] is None:
+            tags[_owner(units, path)] = UnitLayout.VOCAB
+    if layout.sequence_parallel:
+        for path, role in layout.roles.items():
+            if role is TpRole.SEQUENCE and tags[_owner(units, path)] is None:
+                tags[_owner(units, path)] = UnitLayout.SEQUENCE
+    return tags
+
+
+@dataclass(frozen=True)
+class TpTime:
+    """One unit's tensor-parallel collectives per micro-batch: seconds and calls, forward and backward."""
+
+    fwd_s: float = 0.0
+    bwd_s: float = 0.0
+    calls_fwd: int = 0
+    calls_bwd: int = 0
+
+    def plus(self, collectives: list[tuple[str, float]], comm: CommModel, t: int, backward: bool) -> "TpTime":
+        seconds = sum(comm.collective_s(name, nbytes, t, "intra_node") for name, nbytes in collectives)
+        if backward:
+            return replace(self, bwd_s=self.bwd_s + seconds, calls_bwd=self.calls_bwd + len(collectives))
+        return replace(self, fwd_s=self.fwd_s + seconds, calls_fwd=self.calls_fwd + len(collectives))
+
+
+def tp_collectives(units: list[Unit], layout: TpLayout, micro_batch_size: int, seq_len: int, compute_bytes: int,
+                   profile: DeviceProfile) -> list[TpTime]:
+    """Per unit, its TP collectives on the profile's intra-node fits (the group is inside a node).
+    A region (attention or MLP): without sequence parallelism one all-reduce of the activation
+    [micro-batch, seq, hidden] forward (the row-wise output) and one backward (the column-wise input's
+    gradient); with it, an all-gather and a reduce-scatter each way. The vocabulary-parallel embedding
+    completes its output forward (all-reduce, or reduce-scatter along the sequence); the head gathers its
+    input forward and reduces its gradient backward with sequence parallelism, only the latter without;
+    the loss adds its small all-reduces."""
+    t = layout.degree
+    times = [TpTime() for _ in units]
+    if t == 1:
+        return times
+    comm = CommModel(profile)
+    activation = micro_batch_size * seq_len * layout.hidden * compute_bytes
+    sp = layout.sequence_parallel
+    pair = [("all_gather", activation), ("reduce_scatter", activation)] if sp else [("all_reduce", activation)]
+    for region in layout.regions:
+        u = _owner(units, region)
+        times[u] = times[u].plus(pair, comm, t, False).plus(pair, comm, t, True)
+    if layout.embedding is not None:
+        u = _owner(units, layout.embedding)
+        times[u] = times[u].plus([("reduce_scatter" if sp else "all_reduce", activation)], comm, t, False)
+    if layout.head is not None:
+        u = _owner(units, layout.head)
+        loss = [("all_reduce", micro_batch_size * seq_len * _LOSS_BYTES)] * LOSS_COLLECTIVES
+        times[u] = times[u].plus(([("all_gather", activation)] if sp else []) + loss, comm, t, False)
+        times[u] = times[u].plus([("reduce_scatter" if sp else "all_reduce", activation)], comm, t, True)
+    return times
+
+
+def add_tp_time(options: list[list[Option]], costs: list, times: list[TpTime], call_fwd_s: float = 0.0,
+                call_bwd_s: float = 0.0) -> None:
+    """Add each unit's TP collectives to its costs (in place): to the forward, and to the backward with,
+    for a fully checkpointed unit, the forward's again (its recomputation runs them again; a selective
+    checkpoint keeps the collectives' outputs, see autoplan.run.ac). `call_*_s`: the profile's in-step
+    cost of one collective call (FsdpOverhead), charged per TP call as per FSDP call."""
+    for unit_options, unit_costs, time in zip(options, costs, times):
+        if not (time.calls_fwd or time.calls_bwd):
+            continue
+        fwd = time.fwd_s + time.calls_fwd * call_fwd_s
+        bwd = time.bwd_s + time.calls_bwd * call_bwd_s
+        for option, cost in zip(unit_options, unit_costs):
+            cost.fwd_s += fwd
+            cost.bwd_s += bwd + (fwd if option.recompute is Recompute.ALL else 0.0)
+
+
+def tp_keep_bytes(keep_all: int, keep_cheap: int, layout_of_unit: UnitLayout | None, layout: TpLayout,
+                  regions: int = 0, activation_bytes: int = 0) -> tuple[int, int]:
+    """What a checkpointed unit keeps per rank (full checkpointing, selective): its input, divided by t
+    where sequence-parallel; selectively also its matmul and attention outputs, mostly of split heads and
+    hidden widths (divided by t), and the outputs of its `regions`' collectives (of `activation_bytes`
+    each: the all-reduce's, or the all-gather's and the reduce-scatter's 1/t), which a selective
+    checkpoint keeps."""
+    t = layout.degree
+    if t == 1 or layout_of_unit is None:
+        return keep_all, keep_cheap
+    kept_input = -(-keep_all // t) if layout.sequence_parallel else keep_all
+    collectives = regions * (activation_bytes + (-(-activation_bytes // t) if layout.sequence_parallel else 0))
+    return kept_input, kept_input + -(-max(0, keep_cheap - keep_all) // t) + collectives
+
+
+def regions_per_unit(units: list[Unit], layout: TpLayout) -> list[int]:
+    """How many attention and MLP regions each unit owns."""
+    counts = [0] * len(units)
+    for region in layout.regions:
+        counts[_owner(units, region)] += 1
+    return counts
+
+
+def tp_profile(profile: DeviceProfile, degree: int) -> DeviceProfile:
+    """The profile as one data-parallel group sees it: the inter-node collective fits were measured by rings
+    over whole nodes, which use every NIC of a node; with degree t, t data-parallel groups run side by side
+    and share them, so each gets 1/t of that bandwidth (beta x t). Intra-node links are per GPU (NVSwitch)
+    and stay as they are."""
+    if degree == 1:
+        return profile
+    fits = [fit.model_copy(update={"beta_s_per_byte": fit.beta_s_per_byte * degree}) if fit.scope == "inter_node"
+            else fit for fit in profile.collectives]
+    return profile.model_copy(update={"collectives": fits})

@@ -1,0 +1,178 @@
+"""Tensor parallelism on the cost side: the layout found from a model, the per-rank view of its ops and
+parameters checked by hand, the TP collectives on the profile's fits, and the mesh search through the
+public API and the command line."""
+
+import json
+import typing
+
+import pytest
+
+import autoplan
+from autoplan.errors import UsageError
+from autoplan.models.zoo import ModelConfig, build_model
+from autoplan.plan.schema import Plan, TpLayoutName, load_plan
+from autoplan.profile_store import load_profile
+from autoplan.solve.tp_layout import TpRefusal, recognise, tp_degrees
+from cost_models.comm import CommModel
+from cost_models.records import LOSS_NODE
+from cost_models.tensor_parallel import TpRole, UnitLayout, tp_collectives, tp_ops, tp_units, unit_layouts
+
+SEQ = 64
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return autoplan.trace("llama-tiny", seq_len=SEQ)
+
+
+def test_degrees_are_the_divisors_of_a_node_up_to_eight():
+    assert tp_degrees(8) == [1, 2, 4, 8] and tp_degrees(2) == [1, 2] and tp_degrees(16) == [1, 2, 4, 8]
+
+
+def test_llama_layout_is_megatron(llama):
+    layout = recognise(llama.module, 2, sequence_parallel=True)
+    roles = layout.roles
+    assert [roles[f"layers.0.attn.{n}"] for n in ("wq", "wk", "wv", "wo")] == [TpRole.COLWISE] * 3 + [TpRole.ROWWISE]
+    assert [roles[f"layers.1.mlp.{n}"] for n in ("w1", "w3", "w2")] == [TpRole.COLWISE] * 2 + [TpRole.ROWWISE]
+    assert roles["layers.0.attn_norm"] is TpRole.SEQUENCE and roles["norm"] is TpRole.SEQUENCE
+    assert layout.embedding == "tok_embeddings" and layout.head == "lm_head" and layout.hidden == 64
+    assert layout.regions == ("layers.0.attn", "layers.0.mlp", "layers.1.attn", "layers.1.mlp")
+
+
+def test_refusals_say_why(llama):
+    with pytest.raises(TpRefusal, match="2 key/value heads .* do not divide by the tensor-parallel degree 4"):
+        recognise(llama.module, 4, sequence_parallel=False)
+    with pytest.raises(TpRefusal, match="fused matrix \\(c_attn\\)"):
+        recognise(build_model("gpt2-tiny"), 2, sequence_parallel=False)
+    odd = ModelConfig("llama", 2, 6, 96, vocab_size=512, max_seq_len=128, n_kv_heads=6, ffn_hidden=176)
+    with pytest.raises(TpRefusal, match="6 attention heads do not divide by the tensor-parallel degree 4"):
+        recognise(build_model(odd), 4, sequence_parallel=False)
+
+
+def test_tied_embeddings_stay_replicated_and_refuse_sequence_parallelism():
+    tied = build_model(ModelConfig("llama", 2, 4, 64, vocab_size=512, max_seq_len=128, n_kv_heads=2,
+                                   ffn_hidden=176, tie_embeddings=True))
+    layout = recognise(tied, 2, sequence_parallel=False)
+    assert layout.embedding is None and layout.head is None and "tied" in layout.notes[0]
+    with pytest.raises(TpRefusal, match="sequence parallelism starts from a vocabulary-parallel embedding"):
+        recognise(tied, 2, sequence_parallel=True)
+
+
+def test_per_rank_ops_by_hand(llama):
+    ops = {op.name: op for op in llama.traces("bf16").at_1.ops}
+    for sp in (False, True):
+        local = {op.name: op for op in tp_ops(list(ops.values()), recognise(llama.module, 2, sp))}
+        wq, wo = local["layers_0_attn_wq"], local["layers_0_attn_wo"]
+        assert wq.fwd_flops == ops["layers_0_attn_wq"].fwd_flops // 2  # 1/2 of the output features
+        assert wq.out_bytes == ops["layers_0_attn_wq"].out_bytes // 2
+        assert wq.saved_bytes == ops["layers_0_attn_wq"].saved_bytes  # its input, whole on every rank
+        assert wo.fwd_flops == ops["layers_0_attn_wo"].fwd_flops // 2
+        assert wo.out_bytes == ops["layers_0_attn_wo"].out_bytes  # a whole partial sum
+        assert wo.param_grad_bytes == ops["layers_0_attn_wo"].param_grad_bytes // 2
+        sdpa = local["scaled_dot_product_attention"]
+        assert sdpa.fwd_flops == ops["scaled_dot_product_attention"].fwd_flops // 2  # half the heads
+        assert sdpa.saved_bytes == -(-ops["scaled_dot_product_attention"].saved_bytes // 2)
+        norm, loss = local["layers_0_attn_norm"], local[LOSS_NODE]
+        assert norm.saved_bytes == (-(-ops["layers_0_attn_norm"].saved_bytes // 2) if sp
+                                    else ops["layers_0_attn_norm"].saved_bytes)
+        assert norm.param_grad_bytes == ops["layers_0_attn_norm"].param_grad_bytes  # replicated weight
+        assert loss.saved_bytes == -(-ops[LOSS_NODE].saved_bytes // 2)  # loss on vocabulary-parallel logits
+
+
+def test_per_rank_parameters_and_unit_layouts(llama):
+    tables = llama.cache("bf16", "block")
+    layout = recognise(llama.module, 2, sequence_parallel=True)
+    shapes = {p.name: p.shape for unit in tp_units(tables.units, layout) for p in unit.params}
+    assert shapes["layers.0.attn.wq.weight"] == (32, 64) and shapes["layers.0.attn.wk.weight"] == (16, 64)
+    assert shapes["layers.0.attn.wo.weight"] == (64, 32) and shapes["layers.0.mlp.w2.weight"] == (64, 88)
+    assert shapes["tok_embeddings.weight"] == (256, 64) and shapes["lm_head.weight"] == (256, 64)
+    assert shapes["layers.0.attn_norm.weight"] == (64,)
+    tags = dict(zip((u.path for u in tables.units), unit_layouts(tables.units, layout)))
+    assert tags == {"": UnitLayout.SEQUENCE, "tok_embeddings": UnitLayout.VOCAB, "layers.0": UnitLayout.MEGATRON_SP,
+                    "layers.1": UnitLayout.MEGATRON_SP, "lm_head": UnitLayout.VOCAB}
+    assert set(typing.get_args(TpLayoutName)) == {tag.value for tag in UnitLayout}  # the plan names every layout
+
+
+def test_tp_collectives_by_hand(llama):
+    tables = llama.cache("bf16", "block")
+    profile = load_profile("h100-sxm-80gb")
+    comm = CommModel(profile)
+    mb, hidden, bf16 = 4, 64, 2
+    activation = mb * SEQ * hidden * bf16
+    index = [u.path for u in tables.units].index("layers.0")
+    plain = tp_collectives(tables.units, recognise(llama.module, 2, False), mb, SEQ, bf16, profile)[index]
+    all_reduce = comm.collective_s("all_reduce", activation, 2, "intra_node")
+    assert plain.fwd_s == pytest.approx(2 * all_reduce) and plain.bwd_s == pytest.approx(2 * all_reduce)
+    assert (plain.calls_fwd, plain.calls_bwd) == (2, 2)
+    sp = tp_collectives(tables.units, recognise(llama.module, 2, True), mb, SEQ, bf16, profile)[index]
+    pair = (comm.collective_s("all_gather", activation, 2, "intra_node")
+            + comm.collective_s("reduce_scatter", activation, 2, "intra_node"))
+    assert sp.fwd_s == pytest.approx(2 * pair) and sp.bwd_s == pytest.approx(2 * pair)
+    assert (sp.calls_fwd, sp.calls_bwd) == (4, 4)
+
+
+@pytest.fixture(scope="module")
+def tp_plan(llama):
+    return autoplan.search(llama, "30MB", gpus=2, profile="cpu-gloo-2", tp=2, batch_size=4)
+
+
+def test_search_at_a_fixed_degree_records_the_mesh_and_layouts(tp_plan, tmp_path):
+    c = tp_plan.cluster
+    assert (c.world_size, c.gpus_per_node, c.tp_degree) == (2, 2, 2)
+    assert tp_plan.training.global_batch_size == 4  # one data-parallel rank
+    by_module = {u.module: u for u in tp_plan.units}
+    assert by_module["layers.0"].tp in ("megatron", "megatron_sp") and by_module["lm_head"].tp == "vocab"
+    assert by_module["layers.0"].param_shapes["layers.0.attn.wq.weight"] == [64, 64]  # the model's own shapes
+    assert all(u.sharding in ("shard", "shard_keep") and not u.offload for u in tp_plan.units)
+    assert [(e.degree, e.sequence_parallel) for e in tp_plan.solver.tp_degrees] == [(2, True), (2, False)]
+    path = tmp_path / "plan.json"
+    tp_plan.save(path)
+    assert load_plan(path) == tp_plan
+    assert "tensor-parallel degrees" in tp_plan.table() and "[vocab]" in tp_plan.table()
+
+
+def test_plans_of_degree_one_are_written_as_before(llama, tmp_path):
+    plan = autoplan.search(llama, "30MB", gpus=2, profile="cpu-gloo-2", tp=1, batch_size=4)
+    data = json.loads(plan.to_json())
+    assert "tp_degree" not in data["cluster"] and "sequence_parallel" not in data["cluster"]
+    assert "tp_degrees" not in data["solver"] and all("tp" not in unit for unit in data["units"])
+    assert Plan.model_validate(data).cluster.tp_degree == 1  # and older plans (without the fields) load
+
+
+def test_searched_degrees_keep_the_fastest(llama):
+    plan = autoplan.search(llama, "30MB", gpus=2, profile="cpu-gloo-2", batch_size=4)
+    entries = plan.solver.tp_degrees
+    assert [(e.degree, e.sequence_parallel) for e in entries] == [(1, False), (2, True), (2, False)]
+    best = max((e for e in entries if e.fits), key=lambda e: e.throughput_samples_s)
+    assert plan.cluster.tp_degree == best.degree
+    assert plan.predicted.throughput_samples_s == pytest.approx(best.throughput_samples_s)
+
+
+def test_models_without_the_layout_plan_as_before():
+    plain = autoplan.search("gpt2-tiny", "60MB", gpus=2, seq_len=64, tp=1)
+    searched = autoplan.search("gpt2-tiny", "60MB", gpus=2, seq_len=64)
+    assert searched.to_json().replace(str(searched.solver.wall_time_s), "") == \
+        plain.to_json().replace(str(plain.solver.wall_time_s), "")
+    with pytest.raises(UsageError, match="c_attn"):
+        autoplan.search("gpt2-tiny", "60MB", gpus=2, seq_len=64, tp=2)
+
+
+def test_bad_degrees_exit_2(run_cli):
+    result = run_cli("search", "--model", "llama-tiny", "--mem", "60MB", "--gpus", "4", "--seq-len", "64", "--tp", "3")
+    assert result.returncode == 2 and "--tp 3 does not divide --gpus-per-node 4" in result.stderr
+    result = run_cli("search", "--model", "llama-tiny", "--mem", "60MB", "--gpus", "4", "--seq-len", "64", "--tp", "0")
+    assert result.returncode == 2 and "--tp" in result.stderr
+
+
+def test_sequence_parallelism_can_be_fixed(llama):
+    plan = autoplan.search(llama, "30MB", gpus=2, profile="cpu-gloo-2", tp=2, sequence_parallel="off", batch_size=4)
+    assert not plan.cluster.sequence_parallel
+    assert [(e.degree, e.sequence_parallel) for e in plan.solver.tp_degrees] == [(2, False)]
+    assert {u.tp for u in plan.units} == {"megatron", "vocab", None}
+    with pytest.raises(UsageError, match="`sequence_parallel`"):
+        autoplan.search(llama, "30MB", gpus=2, tp=2, sequence_parallel="maybe")
+
+
+def test_estimate_refuses_a_tensor_parallel_plan_rather_than_misprice_it(tp_plan):
+    with pytest.raises(UsageError, match="tensor-parallel \\(degree 2\\), which estimate does not cost yet"):
+        autoplan.estimate(plan=tp_plan)
