@@ -43,6 +43,7 @@ from autoplan.models.resolve import ResolvedModel, model_from_plan, resolve_mode
 from autoplan.plan.schema import Plan, UnitDecision
 from autoplan.run.ac import apply_ac
 from autoplan.run.fsdp import apply_fsdp, materialise, param_groups  # noqa: F401 - materialise: re-exported
+from autoplan.run.tp import apply_tp
 from cost_models.options import (
     CHECKPOINT_MODES,
     OPTIMIZERS,
@@ -88,6 +89,8 @@ def apply(
     if world_mesh.ndim != 1:
         raise UsageError(f"apply() takes a 1-D mesh over the plan's ranks, got a {world_mesh.ndim}-D mesh")
     check_world_size(world_mesh.size(), plan, dry_run=dry_run)
+    if plan.cluster.tp_degree > 1:  # tensor parallelism first (autoplan.run.tp); FSDP shards over the "dp" sub-mesh
+        world_mesh = apply_tp(model, plan, world_mesh)
     meshes = _Meshes(world_mesh, plan)
 
     master = torch_dtype(precision.master_dtype)

@@ -40,6 +40,7 @@ from autoplan.run.data import AlpacaTokens, BatchShape, SyntheticTokens, rank_mi
 from autoplan.run.fsdp import host_state_bytes, offloaded_params
 from autoplan.run.memtrack import RankMemory, allocation_failure
 from autoplan.run.procs import die_with_parent, rank_signals
+from autoplan.run.tp import data_rank, local_loss, training_context
 
 __all__ = ["RankResult", "RunSpec", "main", "next_token_loss", "train", "train_measured", "train_untracked"]
 
@@ -109,7 +110,8 @@ class RankResult:
 def next_token_loss(output, labels: torch.Tensor) -> torch.Tensor:
     """Cross-entropy in fp32 over logits [B, S, V]: the loss the planner's tracer assumes."""
     logits = output[0] if isinstance(output, (tuple, list)) else getattr(output, "logits", output)
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+    # vocabulary-parallel logits (a tensor-parallel plan) give a replicated DTensor: its local value
+    return local_loss(F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten()))
 
 
 def _peak_rss_bytes() -> int:
@@ -123,11 +125,12 @@ def train(spec: RunSpec, rank: int, world_size: int, result: RankResult, sender:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device("cuda", local_rank) if spec.device == "cuda" else torch.device("cpu")
     training = plan.training
-    shape = BatchShape(training.micro_batch_size, training.grad_accum_steps, world_size, training.seq_len)
+    data_rank_, data_world = data_rank(plan, rank, world_size)  # a tensor-parallel group shares its rows
+    shape = BatchShape(training.micro_batch_size, training.grad_accum_steps, data_world, training.seq_len)
 
     memory = RankMemory(device, spec.mem_limit_bytes)
     result.mem_source = memory.source
-    with memory:
+    with memory, training_context(plan):
         result.doing = "building and sharding the model"
         model = model_for_plan(plan, spec.model_factory, plan_file=spec.plan_path)
         data = (
@@ -148,8 +151,11 @@ def train(spec: RunSpec, rank: int, world_size: int, result: RankResult, sender:
                 print(f"[autoplan apply] {label}, rank 0: loss {step_loss:.4f} on its micro-batches, {step_s:.3f} s",
                       flush=True)
 
-        train_measured(model, optimizer, data, rank, shape, memory, result, spec.warmup_steps, spec.steps, step_done)
-    train_untracked(model, optimizer, data, rank, shape, memory, result, spec.warmup_steps, spec.steps, step_done)
+        train_measured(model, optimizer, data, data_rank_, shape, memory, result, spec.warmup_steps, spec.steps,
+                       step_done)
+    with training_context(plan):
+        train_untracked(model, optimizer, data, data_rank_, shape, memory, result, spec.warmup_steps, spec.steps,
+                        step_done)
 
 
 def train_measured(model, optimizer, data, rank: int, shape: BatchShape, memory: RankMemory, result: RankResult,

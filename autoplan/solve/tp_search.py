@@ -157,6 +157,10 @@ def sweep_degrees(module: nn.Module, tables: CostTables, cluster: Cluster, degre
                                        strategy=strategy, offload=offload, **sweep_args)
             except TpRefusal as exc:
                 result.refused = str(exc)
+            except UsageError as exc:  # pins asking for options that do not run beside tensor parallelism
+                if degree == 1:
+                    raise
+                result.refused = f"not with the pins: {exc}"
             except InfeasibleError as exc:
                 result.refused, result.error = "nothing fits", exc
             result.wall_time_s = time.perf_counter() - start

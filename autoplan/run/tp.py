@@ -1,0 +1,133 @@
+"""Run a plan's tensor-parallel layout: DTensor's `parallelize_module` on the TP sub-mesh, before FSDP.
+
+As torchtitan does: the world becomes a (world / t) x t mesh named ("dp", "tp") (rank r is tensor-parallel
+rank r % t of data-parallel rank r // t, so a TP group is t neighbouring ranks, inside a node); each block
+gets the Megatron layout on the "tp" sub-mesh (ColwiseParallel q/k/v and gate/up, RowwiseParallel o/down;
+with sequence parallelism SequenceParallel norms and PrepareModuleInput gathering the sequence before
+attention and the MLP); the embedding is split by vocabulary rows (RowwiseParallel) and the head by
+vocabulary columns of its output (ColwiseParallel, logits left as a DTensor for torch's loss_parallel);
+then `fully_shard` runs on the "dp" sub-mesh (autoplan.run.apply), which shards the tensor-parallel
+DTensors over the data-parallel ranks.
+
+The layout is found from the model by the same function the search costed (autoplan.solve.tp_layout), and
+checked against the units' layouts the plan records. The attention modules' head counts are set to the
+heads one rank holds (torchtitan does the same): the zoo's attention splits its projections by these
+attributes, so the model's code stays free of parallelism.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
+
+from autoplan.errors import PlanFileError
+from autoplan.plan.schema import Plan
+from autoplan.solve.tp_layout import ATTENTION, MLP, TpRefusal, recognise
+from cost_models.options import SHARDING_KINDS, MeshShape
+from cost_models.records import ParamInfo, Unit
+from cost_models.tensor_parallel import TpLayout, TpRole, unit_layouts
+
+__all__ = ["MESH_DIM_NAMES", "apply_tp", "data_rank", "local_loss", "training_context"]
+
+MESH_DIM_NAMES = ("dp", "tp")
+
+
+def data_rank(plan: Plan, rank: int, world_size: int) -> tuple[int, int]:
+    """(data-parallel rank, data-parallel world): the ranks of one tensor-parallel group take the same rows."""
+    t = plan.cluster.tp_degree
+    return rank // t, world_size // t
+
+
+def training_context(plan: Plan):
+    """What the training loop runs in: torch's loss_parallel where the head is vocabulary-parallel (its
+    cross-entropy, forward and backward, on logits split by vocabulary), else nothing."""
+    if plan.cluster.tp_degree > 1 and any(unit.tp == "vocab" for unit in plan.units):
+        return loss_parallel()
+    return contextlib.nullcontext()
+
+
+def local_loss(loss):
+    """A loss from vocabulary-parallel logits is a replicated DTensor: its local value (differentiable)."""
+    return loss.to_local() if isinstance(loss, DTensor) else loss
+
+
+def _check(plan: Plan, model: nn.Module, layout: TpLayout) -> None:
+    """The plan's unit layouts must be what the layout makes of its units; the data-parallel kinds must be
+    ones that run beside tensor parallelism."""
+    units = [Unit(path=u.module, params=[ParamInfo(n, tuple(s)) for n, s in u.param_shapes.items()])
+             for u in plan.units]
+    expected = unit_layouts(units, layout)
+    for decision, tag in zip(plan.units, expected):
+        name = decision.module or "<root>"
+        if decision.tp != (tag.value if tag is not None else None):
+            raise PlanFileError(f"unit {name}: the plan records tensor-parallel layout {decision.tp}, but at degree "
+                                f"{layout.degree} the model's layout makes it {tag.value if tag else None}; "
+                                "make the plan again")
+        kind = SHARDING_KINDS.get(decision.sharding)
+        if kind is None or kind.mesh != MeshShape.WORLD or decision.offload:
+            raise PlanFileError(f"unit {name}: {decision.label} does not run beside tensor parallelism (the "
+                                "data-parallel dimension shards: shard, shard_keep; no offload)")
+
+
+def _block_plan(norms: list[str], sp: bool) -> dict:
+    plan = {}
+    for child, columns, row in (ATTENTION, MLP):
+        for name in columns:
+            plan[f"{child}.{name}"] = ColwiseParallel()
+        plan[f"{child}.{row}"] = RowwiseParallel(output_layouts=Shard(1)) if sp else RowwiseParallel()
+    if sp:
+        for norm in norms:
+            plan[norm] = SequenceParallel()
+        # the attention's forward takes (x, cos, sin): only x is gathered along the sequence
+        plan[ATTENTION[0]] = PrepareModuleInput(input_layouts=(Shard(1), None, None),
+                                                desired_input_layouts=(Replicate(), None, None))
+        plan[MLP[0]] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    return plan
+
+
+def apply_tp(model: nn.Module, plan: Plan, world_mesh: DeviceMesh) -> DeviceMesh:
+    """Apply the plan's tensor-parallel layout to `model` over `world_mesh` (1-D, the ranks running the plan);
+    returns the data-parallel sub-mesh that `fully_shard` takes."""
+    t, sp = plan.cluster.tp_degree, plan.cluster.sequence_parallel
+    world = world_mesh.size()
+    if world % t:
+        raise PlanFileError(f"the plan's tensor-parallel degree {t} does not divide the {world} ranks running it")
+    try:
+        layout = recognise(model, t, sp)
+    except TpRefusal as exc:
+        raise PlanFileError(f"the plan's tensor-parallel layout does not fit the model: {exc}") from None
+    _check(plan, model, layout)
+    mesh = DeviceMesh(world_mesh.device_type, world_mesh.mesh.view(world // t, t), mesh_dim_names=MESH_DIM_NAMES)
+    tp_mesh = mesh["tp"]
+    blocks = list(dict.fromkeys(region.rpartition(".")[0] for region in layout.regions))
+    for path in blocks:
+        block = model.get_submodule(path)
+        norms = [name for name, _ in block.named_children() if layout.roles.get(f"{path}.{name}") is TpRole.SEQUENCE]
+        parallelize_module(block, tp_mesh, _block_plan(norms, sp))
+        attention = getattr(block, ATTENTION[0])
+        attention.n_heads //= t  # the heads this rank holds: the projections' outputs are split by heads
+        attention.n_kv_heads //= t
+    top = {}
+    if layout.embedding is not None:
+        top[layout.embedding] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1) if sp else Replicate())
+    if sp:
+        # the final norm: the one sequence-parallel module outside the blocks (whose paths hold a dot)
+        top.update({path: SequenceParallel() for path, role in layout.roles.items()
+                    if role is TpRole.SEQUENCE and "." not in path})
+    if layout.head is not None:
+        top[layout.head] = ColwiseParallel(input_layouts=Shard(1) if sp else Replicate(), output_layouts=Shard(-1),
+                                           use_local_output=False)
+    if top:
+        parallelize_module(model, tp_mesh, top)
+    return mesh["dp"]

@@ -1,0 +1,62 @@
+"""Tensor-parallel plans on gloo train exactly like one process on the same global batch: 1 x 2 on 2 ranks
+and 2 x 2 on 4, llama-tiny's grouped-query attention split over the group, with and without sequence
+parallelism, checkpointing, kept-gathered units, gradient accumulation and bf16.
+
+One torchrun launch per world size (tp_parity_worker.py) runs every case; each test checks one case.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from tp_parity_worker import CASES
+
+TESTS_DIR = Path(__file__).parent
+REPO_ROOT = TESTS_DIR.parent
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # two torchrun launches (~15 s on 2 cores)
+
+
+def _launch(tmp_path_factory, nproc: int) -> dict:
+    out = tmp_path_factory.mktemp(f"tp{nproc}") / "results.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), str(TESTS_DIR)]), "OMP_NUM_THREADS": "1"}
+    completed = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+         "--max-restarts=0", str(TESTS_DIR / "tp_parity_worker.py"), str(out)],
+        env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return {**_launch(tmp_path_factory, 2), **_launch(tmp_path_factory, 4)}
+
+
+CASE_WORLD = [(name, world) for world, cases in CASES.items() for name in cases]
+
+
+@pytest.mark.parametrize("case,world", CASE_WORLD)
+def test_matches_single_process_reference(results, case, world):
+    result = results[case]
+    assert "error" not in result, result.get("error")
+    loss_tol, param_tol = (1e-2, 2e-2) if "bf16" in case else (1e-5, 5e-5)
+    assert result["losses"] == pytest.approx(result["reference_losses"], rel=loss_tol)
+    assert result["max_param_diff"] < param_tol
+
+
+@pytest.mark.parametrize("case,world", CASE_WORLD)
+def test_layout_is_what_runs(results, case, world):
+    result = results[case]
+    assert "error" not in result, result.get("error")
+    assert result["wq_mesh"] == ["dp", "tp"]  # FSDP over "dp" on top of the TP split
+    assert result["wq_local_fraction"] == 1 / world  # 1/2 by TP, then 1/(world/2) by FSDP
+    assert result["heads"] == [2, 1]  # llama-tiny's 4 heads and 2 key/value heads, halved
+
+
+def test_plans_that_do_not_match_the_layout_are_refused(results):
+    assert "records tensor-parallel layout None, but at degree 2" in results["refused_layout"]
+    assert "replicate does not run beside tensor parallelism" in results["refused_kind"]
