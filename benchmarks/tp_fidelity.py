@@ -1,0 +1,103 @@
+"""Fidelity of tensor-parallel plans: predicted against measured on this machine (CPU, gloo, 2 ranks, the
+cpu-gloo-2 profile). Each plan has TP degree 2 (a 1 x 2 mesh: both ranks one tensor-parallel group),
+with and without sequence parallelism, uniform or from the solver; an FSDP-only plan (TP 1) of the same
+model and micro-batch runs beside them. They run with `autoplan apply`'s training loop and measurement
+(multi_worker.py), all plans of a model and micro-batch in one launch, in three rounds one after the
+other, each plan keeping its fastest round (as benchmarks/fidelity.py does).
+
+    python benchmarks/tp_fidelity.py            # the grid (~5 min on 2 cores)
+    python benchmarks/tp_fidelity.py --quick    # one micro-batch
+
+Targets (issue 5's, for the FSDP plans): memory error at most 5% median and 10% worst; step time 10%
+median, 20% worst.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from collections import defaultdict
+
+from common import ROUNDS, _execute_once, make_plan, rel_error, summarize, write_results
+
+MODELS = ["llama-tiny[n_layers=4,d_model=128,n_heads=4,n_kv_heads=2,ffn_hidden=352]"]
+MICRO_BATCHES = [4, 16]
+SEQ_LEN = 128
+# (label, uniform plan kind of benchmarks/common.py or "autoplan", extra search flags)
+PLANS = [
+    ("tp1 all-shard", "all-shard", ["--tp", "1"]),
+    ("tp2 all-shard", "all-shard", ["--tp", "2", "--sequence-parallel", "off"]),
+    ("tp2+sp all-shard", "all-shard", ["--tp", "2", "--sequence-parallel", "on"]),
+    ("tp2 all-shard+ckpt", "all-shard+ckpt", ["--tp", "2", "--sequence-parallel", "off"]),
+    ("tp2+sp all-shard+ckpt", "all-shard+ckpt", ["--tp", "2", "--sequence-parallel", "on"]),
+    ("tp2+sp all-shard_keep", "all-shard_keep", ["--tp", "2", "--sequence-parallel", "on"]),
+    ("tp2+sp autoplan", "autoplan", ["--tp", "2", "--sequence-parallel", "on"]),
+]
+
+
+def execute(plans: list[dict]) -> list[dict | None]:
+    """Every plan ROUNDS times in one launch; per plan its fastest round's step time and its highest peak."""
+    runs = _execute_once([plan for _ in range(ROUNDS) for plan in plans])
+    out = []
+    for index in range(len(plans)):
+        mine = [runs[r * len(plans) + index] for r in range(ROUNDS)]
+        out.append(None if any(m is None for m in mine) else {
+            "step_time_s": min(m["step_time_s"] for m in mine),
+            "peak_mem_bytes": max(m["peak_mem_bytes"] for m in mine)})
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="one micro-batch")
+    args = parser.parse_args()
+    batches = MICRO_BATCHES[:1] if args.quick else MICRO_BATCHES
+    rows = []
+    print(f"{'model':<24} {'mb':>3} {'plan':<22} {'peak pred MB':>12} {'meas MB':>9} {'err':>7} "
+          f"{'step pred ms':>12} {'meas ms':>9} {'err':>7}")
+    for model in MODELS:
+        for batch_size in batches:
+            plans = [make_plan(model, "100GB", batch_size, SEQ_LEN, kind, extra) for _, kind, extra in PLANS]
+            for (label, _, _), plan, measured in zip(PLANS, plans, execute(plans)):
+                short = model.split("[")[0]
+                if measured is None:
+                    print(f"{short:<24} {batch_size:>3} {label:<22} FAILED")
+                    continue
+                predicted = plan["predicted"]
+                mem_err = rel_error(predicted["peak_mem_bytes"], measured["peak_mem_bytes"])
+                time_err = rel_error(predicted["step_time_s"], measured["step_time_s"])
+                rows.append(dict(model=model, micro_batch=batch_size, plan=label,
+                                 tp_degree=plan["cluster"].get("tp_degree", 1),
+                                 sequence_parallel=plan["cluster"].get("sequence_parallel", False),
+                                 predicted_peak_bytes=predicted["peak_mem_bytes"],
+                                 measured_peak_bytes=measured["peak_mem_bytes"],
+                                 predicted_step_s=predicted["step_time_s"], measured_step_s=measured["step_time_s"],
+                                 mem_error=mem_err, time_error=time_err))
+                print(f"{short:<24} {batch_size:>3} {label:<22} {predicted['peak_mem_bytes'] / 1e6:>12.2f} "
+                      f"{measured['peak_mem_bytes'] / 1e6:>9.2f} {100 * mem_err:>6.1f}% "
+                      f"{predicted['step_time_s'] * 1e3:>12.1f} {measured['step_time_s'] * 1e3:>9.1f} "
+                      f"{100 * time_err:>6.1f}%", flush=True)
+
+    groups = defaultdict(list)
+    for row in rows:
+        groups["tp1" if row["tp_degree"] == 1 else "tp2+sp" if row["sequence_parallel"] else "tp2"].append(row)
+    print(f"\n{'group':<10} {'n':>3} {'mem median':>11} {'mem worst':>10} {'time median':>12} {'time worst':>11}")
+    summary = {}
+    tp_rows = [r for r in rows if r["tp_degree"] > 1]
+    for name, group in list(groups.items()) + [("all tp2", tp_rows)]:
+        if not group:
+            continue
+        mem_med, mem_worst = summarize([r["mem_error"] for r in group])
+        time_med, time_worst = summarize([r["time_error"] for r in group])
+        summary[name] = dict(n=len(group), mem_median=mem_med, mem_worst=mem_worst,
+                             time_median=time_med, time_worst=time_worst,
+                             mem_bias=statistics.median(r["mem_error"] for r in group),
+                             time_bias=statistics.median(r["time_error"] for r in group))
+        print(f"{name:<10} {len(group):>3} {100 * mem_med:>10.1f}% {100 * mem_worst:>9.1f}% "
+              f"{100 * time_med:>11.1f}% {100 * time_worst:>10.1f}%")
+    path = write_results("tp_fidelity" + ("_partial" if args.quick else ""), {"rows": rows, "summary": summary})
+    print(f"written to {path}")
+
+
+if __name__ == "__main__":
+    main()
