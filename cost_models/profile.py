@@ -153,6 +153,13 @@ class DeviceProfile(_Strict):
     optimizer_bytes_s: float | None = Field(default=None, gt=0)  # measured AdamW throughput, bytes of state touched
     # the optimizer step's fixed cost per parameter tensor (per-tensor kernels, DTensor dispatch)
     optimizer_tensor_s: float = Field(default=0.0, ge=0)
+    first_touch_s_per_byte: float = Field(default=0.0, ge=0)
+    """Seconds per byte of first writing a freshly mapped allocation of at least `first_touch_min_bytes`
+    (the CPU: page faults and the kernel's zeroing; 0 where an allocator reuses its blocks, CUDA's).
+    Charged for FSDP2's large gather and reduction buffers and the optimizer's large temporaries
+    (cost_models/large_buffers.py)."""
+    first_touch_min_bytes: int = Field(default=32 << 20, ge=0)
+    """The allocation size from which memory is mapped fresh each time (glibc: 32 MiB at most)."""
     fsdp: FsdpOverhead = Field(default_factory=FsdpOverhead)
     host_link: HostLink | None = None  # None: offload is not costed (the search does not offer it)
     op_times: list[OpTiming] = Field(default_factory=list)

@@ -27,6 +27,7 @@ from cost_models.records import LOSS_NODE, OpRecord, Unit
 
 from .comm import CommModel
 from .compute import ComputeModel
+from .large_buffers import gather_copy_s, optimizer_first_touch_s, reduce_copy_s
 
 
 @dataclass(frozen=True)
@@ -237,6 +238,10 @@ def build_cost_table(
             bwd_total = bwd_s + recompute_s[recompute]
             state = (local * precision.master_bytes, local * precision.master_bytes,
                      local * optimizer_kind.states * precision.state_bytes)  # parameters, gradients, states
+            # FSDP2's own copies around its collectives (CPU profiles; see large_buffers)
+            gather_copies = gather_copy_s(unit, shard, precision, profile)
+            copies_fwd = gather_copies
+            copies_bwd = (gather_copies if regathers else 0.0) + reduce_copy_s(unit, shard, replicas, precision, profile)
             copy_fwd = copy_bwd = 0.0
             # offloaded state leaves the device only where the device is not the host (on a CPU profile it
             # stays in the same memory, and FSDP2's copies to the "device" are no-ops)
@@ -267,10 +272,11 @@ def build_cost_table(
                 comm_bwd_s=comm_bwd * (ms if bwd_total > 0 else 1.0),
                 optimizer_s=local * optimizer_kind.touches * precision.master_bytes
                 / (host.cpu_optimizer_bytes_s if option.offload else opt_rate)
-                + (len(unit.params) * profile.optimizer_tensor_s if unit.params else 0.0),
-                overhead_fwd_s=unit_fwd + calls_fwd * call_fwd + (0.0 if host is None or host.overlaps_compute
+                + (len(unit.params) * profile.optimizer_tensor_s if unit.params else 0.0)
+                + optimizer_first_touch_s(unit, shard, precision, optimizer_kind, profile),
+                overhead_fwd_s=unit_fwd + calls_fwd * call_fwd + copies_fwd + (0.0 if host is None or host.overlaps_compute
                                                                   else copy_fwd),
-                overhead_bwd_s=unit_bwd + calls_bwd * call_bwd + (0.0 if host is None or host.overlaps_compute
+                overhead_bwd_s=unit_bwd + calls_bwd * call_bwd + copies_bwd + (0.0 if host is None or host.overlaps_compute
                                                                   else copy_bwd),
                 optimizer_temp_bytes=0 if off_device else _optimizer_temp_bytes(
                     unit, shard, precision, optimizer_kind, profile.device_type),

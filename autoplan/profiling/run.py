@@ -149,7 +149,7 @@ def measure_profile(settings: ProfileSettings) -> ProfileResult:
         remeasured = remeasure_outliers(cases, op_seconds, fresh, device, settings.repeats, cache, settings.progress)
         points, op_times = points_and_timings(cases, op_seconds)
         op_fits = fit_op_families(points)
-        device_numbers = _device_numbers(device, settings.repeats, cache)
+        device_numbers = _device_numbers(device, settings.repeats, cache, settings.nproc if kind == "cpu" else 1)
         # the host threads a rank's offloaded optimizer step gets: every GPU of this node runs a rank
         host_threads = threads or host_threads_per_rank(max(settings.nproc, torch.cuda.device_count()))
         host = _cached(cache, f"host_link:{host_threads}threads:{settings.host_copy_bytes}B",
@@ -200,6 +200,8 @@ def measure_profile(settings: ProfileSettings) -> ProfileResult:
         collectives=collectives,
         overlap=overlap,
         optimizer_bytes_s=device_numbers["adamw_bytes_s"],
+        first_touch_s_per_byte=device_numbers["first_touch_s_per_byte"],
+        first_touch_min_bytes=device_bench.FRESH_MAP_BYTES,
         optimizer_tensor_s=comm["fsdp"]["optimizer_tensor_s"],
         fsdp=FsdpOverhead(),  # calibrated below, against this profile's own prediction of the steps' parts
         host_link=HostLink(**{field: host[field] for field in HostLink.model_fields}),
@@ -239,13 +241,18 @@ def _cached(cache: MeasurementCache, key: str, measure):
     return cache.get(key)
 
 
-def _device_numbers(device: torch.device, repeats: Repeats, cache: MeasurementCache) -> dict[str, float]:
+def _device_numbers(device: torch.device, repeats: Repeats, cache: MeasurementCache,
+                    concurrent: int = 1) -> dict[str, float]:
+    """`concurrent`: ranks on this host stepping their optimizers at once (CPU)."""
     return {
         "copy_bandwidth_bytes_s": _cached(cache, "device:copy_bandwidth_bytes_s",
                                           lambda: device_bench.copy_bandwidth_bytes_s(device, repeats)),
         "dispatch_overhead_s": _cached(cache, "device:dispatch_overhead_s",
                                        lambda: device_bench.op_overhead_s(device, repeats)),
-        "adamw_bytes_s": _cached(cache, "device:adamw_bytes_s", lambda: device_bench.adamw_bytes_s(device, repeats)),
+        "adamw_bytes_s": _cached(cache, f"device:adamw_bytes_s:x{concurrent}:large",
+                                 lambda: device_bench.adamw_bytes_s(device, repeats, concurrent)),
+        "first_touch_s_per_byte": _cached(cache, "device:first_touch_s_per_byte",
+                                          lambda: device_bench.first_touch_s_per_byte(device, repeats)),
     }
 
 

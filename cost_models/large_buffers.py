@@ -1,0 +1,78 @@
+"""FSDP2's own copies and the CPU's freshly mapped memory: time that no traced op and no collective has.
+
+Per unit and micro-batch FSDP2 copies every parameter twice on the way in (the copy-in of the shard,
+cast to the compute dtype, into the all-gather input; the copy-out of the all-gather output into each
+parameter's unsharded storage) and every gradient once on the way out (the concatenation, cast to the
+reduce dtype, into the reduce-scatter input; gloo copies that input again). On a small model these
+are part of the per-unit cost the calibration fits. At real sizes they are not small, and on the CPU
+each buffer above the allocator's mmap threshold is mapped fresh at every allocation, so writing it
+first pays a page fault per page (`DeviceProfile.first_touch_s_per_byte`): gpt2 124M's tied
+50,257 x 768 embedding alone makes 77-154 MB buffers, each costing 40-80 ms to touch on this
+project's machine. AdamW's single-tensor CPU step allocates two temporaries per parameter tensor,
+which pay the same for a large tensor.
+
+GPU profiles keep none of this (their copies run at HBM bandwidth, inside the calibrated per-unit
+costs, and the caching allocator reuses its blocks): every function returns 0 for them.
+"""
+
+from __future__ import annotations
+
+import math
+
+from cost_models.options import OptimizerKind, Precision
+from cost_models.profile import DeviceProfile
+from cost_models.records import Unit
+
+
+def buffer_s(nbytes: int, profile: DeviceProfile) -> float:
+    """One buffer written by a copy: its bytes read and written at the profile's copy bandwidth, and
+    its first touch where it is mapped fresh. 0 on a GPU profile."""
+    if profile.device_type != "cpu" or nbytes <= 0:
+        return 0.0
+    bandwidth = profile.mem_bandwidth_bytes_s * profile.mem_bandwidth_efficiency
+    fresh = nbytes * profile.first_touch_s_per_byte if nbytes >= profile.first_touch_min_bytes else 0.0
+    return 2 * nbytes / bandwidth + fresh
+
+
+def _local_elements(unit: Unit, shard: int) -> list[int]:
+    """Each parameter's elements on one rank (FSDP2 pads dim 0 to a multiple of the shard group)."""
+    return [math.ceil((p.shape or (1,))[0] / shard) * math.prod((p.shape or (1,))[1:]) for p in unit.params]
+
+
+def gather_copy_s(unit: Unit, shard: int, precision: Precision, profile: DeviceProfile) -> float:
+    """FSDP2's copies around one all-gather of the unit: the copy-in (the shard in the compute dtype,
+    one flat buffer; per parameter without a shard group), the all-gather output (one flat buffer,
+    shard > 1), the copy-out into each parameter's unsharded storage (freed at reshard, so allocated
+    again at each gather)."""
+    local = _local_elements(unit, shard)
+    if not local:
+        return 0.0
+    cb = precision.compute_bytes
+    copy_in = buffer_s(sum(local) * cb, profile) if shard > 1 else sum(buffer_s(n * cb, profile) for n in local)
+    output = buffer_s(sum(local) * shard * cb, profile) if shard > 1 else 0.0
+    return copy_in + output + sum(buffer_s(n * shard * cb, profile) for n in local)
+
+
+def reduce_copy_s(unit: Unit, shard: int, replicas: int, precision: Precision, profile: DeviceProfile) -> float:
+    """FSDP2's copies around the unit's gradient reduction: the reduce-scatter input (the gradients
+    concatenated in the reduce dtype); with a shard group, gloo's copy of it and the reduced shard."""
+    local = sum(_local_elements(unit, shard))
+    if not local or (shard == 1 and replicas == 1):
+        return 0.0
+    rb = precision.reduce_bytes
+    total = buffer_s(local * shard * rb, profile)
+    if shard > 1:
+        total += buffer_s(local * shard * rb, profile) + buffer_s(local * rb, profile)
+    return total
+
+
+def optimizer_first_touch_s(unit: Unit, shard: int, precision: Precision, optimizer: OptimizerKind,
+                            profile: DeviceProfile) -> float:
+    """The first touch of the CPU optimizer's per-tensor temporaries (AdamW: two, see
+    table.per_tensor_optimizer_scratch_bytes) for the unit's parameters whose shard is mapped fresh."""
+    if profile.device_type != "cpu" or not optimizer.step_temporaries:
+        return 0.0
+    temporaries = optimizer.step_temporaries + 1
+    sizes = [n * precision.state_bytes for n in _local_elements(unit, shard)]
+    return sum(temporaries * size * profile.first_touch_s_per_byte for size in sizes
+               if size >= profile.first_touch_min_bytes)

@@ -1,0 +1,50 @@
+"""FSDP2's copies and the CPU's freshly mapped memory in the step time (cost_models/large_buffers.py),
+and the profiler's measurements behind them (autoplan/profiling/device.py)."""
+
+import torch
+
+from autoplan.profile_store import load_profile
+from autoplan.profiling import device
+from autoplan.profiling.timing import Repeats
+from cost_models.large_buffers import buffer_s, gather_copy_s, optimizer_first_touch_s, reduce_copy_s
+from cost_models.options import OPTIMIZERS, PRECISIONS
+from cost_models.records import ParamInfo, Unit
+
+CPU, GPU = load_profile("cpu-gloo-2"), load_profile("a100-sxm4-80gb")
+BF16 = PRECISIONS["bf16-mixed"]
+EMBEDDING = Unit(path="", params=[ParamInfo("wte.weight", (50257, 768))])  # gpt2's tied embedding
+SMALL = Unit(path="h.0", params=[ParamInfo("w", (96, 96))])
+FEW = Repeats(1, 3, 3, 0.0)
+
+
+def test_large_buffers_pay_their_first_touch_small_ones_only_bandwidth():
+    threshold = CPU.first_touch_min_bytes
+    below, above = buffer_s(threshold - 1, CPU), buffer_s(threshold, CPU)
+    assert above - below > 0.9 * threshold * CPU.first_touch_s_per_byte
+    assert 0 < below < threshold * CPU.first_touch_s_per_byte
+
+
+def test_gpu_profiles_charge_nothing():
+    for unit in (EMBEDDING, SMALL):
+        assert gather_copy_s(unit, 8, BF16, GPU) == reduce_copy_s(unit, 8, 1, BF16, GPU) == 0.0
+        assert optimizer_first_touch_s(unit, 8, BF16, OPTIMIZERS["adamw"], GPU) == 0.0
+
+
+def test_a_real_vocabulary_costs_tens_of_milliseconds_a_tiny_unit_almost_nothing():
+    gather, reduce = gather_copy_s(EMBEDDING, 2, BF16, CPU), reduce_copy_s(EMBEDDING, 2, 1, BF16, CPU)
+    assert 0.02 < gather < 0.2 and 0.05 < reduce < 0.3
+    assert gather_copy_s(SMALL, 2, BF16, CPU) + reduce_copy_s(SMALL, 2, 1, BF16, CPU) < 1e-4
+    # AdamW's two fp32 temporaries of the 77 MB shard are mapped fresh; a 36 KB tensor's are not
+    shard_bytes = 25129 * 768 * 4
+    assert optimizer_first_touch_s(EMBEDDING, 2, BF16, OPTIMIZERS["adamw"], CPU) == 2 * shard_bytes * \
+        CPU.first_touch_s_per_byte
+    assert optimizer_first_touch_s(SMALL, 2, BF16, OPTIMIZERS["adamw"], CPU) == 0.0
+    # without a shard group nothing is reduced on a single rank
+    assert reduce_copy_s(EMBEDDING, 1, 1, BF16, CPU) == 0.0
+
+
+def test_profiler_measures_first_touch_and_a_per_rank_optimizer_rate():
+    cpu = torch.device("cpu")
+    assert device.first_touch_s_per_byte(cpu, FEW) > 0  # a fresh mapping always costs page faults
+    # per rank, with two ranks' optimizers stepping at once: at least 100 MB/s of state on any CPU
+    assert device.adamw_bytes_s(cpu, FEW, 2) > 1e8
