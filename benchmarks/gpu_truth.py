@@ -214,6 +214,7 @@ def stage_grid(args, profile: str, budget: Budget) -> dict:
     from autoplan.errors import AutoplanError, InfeasibleError
     from autoplan.run.fake_world import run_fake_world
     from autoplan.run.memtrack import allocation_failure
+    from cost_models.allocator import reserved_bound
 
     on_gpu = args.device == "cuda"
     gpu_mem = torch.cuda.get_device_properties(0).total_memory if on_gpu else None
@@ -262,7 +263,14 @@ def stage_grid(args, profile: str, budget: Budget) -> dict:
                            measured_phase_bytes=result.measured_phase_bytes,
                            over_limit=measured > plan.cluster.mem_limit_bytes,
                            predicted_compute_s=result.predicted_compute_s, measured_compute_s=result.measured_compute_s,
-                           mem_source=result.mem_source)
+                           mem_source=result.mem_source,
+                           # the caching allocator's figure the plan gives (cost_models.allocator), beside the measured
+                           predicted_reserved_bytes=reserved_bound(result.predicted_peak_bytes))
+                if result.cuda_max_reserved_bytes:
+                    print(f"  {model} mb {batch} {kind}: reserved predicted {row['predicted_reserved_bytes'] / 1e6:.0f} MB, "
+                          f"measured {result.cuda_max_reserved_bytes / 1e6:.0f} MB (allocated predicted "
+                          f"{result.predicted_peak_bytes / 1e6:.0f} MB, measured {result.cuda_max_allocated_bytes / 1e6:.0f} MB)",
+                          flush=True)
     return {"profile": profile, "world_size": WORLD, "rows": rows}
 
 

@@ -24,6 +24,7 @@ from autoplan.plan.schema import (
 from autoplan.solve.cluster import Cluster
 from autoplan.solve.sweep import SweepOutcome
 from autoplan.version import __version__
+from cost_models.allocator import reserved_bound
 from cost_models.evaluate import Evaluation, evaluate, uniform_choices
 from cost_models.memory import MemCategory, total
 from cost_models.table import CostTable
@@ -39,7 +40,9 @@ def _breakdown(point) -> MemoryBreakdown:
     return MemoryBreakdown(**{f"{category.value}_bytes": int(point.parts[category]) for category in MemCategory})
 
 
-def prediction(table: CostTable, result: Evaluation) -> Prediction:
+def prediction(table: CostTable, result: Evaluation, device_type: str | None = None) -> Prediction:
+    """The plan's predicted figures; on a CUDA profile (`device_type` "cuda") with what the caching allocator
+    reserves for the allocated peak (cost_models.allocator)."""
     samples = table.samples_per_step
     return Prediction(
         peak_mem_bytes=result.peak_mem_bytes,
@@ -52,6 +55,7 @@ def prediction(table: CostTable, result: Evaluation) -> Prediction:
                   for p in result.points],
         host_mem_bytes=result.host_bytes,
         host_mem_per_node_bytes=result.host_bytes * table.cluster.gpus_per_node,
+        reserved_bytes=reserved_bound(result.peak_mem_bytes) if device_type == "cuda" else None,
     )
 
 
@@ -111,7 +115,7 @@ def assemble_plan(outcome: SweepOutcome, *, model: ModelRef, cluster: Cluster, m
                               global_batch_size=table.samples_per_step, seq_len=seq_len, dtype=dtype,
                               optimizer=optimizer, granularity=granularity),
         units=unit_decisions(table, outcome.choices),
-        predicted=prediction(table, outcome.evaluation),
+        predicted=prediction(table, outcome.evaluation, cluster.profile.device_type),
         solver=SolverInfo(status=result.status, objective_s=result.objective, bound_s=result.bound,
                           wall_time_s=outcome.wall_time_s, num_variables=outcome.num_variables,
                           num_constraints=outcome.num_constraints,

@@ -90,6 +90,9 @@ def format_plan(plan: Plan, cluster_is_default: bool = False) -> str:
         f"{format_bytes(b.optimizer_bytes)} | activations {format_bytes(b.activations_bytes)} | gathered params "
         f"{format_bytes(b.gathered_bytes)} | temporaries {format_bytes(b.temporaries_bytes)}",
     ]
+    if p.reserved_bytes is not None:
+        lines.append(f"reserved (CUDA caching allocator) about {format_bytes(p.reserved_bytes)}: the limit the step "
+                     "needs with the allocator's rounding, per-stream caches and fragmentation")
     if p.host_mem_bytes:
         of = f" of {format_bytes(c.host_mem_bytes)}" if c.host_mem_bytes else ""
         lines.append(f"host memory (offloaded state, pinned) {format_bytes(p.host_mem_bytes)} per GPU, "

@@ -159,6 +159,9 @@ class Prediction(_Strict):
     timeline: list[TimelinePoint]
     host_mem_bytes: int = 0  # offloaded state per rank in host memory (pinned)
     host_mem_per_node_bytes: int = 0  # the same over the node's ranks: what must fit the node's host memory
+    # CUDA profiles only: the limit the step needs under torch's caching allocator (rounding, per-stream caches,
+    # fragmentation; cost_models.allocator.reserved_bound); None on other devices and in older plans
+    reserved_bytes: int | None = Field(default=None, exclude_if=lambda value: value is None)
 
 
 class SweepEntry(_Strict):

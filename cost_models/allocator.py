@@ -1,0 +1,270 @@
+"""CUDA's caching allocator: what a plan reserves beyond what it allocates, and what makes a run fail.
+
+Why: a CUDA run does not fail when its live tensors reach the device's size but when torch's caching
+allocator (c10/cuda/CUDACachingAllocator.cpp) cannot find or make a block. It rounds every request, carves
+requests out of segments it got from cudaMalloc, keeps freed blocks cached per stream, and splits and merges
+blocks inside a segment, so `max_memory_reserved` runs above `max_memory_allocated`. autoplan's memory model
+predicts live bytes (allocated); this module gives the reserved figure beside it.
+
+Two parts:
+- `CachingAllocator`: a small, faithful model of the native allocator's block logic (no expandable segments,
+  no CUDA graphs, no garbage-collection threshold), to replay a step's allocations and frees:
+  * a request is rounded up to a multiple of 512 bytes (at least 512);
+  * rounded requests of at most 1 MiB come from the small pool, carved out of 2 MiB segments; larger ones
+    from the large pool: under 10 MiB out of 20 MiB segments, from 10 MiB on out of a segment of their size
+    rounded up to 2 MiB;
+  * a free block is found best-fit (the smallest cached block of the same pool and stream that is large
+    enough, lowest address among equals); blocks are cached per stream and never serve another stream;
+  * a found or new block is split when what remains is at least 512 bytes (small pool) or more than 1 MiB
+    (large pool), the remainder cached; a freed block merges with free neighbours of its segment;
+  * `max_split_size`: blocks at least that large are never split, and serve only requests at least that
+    large within 20 MiB of their size;
+  * when the limit (`set_per_process_memory_fraction`, or the device) would be passed by a new segment,
+    the allocator frees every cached segment that holds no allocated block and tries again; if that fails
+    too, the run fails (torch.cuda.OutOfMemoryError).
+  `replay` runs a recorded event sequence through it; `min_limit` finds the smallest limit a sequence runs
+  in without an out-of-memory error: what the plan's limit has to cover.
+- `reserved_bound`: the plan-level figure from the cost model's allocated peak, fitted on such replays of
+  real plans (benchmarks/allocator.py; the evidence is in benchmarks/RESULTS.md, "CUDA caching allocator").
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import math
+from dataclasses import dataclass
+
+__all__ = ["CachingAllocator", "OutOfMemory", "ReplayResult", "replay", "min_limit", "round_size",
+           "segment_size", "reserved_bound", "FRAGMENTATION", "MIN_BLOCK", "SMALL_SIZE", "SMALL_BUFFER",
+           "LARGE_BUFFER", "MIN_LARGE_ALLOC", "ROUND_LARGE"]
+
+MIN_BLOCK = 512  # kMinBlockSize: every request is rounded up to a multiple of it
+SMALL_SIZE = 1 << 20  # kSmallSize: requests up to 1 MiB come from the small pool
+SMALL_BUFFER = 2 << 20  # kSmallBuffer: the small pool's segments
+LARGE_BUFFER = 20 << 20  # kLargeBuffer: segments for large requests under 10 MiB
+MIN_LARGE_ALLOC = 10 << 20  # kMinLargeAlloc
+ROUND_LARGE = 2 << 20  # kRoundLarge: requests from 10 MiB on get their own segment, rounded to 2 MiB
+
+# The plan-level allowance: the smallest limit a plan's step runs in is at most (1 + FRAGMENTATION) x its
+# allocated peak + SEGMENT_SLACK. From the replays of benchmarks/allocator.py (llama2-7b / llama3-8b, rank 0 of 8,
+# H100 profile): needed / predicted allocated 1.047-1.119 (all-shard + full checkpointing 1.05-1.08, no
+# checkpointing 1.06, selective 1.12); the factor covers the worst, and the slack the cuBLAS workspaces and
+# kernel scratch that fake tensors do not allocate (a few MiB per handle and stream).
+FRAGMENTATION = 0.12
+SEGMENT_SLACK = 64 << 20
+
+
+def round_size(nbytes: int) -> int:
+    """The block size a request of `nbytes` gets (round_size, without roundup_power2_divisions)."""
+    if nbytes < 0:
+        raise ValueError(f"a request of {nbytes} bytes: sizes are at least 0")
+    return max(MIN_BLOCK, MIN_BLOCK * math.ceil(nbytes / MIN_BLOCK))
+
+
+def segment_size(rounded: int) -> int:
+    """The cudaMalloc size for a rounded request no cached block can serve (get_allocation_size)."""
+    if rounded <= SMALL_SIZE:
+        return SMALL_BUFFER
+    if rounded < MIN_LARGE_ALLOC:
+        return LARGE_BUFFER
+    return ROUND_LARGE * math.ceil(rounded / ROUND_LARGE)
+
+
+class OutOfMemory(RuntimeError):
+    """The model's torch.cuda.OutOfMemoryError: no cached block fits and no new segment fits the limit."""
+
+    def __init__(self, nbytes: int, reserved: int, allocated: int, limit: int):
+        super().__init__(f"could not allocate {nbytes} bytes: {reserved} reserved ({allocated} allocated) "
+                         f"of a {limit}-byte limit")
+        self.nbytes = nbytes
+
+
+class _Block:
+    __slots__ = ("addr", "size", "stream", "small", "allocated", "prev", "next", "requested")
+
+    def __init__(self, addr: int, size: int, stream: int, small: bool):
+        self.addr, self.size, self.stream, self.small = addr, size, stream, small
+        self.allocated = False
+        self.prev: _Block | None = None
+        self.next: _Block | None = None
+        self.requested = 0
+
+    def key(self) -> tuple[int, int, int]:  # BlockComparatorSize: stream, size, address
+        return (self.stream, self.size, self.addr)
+
+    @property
+    def whole_segment(self) -> bool:
+        return self.prev is None and self.next is None
+
+
+class CachingAllocator:
+    """The native caching allocator's block logic, in bytes; `limit` None means no limit."""
+
+    def __init__(self, limit: int | None = None, max_split_size: int | None = None):
+        self.limit = limit
+        self.max_split_size = max_split_size if max_split_size is not None else 1 << 62
+        self._free: dict[bool, list[tuple[int, int, int]]] = {True: [], False: []}  # pool -> sorted keys
+        self._by_key: dict[tuple[int, int, int], _Block] = {}
+        self._next_addr = itertools.count(1)
+        self.allocated = self.reserved = self.requested = 0
+        self.peak_allocated = self.peak_reserved = self.peak_requested = 0
+        self.segments = self.retries = 0
+
+    # -- public -------------------------------------------------------------------------------
+
+    def malloc(self, nbytes: int, stream: int = 0) -> _Block:
+        size = round_size(nbytes)
+        small = size <= SMALL_SIZE
+        block = self._find_free(size, stream, small)
+        if block is None:
+            block = self._new_segment(size, stream, small, nbytes)
+        self._split(block, size)
+        block.allocated, block.requested = True, nbytes
+        self.allocated += block.size
+        self.requested += nbytes
+        self.peak_allocated = max(self.peak_allocated, self.allocated)
+        self.peak_requested = max(self.peak_requested, self.requested)
+        return block
+
+    def free(self, block: _Block) -> None:
+        if not block.allocated:
+            raise ValueError("the block is not allocated (freed twice?)")
+        block.allocated = False
+        self.allocated -= block.size
+        self.requested -= block.requested
+        for neighbour in (block.prev, block.next):  # try_merge_blocks
+            if neighbour is not None and not neighbour.allocated:
+                self._take(neighbour)
+                if neighbour is block.prev:
+                    block.addr, block.prev = neighbour.addr, neighbour.prev
+                    if block.prev is not None:
+                        block.prev.next = block
+                else:
+                    block.next = neighbour.next
+                    if block.next is not None:
+                        block.next.prev = block
+                block.size += neighbour.size
+        self._put(block)
+
+    def empty_cache(self) -> None:
+        """Free every cached segment that holds no allocated block (release_cached_blocks)."""
+        for small in (True, False):
+            for key in list(self._free[small]):
+                block = self._by_key[key]
+                if block.whole_segment:
+                    self._take(block)
+                    self.reserved -= block.size
+                    self.segments -= 1
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _put(self, block: _Block) -> None:
+        key = block.key()
+        bisect.insort(self._free[block.small], key)
+        self._by_key[key] = block
+
+    def _take(self, block: _Block) -> None:
+        key = block.key()
+        keys = self._free[block.small]
+        del keys[bisect.bisect_left(keys, key)]
+        del self._by_key[key]
+
+    def _find_free(self, size: int, stream: int, small: bool) -> _Block | None:
+        keys = self._free[small]
+        i = bisect.bisect_left(keys, (stream, size, 0))
+        if i == len(keys) or keys[i][0] != stream:
+            return None
+        found = keys[i][1]
+        if size < self.max_split_size <= found:  # no oversized block for a request under max_split_size
+            return None
+        if size >= self.max_split_size and found >= size + LARGE_BUFFER:
+            return None
+        block = self._by_key[keys[i]]
+        self._take(block)
+        return block
+
+    def _new_segment(self, size: int, stream: int, small: bool, nbytes: int) -> _Block:
+        seg = segment_size(size)
+        if self.limit is not None and self.reserved + seg > self.limit:
+            self.retries += 1
+            self.empty_cache()  # release_cached_blocks, then alloc_block again
+            if self.reserved + seg > self.limit:
+                raise OutOfMemory(nbytes, self.reserved, self.allocated, self.limit)
+        self.reserved += seg
+        self.segments += 1
+        self.peak_reserved = max(self.peak_reserved, self.reserved)
+        # segments never touch: each gets its own address range, so blocks merge only inside one
+        return _Block(next(self._next_addr) << 48, seg, stream, small)
+
+    def _split(self, block: _Block, size: int) -> None:
+        remaining = block.size - size
+        if block.small:
+            split = remaining >= MIN_BLOCK
+        else:
+            split = size < self.max_split_size and remaining > SMALL_SIZE
+        if not split:
+            return
+        rest = _Block(block.addr + size, remaining, block.stream, block.small)
+        rest.prev, rest.next = block, block.next
+        if block.next is not None:
+            block.next.prev = rest
+        block.next = rest
+        block.size = size
+        self._put(rest)
+
+
+@dataclass
+class ReplayResult:
+    peak_requested: int  # the live bytes as requested (what max_memory_allocated would be without rounding)
+    peak_allocated: int  # torch.cuda.max_memory_allocated: rounded blocks
+    peak_reserved: int  # torch.cuda.max_memory_reserved
+    segments: int  # segments held at the end
+    retries: int  # times the limit made the allocator free its cache (num_alloc_retries)
+
+
+def replay(events, limit: int | None = None, max_split_size: int | None = None) -> ReplayResult:
+    """Run `events` through the allocator: ("alloc", key, nbytes, stream) or ("free", key) each; a key
+    names one allocation until it is freed. Raises OutOfMemory when the sequence does not fit `limit`."""
+    allocator = CachingAllocator(limit, max_split_size)
+    live: dict = {}
+    for event in events:
+        if event[0] == "alloc":
+            _, key, nbytes, stream = event
+            if key in live:
+                raise ValueError(f"allocation {key!r} made twice without a free")
+            live[key] = allocator.malloc(nbytes, stream)
+        elif event[0] == "free":
+            block = live.pop(event[1], None)
+            if block is None:
+                raise ValueError(f"allocation {event[1]!r} freed but never made (or freed twice)")
+            allocator.free(block)
+        else:
+            raise ValueError(f"unknown event {event[0]!r}: expected 'alloc' or 'free'")
+    return ReplayResult(allocator.peak_requested, allocator.peak_allocated, allocator.peak_reserved,
+                        allocator.segments, allocator.retries)
+
+
+def min_limit(events, max_split_size: int | None = None, step: int = ROUND_LARGE) -> int:
+    """The smallest limit (to `step` bytes) that `events` run in without OutOfMemory: between the rounded
+    allocated peak and the reserved peak without a limit (the allocator frees its cache under pressure)."""
+    events = list(events)
+    free_run = replay(events, None, max_split_size)
+    low = math.ceil(free_run.peak_allocated / step) - 1  # below the allocated peak: fails
+    high = math.ceil(free_run.peak_reserved / step)  # the limit is never reached: runs
+    while high - low > 1:
+        middle = (low + high) // 2
+        try:
+            replay(events, middle * step, max_split_size)
+            high = middle
+        except OutOfMemory:
+            low = middle
+    return high * step
+
+
+def reserved_bound(allocated_peak_bytes: int) -> int:
+    """What a plan whose predicted allocated peak is `allocated_peak_bytes` needs its limit to hold on CUDA:
+    the caching allocator's rounding, per-stream caches and fragmentation, as fitted by benchmarks/allocator.py."""
+    if allocated_peak_bytes < 0:
+        raise ValueError(f"an allocated peak of {allocated_peak_bytes} bytes: peaks are at least 0")
+    return int(math.ceil(allocated_peak_bytes * (1 + FRAGMENTATION))) + SEGMENT_SLACK

@@ -1,0 +1,98 @@
+"""The caching-allocator model (cost_models/allocator.py) on hand-made sequences, and the plan's reserved figure."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import autoplan
+from autoplan.plan.report import format_plan
+from autoplan.plan.schema import Plan
+from cost_models.allocator import (
+    CachingAllocator,
+    OutOfMemory,
+    min_limit,
+    replay,
+    reserved_bound,
+    round_size,
+    segment_size,
+)
+
+MiB = 1 << 20
+
+
+def test_requests_are_rounded_to_512_bytes_and_segments_by_pool():
+    assert [round_size(n) for n in (0, 1, 512, 513, 1000)] == [512, 512, 512, 1024, 1024]
+    assert segment_size(round_size(MiB)) == 2 * MiB  # the small pool's 2 MiB segments
+    assert segment_size(round_size(MiB + 1)) == 20 * MiB  # 1-10 MiB: carved out of 20 MiB segments
+    assert segment_size(10 * MiB) == 10 * MiB  # from 10 MiB on: its own segment, rounded to 2 MiB
+    assert segment_size(round_size(11 * MiB + 1)) == 12 * MiB
+    with pytest.raises(ValueError, match="at least 0"):
+        round_size(-1)
+
+
+def test_small_requests_share_a_2_mib_segment_and_large_ones_a_20_mib_one():
+    a = CachingAllocator()
+    a.malloc(600 * 1024)
+    a.malloc(600 * 1024 + 1)  # rounded to 600.5 KiB, from the rest of the same segment
+    assert (a.reserved, a.allocated, a.requested) == (2 * MiB, 1200 * 1024 + 512, 1200 * 1024 + 1)
+    a.malloc(5 * MiB)
+    a.malloc(5 * MiB)  # the 15 MiB left of the first 20 MiB segment is split again
+    assert a.reserved == 22 * MiB and a.segments == 2
+
+
+def test_freed_blocks_merge_and_serve_a_larger_request_of_the_same_stream_only():
+    a = CachingAllocator()
+    blocks = [a.malloc(5 * MiB) for _ in range(3)]  # 15 MiB of one 20 MiB segment
+    for block in blocks:
+        a.free(block)
+    a.malloc(18 * MiB)  # the merged 20 MiB block, best fit, split (2 MiB left)
+    assert a.reserved == 20 * MiB
+    a.malloc(MiB + 512, stream=1)  # another stream never gets the cached 2 MiB: a new segment
+    assert a.reserved == 40 * MiB
+    with pytest.raises(ValueError, match="freed twice"):
+        a.free(blocks[0])
+
+
+def test_under_a_limit_the_cache_is_freed_before_running_out():
+    events = [("alloc", "a", 12 * MiB, 0), ("free", "a"), ("alloc", "b", 14 * MiB, 0)]
+    assert replay(events).peak_reserved == 26 * MiB  # the freed 12 MiB segment stays cached
+    fitted = replay(events, limit=20 * MiB)
+    assert fitted.peak_reserved == 14 * MiB and fitted.retries == 1
+    with pytest.raises(OutOfMemory):
+        replay([("alloc", "a", 12 * MiB, 0), ("alloc", "b", 14 * MiB, 0)], limit=25 * MiB)
+    assert min_limit(events) == 14 * MiB
+
+
+def test_fragmentation_between_live_blocks_costs_a_new_segment():
+    # three 4 MiB blocks in a 20 MiB segment, the middle one freed: a 4 MiB hole and 8 MiB free at the end,
+    # and a 13 MiB request fits in neither
+    events = [("alloc", i, 4 * MiB, 0) for i in range(3)] + [("free", 1), ("alloc", "big", 13 * MiB, 0)]
+    assert min_limit(events) == 34 * MiB  # 20 MiB segment (still split: not releasable) + 14 MiB
+    with pytest.raises(ValueError, match="unknown event"):
+        replay([("realloc", 0)])
+
+
+def test_the_bound_is_at_least_the_allocated_peak():
+    assert reserved_bound(10 * 2 ** 30) >= 10 * 2 ** 30
+    with pytest.raises(ValueError):
+        reserved_bound(-1)
+
+
+@pytest.fixture(scope="module")
+def traced():
+    return autoplan.trace("gpt2-tiny", seq_len=32)
+
+
+def test_a_cuda_plan_carries_the_reserved_figure_and_a_cpu_plan_does_not(traced):
+    cuda = autoplan.search(traced, "80GB", gpus=2, profile="h100-sxm-80gb")
+    assert cuda.predicted.reserved_bytes == reserved_bound(cuda.predicted.peak_mem_bytes)
+    assert "reserved (CUDA caching allocator) about" in format_plan(cuda)
+    cpu = autoplan.search(traced, "20MB", gpus=2, profile="cpu-gloo-2")
+    assert cpu.predicted.reserved_bytes is None
+    assert "reserved_bytes" not in json.dumps(cpu.model_dump(mode="json"))
+    assert "caching allocator" not in format_plan(cpu)
+    older = cuda.model_dump(mode="json")
+    del older["predicted"]["reserved_bytes"]  # a plan written before the field loads
+    assert Plan.model_validate(older).predicted.reserved_bytes is None
