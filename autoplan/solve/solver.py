@@ -9,13 +9,15 @@ with the peaks of a few reference plans, and each solution is checked against ev
 it violates is added and the model solved again. The final plan satisfies every constraint and is
 optimal for the full model (an optimum of a relaxation that is feasible for the full model).
 
-Identical consecutive units (a model's repeated blocks) make the model highly symmetric: any
-permutation of their options gives the same step time and nearly the same memory, and CP-SAT can
-spend its whole time limit proving that. Such a run of units takes its options in a canonical order,
+Identical units (a model's repeated blocks) make the model highly symmetric: any permutation of
+their options gives the same step time and nearly the same memory, and CP-SAT can spend its whole
+time limit proving that. Such a group of units takes its options in a canonical order,
 leanest (least activation and kept-gathered memory) first: those bytes are held from a unit's forward
-to its backward, so at every time point the units before it hold theirs too, and the leaner options
-first give every prefix of the run, and so every point, the least memory (an exchange argument);
-parameters, gradients, optimizer and host state do not depend on the position.
+to its backward, so at every time point between two of them the earlier one's are held too, and a
+checkpointed unit's own backward (its recomputation) costs more with more held before it: swapping
+a leaner option to the earlier of two identical units never raises a time point (an exchange
+argument, adjacent or not); parameters, gradients, optimizer and host state do not depend on the
+position.
 """
 
 from __future__ import annotations
@@ -91,7 +93,7 @@ class AffineModel:
     step_const_ns: int
     host_coef: np.ndarray | None = None  # [literals], bytes of offloaded state per rank (None: no offload)
     host_limit_bytes: int | None = None  # per rank: the node's host memory over its GPUs
-    # runs of identical consecutive units, and per unit the rank of each option in the canonical order
+    # groups of identical units, and per unit the rank of each option in the canonical order
     runs: list[list[int]] | None = None
     order: list[list[int]] | None = None
 
@@ -125,14 +127,19 @@ class AffineModel:
 
 
 def _identical_runs(table: CostTable) -> tuple[list[list[int]], list[list[int]]]:
-    """Runs (of two or more) of consecutive units with the same options at the same costs, whose ops are
-    one segment each, and per unit each option's rank, leanest first (see the module docstring)."""
+    """Groups (of two or more, in execution order) of units with the same options at the same costs, whose
+    ops are one segment each, adjacent or not (pins may cut a model's repeated blocks apart), and per unit
+    each option's rank, leanest first (see the module docstring)."""
+    segments_of: dict[int, list] = {}
+    for seg in table.segments:
+        segments_of.setdefault(seg.unit, []).append(seg)
+
     def signature(u: int):
-        segments = [seg for seg in table.segments if seg.unit == u]
+        segments = segments_of.get(u, [])
         peaks = tuple((seg.bwd_peak, seg.bwd_peak_checkpointed, seg.bwd_peak_selective, seg.saved_bytes,
                        seg.fwd_temp_bytes, seg.outer_grad_bytes) for seg in segments)
         return (tuple(o.label for o in table.options[u]), tuple(map(repr, table.costs[u])), peaks,
-                table.units[u].parent, len(segments) == 1, u != table.root, not table.units[u].children)
+                table.units[u].parent)
 
     order = []
     for u in range(len(table.units)):
@@ -142,16 +149,12 @@ def _identical_runs(table: CostTable) -> tuple[list[list[int]], list[list[int]]]
         for position, i in enumerate(lean):
             rank[i] = position
         order.append(rank)
-    runs: list[list[int]] = []
-    previous = None
+    groups: dict[tuple, list[int]] = {}
     for u in range(len(table.units)):
-        sig = signature(u)
-        if runs and sig == previous and all(sig[4:]):
-            runs[-1].append(u)
-        else:
-            runs.append([u])
-        previous = sig
-    return [run for run in runs if len(run) > 1], order
+        unit = table.units[u]
+        if len(segments_of.get(u, [])) == 1 and u != table.root and not unit.children:
+            groups.setdefault(signature(u), []).append(u)
+    return [group for group in groups.values() if len(group) > 1], order
 
 
 def _top_points(memory: np.ndarray, count: int) -> list[int]:
@@ -170,7 +173,7 @@ class _Model:
             self.model.add_exactly_one(self.x[offsets[unit]:offsets[unit + 1]])
         for run in affine.runs or []:
             for a, b in zip(run, run[1:]):
-                # [Constraint] identical consecutive units take options in the canonical order:
+                # [Constraint] identical units take options in the canonical order, in execution order:
                 #   rank(option of a) <= rank(option of b), with rank(u) = sum_i rank_i x[u, i]
                 ranks_a, ranks_b = affine.order[a], affine.order[b]
                 self.model.add(
