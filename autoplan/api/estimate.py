@@ -163,7 +163,7 @@ def estimate(model: Any = None, strategy: str | None = None, *, settings: Estima
                               global_batch_size=table.samples_per_step, seq_len=session.seq_len, dtype=dtype,
                               optimizer=optimizer, granularity=granularity),
         units=unit_decisions(table, choices),
-        predicted=prediction(table, result),
+        predicted=prediction(table, result, cluster.profile.device_type),
     )
 
 
