@@ -13,7 +13,7 @@ torch.cuda.max_memory_reserved reports on a device with room to spare), and the 
 in without an out-of-memory error (the allocator frees its cached segments under pressure): what a plan's
 limit has to hold.
 
-    python benchmarks/allocator.py            # the grid (about 15 minutes; run it under the heavy lock)
+    python benchmarks/allocator.py            # the grid (about 2 minutes; run it under the heavy lock)
     python benchmarks/allocator.py --quick    # two small configurations
 
 Not seen here (fake tensors run no kernel): cuBLAS/cuDNN workspaces and kernel scratch the allocator serves
