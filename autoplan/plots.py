@@ -45,7 +45,7 @@ def _axes(ax, figsize: tuple[float, float]):
     return figure, figure.subplots()
 
 
-PHASES = {"fwd": "forward", "bwd": "backward", "reduce": "backward", "optimizer": "optimizer"}
+PHASES = {"pre-fwd": "forward", "fwd": "forward", "bwd": "backward", "reduce": "backward", "optimizer": "optimizer"}
 PHASE_SHADE = {"forward": "#4c72b0", "backward": "#dd8452", "optimizer": "#55a868"}
 MAX_FIGURE_WIDTH_IN = 12.0  # however deep the model: runs of like blocks share a label, not an inch each
 LABEL_CHAR_IN, LABEL_GAP_IN = 0.055, 0.12  # a tick label's width per character (7 pt) and the gap between two

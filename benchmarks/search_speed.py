@@ -46,12 +46,15 @@ CASES = [
      ["--model", "llama2-70b", "--mem", "80GB", "--nodes", "8", "--gpus-per-node", "8",
       "--granularity", "leaf", "--seq-len", "1024"]),
 ]
-# (case, the free search's args, the 10 pins)
+# (case, the free search's args, the 10 pins). At one tensor-parallel degree (`--tp 1`): the plan's solver time
+# is its degree's sweep, so free and pinned searches that pick different degrees would not compare.
 PIN_CASES = [
-    ("gpt2-1.5b, 8 GB, 8 GPUs: transformer.h.{0,5,..,45}", CASES[0][2],
+    ("gpt2-1.5b, 8 GB, 8 GPUs: transformer.h.{0,5,..,45}", CASES[0][2] + ["--tp", "1"],
      [f"transformer.h.{5 * k}=shard+ckpt" for k in range(10)]),
-    ("llama2-70b, 80 GB, 64 GPUs: layers.{0,8,..,72}", CASES[1][2], [f"layers.{8 * k}=shard+ckpt" for k in range(10)]),
-    ("llama2-70b, 80 GB, 64 GPUs: layers.{0,1,..,9}", CASES[1][2], [f"layers.{k}=shard+ckpt" for k in range(10)]),
+    ("llama2-70b, 80 GB, 64 GPUs: layers.{0,8,..,72}", CASES[1][2] + ["--tp", "1"],
+     [f"layers.{8 * k}=shard+ckpt" for k in range(10)]),
+    ("llama2-70b, 80 GB, 64 GPUs: layers.{0,1,..,9}", CASES[1][2] + ["--tp", "1"],
+     [f"layers.{k}=shard+ckpt" for k in range(10)]),
 ]
 PIN_TARGET = 1.2  # pinned / free
 DEEP_LAYERS = 2000

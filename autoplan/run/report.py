@@ -37,7 +37,7 @@ __all__ = [
 
 REPORT_SCHEMA_VERSION = 1
 PHASES = ("forward", "backward", "optimizer")
-_PHASE_OF_POINT = {"fwd": "forward", "bwd": "backward", "optimizer": "optimizer"}
+_PHASE_OF_POINT = {"pre-fwd": "forward", "fwd": "forward", "bwd": "backward", "optimizer": "optimizer"}
 
 
 class _Strict(BaseModel):
