@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 
 import torch.nn as nn
 
-from autoplan.errors import InfeasibleError, UsageError
+from autoplan.errors import AutoplanError, InfeasibleError, UsageError
 from autoplan.solve.cluster import Cluster
 from autoplan.solve.sweep import SweepOutcome, sweep
 from autoplan.solve.tables import CHECKPOINTED, CostTables
@@ -55,6 +55,7 @@ class DegreeResult:
     tables: "TpTables | CostTables | None" = None
     refused: str | None = None  # why it was not searched, or why nothing fits
     error: InfeasibleError | None = None
+    timed_out: AutoplanError | None = None  # the solver's time ran out before any verdict at every micro-batch
     wall_time_s: float = 0.0
 
     @property
@@ -163,6 +164,10 @@ def sweep_degrees(module: nn.Module, tables: CostTables, cluster: Cluster, degre
                 result.refused = f"not with the pins: {exc}"
             except InfeasibleError as exc:
                 result.refused, result.error = "nothing fits", exc
+            except AutoplanError as exc:  # the sweep's plain error: no verdict within the time limit
+                if type(exc) is not AutoplanError:
+                    raise
+                result.refused, result.timed_out = "no verdict within `time_limit_s`", exc
             result.wall_time_s = time.perf_counter() - start
     return results
 
@@ -174,6 +179,9 @@ def best_result(results: list[DegreeResult]) -> DegreeResult:
     if fitting:
         return max(fitting, key=lambda r: (round(r.throughput, 9), -r.degree, r.sequence_parallel))
     errors = [r.error for r in results if r.error is not None]
+    timed_out = [r.timed_out for r in results if r.timed_out is not None]
+    if timed_out:  # a degree with no verdict might have fitted: say so rather than "nothing fits"
+        raise timed_out[0]
     if not errors:
         raise UsageError("no tensor-parallel degree could be searched: "
                          + "; ".join(f"{r.degree}: {r.refused}" for r in results))
