@@ -184,11 +184,16 @@ def main(out_path: str) -> None:
         except Exception:  # noqa: BLE001 - recorded and asserted on by the test
             results[name] = {"error": traceback.format_exc()}
     results["refused_world_size"] = refusal(make_plan("gpt2-tiny", world_size=4))
+    finish(results, out_path)
+
+
+def finish(results: dict, out_path: str) -> None:
+    """Rank 0 writes the results (atomically); then the same teardown as autoplan's own worker: everyone
+    done, then leave without destroying gloo."""
     if dist.get_rank() == 0:
         with open(out_path + ".tmp", "w") as handle:
             json.dump(results, handle)
         os.replace(out_path + ".tmp", out_path)
-    # Same teardown as autoplan's own worker: everyone done, then leave without destroying gloo.
     dist.barrier()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -11,13 +11,12 @@ the results as JSON.
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 import traceback
 
 import torch
 import torch.distributed as dist
+from apply_parity_worker import finish
 from planmaker import make_plan
 from torch.distributed.tensor import DTensor
 
@@ -143,14 +142,7 @@ def main(out_path: str) -> None:
         results["refused_layout"] = refusal(wrong)
         hybrid = tp_plan(2, False, decisions={**UNITS, "layers.0": "replicate"})
         results["refused_kind"] = refusal(hybrid)
-    if dist.get_rank() == 0:
-        with open(out_path + ".tmp", "w") as handle:
-            json.dump(results, handle)
-        os.replace(out_path + ".tmp", out_path)
-    dist.barrier()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    finish(results, out_path)
 
 
 if __name__ == "__main__":
