@@ -68,8 +68,11 @@ def write_results(name: str, data) -> Path:
 
 
 def decisions(plan: dict) -> tuple:
-    return (plan["training"]["micro_batch_size"],
-            tuple((u["module"], u["sharding"], u["checkpoint"], u["reshard_after_forward"]) for u in plan["units"]))
+    """What makes two plans run differently: the micro-batch, the mesh and every unit's options."""
+    cluster = plan["cluster"]
+    return (plan["training"]["micro_batch_size"], cluster.get("tp_degree", 1), cluster.get("sequence_parallel", False),
+            tuple((u["module"], u["sharding"], u["checkpoint"], u.get("offload", False), u["reshard_after_forward"],
+                   u.get("tp")) for u in plan["units"]))
 
 
 def execute_many(plans: list[dict], rounds: int = ROUNDS) -> list[dict | None]:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import argparse
 from collections import defaultdict
 
-from common import execute_many, make_plan, rel_error, summarize, write_results
+from common import ROUNDS, execute_many, make_plan, rel_error, summarize, write_results
 
 from autoplan.plan.schema import Plan
 from autoplan.run.report import predicted_phase_peaks
@@ -62,7 +62,7 @@ def main() -> None:
     args = parser.parse_args()
     models, batches = (MODELS[:1], MICRO_BATCHES[:1]) if args.quick else (MODELS, MICRO_BATCHES)
     models, batches = args.model or models, args.batch_size or batches
-    grid = [] if args.large else [(model, batch_size, KINDS, None) for model in models for batch_size in batches]
+    grid = [] if args.large else [(model, batch_size, KINDS, ROUNDS) for model in models for batch_size in batches]
     if not (args.quick or args.model or args.batch_size or args.no_large):
         grid += [(model, batch_size, kinds, args.large_rounds) for model, sizes, kinds in LARGE_MODELS
                  for batch_size in sizes]
@@ -71,29 +71,28 @@ def main() -> None:
     print(f"{'model':<62} {'mb':>3} {'plan':<16} {'peak pred MB':>12} {'meas MB':>9} {'err':>7} "
           f"{'step pred ms':>12} {'meas ms':>9} {'err':>7}")
     for model, batch_size, kinds, rounds in grid:
-            limit = mixed_limit(model, batch_size)
-            plans = {kind: make_plan(model, limit if kind == "autoplan" else "100GB", batch_size, SEQ_LEN, kind)
-                     for kind in kinds}
-            launched = execute_many(list(plans.values())) if rounds is None else execute_many(list(plans.values()),
-                                                                                             rounds)
-            for (kind, plan), measured in zip(plans.items(), launched):
-                if measured is None:
-                    print(f"{model:<62} {batch_size:>3} {kind:<16} FAILED")
-                    continue
-                predicted = plan["predicted"]
-                mem_err = rel_error(predicted["peak_mem_bytes"], measured["peak_mem_bytes"])
-                time_err = rel_error(predicted["step_time_s"], measured["step_time_s"])
-                rows.append(dict(model=model, micro_batch=batch_size, kind=kind,
-                                 predicted_peak_bytes=predicted["peak_mem_bytes"],
-                                 measured_peak_bytes=measured["peak_mem_bytes"],
-                                 predicted_step_s=predicted["step_time_s"], measured_step_s=measured["step_time_s"],
-                                 mem_error=mem_err, time_error=time_err,
-                                 predicted_phases=predicted_phase_peaks(Plan.model_validate(plan)),
-                                 measured_phases=measured["phase_peak_bytes"]))
-                print(f"{model:<62} {batch_size:>3} {kind:<16} {predicted['peak_mem_bytes'] / 1e6:>12.1f} "
-                      f"{measured['peak_mem_bytes'] / 1e6:>9.1f} {100 * mem_err:>6.1f}% "
-                      f"{predicted['step_time_s'] * 1e3:>12.1f} {measured['step_time_s'] * 1e3:>9.1f} "
-                      f"{100 * time_err:>6.1f}%", flush=True)
+        limit = mixed_limit(model, batch_size)
+        plans = {kind: make_plan(model, limit if kind == "autoplan" else "100GB", batch_size, SEQ_LEN, kind)
+                 for kind in kinds}
+        launched = execute_many(list(plans.values()), rounds)
+        for (kind, plan), measured in zip(plans.items(), launched):
+            if measured is None:
+                print(f"{model:<62} {batch_size:>3} {kind:<16} FAILED")
+                continue
+            predicted = plan["predicted"]
+            mem_err = rel_error(predicted["peak_mem_bytes"], measured["peak_mem_bytes"])
+            time_err = rel_error(predicted["step_time_s"], measured["step_time_s"])
+            rows.append(dict(model=model, micro_batch=batch_size, kind=kind,
+                             predicted_peak_bytes=predicted["peak_mem_bytes"],
+                             measured_peak_bytes=measured["peak_mem_bytes"],
+                             predicted_step_s=predicted["step_time_s"], measured_step_s=measured["step_time_s"],
+                             mem_error=mem_err, time_error=time_err,
+                             predicted_phases=predicted_phase_peaks(Plan.model_validate(plan)),
+                             measured_phases=measured["phase_peak_bytes"]))
+            print(f"{model:<62} {batch_size:>3} {kind:<16} {predicted['peak_mem_bytes'] / 1e6:>12.1f} "
+                  f"{measured['peak_mem_bytes'] / 1e6:>9.1f} {100 * mem_err:>6.1f}% "
+                  f"{predicted['step_time_s'] * 1e3:>12.1f} {measured['step_time_s'] * 1e3:>9.1f} "
+                  f"{100 * time_err:>6.1f}%", flush=True)
 
     by_kind = defaultdict(list)
     for row in rows:

@@ -18,7 +18,7 @@ import argparse
 import statistics
 from collections import defaultdict
 
-from common import ROUNDS, _execute_once, make_plan, rel_error, summarize, write_results
+from common import execute_many, make_plan, rel_error, summarize, write_results
 
 MODELS = ["llama-tiny[n_layers=4,d_model=128,n_heads=4,n_kv_heads=2,ffn_hidden=352]"]
 MICRO_BATCHES = [4, 16]
@@ -35,18 +35,6 @@ PLANS = [
 ]
 
 
-def execute(plans: list[dict]) -> list[dict | None]:
-    """Every plan ROUNDS times in one launch; per plan its fastest round's step time and its highest peak."""
-    runs = _execute_once([plan for _ in range(ROUNDS) for plan in plans])
-    out = []
-    for index in range(len(plans)):
-        mine = [runs[r * len(plans) + index] for r in range(ROUNDS)]
-        out.append(None if any(m is None for m in mine) else {
-            "step_time_s": min(m["step_time_s"] for m in mine),
-            "peak_mem_bytes": max(m["peak_mem_bytes"] for m in mine)})
-    return out
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="one micro-batch")
@@ -58,7 +46,7 @@ def main() -> None:
     for model in MODELS:
         for batch_size in batches:
             plans = [make_plan(model, "100GB", batch_size, SEQ_LEN, kind, extra) for _, kind, extra in PLANS]
-            for (label, _, _), plan, measured in zip(PLANS, plans, execute(plans)):
+            for (label, _, _), plan, measured in zip(PLANS, plans, execute_many(plans)):
                 short = model.split("[")[0]
                 if measured is None:
                     print(f"{short:<24} {batch_size:>3} {label:<22} FAILED")
