@@ -27,6 +27,7 @@ from cost_models.options import (
     OPTIMIZERS,
     PRECISIONS,
     SHARDING_KINDS,
+    checkpoint_of_bool,
 )
 
 __all__ = [
@@ -119,7 +120,7 @@ class _Settings(BaseModel):
     @classmethod
     def _checkpoint_name(cls, value):
         """`checkpoint=True` (and a bare `--checkpoint`) is full checkpointing; False is none."""
-        return {True: "full", False: "none"}[value] if isinstance(value, bool) else value
+        return checkpoint_of_bool(value)
 
     @model_validator(mode="after")
     def _check(self):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cost_models.options import DEFAULT_CHECKPOINT, DEFAULT_SHARDING, SHARDING_KINDS
+from cost_models.options import DEFAULT_CHECKPOINT, DEFAULT_SHARDING, SHARDING_KINDS, checkpoint_of_bool
 
 from .algebra import NumericAlgebra
 from .memory import CATEGORIES, MemCategory, MemoryPoint, timeline, total
@@ -49,11 +49,7 @@ def evaluate(table: CostTable, choices: list[int]) -> Evaluation:
 
 def checkpoint_name(checkpoint: str | bool | None) -> str:
     """A checkpoint mode's name from the forms the API takes: a name, True (full), False/None (none)."""
-    if checkpoint is True:
-        return "full"
-    if checkpoint is False or checkpoint is None:
-        return DEFAULT_CHECKPOINT
-    return checkpoint
+    return DEFAULT_CHECKPOINT if checkpoint is None else checkpoint_of_bool(checkpoint)
 
 
 def uniform_choices(table: CostTable, sharding: str, checkpoint: str | bool = DEFAULT_CHECKPOINT,

@@ -23,7 +23,7 @@ from enum import Enum
 from typing import Any, Union
 
 __all__ = [
-    "CHECKPOINT_MODES", "CheckpointMode", "DEFAULT_CHECKPOINT", "DEFAULT_OPTIMIZER", "DEFAULT_PRECISION",
+    "CHECKPOINT_MODES", "CheckpointMode", "DEFAULT_CHECKPOINT", "checkpoint_of_bool", "DEFAULT_OPTIMIZER", "DEFAULT_PRECISION",
     "DEFAULT_SHARDING", "Dtype", "MESH_OF_GROUP", "MeshShape", "OPTIMIZERS", "OptimizerKind", "PRECISIONS",
     "Precision", "Recompute", "Row", "SAVED_BY_SELECTIVE_ATEN", "SAVED_BY_SELECTIVE_KINDS", "SHARDING_KINDS",
     "ShardGroup", "ShardingKind", "UnknownOptionError", "find", "register", "registered", "registry_of",
@@ -269,6 +269,13 @@ OPTIMIZERS: dict[str, OptimizerKind] = {
 
 DEFAULT_SHARDING = "shard"  # offered to every unit on every cluster: the fallback of uniform plans
 DEFAULT_CHECKPOINT = "none"
+
+
+def checkpoint_of_bool(value: Any) -> Any:
+    """The checkpoint mode a bool stands for, where the API (`checkpoint=True`) and plans written before
+    checkpoint modes (`"checkpoint": true`) give one: True is full checkpointing, False none; anything else
+    is returned as it is."""
+    return {True: "full", False: DEFAULT_CHECKPOINT}[value] if isinstance(value, bool) else value
 DEFAULT_PRECISION = "bf16-mixed"
 DEFAULT_OPTIMIZER = "adamw"
 

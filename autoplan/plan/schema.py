@@ -18,7 +18,14 @@ from pydantic_core import PydanticCustomError, core_schema
 from autoplan.errors import PlanFileError
 from autoplan.fileio import read_versioned_json, write_text_atomic
 from autoplan.solve.solver import SolveStatus
-from cost_models.options import CHECKPOINT_MODES, OPTIMIZERS, PRECISIONS, SHARDING_KINDS, unknown_message
+from cost_models.options import (
+    CHECKPOINT_MODES,
+    OPTIMIZERS,
+    PRECISIONS,
+    SHARDING_KINDS,
+    checkpoint_of_bool,
+    unknown_message,
+)
 
 PLAN_SCHEMA_VERSION = 1
 UNKNOWN_OPTION = "unknown_option"  # the pydantic error type of a name no registered row has
@@ -47,13 +54,8 @@ class RegisteredName:
         return name
 
 
-def _checkpoint_of_bool(value: Any) -> Any:
-    """Plans written before checkpoint modes said `checkpoint: true/false`: full checkpointing, or none."""
-    return {True: "full", False: "none"}[value] if isinstance(value, bool) else value
-
-
 Sharding = Annotated[str, RegisteredName("sharding", SHARDING_KINDS)]
-CheckpointName = Annotated[str, BeforeValidator(_checkpoint_of_bool), RegisteredName("checkpoint", CHECKPOINT_MODES)]
+CheckpointName = Annotated[str, BeforeValidator(checkpoint_of_bool), RegisteredName("checkpoint", CHECKPOINT_MODES)]
 TrainDtype = Annotated[str, RegisteredName("dtype", PRECISIONS)]
 OptimizerName = Annotated[str, RegisteredName("optimizer", OPTIMIZERS)]
 Granularity = Literal["block", "fine", "leaf"]
