@@ -139,11 +139,6 @@ def timeline(table: CostTable, alg: Algebra) -> list[MemoryPoint]:
     def starting_after(position: int) -> int:
         return n_units - bisect.bisect_right(start_ops, position)
 
-    def first_starting_after(position: int) -> int | None:
-        """Of the units starting after `position`, the first to start (the lowest index among ties)."""
-        rank = bisect.bisect_right(start_ops, position)
-        return starts[rank][1] if rank < n_units else None
-
     def last_ending_before(position: int) -> int | None:
         """Of the units ending before `position`, the last to end (the lowest index among ties)."""
         rank = bisect.bisect_left(end_ops, position)
