@@ -15,6 +15,7 @@ from autoplan.api.frontier import FrontierPoint
 from autoplan.errors import UsageError
 from autoplan.plan.estimate import peak_index
 from autoplan.plan.schema import Prediction
+from cost_models.memory import PHASE_OF_POINT
 
 # category field of MemoryBreakdown -> (legend label, colour); stacked bottom to top in this order
 CATEGORY_STYLE = {
@@ -45,7 +46,6 @@ def _axes(ax, figsize: tuple[float, float]):
     return figure, figure.subplots()
 
 
-PHASES = {"pre-fwd": "forward", "fwd": "forward", "bwd": "backward", "reduce": "backward", "optimizer": "optimizer"}
 PHASE_SHADE = {"forward": "#4c72b0", "backward": "#dd8452", "optimizer": "#55a868"}
 MAX_FIGURE_WIDTH_IN = 12.0  # however deep the model: runs of like blocks share a label, not an inch each
 LABEL_CHAR_IN, LABEL_GAP_IN = 0.055, 0.12  # a tick label's width per character (7 pt) and the gap between two
@@ -86,7 +86,7 @@ def _groups(points, decisions: dict[str, str]) -> list[_Group]:
     groups: list[_Group] = []
     for position, point in enumerate(points):
         kind, _, module = point.point.partition(" ")
-        phase, module = PHASES.get(kind, kind), module or kind
+        phase, module = PHASE_OF_POINT.get(kind, kind), module or kind
         match = re.fullmatch(r"(.*?)(\d+)", module)
         prefix, index = (match.group(1), int(match.group(2))) if match else (module, None)
         decision = decisions.get(module, "")

@@ -1,7 +1,8 @@
 """Per-rank memory at each time point of a training step, by category.
 
 Time points: the forward of each op segment in execution order, the backward of each segment in
-reverse order, and the optimizer step. At the forward of segment s (ops a..b, owned by unit u):
+reverse order, and the optimizer step (one point per unit whose parameters may hold its largest
+scratch on the CPU: see _optimizer_step_points). At the forward of segment s (ops a..b, owned by unit u):
     params + optimizer states                      (all units, sharded or not per their option)
   + gradients                                      (only with gradient accumulation > 1)
   + activations saved by segments 1..s
@@ -38,7 +39,7 @@ from .algebra import Algebra
 from .options import Recompute
 from .table import CostTable
 
-__all__ = ["MemCategory", "CATEGORIES", "MemoryPoint", "timeline", "total"]
+__all__ = ["MemCategory", "CATEGORIES", "MemoryPoint", "PHASE_OF_POINT", "phase_of", "timeline", "total"]
 
 
 class MemCategory(str, Enum):
@@ -59,6 +60,17 @@ class MemCategory(str, Enum):
 
 
 CATEGORIES = tuple(MemCategory)
+
+
+# the training phase each kind of time point (a label's first word) falls in: a unit's reduction runs in
+# its post-backward hook, inside loss.backward()
+PHASE_OF_POINT = {"pre-fwd": "forward", "fwd": "forward", "bwd": "backward", "reduce": "backward",
+                  "optimizer": "optimizer"}
+
+
+def phase_of(label: str) -> str | None:
+    """"forward", "backward" or "optimizer" for a time point's label ("reduce transformer.h.0": "backward")."""
+    return PHASE_OF_POINT.get(label.split(" ", 1)[0])
 
 
 @dataclass
@@ -255,12 +267,34 @@ def timeline(table: CostTable, alg: Algebra) -> list[MemoryPoint]:
             )))
         bwd_points.append(bwd_here)
 
-    optimizer_temp = _sum([pick(u, "optimizer_temp_bytes") for u in range(n_units)]) + table.optimizer_scratch_bytes
-    step_point = MemoryPoint("optimizer step", _parts(
-        params=params_all, grads=grads_all, optimizer=optimizer_all,
-        activations=0, gathered=0, temporaries=optimizer_temp,
-    ))
-    return fwd_points + [p for points in bwd_points[::-1] for p in points] + [step_point]
+    state = _parts(params=params_all, grads=grads_all, optimizer=optimizer_all, activations=0, gathered=0,
+                   temporaries=_sum([pick(u, "optimizer_temp_bytes") for u in range(n_units)]))
+    step_points = _optimizer_step_points(table, alg, state)
+    return fwd_points + [p for points in bwd_points[::-1] for p in points] + step_points
+
+
+MAX_SCRATCH_POINTS = 64
+
+
+def _optimizer_step_points(table: CostTable, alg: Algebra, state: dict[MemCategory, object]) -> list[MemoryPoint]:
+    """The optimizer step: every unit's state plus its scratch. A foreach step's scratch spans every
+    parameter (`optimizer_temp_bytes`, summed in `state`); a per-tensor step's (the CPU's) is that of
+    one parameter at a time, so the step's peak holds the largest of the units' `tensor_scratch_bytes`.
+    A maximum is not linear in the options; one point per unit that can hold it is: with `surely` the
+    largest scratch some unit has under every option, unit u's point holds max(its scratch, surely),
+    and the highest of these points is the plan's maximum. Units that never exceed `surely` need no
+    point; with none left, one point holds `surely`. Past MAX_SCRATCH_POINTS units (each point is a
+    solver row over every option), one point holds the largest scratch any unit can have: an upper bound."""
+    scratch = [_values(table, u, "tensor_scratch_bytes") for u in range(len(table.units))]
+    surely = max((min(values) for values in scratch), default=0)
+    holders = [u for u, values in enumerate(scratch) if max(values) > surely]
+    if not holders or len(holders) > MAX_SCRATCH_POINTS:
+        bound = max((max(scratch[u]) for u in holders), default=surely)
+        return [MemoryPoint("optimizer step", {**state, MemCategory.TEMPORARIES: state[MemCategory.TEMPORARIES] + bound})]
+    return [MemoryPoint("optimizer step" if len(holders) == 1 else f"optimizer step {table.units[u].path or '<root>'}",
+                        {**state, MemCategory.TEMPORARIES: state[MemCategory.TEMPORARIES]
+                         + alg.pick(u, [max(v, surely) for v in scratch[u]])})
+            for u in holders]
 
 
 def total(point: MemoryPoint):

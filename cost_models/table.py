@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from cost_models.activations import Segment, backward_peak, saved_by_selective
 from cost_models.choices import Option, options_for
@@ -59,6 +59,7 @@ class OptionCost:
     overhead_fwd_s: float  # FSDP2's per-unit time per micro-batch beyond ops and collectives
     overhead_bwd_s: float  # (both include the in-step cost of each collective call, see FsdpOverhead)
     optimizer_temp_bytes: int  # scratch the optimizer step allocates for this unit's parameters
+    tensor_scratch_bytes: int  # per-tensor (CPU) optimizer step: the scratch of its largest local parameter
     local_numel: int
     collectives_fwd: int = 0  # collective calls across ranks per micro-batch (groups of one excluded)
     collectives_bwd: int = 0
@@ -80,7 +81,6 @@ class CostTable:
     root: int  # index of the root unit
     overlap_compute: float
     overlap_comm: float
-    optimizer_scratch_bytes: int = 0  # plan-independent optimizer temporaries (per-tensor steps)
     overlap_enabled: bool = True  # False: a unit's collectives and compute add up (CPU + gloo)
     host_limit_bytes: int | None = None  # host memory per rank for offloaded state (node's / GPUs per node)
 
@@ -118,18 +118,18 @@ def _optimizer_temp_bytes(unit: Unit, shard: int, precision: Precision, optimize
     return 0
 
 
-def per_tensor_optimizer_scratch_bytes(units: list[Unit], precision: Precision, optimizer: str,
+def per_tensor_optimizer_scratch_bytes(unit: Unit, shard: int, precision: Precision, optimizer: OptimizerKind,
                                        device_type: str) -> int:
-    """On the CPU, AdamW steps one tensor at a time (torch's single-tensor path): only the largest
-    parameter's temporaries (its full, unsharded size: an upper bound whatever the plan) are alive at
-    once. That path allocates one more than foreach: `(exp_avg_sq.sqrt() / bias_correction2_sqrt)`
-    holds the square root and the quotient together, where foreach divides in place (measured with
-    autoplan.memtrack on torch 2.13: 2.0 and 1.0 tensors of scratch; gpt2's 50257 x 768 embedding made
-    its optimizer step 154 MB, one fp32 copy of it, above a prediction that counted one)."""
-    temporaries = OPTIMIZERS[optimizer].step_temporaries
-    if device_type == "cuda" or not temporaries:
+    """On the CPU, AdamW steps one tensor at a time (torch's single-tensor path): only one parameter's
+    temporaries are alive at once, so the step's scratch is that of the largest local parameter shard
+    of the whole plan (memory.timeline takes the maximum over units). That path allocates one more than
+    foreach: `(exp_avg_sq.sqrt() / bias_correction2_sqrt)` holds the square root and the quotient
+    together, where foreach divides in place (measured with autoplan.memtrack on torch 2.13: 2.0 and 1.0
+    tensors of scratch). gpt2 124M's tied 50257 x 768 embedding, sharded over 2 ranks: 2 x 77.2 MB."""
+    temporaries = optimizer.step_temporaries
+    if device_type == "cuda" or not temporaries or not unit.params:
         return 0
-    largest = max((p.numel for unit in units for p in unit.params), default=0)
+    largest = max(math.ceil((p.shape or (1,))[0] / shard) * math.prod((p.shape or (1,))[1:]) for p in unit.params)
     return largest * (temporaries + 1) * precision.state_bytes
 
 
@@ -153,6 +153,19 @@ def _pending_reduce_bytes(reduction_input: int, gloo_copy: int) -> int:
     that thread: measured alive well into the next unit's backward in about one step of fifty (two
     ranks on two cores). A plan must fit then too, so the copy is counted."""
     return reduction_input + gloo_copy
+
+
+def without_gloo_copy(table: CostTable) -> CostTable:
+    """`table` as a backend that reduces in place holds it (NCCL; torch's fake process group, which
+    allocates nothing): every option's reduction peak and pending reduction without gloo's copy of the
+    input, all else (the profile's optimizer scratch, times) as costed. Memory only: the times still
+    include gloo's collectives."""
+    reduce_bytes = table.precision.reduce_bytes
+    costs = [[replace(c, reduce_peak_bytes=_reduce_peak_bytes(c.reduce_buffer_bytes, c.unsharded_grad_bytes,
+                                                               c.local_numel * reduce_bytes, 0),
+                      pending_reduce_bytes=_pending_reduce_bytes(c.reduce_buffer_bytes, 0))
+              for c in unit_costs] for unit_costs in table.costs]
+    return replace(table, costs=costs)
 
 
 def build_cost_table(
@@ -280,6 +293,8 @@ def build_cost_table(
                                                                   else copy_bwd),
                 optimizer_temp_bytes=0 if off_device else _optimizer_temp_bytes(
                     unit, shard, precision, optimizer_kind, profile.device_type),
+                tensor_scratch_bytes=0 if off_device else per_tensor_optimizer_scratch_bytes(
+                    unit, shard, precision, optimizer_kind, profile.device_type),
                 local_numel=local,
                 collectives_fwd=calls_fwd,
                 collectives_bwd=calls_bwd,
@@ -330,6 +345,5 @@ def build_cost_table(
         units=units, options=all_options, costs=all_costs, segments=segments,
         micro_batch_size=micro_batch_size, grad_accum_steps=grad_accum_steps, seq_len=seq_len,
         cluster=cluster, precision=precision, root=root, overlap_compute=cs, overlap_comm=ms,
-        optimizer_scratch_bytes=per_tensor_optimizer_scratch_bytes(units, precision, optimizer, profile.device_type),
         overlap_enabled=overlap, host_limit_bytes=host_limit_bytes,
     )

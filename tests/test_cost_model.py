@@ -285,3 +285,28 @@ def test_gloo_reduce_scatter_holds_a_copy_of_its_input(tiny_gpt2_trace):
     # alive into the next unit's backward now and then, so the next backward counts it (NCCL: nothing)
     assert (points["cpu-gloo-2"]["bwd transformer.h.0"]["temporaries"]
             - points["a100-sxm4-80gb"]["bwd transformer.h.0"]["temporaries"] == cost.reduce_buffer_bytes)
+
+
+def test_per_tensor_optimizer_step_holds_the_largest_local_shards_scratch(tiny_gpt2_trace):
+    # On the CPU AdamW steps one tensor at a time, holding two temporaries of that tensor's local shard
+    # (measured with autoplan.memtrack: gpt2 124M's embedding sharded over 2 ranks, 2 x 77.2 MB). The
+    # step's scratch is the largest over the plan's parameters, as sharded by each one's unit.
+    _, traced = tiny_gpt2_trace
+    table = traced.table(2, 1, resolve_cluster(2, None, None, "cpu-gloo-2"), 64, "bf16-mixed", "adamw")
+    shard, replicate = uniform_choices(table, "shard", False), uniform_choices(table, "replicate", False)
+    mixed = [replicate[u] if unit.is_root else shard[u] for u, unit in enumerate(table.units)]
+    state = ("params", "grads", "optimizer")
+    for choices in (shard, replicate, mixed):
+        largest = max(-(-p.shape[0] // (1 if table.options[u][c].sharding == "replicate" else 2))
+                      * (p.numel // p.shape[0]) for u, c in enumerate(choices) for p in table.units[u].params)
+        step = max((p for p in evaluate(table, choices).points if p.label.startswith("optimizer step")),
+                   key=lambda p: sum(p.parts.values()))
+        assert step.parts["temporaries"] == 2 * largest * 4
+        assert sum(step.parts[k] for k in state) == sum(
+            table.costs[u][c].param_bytes + table.costs[u][c].grad_bytes + table.costs[u][c].optimizer_bytes
+            for u, c in enumerate(choices))
+    # on CUDA the step runs foreach: one state-sized temporary over every parameter, no per-tensor scratch
+    gpu = traced.table(2, 1, resolve_cluster(2, None, None, "a100-sxm4-80gb"), 64, "bf16-mixed", "adamw")
+    choices = uniform_choices(gpu, "shard", False)
+    assert _step_point(evaluate(gpu, choices)).parts["temporaries"] == sum(
+        gpu.costs[u][c].local_numel * 4 for u, c in enumerate(choices))

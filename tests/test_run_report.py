@@ -185,3 +185,20 @@ def _saved(report: RunReport, tmp_path) -> Path:
     path = tmp_path / "report.json"
     report.save(path)
     return path
+
+
+def test_predicted_phases_take_every_point_of_the_plans_timeline():
+    # a unit's reduction runs in its post-backward hook, inside loss.backward(): its "reduce" point is
+    # backward memory (the root's is often the step's peak, measured in the backward phase)
+    import autoplan
+    from autoplan.run.report import predicted_phase_peaks
+
+    plan = autoplan.estimate("gpt2-tiny[vocab_size=16384,d_model=256]", gpus=2, profile="cpu-gloo-2", seq_len=8,
+                             batch_size=1, strategy="shard")  # a large embedding, few activations
+    timeline = plan.predicted.timeline
+    by_kind = {kind: max(p.total_bytes for p in timeline if p.point.split(" ")[0] in kinds)
+               for kind, kinds in {"forward": ("pre-fwd", "fwd"), "backward": ("bwd", "reduce"),
+                                   "optimizer": ("optimizer",)}.items()}
+    assert predicted_phase_peaks(plan) == by_kind
+    reduce_peak = max(p.total_bytes for p in timeline if p.point.startswith("reduce"))
+    assert reduce_peak > max(p.total_bytes for p in timeline if p.point.startswith("bwd"))  # else not tested

@@ -28,6 +28,7 @@ from autoplan.run.failures import failure_messages
 from autoplan.run.launch import LaunchResult
 from autoplan.run.worker import RunSpec
 from autoplan.sizes import format_bytes
+from cost_models.memory import phase_of
 
 __all__ = [
     "REPORT_SCHEMA_VERSION", "PHASES", "PhasePeaks", "PredictedRun", "MeasuredRun", "RunReport", "build_report",
@@ -37,7 +38,6 @@ __all__ = [
 
 REPORT_SCHEMA_VERSION = 1
 PHASES = ("forward", "backward", "optimizer")
-_PHASE_OF_POINT = {"pre-fwd": "forward", "fwd": "forward", "bwd": "backward", "optimizer": "optimizer"}
 
 
 class _Strict(BaseModel):
@@ -155,7 +155,7 @@ def predicted_phase_peaks(plan: Plan) -> dict[str, int] | None:
     """The largest predicted timeline point of each phase ("fwd ...", "bwd ...", "optimizer step")."""
     peaks: dict[str, int] = {}
     for point in plan.predicted.timeline:
-        phase = _PHASE_OF_POINT.get(point.point.split(" ", 1)[0])
+        phase = phase_of(point.point)
         if phase is not None:
             peaks[phase] = max(peaks.get(phase, 0), point.total_bytes)
     return peaks if set(peaks) == set(PHASES) else None
