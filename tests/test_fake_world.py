@@ -1,11 +1,12 @@
 """`autoplan apply --fake-world` and `run_fake_world`: one rank of a plan's world of 8 or 64 ranks, run in this
 process on torch's fake process group, reports its measured peak memory beside the predicted one.
 
-Tolerance: a fake group has no gloo, so the cpu-gloo-2 prediction (which counts gloo's copy of a reduce-scatter
-input) can exceed the measured peak by up to that copy (12-20% on these tiny plans at micro-batch 2). The run
-therefore also costs the same decisions for NCCL (`predicted_no_gloo_bytes`), and that is checked to 3%:
-benchmarks/fake_world.py measured 25 plans at worlds 8 and 64 within 1.9% of it (median 0.2%), and a missed
-term (a gathered unit, a layer's activations) is 10% or more of these peaks.
+Tolerance: a fake group has no gloo, so the plan's cpu-gloo-2 prediction (which counts gloo's copy of a
+reduce-scatter input) can exceed the measured peak by up to that copy (15-22% on these tiny plans at micro-batch 2,
+checkpointed). The run's headline prediction is therefore the plan's decisions costed on the same profile with
+every reduction in place, and that is checked to 3% (benchmarks/fake_world.py: within 0.3% on the tiny plans at
+worlds 8 and 64); a missed term (a gathered unit, a layer's activations) is 10% or more of these peaks. The
+plan's own prediction is reported beside it and must not be below the measurement.
 """
 
 from __future__ import annotations
@@ -19,14 +20,14 @@ import autoplan
 from autoplan.cli.main import main
 from autoplan.errors import UsageError
 from autoplan.run.fake_world import run_fake_world
+from autoplan.sizes import format_bytes
 
 TOLERANCE = 0.03
 
 
 def _within(result) -> bool:
-    """Within TOLERANCE of the NCCL-costed prediction, and the plan's own prediction not below the measurement."""
-    return (abs(result.no_gloo_error) <= TOLERANCE
-            and result.predicted_peak_bytes >= result.measured_peak_bytes * (1 - TOLERANCE))
+    """Within TOLERANCE of the prediction for the fake group, and the plan's own prediction not below the measurement."""
+    return abs(result.error) <= TOLERANCE and result.plan_error >= -TOLERANCE
 
 
 def _plan(tmp_path, model: str, gpus: int, **fields):
@@ -37,20 +38,39 @@ def _plan(tmp_path, model: str, gpus: int, **fields):
     return plan, path
 
 
-def test_cli_fake_world_reports_measured_beside_predicted(tmp_path, capsys):
-    plan, path = _plan(tmp_path, "gpt2-tiny", 8, strategy="shard")
+def test_cli_fake_world_headline_is_the_prediction_for_the_fake_group(tmp_path, capsys):
+    """All-shard + checkpoint at micro-batch 2, where gloo's copy of a block's reduction input is 19% of the
+    plan's predicted peak: the headline is the same decisions without it and matches the run; the plan's own
+    prediction is the labelled 'as planned' row and the JSON's `plan_predicted_peak_bytes`."""
+    plan, path = _plan(tmp_path, "gpt2-tiny", 8, strategy="shard", checkpoint=True)
     report = tmp_path / "fake.json"
     assert main(["apply", str(path), "--fake-world", "--warmup", "1", "--steps", "1", "--report", str(report)]) == 0
     out = capsys.readouterr().out
     assert "rank 0 of a fake 8-rank world" in out
     assert "step time, compute only" in out
     assert "not exercised: gloo's copy" in out  # the CPU profile's term a fake group cannot allocate
+    assert "predicted: the plan's decisions on cpu-gloo-2, every reduction in place" in out
     record = json.loads(report.read_text())
-    assert record["world_size"] == 8 and record["predicted_peak_bytes"] == plan.predicted.peak_mem_bytes
-    assert abs(record["no_gloo_error"]) <= TOLERANCE and record["error"] >= -TOLERANCE
-    assert "without gloo's copy" in out
+    assert record["world_size"] == 8 and record["plan_predicted_peak_bytes"] == plan.predicted.peak_mem_bytes
+    assert record["predicted_peak_bytes"] < record["plan_predicted_peak_bytes"]
+    assert abs(record["error"]) <= TOLERANCE < record["plan_error"]  # the copy is not measured: it is left out
+    assert record["plan_predicted_peak_bytes"] - record["predicted_peak_bytes"] <= record["gloo_copy_bytes"]
+    headline = next(line for line in out.splitlines() if line.startswith("peak memory, rank 0"))
+    planned = next(line for line in out.splitlines() if line.startswith("  as planned (gloo's copy)"))
+    assert format_bytes(record["predicted_peak_bytes"]) in headline
+    assert format_bytes(record["plan_predicted_peak_bytes"]) in planned
     assert set(record["measured_phase_bytes"]) == {"forward", "backward", "optimizer"}
     assert not dist.is_initialized()  # the group is gone: a later test can make one again
+
+
+def test_cuda_profile_plan_is_its_own_headline(tmp_path):
+    """NCCL reduces in place: a plan costed for CUDA is compared as planned, with no second costing."""
+    plan = autoplan.search("gpt2-tiny", "10GB", gpus=8, profile="h100-sxm-80gb", seq_len=64, batch_size=2,
+                           strategy="shard")
+    result = run_fake_world(plan, steps=1, warmup=0)
+    assert result.gloo_copy_bytes == 0
+    assert result.predicted_peak_bytes == result.plan_predicted_peak_bytes == plan.predicted.peak_mem_bytes
+    assert result.prediction_basis == "the plan's own (h100-sxm-80gb)"
 
 
 def test_api_fake_world_at_64_ranks(tmp_path):
