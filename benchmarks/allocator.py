@@ -15,6 +15,7 @@ limit has to hold.
 
     python benchmarks/allocator.py            # the grid (about 2 minutes; run it under the heavy lock)
     python benchmarks/allocator.py --quick    # two small configurations
+    python benchmarks/allocator.py --fit      # search with and without --fit-allocator (FIT_CASES)
 
 Not seen here (fake tensors run no kernel): cuBLAS/cuDNN workspaces and kernel scratch the allocator serves
 (cuBLAS: a few MiB per handle and stream), and memory outside the allocator (CUDA context, NCCL's buffers).
@@ -23,24 +24,17 @@ Not seen here (fake tensors run no kernel): cuBLAS/cuDNN workspaces and kernel s
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 
-import torch
-import torch.distributed as dist
 from common import write_results
 
 import autoplan
 from autoplan.profile_store import load_profile
-from autoplan.run.apply import apply, materialise, resolve_plan_model
-from autoplan.run.data import vocab_size_of
-from autoplan.run.memtrack import LiveTensorTracker
-from autoplan.run.worker import next_token_loss
+from autoplan.run.allocator_fit import record_step
 from cost_models.allocator import min_limit, replay, reserved_bound
 
 PROFILE = "h100-sxm-80gb"
 WORLD = 8
-DEFAULT, ALL_GATHER, REDUCE_SCATTER = 0, 1, 2  # streams
 # (model, checkpoint, micro-batch, sequence, memory limit for the solver; None: all-shard uniformly). A solver's
 # plan with a node-sharded (2-D mesh) unit does not run on fake tensors yet: the mesh reads a rank map's values.
 GRID = [
@@ -53,101 +47,11 @@ GRID = [
     ("llama3-8b", "full", 2, 8192, None),
     ("llama3-8b", "none", 1, 4096, None),
 ]
+# (model, sequence, limit): the solver's plan (tensor parallelism off, micro-batch searched) with and without
+# search_fitting_allocator
+FIT_CASES = [("llama2-7b", 4096, "20GB"), ("llama2-7b", 4096, "40GB"), ("llama3-8b", 8192, "40GB"),
+             ("llama2-7b[n_layers=4]", 1024, "5.2GB")]
 QUICK = [("llama2-7b[n_layers=4]", "full", 2, 1024, None), ("llama2-7b[n_layers=4]", "none", 1, 1024, None)]
-
-
-def _stream() -> int:
-    """The stream FSDP2 would allocate on now, from the calling frames (fsdp/_fully_shard/_fsdp_collectives)."""
-    frame = sys._getframe(3)
-    while frame is not None:
-        name = frame.f_code.co_name
-        if name == "foreach_all_gather":
-            return ALL_GATHER
-        if name == "foreach_reduce":  # the reduction input is made on the default stream, the rest on its own
-            return REDUCE_SCATTER if "reduce_scatter_input" in frame.f_locals else DEFAULT
-        frame = frame.f_back
-    return DEFAULT
-
-
-class AllocationRecorder(LiveTensorTracker):
-    """The live-tensor tracker, writing each storage's allocations and frees as replay events."""
-
-    def __init__(self):
-        super().__init__()
-        self.events: list[tuple] = []
-        self._event_key: dict[int, tuple[int, int]] = {}
-        self._generation = 0
-
-    def _set_size(self, key: int, nbytes: int) -> None:
-        if self._bytes_by_storage[key]:  # a resize frees the old block and takes a new one
-            self.events.append(("free", self._event_key.pop(key)))
-        if nbytes:
-            self._generation += 1
-            self._event_key[key] = (key, self._generation)
-            self.events.append(("alloc", self._event_key[key], nbytes, _stream()))
-        super()._set_size(key, nbytes)
-
-    def _wrap_resize(self) -> None:
-        """As the tracker's, but a storage it already counts is followed on the meta device too: a fake
-        tensor's storage is a meta one, and FSDP2 frees and re-makes gathered parameters by resizing it."""
-        original = torch.UntypedStorage.resize_
-        recorder = self
-
-        def resize_(storage, size):
-            result = original(storage, size)
-            if storage._cdata in recorder._bytes_by_storage or storage.device.type != "meta":
-                recorder._track_storage(storage)
-            return result
-
-        self._original_resize = original
-        torch.UntypedStorage.resize_ = resize_
-
-    def _forget(self, key: int) -> None:
-        with self._lock:
-            if key in self._event_key:
-                self.events.append(("free", self._event_key.pop(key)))
-        super()._forget(key)
-
-
-def record_plan(plan, steps: int = 3) -> tuple[list[tuple], list[int]]:
-    """The allocation events of materialisation and `steps` training steps of rank 0 of `plan`'s world,
-    and the event index at the start of each step."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
-
-    fake_mode = FakeTensorMode()
-    with fake_mode:
-        resolved = resolve_plan_model(plan)
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=plan.cluster.world_size)
-    recorder = AllocationRecorder()
-    starts = []
-    try:
-        mesh = init_device_mesh("cpu", (plan.cluster.world_size,))
-        with fake_mode:
-            module, optimizer = apply(resolved.module, plan, mesh)
-            for group in optimizer.param_groups:  # the optimizer as it runs on CUDA
-                if "foreach" in group:
-                    group["foreach"] = True
-            with recorder:
-                materialise(module, "cpu", 0)
-                shape = (plan.training.micro_batch_size, plan.training.seq_len)
-                vocab = vocab_size_of(module)
-                ids, labels = torch.randint(0, vocab, shape), torch.randint(0, vocab, shape)
-                for _ in range(steps):
-                    starts.append(len(recorder.events))
-                    for _ in range(plan.training.grad_accum_steps):
-                        loss = next_token_loss(module(ids), labels)
-                        starts.append(-len(recorder.events))  # (negative: a phase, not a step) the backward
-                        loss.backward()
-                        del loss
-                    starts.append(-len(recorder.events))  # the optimizer step
-                    optimizer.step()
-                    optimizer.zero_grad(set_to_none=True)
-            events = list(recorder.events)  # not the frees of tearing the model down
-    finally:
-        dist.destroy_process_group()
-    return events, starts
 
 
 def plan_for(model: str, checkpoint: str | None, batch: int | None, seq_len: int, limit: str | None):
@@ -157,11 +61,51 @@ def plan_for(model: str, checkpoint: str | None, batch: int | None, seq_len: int
                            strategy="shard", checkpoint=checkpoint, allow_over_device_mem=True)
 
 
+def fit_cases(cases) -> list[dict]:
+    """Each case's plain plan and fitted plan: predicted peak, what the replay says the step needs, step time."""
+    from autoplan.errors import InfeasibleError
+    from autoplan.run.allocator_fit import replay_plan, search_fitting_allocator
+    from autoplan.settings import SearchSettings
+
+    gib, rows = 2 ** 30, []
+    for model, seq_len, limit in cases:
+        settings = SearchSettings.create(model=model, mem=limit, gpus=WORLD, profile=PROFILE, seq_len=seq_len, tp=1)
+        started = time.perf_counter()
+        plain = autoplan.search(settings=settings)
+        plain_needed = replay_plan(plain).needed_bytes
+        row = {"model": model, "seq_len": seq_len, "limit": limit, "limit_bytes": plain.cluster.mem_limit_bytes,
+               "plain_peak_bytes": plain.predicted.peak_mem_bytes, "plain_needed_bytes": plain_needed,
+               "plain_throughput": plain.predicted.throughput_samples_s, "plain_micro_batch": plain.training.micro_batch_size}
+        try:
+            fitted, replays = search_fitting_allocator(settings)
+            row.update(fitted_peak_bytes=fitted.predicted.peak_mem_bytes,
+                       fitted_needed_bytes=fitted.predicted.allocator_needed_bytes,
+                       fitted_throughput=fitted.predicted.throughput_samples_s, fitted_micro_batch=fitted.training.micro_batch_size,
+                       rounds=len(replays))
+        except InfeasibleError as error:
+            row.update(fitted_error=str(error))
+        row["seconds"] = time.perf_counter() - started
+        rows.append(row)
+        fitted_text = (f"fitted peak {row['fitted_peak_bytes'] / gib:.2f}, needs {row['fitted_needed_bytes'] / gib:.2f}, "
+                       f"throughput {row['fitted_throughput'] / row['plain_throughput']:.3f}x (mb {row['plain_micro_batch']} -> "
+                       f"{row['fitted_micro_batch']}), {row['rounds']} round(s)"
+                       if "fitted_error" not in row else f"fitted: {row['fitted_error']}")
+        print(f"{model} seq {seq_len} @ {limit}: plain peak {row['plain_peak_bytes'] / gib:.2f}, needs "
+              f"{plain_needed / gib:.2f} GiB (limit {row['limit_bytes'] / gib:.2f}); {fitted_text} "
+              f"({row['seconds']:.0f} s)", flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="two small configurations")
+    parser.add_argument("--fit", action="store_true", help="the solver's plans with and without --fit-allocator")
     args = parser.parse_args()
     assert load_profile(PROFILE).device_type == "cuda"
+    if args.fit:
+        path = write_results("allocator_fit", {"rows": fit_cases(FIT_CASES)})
+        print(f"written to {path}")
+        return
     gib = 2 ** 30
     print(f"{'plan':<34} {'mb':>2} {'seq':>5} {'predicted':>9} {'live':>7} {'alloc':>7} {'reserved':>8} "
           f"{'needed':>7} {'res/alloc':>9} {'need/alloc':>10} {'bound':>7}  (GiB)")
@@ -169,7 +113,7 @@ def main() -> None:
     for model, checkpoint, batch, seq_len, limit in QUICK if args.quick else GRID:
         started = time.perf_counter()
         plan = plan_for(model, checkpoint, batch, seq_len, limit)
-        events, starts = record_plan(plan)
+        events, starts = record_step(plan)
         free_run = replay(events)
         needed = min_limit(events)
         predicted = plan.predicted.peak_mem_bytes

@@ -25,6 +25,7 @@ EXAMPLES = """examples:
   autoplan search --model mypkg.models:build --seq-len 2048 --mem 40GiB --json
   autoplan search --model gpt2-1.5b --mem 8GB --emit-pins pins.yaml      # the plan's decisions as pins
   autoplan search --model gpt2-1.5b --mem 8GB --pins pins.yaml --pin 'lm_head=replicate'
+  autoplan search --model llama2-7b --mem 24GB --gpus 8 --profile h100-sxm-80gb --fit-allocator
 """
 
 
@@ -44,6 +45,10 @@ def register(subparsers) -> None:
                         "JSON if FILE ends in .json), units that agree grouped by ranges: edit it and search again "
                         "with --pins FILE")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON instead of the table")
+    parser.add_argument("--fit-allocator", action="store_true",
+                        help="CUDA profiles: replay the plan's step (rank 0, fake tensors) through a model of torch's "
+                             "caching allocator and, while it needs more than --mem, search again keeping the excess "
+                             "free (a few seconds to a minute per round)")
     parser.set_defaults(handler=_run, subparser=parser)
 
 
@@ -73,7 +78,13 @@ def _run(args) -> int:
     check_writable(args.out, "plan file", param="out", example="plan.json")
     if args.emit_pins:
         check_writable(args.emit_pins, "pins file", param="emit_pins", example="pins.yaml")
-    plan = _hf_relative_to(search(settings=settings), args.out)
+    if args.fit_allocator:
+        from autoplan.run.allocator_fit import search_fitting_allocator
+
+        found, _ = search_fitting_allocator(settings, say=lambda line: print(f"autoplan search: {line}", file=sys.stderr))
+    else:
+        found = search(settings=settings)
+    plan = _hf_relative_to(found, args.out)
     plan.save(args.out)
     if args.emit_pins:
         emit_pins(plan, args.emit_pins, args.out)

@@ -90,11 +90,15 @@ def format_plan(plan: Plan, cluster_is_default: bool = False) -> str:
         f"{format_bytes(b.optimizer_bytes)} | activations {format_bytes(b.activations_bytes)} | gathered params "
         f"{format_bytes(b.gathered_bytes)} | temporaries {format_bytes(b.temporaries_bytes)}",
     ]
-    if p.reserved_bytes is not None:
+    if p.reserved_bytes is not None and p.allocator_needed_bytes is None:
         over = p.reserved_bytes > c.mem_limit_bytes
         lines.append(f"reserved (CUDA caching allocator): at most about {format_bytes(p.reserved_bytes)} with its "
                      "rounding, per-stream caches and fragmentation (a bound, 1-19% above the peak in replays; the "
-                     "plan is made to the peak" + (", so keep headroom or check a first step)" if over else ")"))
+                     "plan is made to the peak" + (", so keep headroom, check a first step or search with --fit-allocator)"
+                                                        if over else ")"))
+    if p.allocator_needed_bytes is not None:
+        lines.append(f"caching allocator, replayed: the step runs in a limit of {format_bytes(p.allocator_needed_bytes)} "
+                     "(its allocations on fake tensors, kernel workspaces allowed for)")
     if p.host_mem_bytes:
         of = f" of {format_bytes(c.host_mem_bytes)}" if c.host_mem_bytes else ""
         lines.append(f"host memory (offloaded state, pinned) {format_bytes(p.host_mem_bytes)} per GPU, "

@@ -164,6 +164,9 @@ class Prediction(_Strict):
     # CUDA profiles only: the limit the step needs under torch's caching allocator (rounding, per-stream caches,
     # fragmentation; cost_models.allocator.reserved_bound); None on other devices and in older plans
     reserved_bytes: int | None = Field(default=None, exclude_if=lambda value: value is None)
+    # `search --fit-allocator` only: the smallest limit this plan's step ran in when its allocations were
+    # replayed through the caching allocator model (autoplan.run.allocator_fit); None when not replayed
+    allocator_needed_bytes: int | None = Field(default=None, exclude_if=lambda value: value is None)
 
 
 class SweepEntry(_Strict):

@@ -280,8 +280,13 @@ class _Meshes:
         return world_size // gpus_per_node, gpus_per_node
 
     def _two_d(self, replicas: int, shards: int) -> DeviceMesh:
-        ranks = self.world_mesh.mesh.view(replicas, shards)
-        return DeviceMesh(self.world_mesh.device_type, ranks, mesh_dim_names=MESH_DIM_NAMES)
+        # a mesh's ranks are real integers, also when the model is applied under a FakeTensorMode (a rank
+        # of a big world on fake tensors: autoplan.run.allocator_fit); torch would make them fake there
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        with unset_fake_temporarily():
+            ranks = self.world_mesh.mesh.view(replicas, shards)
+            return DeviceMesh(self.world_mesh.device_type, ranks, mesh_dim_names=MESH_DIM_NAMES)
 
 
 # --------------------------------------------------------------------------- #

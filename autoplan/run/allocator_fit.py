@@ -1,0 +1,237 @@
+"""Plans that fit under torch's CUDA caching allocator (`autoplan search --fit-allocator`).
+
+Why: a CUDA run fails when the caching allocator cannot find or make a block, not when live tensors
+reach the limit. What a step needs above its allocated peak (rounding, per-stream caches, segments that
+a live block keeps from being freed) is 1-19% by plan in the replays of benchmarks/allocator.py, so a
+flat factor (cost_models.allocator.reserved_bound) either wastes up to 18 points of a GPU or lets some
+plans fail. Here the plan's own step is replayed instead: rank 0 of its world runs on fake tensors and
+torch's fake process group (no GPU, no memory), every storage allocation and free is recorded in order
+with the CUDA stream FSDP2 makes it on, and cost_models.allocator finds the smallest limit the step runs
+in. If that is above the limit, the search runs again with the excess kept free (a larger headroom),
+and its plan is replayed, until one fits: the headroom each plan gets is what its own step needs.
+
+Not seen by a replay (fake tensors run no kernel): cuBLAS/cuDNN workspaces and kernel scratch, counted
+as the allocator model's SEGMENT_SLACK, and memory outside the allocator (CUDA context, NCCL buffers).
+Plans that do not run on fake tensors yet are refused with the reason: tensor-parallel plans and units
+sharded within a node and replicated across nodes (a 2-D mesh).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from autoplan.api.search import search
+from autoplan.errors import InfeasibleError, UsageError
+from autoplan.plan.schema import Plan
+from autoplan.profile_store import load_profile
+from autoplan.run.apply import apply, materialise, resolve_plan_model
+from autoplan.run.data import vocab_size_of
+from autoplan.run.memtrack import LiveTensorTracker
+from autoplan.run.worker import next_token_loss
+from autoplan.settings import MAX_HEADROOM, SearchSettings
+from autoplan.sizes import format_bytes
+from cost_models.allocator import SEGMENT_SLACK, min_limit, replay
+from cost_models.options import SHARDING_KINDS, ShardGroup
+
+__all__ = ["AllocatorReplay", "record_step", "replay_plan", "search_fitting_allocator", "STREAMS"]
+
+STREAMS = {"default": 0, "all_gather": 1, "reduce_scatter": 2}
+MAX_ROUNDS = 6
+BRACKET = 0.01  # headroom (a fraction of the limit) to which the fit is narrowed once a plan fits
+
+
+def _stream() -> int:
+    """The stream FSDP2 would allocate on now, from the calling frames (fsdp/_fully_shard/_fsdp_collectives)."""
+    frame = sys._getframe(3)
+    while frame is not None:
+        name = frame.f_code.co_name
+        if name == "foreach_all_gather":
+            return STREAMS["all_gather"]
+        if name == "foreach_reduce":  # the reduction input is made on the default stream, the rest on its own
+            return STREAMS["reduce_scatter"] if "reduce_scatter_input" in frame.f_locals else STREAMS["default"]
+        frame = frame.f_back
+    return STREAMS["default"]
+
+
+class _AllocationRecorder(LiveTensorTracker):
+    """The live-tensor tracker, writing each storage's allocations and frees as replay events."""
+
+    def __init__(self):
+        super().__init__()
+        self.events: list[tuple] = []
+        self._event_key: dict[int, tuple[int, int]] = {}
+        self._generation = 0
+
+    def _set_size(self, key: int, nbytes: int) -> None:
+        if self._bytes_by_storage[key]:  # a resize frees the old block and takes a new one
+            self.events.append(("free", self._event_key.pop(key)))
+        if nbytes:
+            self._generation += 1
+            self._event_key[key] = (key, self._generation)
+            self.events.append(("alloc", self._event_key[key], nbytes, _stream()))
+        super()._set_size(key, nbytes)
+
+    def _wrap_resize(self) -> None:
+        """As the tracker's, but a storage it already counts is followed on the meta device too: a fake
+        tensor's storage is a meta one, and FSDP2 frees and re-makes gathered parameters by resizing it."""
+        original = torch.UntypedStorage.resize_
+        recorder = self
+
+        def resize_(storage, size):
+            result = original(storage, size)
+            if storage._cdata in recorder._bytes_by_storage or storage.device.type != "meta":
+                recorder._track_storage(storage)
+            return result
+
+        self._original_resize = original
+        torch.UntypedStorage.resize_ = resize_
+
+    def _forget(self, key: int) -> None:
+        with self._lock:
+            if key in self._event_key:
+                self.events.append(("free", self._event_key.pop(key)))
+        super()._forget(key)
+
+
+def _check_replayable(plan: Plan) -> None:
+    if load_profile(plan.cluster.profile).device_type != "cuda":
+        raise UsageError(f"the plan is costed with {plan.cluster.profile!r}, not a CUDA profile: only CUDA has the "
+                         "caching allocator a replay models (pick a GPU profile with --profile, or leave out "
+                         "--fit-allocator)")
+    if plan.cluster.tp_degree > 1:
+        raise UsageError("a tensor-parallel plan does not run on fake tensors yet, so its allocations cannot be "
+                         "replayed: search with --tp 1 to fit the allocator")
+    node_sharded = [u.path or "<root>" for u in plan.units
+                    if SHARDING_KINDS[u.sharding].shard_group == ShardGroup.NODE]
+    if node_sharded and plan.cluster.nodes > 1:
+        raise UsageError(f"units sharded within a node and replicated across nodes ({', '.join(node_sharded[:3])}) "
+                         "run on a 2-D mesh, which does not run on fake tensors yet: their allocations cannot be "
+                         "replayed")
+
+
+def record_step(plan: Plan, steps: int = 3) -> tuple[list[tuple], list[int]]:
+    """The allocation events of materialisation and `steps` training steps of rank 0 of `plan`'s world, on
+    fake tensors, the optimizer stepping foreach as on CUDA; and the event index at the start of each step
+    (negative: the start of a backward or an optimizer step within it)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+
+    if dist.is_initialized():
+        raise UsageError("a process group is already initialised in this process; replaying a plan's allocations "
+                         "needs its own fake one (run it in a fresh process)")
+    fake_mode = FakeTensorMode()
+    with fake_mode:
+        resolved = resolve_plan_model(plan)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=plan.cluster.world_size)
+    recorder = _AllocationRecorder()
+    starts: list[int] = []
+    try:
+        mesh = init_device_mesh("cpu", (plan.cluster.world_size,))
+        with fake_mode:
+            module, optimizer = apply(resolved.module, plan, mesh)
+            for group in optimizer.param_groups:  # the optimizer as it runs on CUDA
+                if "foreach" in group:
+                    group["foreach"] = True
+            with recorder:
+                materialise(module, "cpu", 0)
+                shape = (plan.training.micro_batch_size, plan.training.seq_len)
+                vocab = vocab_size_of(module)
+                ids, labels = torch.randint(0, vocab, shape), torch.randint(0, vocab, shape)
+                for _ in range(steps):
+                    starts.append(len(recorder.events))
+                    for _ in range(plan.training.grad_accum_steps):
+                        loss = next_token_loss(module(ids), labels)
+                        starts.append(-len(recorder.events))
+                        loss.backward()
+                        del loss
+                    starts.append(-len(recorder.events))
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+            events = list(recorder.events)  # not the frees of tearing the model down
+    finally:
+        dist.destroy_process_group()
+    return events, starts
+
+
+@dataclass
+class AllocatorReplay:
+    """Rank 0's step under the caching allocator model. Bytes."""
+
+    allocated_bytes: int  # the peak of allocated blocks (requests rounded to 512 B)
+    reserved_bytes: int  # max_memory_reserved with no limit: every segment the allocator ever made, kept
+    needed_bytes: int  # the smallest limit the step runs in (to 2 MiB), plus SEGMENT_SLACK for kernel workspaces
+    events: int
+
+
+def replay_plan(plan: Plan) -> AllocatorReplay:
+    """Record `plan`'s step on fake tensors and replay it through the caching allocator model."""
+    _check_replayable(plan)
+    events, _ = record_step(plan)
+    free_run = replay(events)
+    return AllocatorReplay(free_run.peak_allocated, free_run.peak_reserved, min_limit(events) + SEGMENT_SLACK,
+                           len(events))
+
+
+def search_fitting_allocator(settings: SearchSettings, say: Callable[[str], None] = lambda line: None,
+                             rounds: int = MAX_ROUNDS) -> tuple[Plan, list[AllocatorReplay]]:
+    """The fastest plan whose step fits the memory limit under the caching allocator: search, replay the
+    plan's step, and while it needs more than the limit, search again with more headroom (at least the
+    settings'); once a plan fits, halve the bracket between the largest headroom that failed and the
+    smallest that fitted, to BRACKET, within `rounds` searches in all. Returns the fitting plan with the
+    least headroom (its prediction records `allocator_needed_bytes`) and every round's replay;
+    InfeasibleError when no round's plan fits."""
+    if settings.tp is not None and settings.tp > 1:
+        raise UsageError("a tensor-parallel plan does not run on fake tensors yet, so its allocations cannot be "
+                         "replayed: leave out --tp (or give --tp 1) to fit the allocator")
+    if settings.tp is None:
+        say("tensor parallelism is not searched with --fit-allocator: its plans do not run on fake tensors yet")
+        settings = SearchSettings.create(settings, tp=1)
+    headroom, replays, previous = settings.headroom, [], None
+    failed, best = None, None  # the largest headroom whose plan did not fit; (headroom, plan) of the smallest that did
+    limit = None
+    for round_ in range(1, rounds + 1):
+        plan = search(settings=SearchSettings.create(settings, headroom=headroom))
+        limit = plan.cluster.mem_limit_bytes
+        if round_ == 1:
+            _check_replayable(plan)
+        result = replay_plan(plan)
+        replays.append(result)
+        peak = plan.predicted.peak_mem_bytes
+        say(f"allocator replay {round_}: predicted peak {format_bytes(peak)}, needs a limit of "
+            f"{format_bytes(result.needed_bytes)} under the caching allocator (limit {format_bytes(limit)}, "
+            f"headroom {headroom:.1%})")
+        if result.needed_bytes <= limit:
+            prediction = plan.predicted.model_copy(update={"allocator_needed_bytes": result.needed_bytes})
+            best = (headroom, plan.model_copy(update={"predicted": prediction}))
+            if failed is None or headroom - failed <= BRACKET:
+                break
+            headroom = (failed + headroom) / 2  # it fits: is less headroom enough?
+            continue
+        failed = headroom
+        if best is not None:  # between a failing and a fitting headroom: halve the bracket
+            if best[0] - failed <= BRACKET:
+                break
+            headroom = (failed + best[0]) / 2
+            continue
+        # plan lower by the overshoot, over how much the need fell per byte of peak last round (a secant step:
+        # a leaner plan needs less, but by less than its peak fell, since part of the excess is fixed)
+        slope = 1.0
+        if previous is not None and previous[0] != peak:
+            slope = min(1.0, max(0.1, (previous[1] - result.needed_bytes) / (previous[0] - peak)))
+        previous = (peak, result.needed_bytes)
+        target = peak - (result.needed_bytes - limit) / slope
+        headroom = min(max(1 - target / limit, headroom + BRACKET), MAX_HEADROOM - BRACKET)
+        if headroom <= failed:
+            break
+    if best is not None:
+        return best[1], replays
+    raise InfeasibleError(
+        f"no plan fits {format_bytes(limit)} under the caching allocator after {len(replays)} round(s): the last "
+        f"needed {format_bytes(replays[-1].needed_bytes)}; try a larger --mem, a smaller --batch-size, or "
+        "checkpointing")

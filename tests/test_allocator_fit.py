@@ -1,0 +1,48 @@
+"""`autoplan search --fit-allocator`: plans whose step fits the limit under the caching allocator model,
+each plan's allocations replayed on fake tensors (autoplan/run/allocator_fit.py)."""
+
+import json
+
+import pytest
+
+import autoplan
+from autoplan.run.allocator_fit import replay_plan
+
+MODEL = "llama-tiny[d_model=512,n_heads=8,n_kv_heads=4,ffn_hidden=1408,vocab_size=32000]"
+ARGS = ["--model", MODEL, "--gpus", "8", "--profile", "h100-sxm-80gb", "--seq-len", "128", "--batch-size", "4"]
+
+
+def test_the_fitted_plan_runs_in_the_limit_where_the_plain_one_would_not(run_cli, tmp_path):
+    plain = autoplan.search(MODEL, "450MB", gpus=8, profile="h100-sxm-80gb", seq_len=128, batch_size=4, tp=1)
+    limit = plain.cluster.mem_limit_bytes
+    assert replay_plan(plain).needed_bytes > limit  # the plain plan's step would run out of memory on CUDA
+    result = run_cli("search", *ARGS, "--mem", "450MB", "--fit-allocator", "-o", "plan.json")
+    assert result.returncode == 0, result.stderr
+    assert "allocator replay 1:" in result.stderr and "caching allocator, replayed" in result.stdout
+    plan = autoplan.load_plan(tmp_path / "plan.json")
+    needed = plan.predicted.allocator_needed_bytes
+    assert needed is not None and needed <= limit
+    assert plan.predicted.peak_mem_bytes < plain.predicted.peak_mem_bytes
+    assert plan.cluster.mem_headroom > plain.cluster.mem_headroom  # what the step needed above its peak, kept free
+    assert replay_plan(plan).needed_bytes == needed  # the recorded figure is the replay's, reproducibly
+    assert "allocator_needed_bytes" not in json.dumps(plain.model_dump(mode="json"))  # absent unless replayed
+
+
+def test_a_plan_that_fits_as_it_is_is_kept_unchanged(run_cli, tmp_path):
+    result = run_cli("search", *ARGS, "--mem", "520MB", "--fit-allocator", "-o", "plan.json")
+    assert result.returncode == 0, result.stderr
+    assert "allocator replay 2" not in result.stderr
+    plan = autoplan.load_plan(tmp_path / "plan.json")
+    assert plan.cluster.mem_headroom == pytest.approx(0.02)  # the default headroom, no more
+    assert plan.predicted.allocator_needed_bytes <= plan.cluster.mem_limit_bytes
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--profile", "cpu-gloo-2", "--mem", "520MB", "--allow-over-device-mem"], "not a CUDA profile"),
+    (["--mem", "520MB", "--tp", "2"], "tensor-parallel"),
+])
+def test_what_cannot_be_replayed_is_refused_before_any_plan_is_written(run_cli, tmp_path, extra, message):
+    result = run_cli("search", *ARGS, *extra, "--fit-allocator", "-o", "plan.json")
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr
+    assert not (tmp_path / "plan.json").exists()
