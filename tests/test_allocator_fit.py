@@ -40,6 +40,8 @@ def test_a_plan_that_fits_as_it_is_is_kept_unchanged(run_cli, tmp_path):
 @pytest.mark.parametrize("extra, message", [
     (["--profile", "cpu-gloo-2", "--mem", "520MB", "--allow-over-device-mem"], "not a CUDA profile"),
     (["--mem", "520MB", "--tp", "2"], "tensor-parallel"),
+    (["--mem", "600MB", "--strategy", "shard", "--offload"], "units offloaded to the host"),
+    (["--mem", "600MB", "--nodes", "2", "--strategy", "hybrid"], "2-D mesh"),
 ])
 def test_what_cannot_be_replayed_is_refused_before_any_plan_is_written(run_cli, tmp_path, extra, message):
     result = run_cli("search", *ARGS, *extra, "--fit-allocator", "-o", "plan.json")

@@ -12,8 +12,9 @@ and its plan is replayed, until one fits: the headroom each plan gets is what it
 
 Not seen by a replay (fake tensors run no kernel): cuBLAS/cuDNN workspaces and kernel scratch, counted
 as the allocator model's SEGMENT_SLACK, and memory outside the allocator (CUDA context, NCCL buffers).
-Plans that do not run on fake tensors yet are refused with the reason: tensor-parallel plans and units
-sharded within a node and replicated across nodes (a 2-D mesh).
+Plans that cannot be replayed yet are refused with the reason: tensor-parallel plans, units sharded within
+a node and replicated across nodes (a 2-D mesh), and units offloaded to the host (on fake tensors the host
+and the device are one memory). A replay of llama2-70b's rank 0 (80 layers) takes about 30 s here.
 """
 
 from __future__ import annotations
@@ -106,7 +107,13 @@ def _check_replayable(plan: Plan) -> None:
     if plan.cluster.tp_degree > 1:
         raise UsageError("a tensor-parallel plan does not run on fake tensors yet, so its allocations cannot be "
                          "replayed: search with --tp 1 to fit the allocator")
-    node_sharded = [u.path or "<root>" for u in plan.units
+    offloaded = [u.module or "<root>" for u in plan.units if u.offload]
+    if offloaded:
+        raise UsageError(f"units offloaded to the host ({', '.join(offloaded[:3])}{', ...' if len(offloaded) > 3 else ''}): "
+                         "on fake tensors the host and the device are one memory, so a replay cannot tell their "
+                         "allocations apart yet; search without --fit-allocator (the report gives the reserved bound), "
+                         "or with more memory or GPUs so that nothing is offloaded")
+    node_sharded = [u.module or "<root>" for u in plan.units
                     if SHARDING_KINDS[u.sharding].shard_group == ShardGroup.NODE]
     if node_sharded and plan.cluster.nodes > 1:
         raise UsageError(f"units sharded within a node and replicated across nodes ({', '.join(node_sharded[:3])}) "
@@ -189,8 +196,9 @@ def search_fitting_allocator(settings: SearchSettings, say: Callable[[str], None
     if settings.tp is not None and settings.tp > 1:
         raise UsageError("a tensor-parallel plan does not run on fake tensors yet, so its allocations cannot be "
                          "replayed: leave out --tp (or give --tp 1) to fit the allocator")
-    if settings.tp is None:
+    if settings.tp is None and settings.strategy is None:
         say("tensor parallelism is not searched with --fit-allocator: its plans do not run on fake tensors yet")
+    if settings.tp is None:
         settings = SearchSettings.create(settings, tp=1)
     headroom, replays, previous = settings.headroom, [], None
     failed, best = None, None  # the largest headroom whose plan did not fit; (headroom, plan) of the smallest that did
