@@ -16,6 +16,8 @@ limit has to hold.
     python benchmarks/allocator.py            # the grid (about 2 minutes; run it under the heavy lock)
     python benchmarks/allocator.py --quick    # two small configurations
     python benchmarks/allocator.py --fit      # search with and without --fit-allocator (FIT_CASES)
+    python benchmarks/allocator.py --kit DIR  # the GPU kit's plans (DIR/gpu_truth.json) replayed, beside what
+                                              # the GPU reserved running them
 
 Not seen here (fake tensors run no kernel): cuBLAS/cuDNN workspaces and kernel scratch the allocator serves
 (cuBLAS: a few MiB per handle and stream), and memory outside the allocator (CUDA context, NCCL's buffers).
@@ -24,7 +26,9 @@ Not seen here (fake tensors run no kernel): cuBLAS/cuDNN workspaces and kernel s
 from __future__ import annotations
 
 import argparse
+import json
 import time
+from pathlib import Path
 
 from common import write_results
 
@@ -96,12 +100,47 @@ def fit_cases(cases) -> list[dict]:
     return rows
 
 
+def kit_rows(folder: Path) -> list[dict]:
+    """The GPU kit's grid plans replayed here: the model's reserved and needed beside CUDA's measured figures
+    (the kit ran each as rank 0 of its world with room to spare, so its max_memory_reserved is the free run's)."""
+    from autoplan.errors import AutoplanError
+    from autoplan.plan.schema import load_plan
+    from autoplan.run.allocator_fit import replay_plan
+
+    results = json.loads((folder / "gpu_truth.json").read_text())
+    rows, mib = [], 2 ** 20
+    for row in results.get("stages", {}).get("grid", {}).get("rows", []):
+        if not row.get("cuda_max_reserved_bytes") or not row.get("plan_file"):
+            continue
+        label = f"{row['model']} s{row['seq_len']} mb{row['micro_batch']} {row['plan']}"
+        try:
+            replayed = replay_plan(load_plan(folder / row["plan_file"]))
+        except AutoplanError as exc:
+            print(f"{label}: not replayed: {exc}")
+            continue
+        out = {"plan": label, "measured_allocated_bytes": row["cuda_max_allocated_bytes"],
+               "measured_reserved_bytes": row["cuda_max_reserved_bytes"],
+               "replayed_allocated_bytes": replayed.allocated_bytes, "replayed_reserved_bytes": replayed.reserved_bytes,
+               "replayed_needed_bytes": replayed.needed_bytes}
+        rows.append(out)
+        print(f"{label}: allocated measured {out['measured_allocated_bytes'] / mib:.0f} / replayed "
+              f"{replayed.allocated_bytes / mib:.0f} MiB; reserved measured {out['measured_reserved_bytes'] / mib:.0f} / "
+              f"replayed {replayed.reserved_bytes / mib:.0f} MiB "
+              f"({replayed.reserved_bytes / out['measured_reserved_bytes'] - 1:+.1%})", flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="two small configurations")
     parser.add_argument("--fit", action="store_true", help="the solver's plans with and without --fit-allocator")
+    parser.add_argument("--kit", type=Path, metavar="DIR", help="replay the GPU kit's plans in DIR (its --out)")
     args = parser.parse_args()
     assert load_profile(PROFILE).device_type == "cuda"
+    if args.kit:
+        path = write_results("allocator_kit", {"kit": str(args.kit), "rows": kit_rows(args.kit)})
+        print(f"written to {path}")
+        return
     if args.fit:
         path = write_results("allocator_fit", {"rows": fit_cases(FIT_CASES)})
         print(f"written to {path}")

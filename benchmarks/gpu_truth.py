@@ -237,7 +237,12 @@ def stage_grid(args, profile: str, budget: Budget) -> dict:
                     row.update(status="no plan", note=str(exc).splitlines()[0])
                     continue
                 lean = lean or plan.predicted.peak_mem_bytes
-                row.update(predicted=plan.predicted.model_dump(mode="json"),
+                # the plan itself, so that its allocations can be replayed later on any machine against what
+                # this GPU reserved (python benchmarks/allocator.py --kit OUT)
+                plan_file = Path("plans") / re.sub(r"[^A-Za-z0-9_.+-]+", "_", f"{model}-s{seq_len}-mb{batch}-{kind}.json")
+                (args.out / plan_file).parent.mkdir(parents=True, exist_ok=True)
+                plan.save(args.out / plan_file)
+                row.update(predicted=plan.predicted.model_dump(mode="json"), plan_file=str(plan_file),
                            mem_limit_bytes=plan.cluster.mem_limit_bytes, decisions=_decisions(plan))
                 if gpu_mem and plan.predicted.peak_mem_bytes > FIT_FRACTION * gpu_mem:
                     row["status"] = f"skipped: predicted above {FIT_FRACTION:.0%} of the GPU's memory"

@@ -52,6 +52,10 @@ def test_quick_cpu_kit_writes_every_stage_into_one_results_file(tmp_path):
         assert abs(row["mem_error"]) < 0.25, row
         assert row["measured_compute_s"] > 0 and row["predicted_compute_s"] > 0
         assert row["cuda_max_allocated_bytes"] is None  # no CUDA here: the live-tensor peak only
+    for row in grid["rows"]:  # each plan kept beside the results, to replay its allocations later
+        if "predicted" in row:
+            plan = json.loads((out / row["plan_file"]).read_text())
+            assert plan["predicted"]["peak_mem_bytes"] == row["predicted"]["peak_mem_bytes"]
 
     [run] = results["stages"]["compute"]["rows"]
     assert run["status"] == "ok" and run["measured_step_s"] > 0 and run["measured_peak_bytes"] > 0
