@@ -46,6 +46,7 @@ from autoplan.run.apply import DEFAULT_LR, apply, materialise, resolve_plan_mode
 from autoplan.run.data import BatchShape, SyntheticTokens, vocab_size_of
 from autoplan.run.memtrack import RankMemory
 from autoplan.run.report import PHASES, predicted_phase_peaks
+from autoplan.run.tp import data_rank, training_context
 from autoplan.run.worker import RankResult, train_measured, train_untracked
 from autoplan.sizes import format_bytes
 from autoplan.solve.cluster import resolve_cluster
@@ -151,14 +152,15 @@ def run_fake_world(plan: Plan | str | os.PathLike, steps: int = 3, model: str | 
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
     training = plan.training
-    shape = BatchShape(training.micro_batch_size, training.grad_accum_steps, world, training.seq_len)
+    _, data_world = data_rank(plan, 0, world)  # rank 0's tensor-parallel group shares its rows, as in apply
+    shape = BatchShape(training.micro_batch_size, training.grad_accum_steps, data_world, training.seq_len)
     torch_device = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
     result = RankResult(rank=0, pid=os.getpid())
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     try:
         memory = RankMemory(torch_device, mem_limit_bytes)
         result.mem_source = memory.source + f", rank 0 of a fake {world}-rank world"
-        with memory:
+        with memory, training_context(plan):  # a vocabulary-parallel head's loss, as in apply
             mesh = init_device_mesh(torch_device.type, (world,))
             module, optimizer = apply(resolved.module, plan, mesh, lr=lr)
             materialise(module, torch_device, seed)
@@ -170,7 +172,8 @@ def run_fake_world(plan: Plan | str | os.PathLike, steps: int = 3, model: str | 
                     log(f"{label}: {step_s:.3f} s (compute only)")
 
             train_measured(module, optimizer, data, 0, shape, memory, result, warmup, steps, step_done)
-        train_untracked(module, optimizer, data, 0, shape, memory, result, warmup, steps, step_done)
+        with training_context(plan):
+            train_untracked(module, optimizer, data, 0, shape, memory, result, warmup, steps, step_done)
         cuda_allocated = torch.cuda.max_memory_allocated(torch_device) if device == "cuda" else None
         cuda_reserved = torch.cuda.max_memory_reserved(torch_device) if device == "cuda" else None
     finally:
