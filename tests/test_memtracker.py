@@ -18,7 +18,7 @@ from autoplan.run.torch_tracker import track_plan
 TOLERANCE = 0.02
 
 
-def _plan(model: str, checkpoint: bool, gpus: int = 8):
+def _plan(model: str, checkpoint: bool | str, gpus: int = 8):
     return autoplan.search(model, "10GB", gpus=gpus, profile="h100-sxm-80gb", seq_len=64, batch_size=4,
                            strategy="shard", checkpoint=checkpoint, allow_over_device_mem=True)
 
@@ -47,3 +47,14 @@ def test_a_loop_that_keeps_the_logits_holds_one_logits_tensor_more():
 def test_a_one_rank_plan_is_refused():
     with pytest.raises(UsageError, match="world of 1"):
         track_plan(_plan("gpt2-tiny", False, gpus=1))
+
+
+def test_selective_checkpointing_peak_matches_torch_fsdp_mem_tracker():
+    """Selective checkpointing (torch's op-level SAC policy) at its peak, the backward. Its forward phase is
+    not compared: the prediction counts the selectively checkpointed head's kept logits at the loss beside
+    the loss's own input, which is the same tensor (one bf16 logits tensor, 10% of this forward)."""
+    result = track_plan(_plan("llama-tiny", "selective"))
+    tracked = result.tracked_phase_bytes["backward"] - result.buffer_bytes
+    assert abs(result.predicted_phase_bytes["backward"] - tracked) <= TOLERANCE * tracked
+    assert abs(result.error) <= TOLERANCE
+    assert result.predicted_phase_bytes["forward"] >= result.tracked_phase_bytes["forward"] - result.buffer_bytes
