@@ -11,8 +11,7 @@ Groups of runs (`--groups`, all by default):
 - long: 16,384-token sequences at micro-batch 1, checkpointed, world 8: a 4-layer llama and gpt2 of width 256
   (512-token vocabulary, so a block's activations and its recompute, not the logits, make the peak),
   all-shard+checkpoint, the solver's plan (`tpN` where it is tensor-parallel) and the solver's plan without tensor
-  parallelism (`autoplan-fsdp`). A tensor-parallel plan cannot be costed again without gloo's copy here (the TP
-  search costs it), so its headline is the plan's own prediction.
+  parallelism (`autoplan-fsdp`).
 Plans are costed with the cpu-gloo-2 profile, whose own prediction counts gloo's copy of a reduce-scatter
 input, which a fake group never allocates. The headline prediction (`pred MB`, `err`) is therefore the one for
 the backend that runs: the same decisions on the same profile with every reduction in place (run_fake_world

@@ -51,6 +51,8 @@ from autoplan.run.worker import RankResult, train_measured, train_untracked
 from autoplan.sizes import format_bytes
 from autoplan.solve.cluster import resolve_cluster
 from autoplan.solve.tables import compute_dtype_of
+from autoplan.solve.tp_layout import recognise
+from autoplan.solve.tp_search import TpTables, data_parallel_cluster
 from cost_models.evaluate import evaluate
 from cost_models.options import PRECISIONS, SHARDING_KINDS, Dtype, ShardGroup
 from cost_models.table import without_gloo_copy
@@ -225,18 +227,19 @@ def _gloo_copy_bytes(plan: Plan) -> int:
 def _costed_in_place(plan: Plan, resolved) -> Prediction | None:
     """The plan's decisions costed again on the plan's own profile as a backend that reduces in place holds
     them (cost_models.table.without_gloo_copy): its prediction with gloo's copies left out and nothing else
-    changed. None where the plan cannot be costed again here: its profile is not available, or it is
-    tensor-parallel (costed by the TP search only)."""
-    if plan.cluster.tp_degree > 1:
-        return None
+    changed. A tensor-parallel plan is costed on the per-rank view its degree's search used (TpTables, the
+    data-parallel cluster). None where the plan cannot be costed again here (its profile is not available)."""
     try:
         cluster = resolve_cluster(plan.cluster.world_size, plan.cluster.nodes, plan.cluster.gpus_per_node,
                                   plan.cluster.profile, plan.cluster.host_mem_bytes)
     except AutoplanError:
         return None
-    t = plan.training
+    t, degree = plan.training, plan.cluster.tp_degree
     traced = TracedModel(resolved, seq_len=t.seq_len)
     tables = traced.cache(compute_dtype_of(t.dtype), t.granularity, tuple(unit.module for unit in plan.units))
+    if degree > 1:
+        tables = TpTables(tables, recognise(resolved.module, degree, plan.cluster.sequence_parallel))
+        cluster = data_parallel_cluster(cluster, degree)
     offload = any(unit.offload for unit in plan.units)
     table = tables.table(t.micro_batch_size, t.grad_accum_steps, cluster, t.seq_len, t.dtype, t.optimizer,
                          offload=offload or None)
@@ -261,7 +264,7 @@ def _not_exercised(plan: Plan, profile_device: str, device: str, gloo_copy: int,
                      "plan's own prediction is the 'as planned' row")
     elif gloo_copy:
         notes.append(f"gloo's copy of a reduce-scatter input (up to {format_bytes(gloo_copy)}): the plan could not "
-                     "be costed again here without it (a tensor-parallel plan, or its profile is not available), "
+                     "be costed again here without it (its profile is not available), "
                      "so the prediction shown counts it and the measured peak may fall short by up to that")
     if profile_device != device:
         notes.append(f"the profile's device: the plan was costed for {profile_device} ({plan.cluster.profile}) "
