@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from cost_models.options import SAVED_BY_SELECTIVE_KINDS, Recompute
 from cost_models.records import ModelTrace, OpRecord, Unit
 
-__all__ = ["BackwardPeak", "Segment", "activation_keep_bytes", "kept_saved_bytes", "backward_points", "backward_peak",
-           "saved_by_selective"]
+__all__ = ["BackwardPeak", "Segment", "activation_keep_bytes", "backward_keep_bytes", "kept_saved_bytes",
+           "backward_points", "backward_peak", "saved_by_selective"]
 
 
 @dataclass(frozen=True)
@@ -94,14 +94,42 @@ def activation_keep_bytes(trace: ModelTrace, units: list[Unit], recompute: Recom
     return [sum(nbytes for nbytes, _ in _kept_inputs(trace, unit, recompute, sizes).values()) for unit in units]
 
 
+def _kept_through_backward(trace: ModelTrace, unit: Unit, recompute: Recompute,
+                           sizes: dict[int, int] | None) -> dict[int, tuple[int, str | None]]:
+    """Of what the checkpointed unit keeps, what is still held once its backward has recomputed its forward.
+    Fully checkpointed: all of it (its inputs). Selectively: its inputs, and the kept matmul and attention
+    outputs the recomputation never reaches. torch's selective checkpoint holds those outputs in a cache
+    that the recomputation empties as it replays each op; a replayed output then lives only as long as an
+    op of the unit saves it (the backward simulation counts it there, as a recomputed activation). The
+    replay stops at the unit's last op that saves a tensor for backward, which saves its inputs before it
+    runs, so the outputs of that op and the ops after it stay in the cache (a Llama block: its down
+    projection's output; measured with autoplan.memtrack at 16k tokens, where q/k/v/o were freed)."""
+    kept = _kept_inputs(trace, unit, recompute, sizes)
+    if recompute is not Recompute.CHEAP:
+        return kept
+    owned = set(unit.ops)
+    savers = {name for _, name in trace.saved_storages.values() if name in owned}
+    order = {name: position for position, name in enumerate(unit.ops)}
+    last_saver = max((order[name] for name in savers), default=-1)
+    return {storage: entry for storage, entry in kept.items()
+            if trace.storage_producer.get(storage) not in owned or order[trace.storage_producer[storage]] >= last_saver}
+
+
+def backward_keep_bytes(trace: ModelTrace, units: list[Unit], recompute: Recompute = Recompute.ALL) -> list[int]:
+    """Per unit, the kept bytes (activation_keep_bytes) still held after its backward's recomputation."""
+    sizes = _storage_bytes(trace) if recompute is Recompute.CHEAP else None
+    return [sum(nbytes for nbytes, _ in _kept_through_backward(trace, unit, recompute, sizes).values())
+            for unit in units]
+
+
 def kept_saved_bytes(trace: ModelTrace, units: list[Unit], recompute: Recompute = Recompute.ALL) -> dict[str, int]:
     """Per op, the bytes it saved first that its checkpointed unit keeps anyway (an input, e.g. a
     block's first norm saves the block's input; selectively, a matmul output the next op saves):
     counted in the unit's kept bytes, not recomputed."""
     sizes = _storage_bytes(trace) if recompute is Recompute.CHEAP else None
     kept: dict[str, int] = {}
-    for unit in units:
-        for nbytes, saver in _kept_inputs(trace, unit, recompute, sizes).values():
+    for unit in units:  # a selectively kept output the recomputation replays is saved (and counted) as recomputed
+        for nbytes, saver in _kept_through_backward(trace, unit, recompute, sizes).values():
             if saver is not None:
                 kept[saver] = kept.get(saver, 0) + nbytes
     return kept

@@ -13,8 +13,8 @@ scratch on the CPU: see _optimizer_step_points). At the forward of segment s (op
   + the largest tensor the segment allocates.
 Before the first segment of each unit with parameters, a "pre-fwd" point: its copy-out, when the
 previous unit's all-gather output, its own and its unsharded parameters are alive at once.
-At the backward of s: the activations of segments 1..s-1 (those of later segments are freed), the
-inputs a checkpointed u keeps, reduced gradients of units whose backward finished, the parameter
+At the backward of s: the activations of segments 1..s-1 (those of later segments are freed), what a
+checkpointed u keeps that its recomputation leaves held (activations.backward_keep_bytes), reduced gradients of units whose backward finished, the parameter
 gradients the units around u have computed so far (unsharded, compute dtype), and the peak of s's
 backward simulated op by op (table.backward_peak): s's saved or recomputed activations not yet
 consumed, gradients in flight and u's parameter gradients so far.
@@ -242,7 +242,7 @@ def timeline(table: CostTable, alg: Algebra) -> list[MemoryPoint]:
         # [Point] the segment's backward at its peak (table.backward_peak): its own activations and
         # gradients as simulated op by op, the checkpointed unit's kept inputs, earlier segments' activations
         peak = [_backward_peak(seg, option.recompute) for option in table.options[seg.unit]]
-        kept = [cost.activation_bytes if option.mode.checkpoints and index == first_segment_of[seg.unit] else 0
+        kept = [cost.bwd_kept_bytes if option.mode.checkpoints and index == first_segment_of[seg.unit] else 0
                 for option, cost in zip(table.options[seg.unit], table.costs[seg.unit])]
         bwd_here = [MemoryPoint(f"bwd {label}", _parts(
             params=params_all, grads=grads_done, optimizer=optimizer_all,

@@ -47,6 +47,7 @@ class OptionCost:
     gathered_bytes: int
     held_bytes: int  # gathered bytes kept from its forward to its backward (reshard_after_forward=False)
     activation_bytes: int  # saved for backward per micro-batch
+    bwd_kept_bytes: int  # checkpointed: of activation_bytes, what is still held after its backward's recomputation
     unsharded_grad_bytes: int  # gradients as backward computes them (compute dtype, all rows)
     reduce_buffer_bytes: int  # reduce-scatter / all-reduce input FSDP2 copies them into (reduce dtype)
     reduce_peak_bytes: int  # the most its post-backward holds of these (see _reduce_peak_bytes)
@@ -182,12 +183,16 @@ def build_cost_table(
     kept_saved: dict[Recompute, dict[str, int]] | dict[str, int] | None = None,
     offload: bool = False,
     host_limit_bytes: int | None = None,
+    backward_keep: dict[Recompute, list[int]] | None = None,
 ) -> CostTable:
     """`keep_bytes` (per checkpointing Recompute, per unit) and `kept_saved` (per Recompute, per op, see
     activations.kept_saved_bytes) at this micro-batch; a plain list and dict are full checkpointing's.
+    `backward_keep` (per Recompute, per unit, see activations.backward_keep_bytes): what of the kept bytes
+    is still held after the unit's backward recomputed its forward (default: all of it).
     `offload`: offer host offload (the profile must have a host link); `host_limit_bytes`: per rank."""
     if not isinstance(keep_bytes, dict):
         keep_bytes = {Recompute.ALL: keep_bytes, Recompute.CHEAP: keep_bytes}
+    backward_keep = {**keep_bytes, **(backward_keep or {})}
     if kept_saved is None or not all(isinstance(k, Recompute) for k in kept_saved):
         kept_saved = {Recompute.ALL: kept_saved or {}, Recompute.CHEAP: kept_saved or {}}
     host = profile.host_link
@@ -274,6 +279,7 @@ def build_cost_table(
                 gathered_bytes=gathered + (local * precision.master_bytes if off_device else 0),
                 held_bytes=0 if option.kind.reshard_after_forward else gathered,
                 activation_bytes=keep_bytes[recompute][index] if option.mode.checkpoints else saved,
+                bwd_kept_bytes=backward_keep[recompute][index] if option.mode.checkpoints else 0,
                 unsharded_grad_bytes=padded * precision.compute_bytes,
                 reduce_buffer_bytes=reduction_input,
                 reduce_peak_bytes=_reduce_peak_bytes(reduction_input, padded * precision.compute_bytes,

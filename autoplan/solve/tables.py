@@ -12,7 +12,7 @@ from autoplan.errors import UsageError
 from autoplan.solve.cluster import Cluster
 from autoplan.tracing.tracer import TracePair, trace_pair
 from autoplan.tracing.units import build_units
-from cost_models.activations import activation_keep_bytes, kept_saved_bytes
+from cost_models.activations import activation_keep_bytes, backward_keep_bytes, kept_saved_bytes
 from cost_models.options import PRECISIONS, Recompute
 from cost_models.records import extrapolate_ops
 from cost_models.table import CostTable, build_cost_table
@@ -60,6 +60,8 @@ class CostTables:
         # what a checkpointed unit keeps, per way of checkpointing, at micro-batch 1 and 2
         self.keep = {mode: (activation_keep_bytes(self.trace_1, self.units, mode),
                             activation_keep_bytes(self.trace_2, self.units, mode)) for mode in CHECKPOINTED}
+        self.backward_keep = {mode: (backward_keep_bytes(self.trace_1, self.units, mode),
+                                     backward_keep_bytes(self.trace_2, self.units, mode)) for mode in CHECKPOINTED}
         self.kept_saved = {mode: (kept_saved_bytes(self.trace_1, self.units, mode),
                                   kept_saved_bytes(self.trace_2, self.units, mode)) for mode in CHECKPOINTED}
 
@@ -71,10 +73,12 @@ class CostTables:
         ops = extrapolate_ops(self.trace_1.ops, self.trace_2.ops, micro_batch_size)
         keep = {mode: [a + (b - a) * (micro_batch_size - 1) for a, b in zip(*self.keep[mode])]
                 for mode in CHECKPOINTED}
+        backward_keep = {mode: [a + (b - a) * (micro_batch_size - 1) for a, b in zip(*self.backward_keep[mode])]
+                         for mode in CHECKPOINTED}
         kept_saved = {mode: {name: a + (at_2.get(name, 0) - a) * (micro_batch_size - 1) for name, a in at_1.items()}
                       for mode, (at_1, at_2) in self.kept_saved.items()}
         return build_cost_table(self.units, ops, keep, cluster.profile, cluster.shape, micro_batch_size,
                                 grad_accum_steps, seq_len, dtype, optimizer, kept_saved,
-                                offload=offload,
+                                offload=offload, backward_keep=backward_keep,
                                 host_limit_bytes=cluster.host_mem_bytes // cluster.shape.gpus_per_node
                                 if offload else None)

@@ -106,12 +106,19 @@ class TpTables:
         kept = [tp_keep_bytes(full, cheap, tag, layout, regions, activation) for full, cheap, tag, regions
                 in zip(at[Recompute.ALL], at[Recompute.CHEAP], self.unit_layouts, self.regions)]
         keep = {Recompute.ALL: [k[0] for k in kept], Recompute.CHEAP: [k[1] for k in kept]}
+        # held after the recomputation: the selective cache's outputs it replays go (a collective's output
+        # after the last saving op, the MLP's, stays; the attention's is counted too: an upper bound)
+        cheap_bwd = [a + (b - a) * m for a, b in zip(*base.backward_keep[Recompute.CHEAP])]
+        backward_keep = {Recompute.ALL: keep[Recompute.ALL],
+                         Recompute.CHEAP: [tp_keep_bytes(full, cheap, tag, layout, regions, activation)[1]
+                                           for full, cheap, tag, regions in zip(at[Recompute.ALL], cheap_bwd,
+                                                                               self.unit_layouts, self.regions)]}
         share = {old.name: new.saved_bytes / old.saved_bytes for old, new in zip(raw, ops) if old.saved_bytes}
         kept_saved = {mode: {name: int((a + (at_2.get(name, 0) - a) * m) * share.get(name, 1.0))
                              for name, a in at_1.items()}
                       for mode, (at_1, at_2) in base.kept_saved.items()}
         table = build_cost_table(self.units, ops, keep, cluster.profile, cluster.shape, micro_batch_size,
-                                 grad_accum_steps, seq_len, dtype, optimizer, kept_saved)
+                                 grad_accum_steps, seq_len, dtype, optimizer, kept_saved, backward_keep=backward_keep)
         table = _data_parallel_kinds(table)
         times = tp_collectives(self.units, layout, micro_batch_size, seq_len, table.precision.compute_bytes,
                                cluster.profile)
