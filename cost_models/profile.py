@@ -77,6 +77,12 @@ class OpFit(_Strict):
     dtype: str | None = None
     intercept_s: float = Field(ge=0)
     s_per_unit: float = Field(ge=0)
+    min_alloc_bytes: int = Field(default=0, ge=0)
+    """0: the family's fit over all its points. Above 0: a second fit, made on (and used for) the ops whose
+    largest allocation in that direction (compute.largest_alloc_bytes) is at least this. On the CPU that is the
+    allocator's mmap threshold (`first_touch_min_bytes`): such tensors are mapped fresh at every
+    allocation and their first write pays page faults, so a 32k-vocabulary loss runs at a third of the
+    per-byte rate of the small ones that dominate the family's fit."""
 
 
 class Overlap(_Strict):

@@ -48,3 +48,16 @@ def test_profiler_measures_first_touch_and_a_per_rank_optimizer_rate():
     assert device.first_touch_s_per_byte(cpu, FEW) > 0  # a fresh mapping always costs page faults
     # per rank, with two ranks' optimizers stepping at once: at least 100 MB/s of state on any CPU
     assert device.adamw_bytes_s(cpu, FEW, 2) > 1e8
+
+
+def test_gloo_gathers_a_large_unit_into_a_buffer_of_its_own():
+    """Above the mmap threshold gloo's flat all-gather output is one more fresh buffer; below it the
+    collective's fit holds it (the heap reuses it), and without a shard group there is no all-gather."""
+    gathered = EMBEDDING.params[0].shape[0] * 768 * BF16.compute_bytes  # 2 x 25,129 rows of 768 (padded)
+    assert gathered + 768 * BF16.compute_bytes >= CPU.first_touch_min_bytes
+    one_buffer = buffer_s(25129 * 2 * 768 * BF16.compute_bytes, CPU)
+    copy_in = buffer_s(25129 * 768 * BF16.compute_bytes, CPU)
+    # copy-in, FSDP2's all-gather output, gloo's, the copy-out into the unsharded parameter
+    assert abs(gather_copy_s(EMBEDDING, 2, BF16, CPU) - (copy_in + 3 * one_buffer)) < 1e-12
+    small = gather_copy_s(SMALL, 2, BF16, CPU)
+    assert abs(small - (buffer_s(48 * 96 * 2, CPU) + 2 * buffer_s(96 * 96 * 2, CPU))) < 1e-12

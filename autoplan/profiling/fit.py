@@ -119,6 +119,7 @@ class OpPoint:
     flops: int
     bytes: int
     seconds: float
+    max_alloc_bytes: int = 0  # the op's largest allocation in this direction (compute.largest_alloc_bytes)
 
     def work(self, unit: str) -> int:
         return self.flops if unit == "flops" else self.bytes
@@ -135,12 +136,15 @@ class FitReport:
     heldout_max_rel_err: float | None
 
 
+GENERIC_FAMILIES = ("matmul", "memory")
 MIN_POINTS_PER_KIND = 2  # a single point fixes a ratio, not an intercept and a slope
 
 
-def fit_op_families(points: list[OpPoint]) -> list[FitReport]:
+def fit_op_families(points: list[OpPoint], fresh_alloc_bytes: int | None = None) -> list[FitReport]:
     """One fit per (op kind, direction, dtype) with enough points, and per (generic family, direction,
-    dtype) over all points of that family. Work is FLOPs for matmul-like kinds, bytes otherwise."""
+    dtype) over all points of that family. Work is FLOPs for matmul-like kinds, bytes otherwise.
+    `fresh_alloc_bytes` (the CPU's mmap threshold; None on a GPU): each op kind also gets a fit over its
+    points whose largest allocation is at least that, OpFit.min_alloc_bytes (their rate differs)."""
     groups: dict[tuple[str, str, str], list[OpPoint]] = defaultdict(list)
     for point in points:
         groups[(point.kind, point.direction, point.dtype)].append(point)
@@ -151,17 +155,23 @@ def fit_op_families(points: list[OpPoint]) -> list[FitReport]:
         matmul_share = sum(p.family == "matmul" for p in group) / len(group)
         unit = "flops" if matmul_share >= 0.5 else "bytes"
         usable = [p for p in group if p.work(unit) > 0 and p.seconds > 0]
-        if len({p.work(unit) for p in usable}) < MIN_POINTS_PER_KIND:
-            continue
-        work = [float(p.work(unit)) for p in usable]
-        seconds = [p.seconds for p in usable]
-        fit = fit_affine(work, seconds)
-        errors = heldout_errors(work, seconds) if len(usable) >= 3 else []
-        reports.append(FitReport(
-            OpFit(family=family, direction=direction, work=unit, dtype=dtype,
-                  intercept_s=fit.intercept, s_per_unit=fit.slope),
-            points=len(usable),
-            heldout_median_rel_err=statistics.median(errors) if errors else None,
-            heldout_max_rel_err=max(errors) if errors else None,
-        ))
+        subsets = [(0, usable)]
+        # per op kind only: a generic family's large points mix kinds whose time is not set by their bytes
+        # (a tied embedding's backward, about constant in the batch, gave "memory" a 50 ms intercept)
+        if fresh_alloc_bytes and family not in GENERIC_FAMILIES:
+            subsets.append((fresh_alloc_bytes, [p for p in usable if p.max_alloc_bytes >= fresh_alloc_bytes]))
+        for min_alloc, subset in subsets:
+            if len({p.work(unit) for p in subset}) < MIN_POINTS_PER_KIND:
+                continue
+            work = [float(p.work(unit)) for p in subset]
+            seconds = [p.seconds for p in subset]
+            fit = fit_affine(work, seconds)
+            errors = heldout_errors(work, seconds) if len(subset) >= 3 else []
+            reports.append(FitReport(
+                OpFit(family=family, direction=direction, work=unit, dtype=dtype,
+                      intercept_s=fit.intercept, s_per_unit=fit.slope, min_alloc_bytes=min_alloc),
+                points=len(subset),
+                heldout_median_rel_err=statistics.median(errors) if errors else None,
+                heldout_max_rel_err=max(errors) if errors else None,
+            ))
     return reports

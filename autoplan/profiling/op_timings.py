@@ -7,16 +7,19 @@ calibration) and would otherwise hold every step of every measurement.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from tqdm import tqdm
 
 from autoplan.profiling.cache import MeasurementCache
-from autoplan.profiling.fit import OpPoint, fit_affine
+from autoplan.profiling.fit import OpPoint, fit_affine, fit_op_families
 from autoplan.profiling.ops import OpCase, has_work, measure_case, work
 from autoplan.profiling.timing import Repeats
-from cost_models.profile import OpTiming
+from cost_models.compute import largest_alloc_bytes
+from cost_models.profile import DeviceProfile, OpTiming
 
-__all__ = ["REMEASURE_REL_ERR", "measure_ops", "remeasure_outliers", "points_and_timings"]
+__all__ = ["REMEASURE_REL_ERR", "measure_ops", "remeasure_outliers", "points_and_timings", "add_new_ops"]
 
 REMEASURE_REL_ERR = 0.3  # a fresh point this far off its kind's fit is timed again
 
@@ -86,7 +89,36 @@ def points_and_timings(cases: list[OpCase], seconds: dict[str, dict]) -> tuple[l
                 kind=record.kind, family="matmul" if record.is_matmul else "memory", dtype=record.dtype,
                 direction=direction, flops=record.fwd_flops if direction == "fwd" else record.bwd_flops,
                 bytes=record.fwd_bytes if direction == "fwd" else record.bwd_bytes, seconds=value,
+                max_alloc_bytes=largest_alloc_bytes(record, direction),
             ))
         if complete:
             timings.append(OpTiming(key=case.key, fwd_s=times["fwd_s"] or 0.0, bwd_s=times["bwd_s"] or 0.0))
     return points, timings
+
+
+def add_new_ops(profile: DeviceProfile, cases: list[OpCase], device: torch.device, repeats: Repeats,
+                fresh_alloc_bytes: int | None, select: Callable[[OpCase], bool] = lambda case: True,
+                progress: bool = True) -> tuple[DeviceProfile, list[str]]:
+    """`profile` with the selected ops of `cases` that it has no timing for measured, and the op fits it
+    lacks added (fitted over the profile's timings and the new ones; `fresh_alloc_bytes` as in
+    fit.fit_op_families), its own fits kept; and the keys measured. `cases` are the profile's workloads
+    (run._op_cases with its settings). For a change that gives ops new keys (op_variant) or adds a kind of
+    fit, without timing every op again; the rest of the profile (device numbers, collectives,
+    calibration) stays as measured."""
+    known = {timing.key: {"fwd_s": timing.fwd_s, "bwd_s": timing.bwd_s} for timing in profile.op_times}
+    seconds, added = {}, []
+    for case in tqdm(cases, desc="ops", unit="op", disable=not progress):
+        if case.key in known:
+            seconds[case.key] = known[case.key]
+        elif select(case):
+            result = measure_case(case, device, repeats)
+            seconds[case.key] = {"fwd_s": result.fwd_s, "bwd_s": result.bwd_s}
+            added.append(case.key)
+    points, timings = points_and_timings([case for case in cases if case.key in seconds], seconds)
+    new_times = {timing.key: timing for timing in timings if timing.key in added}
+    op_times = list(profile.op_times) + [new_times[key] for key in added if key in new_times]
+    has = {(fit.family, fit.direction, fit.dtype, fit.min_alloc_bytes) for fit in profile.op_fits}
+    op_fits = list(profile.op_fits) + [
+        report.fit for report in fit_op_families(points, fresh_alloc_bytes)
+        if (report.fit.family, report.fit.direction, report.fit.dtype, report.fit.min_alloc_bytes) not in has]
+    return profile.model_copy(update={"op_times": op_times, "op_fits": op_fits}), added

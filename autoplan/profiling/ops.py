@@ -21,8 +21,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from autoplan.models.zoo import build_model, get_config
 from autoplan.profiling.timing import Repeats, median_time_s
-from autoplan.tracing.counting import DTYPES, default_inputs, training_loss
-from autoplan.tracing.fx_tracer import symbolic_trace, trace_model
+from autoplan.tracing.counting import DTYPES, default_inputs, summed_grad_params, training_loss
+from autoplan.tracing.fx_tracer import param_uses, symbolic_trace, trace_model
 from cost_models.records import LOSS_NODE, OpRecord
 
 TRAINING_LOSS = training_loss  # the loss the tracer charges to the "loss" op; re-run as it is
@@ -36,6 +36,9 @@ class OpCase:
     target: object  # an nn.Module on meta (call_module), a function, or a method name
     args: tuple
     kwargs: dict
+    # tied parameters (meta) of the op whose gradient from a later use is summed with this op's in its
+    # backward (tracing.counting.summed_grad_params): timed with such a gradient pending
+    summed_params: tuple = ()
 
     @property
     def key(self) -> str:
@@ -91,6 +94,9 @@ def collect_cases(workload: Workload, dtype: str) -> list[OpCase]:
         meta_model = workload.build()
     meta_model = meta_model.to(device="meta", dtype=DTYPES[dtype])
     graph_module = symbolic_trace(meta_model)
+    by_id = {id(p): p for p in graph_module.parameters()}
+    summed = {name: tuple(by_id[i] for i in params if i in by_id)
+              for name, params in summed_grad_params(param_uses(graph_module)).items()}
     cases: list[OpCase] = []
     for batch in workload.micro_batch_sizes:
         inputs = workload.make_inputs(meta_model, batch, workload.seq_len)
@@ -107,7 +113,7 @@ def collect_cases(workload: Workload, dtype: str) -> list[OpCase]:
                 target = str(node.target)
             else:
                 target = node.target
-            cases.append(OpCase(record, target, args, kwargs))
+            cases.append(OpCase(record, target, args, kwargs, summed.get(record.name, ())))
     return cases
 
 
@@ -163,12 +169,21 @@ def _real_module(meta_module: nn.Module, device: torch.device) -> nn.Module:
 
 def materialize(case: OpCase, device: torch.device) -> tuple[Callable[[], object], list[torch.Tensor]]:
     """A zero-argument forward call on real tensors, and the leaves (inputs, parameters) it differentiates."""
+    forward, leaves, _ = _materialize(case, device)
+    return forward, leaves
+
+
+def _materialize(case: OpCase, device: torch.device):
+    """As materialize, and the real counterparts of the case's summed_params."""
     target = case.target
     int_high = target.num_embeddings if isinstance(target, nn.Embedding) else 1
+    made: dict[int, torch.Tensor] = {}  # meta tensor -> its real copy (a tensor passed twice stays one)
 
     def real(value):
         if isinstance(value, torch.Tensor):
-            return _real_tensor(value, device, int_high)
+            if id(value) not in made:
+                made[id(value)] = _real_tensor(value, device, int_high)
+            return made[id(value)]
         if isinstance(value, torch.device) and value.type == "meta":
             return device  # e.g. torch.arange(n, device=x.device), captured on meta
         return value
@@ -178,10 +193,13 @@ def materialize(case: OpCase, device: torch.device) -> tuple[Callable[[], object
     if isinstance(target, nn.Module):
         module = _real_module(target, device)
         leaves += [p for p in module.parameters() if p.requires_grad]
-        return (lambda: module(*args, **kwargs)), leaves
+        names = {id(p): name for name, p in target.named_parameters()}
+        summed = [module.get_parameter(names[id(p)]) for p in case.summed_params if id(p) in names]
+        return (lambda: module(*args, **kwargs)), leaves, summed
+    summed = [made[id(p)] for p in case.summed_params if id(p) in made]
     if isinstance(target, str):
-        return (lambda: getattr(args[0], target)(*args[1:], **kwargs)), leaves
-    return (lambda: target(*args, **kwargs)), leaves
+        return (lambda: getattr(args[0], target)(*args[1:], **kwargs)), leaves, summed
+    return (lambda: target(*args, **kwargs)), leaves, summed
 
 
 @dataclass
@@ -193,12 +211,16 @@ class OpMeasurement:
 
 
 def measure_case(case: OpCase, device: torch.device, repeats: Repeats) -> OpMeasurement:
-    forward, leaves = materialize(case, device)
+    """A tied parameter's op (case.summed_params) is timed as its backward runs in the model: the
+    gradient of the parameter's later use is pending (here through a view of the parameter, whose
+    backward passes it on without a copy), and autograd adds the op's own gradient to it."""
+    forward, leaves, summed = _materialize(case, device)
     fwd_s = median_time_s(forward, device, repeats) if has_work(case.record, "fwd") else None
     bwd_s = None
     if has_work(case.record, "bwd"):
         outputs = [t for t in tree_flatten(forward())[0] if isinstance(t, torch.Tensor) and t.grad_fn is not None]
         if outputs:
+            outputs += [param.view_as(param) for param in summed]
             grads = [torch.randn_like(t) for t in outputs]
 
             def clear_grads():

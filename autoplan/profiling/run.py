@@ -148,7 +148,7 @@ def measure_profile(settings: ProfileSettings) -> ProfileResult:
         op_seconds, fresh = measure_ops(cases, device, settings.repeats, cache, settings.progress)
         remeasured = remeasure_outliers(cases, op_seconds, fresh, device, settings.repeats, cache, settings.progress)
         points, op_times = points_and_timings(cases, op_seconds)
-        op_fits = fit_op_families(points)
+        op_fits = fit_op_families(points, device_bench.FRESH_MAP_BYTES if kind == "cpu" else None)
         device_numbers = _device_numbers(device, settings.repeats, cache, settings.nproc if kind == "cpu" else 1)
         # the host threads a rank's offloaded optimizer step gets: every GPU of this node runs a rank
         host_threads = threads or host_threads_per_rank(max(settings.nproc, torch.cuda.device_count()))
@@ -166,7 +166,7 @@ def measure_profile(settings: ProfileSettings) -> ProfileResult:
         if point.family == "matmul" and point.direction == "fwd":
             peak_flops[point.dtype] = max(peak_flops.get(point.dtype, 0.0), point.flops / point.seconds)
     memory_fwd = next((r.fit for r in op_fits if r.fit.family == "memory" and r.fit.direction == "fwd"
-                       and r.fit.dtype == settings.dtypes[0]), None)
+                       and r.fit.dtype == settings.dtypes[0] and not r.fit.min_alloc_bytes), None)
     if reference is None:
         largest_all_reduce = max((r.fit for r in collective_fits if r.fit.collective == "all_reduce"),
                                  key=lambda f: f.group_size)

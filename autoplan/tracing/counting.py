@@ -30,8 +30,8 @@ from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sd
 from cost_models.records import LOSS_NODE, OpRecord
 
 __all__ = [
-    "DTYPES", "CostMode", "saved_tensor_recorder", "fused_sdpa", "op_variant", "default_inputs", "logits_of",
-    "training_loss", "fill_forward_transients", "fill_backward_liveness", "clear_grads", "needs_copy",
+    "DTYPES", "CostMode", "saved_tensor_recorder", "fused_sdpa", "op_variant", "summed_grad_params", "default_inputs",
+    "logits_of", "training_loss", "fill_forward_transients", "fill_backward_liveness", "clear_grads", "needs_copy",
     "storage_key", "tensor_bytes", "BackwardAttribution", "to_meta",
 ]
 
@@ -252,9 +252,11 @@ def fused_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False
 _MAX_VARIANT_CHARS = 160
 
 
-def op_variant(module: nn.Module | None, args=(), kwargs=None) -> str:
+def op_variant(module: nn.Module | None, args=(), kwargs=None, summed_grads: int = 0) -> str:
     """Two ops with the same kind and input shapes can differ in work: Linear(64, 64) and Linear(64, 512)
-    both read [B, S, 64]. The module's extra_repr, or the function's non-tensor arguments, tell them apart."""
+    both read [B, S, 64]. The module's extra_repr, or the function's non-tensor arguments, tell them apart;
+    `summed_grads` (see summed_grad_params) marks an op whose backward also sums a tied parameter's
+    gradients, which the same op on an untied parameter does not."""
     if module is not None:
         detail = module.extra_repr() or ",".join(
             f"{name}={'x'.join(map(str, p.shape))}" for name, p in module.named_parameters())
@@ -265,7 +267,22 @@ def op_variant(module: nn.Module | None, args=(), kwargs=None) -> str:
         detail = ",".join(constants(args) + [f"{k}={','.join(constants(v))}" for k, v in (kwargs or {}).items()])
     if len(detail) > _MAX_VARIANT_CHARS:
         detail = hashlib.sha1(detail.encode()).hexdigest()[:16]
-    return f"({detail})" if detail else ""
+    return (f"({detail})" if detail else "") + (f"[grads summed: {summed_grads}]" if summed_grads else "")
+
+
+def summed_grad_params(uses: list[tuple[str, list[int]]]) -> dict[str, set[int]]:
+    """Per op, the parameters it uses that an op later in the forward uses too (a tied weight: gpt2's
+    embedding and LM head); `uses`: (op name, ids of the parameters it uses) in forward order. The
+    backward runs them in reverse, so the later user's gradient comes first and autograd adds the
+    earlier user's to it, out of place, into a fresh buffer of the parameter's size, within the earlier
+    user's backward (CostMode charges the add to it). Timed alone (autoplan profile) an op pays that
+    only with the gradient pending: the count is part of its key (op_variant); profiling.ops times it so."""
+    later: set[int] = set()
+    summed: dict[str, set[int]] = {}
+    for name, params in reversed(uses):
+        summed[name] = set(params) & later
+        later.update(params)
+    return summed
 
 
 def default_inputs(model: nn.Module, micro_batch_size: int, seq_len: int) -> tuple[torch.Tensor, ...]:

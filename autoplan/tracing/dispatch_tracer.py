@@ -78,6 +78,13 @@ class _Recorder:
         for name, module in model.named_modules():
             self.paths.setdefault(id(module), name)
         self.leaves = {id(m) for m in model.modules() if next(m.children(), None) is None}
+        # parameter -> the modules holding it (a tied weight: several), and the leaf modules called so far:
+        # a leaf holding a parameter that a module not called yet also holds sums its gradients (op_variant)
+        self.holders: dict[int, set[int]] = {}
+        for module in model.modules():
+            for param in module.parameters(recurse=False):
+                self.holders.setdefault(id(param), set()).add(id(module))
+        self.called: set[int] = set()
         self.mode, self.records, self.dtype = mode, records, dtype
         self.module_stack: list[str] = [""]
         self.leaf_depth = 0  # > 0 while inside a leaf module: its ops belong to its record
@@ -113,7 +120,10 @@ class _Recorder:
         self.module_stack.append(self.paths[id(module)])
         if id(module) in self.leaves:
             if self.leaf_depth == 0:
-                self.leaf_records.append(self.begin(type(module).__name__, (args, kwargs), op_variant(module)))
+                self.called.add(id(module))
+                summed = sum(1 for p in module.parameters() if self.holders.get(id(p), set()) - self.called)
+                self.leaf_records.append(self.begin(type(module).__name__, (args, kwargs),
+                                                    op_variant(module, summed_grads=summed)))
             self.leaf_depth += 1
 
     def post_forward(self, module: nn.Module, args, kwargs, output):

@@ -32,13 +32,14 @@ from autoplan.tracing.counting import (
     logits_of,
     op_variant,
     saved_tensor_recorder,
+    summed_grad_params,
     tensor_bytes,
     to_meta,
     training_loss,
 )
 from cost_models.records import LOSS_NODE, ModelTrace, OpRecord
 
-__all__ = ["symbolic_trace", "trace_model"]
+__all__ = ["param_uses", "symbolic_trace", "trace_model"]
 
 def _kind(gm: fx.GraphModule, node: fx.Node) -> str:
     if node.op == "call_module":
@@ -48,10 +49,30 @@ def _kind(gm: fx.GraphModule, node: fx.Node) -> str:
     return getattr(node.target, "__name__", str(node.target))
 
 
-def _variant(gm: fx.GraphModule, node: fx.Node, args, kwargs) -> str:
+def _variant(gm: fx.GraphModule, node: fx.Node, args, kwargs, summed_grads: int = 0) -> str:
     if node.op == "call_module":
-        return op_variant(gm.get_submodule(node.target))
-    return op_variant(None, args, kwargs)
+        return op_variant(gm.get_submodule(node.target), summed_grads=summed_grads)
+    return op_variant(None, args, kwargs, summed_grads=summed_grads)
+
+
+def param_uses(gm: fx.GraphModule) -> list[tuple[str, list[int]]]:
+    """(node name, ids of the parameters it uses) for each call node, in graph order: a module's own
+    parameters, and those a function or method reads through get_attr nodes."""
+    uses = []
+    for node in gm.graph.nodes:
+        if node.op == "call_module":
+            uses.append((node.name, [id(p) for p in gm.get_submodule(node.target).parameters()]))
+        elif node.op in ("call_function", "call_method"):
+            attrs = [_attr(gm, str(n.target)) for n in node.all_input_nodes if n.op == "get_attr"]
+            uses.append((node.name, [id(p) for p in attrs if isinstance(p, nn.Parameter)]))
+    return uses
+
+
+def _attr(gm: fx.GraphModule, target: str):
+    value = gm
+    for part in target.split("."):
+        value = getattr(value, part, None)
+    return value
 
 
 def _module_path(node: fx.Node) -> str:
@@ -117,6 +138,7 @@ def trace_model(
         inputs = default_inputs(meta_model, micro_batch_size, seq_len)
 
     records: dict[str, OpRecord] = {}
+    summed = {name: len(params) for name, params in summed_grad_params(param_uses(gm)).items()}
     graph = nx.DiGraph()
     for node in gm.graph.nodes:
         if node.op in ("call_module", "call_function", "call_method"):
@@ -136,7 +158,7 @@ def trace_model(
             args, kwargs = self.fetch_args_kwargs_from_env(node)
             tensors_in = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
             records[node.name].input_shapes = tuple(tuple(t.shape) for t in tensors_in)
-            records[node.name].variant = _variant(gm, node, args, kwargs)
+            records[node.name].variant = _variant(gm, node, args, kwargs, summed.get(node.name, 0))
             input_storages[node.name] = mode.read(tensors_in)
             out = super().run_node(node)
             outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
