@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 __all__ = [
     "PROFILE_SCHEMA_VERSION", "Provenance", "Link", "CollectiveFit", "OpTiming", "OpFit", "Overlap", "FsdpOverhead",
-    "HostLink", "DeviceProfile",
+    "LossParallel", "HostLink", "DeviceProfile",
 ]
 
 PROFILE_SCHEMA_VERSION = 1
@@ -118,6 +118,22 @@ class FsdpOverhead(_Strict):
     calibration: dict | None = None
 
 
+class LossParallel(_Strict):
+    """What torch's loss_parallel (cross-entropy on vocabulary-parallel logits) costs one rank beyond the
+    fused cross-entropy on the same local logits, its collectives apart (priced on the collective fits):
+    it runs log-softmax and the target's pick as separate ops (max, subtract, exp, sum, log, a masked
+    gather) through DTensor's dispatch, each a pass over the logits, forward and backward. Linear in the
+    rank's logits (tokens x vocabulary / t), fitted by autoplan/profiling/loss_parallel.py; absent where
+    not measured (a datasheet profile: the loss then costs as the fused one on 1/t of the logits)."""
+
+    fwd_s: float = Field(ge=0)
+    """Fixed forward cost per micro-batch (DTensor's dispatch of the decomposed ops), seconds."""
+    fwd_s_per_logit: float = Field(ge=0)
+    """Forward seconds per local logit (fp32 element) beyond the fused loss."""
+    bwd_s: float = Field(ge=0)
+    bwd_s_per_logit: float = Field(ge=0)
+
+
 class HostLink(_Strict):
     """The device's link to host memory, for offloaded parameters, gradients and optimizer states
     (FSDP2's CPUOffloadPolicy): pinned copy bandwidth each way, whether those copies run alongside
@@ -167,6 +183,7 @@ class DeviceProfile(_Strict):
     first_touch_min_bytes: int = Field(default=32 << 20, ge=0)
     """The allocation size from which memory is mapped fresh each time (glibc: 32 MiB at most)."""
     fsdp: FsdpOverhead = Field(default_factory=FsdpOverhead)
+    loss_parallel: LossParallel | None = None  # None: no cost beyond the fused loss on 1/t of the logits
     host_link: HostLink | None = None  # None: offload is not costed (the search does not offer it)
     op_times: list[OpTiming] = Field(default_factory=list)
     op_fits: list[OpFit] = Field(default_factory=list)

@@ -102,14 +102,34 @@ def test_tp_collectives_by_hand(llama):
     index = [u.path for u in tables.units].index("layers.0")
     plain = tp_collectives(tables.units, recognise(llama.module, 2, False), mb, SEQ, bf16, profile)[index]
     all_reduce = comm.collective_s("all_reduce", activation, 2, "intra_node")
-    assert plain.fwd_s == pytest.approx(2 * all_reduce) and plain.bwd_s == pytest.approx(2 * all_reduce)
-    assert (plain.calls_fwd, plain.calls_bwd) == (2, 2)
+    # backward: each column-wise projection's input gradient is all-reduced alone (q, k, v; gate, up)
+    assert plain.fwd_s == pytest.approx(2 * all_reduce) and plain.bwd_s == pytest.approx(5 * all_reduce)
+    assert (plain.calls_fwd, plain.calls_bwd) == (2, 5)
     sp = tp_collectives(tables.units, recognise(llama.module, 2, True), mb, SEQ, bf16, profile)[index]
     pair = (comm.collective_s("all_gather", activation, 2, "intra_node")
             + comm.collective_s("reduce_scatter", activation, 2, "intra_node"))
     assert sp.fwd_s == pytest.approx(2 * pair) and sp.bwd_s == pytest.approx(2 * pair)
     assert (sp.calls_fwd, sp.calls_bwd) == (4, 4)
 
+
+
+def test_loss_parallel_costs_where_the_profile_measured_it(llama):
+    tables = llama.cache("bf16", "block")
+    layout = recognise(llama.module, 2, False)
+    cpu = load_profile("cpu-gloo-2")
+    assert cpu.loss_parallel is not None and load_profile("h100-sxm-80gb").loss_parallel is None
+    head = [u.path for u in tables.units].index(layout.head)
+    mb, local_vocab = 4, 500
+    plain = tp_collectives(tables.units, layout, mb, SEQ, 2, cpu)
+    priced = tp_collectives(tables.units, layout, mb, SEQ, 2, cpu, local_vocab)
+    extra, logits = cpu.loss_parallel, mb * SEQ * local_vocab
+    assert priced[head].fwd_s - plain[head].fwd_s == pytest.approx(extra.fwd_s + extra.fwd_s_per_logit * logits)
+    assert priced[head].bwd_s - plain[head].bwd_s == pytest.approx(extra.bwd_s + extra.bwd_s_per_logit * logits)
+    assert (priced[head].calls_fwd, priced[head].calls_bwd) == (plain[head].calls_fwd, plain[head].calls_bwd)
+    assert [t for i, t in enumerate(priced) if i != head] == [t for i, t in enumerate(plain) if i != head]
+    gpu = load_profile("h100-sxm-80gb")  # not measured there: nothing beyond the fused loss
+    assert tp_collectives(tables.units, layout, mb, SEQ, 2, gpu, local_vocab) == tp_collectives(
+        tables.units, layout, mb, SEQ, 2, gpu)
 
 @pytest.fixture(scope="module")
 def tp_plan(llama):

@@ -94,6 +94,9 @@ class TpTables:
         self.units = tp_units(base.units, layout)
         self.unit_layouts = unit_layouts(base.units, layout)
         self.regions = regions_per_unit(base.units, layout)
+        # the vocabulary-parallel head's rows on one rank: the width of its loss_parallel logits
+        head = f"{layout.head}.weight" if layout.head else None
+        self.local_vocab = next((p.shape[0] for u in self.units for p in u.params if p.name == head), 0)
 
     def table(self, micro_batch_size: int, grad_accum_steps: int, cluster: Cluster, seq_len: int,
               dtype: str, optimizer: str, offload: bool | None = None) -> CostTable:
@@ -121,7 +124,7 @@ class TpTables:
                                  grad_accum_steps, seq_len, dtype, optimizer, kept_saved, backward_keep=backward_keep)
         table = _data_parallel_kinds(table)
         times = tp_collectives(self.units, layout, micro_batch_size, seq_len, table.precision.compute_bytes,
-                               cluster.profile)
+                               cluster.profile, self.local_vocab)
         fsdp = cluster.profile.fsdp
         add_tp_time(table.options, table.costs, times, fsdp.collective_fwd_s, fsdp.collective_bwd_s)
         return table
