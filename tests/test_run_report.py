@@ -202,3 +202,16 @@ def test_predicted_phases_take_every_point_of_the_plans_timeline():
     assert predicted_phase_peaks(plan) == by_kind
     reduce_peak = max(p.total_bytes for p in timeline if p.point.startswith("reduce"))
     assert reduce_peak > max(p.total_bytes for p in timeline if p.point.startswith("bwd"))  # else not tested
+
+
+def test_a_tensor_parallel_groups_ranks_share_their_micro_batches(tmp_path):
+    plan_path = tmp_path / "plan.json"
+    plan = make_plan("gpt2-tiny", {"transformer.h.0": "shard"})
+    plan = plan.model_copy(update={"cluster": plan.cluster.model_copy(update={"tp_degree": 2})})
+    plan.save(plan_path)
+    spec = RunSpec(plan_path=str(plan_path), run_dir=str(tmp_path), device="cpu", steps=2, warmup_steps=1,
+                   dry_run=False)
+    report = build_report(plan, str(plan_path), spec, 2, LaunchResult(0, {0: rank_result(0), 1: rank_result(1)}, {}))
+    assert report.global_batch_size == plan.training.micro_batch_size  # 2 ranks, 1 data-parallel group
+    assert report.measured.throughput_samples_s == pytest.approx(plan.training.micro_batch_size
+                                                                 / report.measured.step_time_s)

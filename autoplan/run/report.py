@@ -108,7 +108,7 @@ class RunReport(_Strict):
     steps: int  # timed steps after the warm-up
     micro_batch_size: int  # per rank
     grad_accum_steps: int
-    global_batch_size: int  # micro_batch_size * grad_accum_steps * world_size
+    global_batch_size: int  # micro_batch_size * grad_accum_steps * data-parallel ranks (world_size / tp degree)
     seq_len: int
     dtype: str  # the plan's training precision
     optimizer: str
@@ -179,7 +179,8 @@ def build_report(plan: Plan, plan_path: str, spec: RunSpec, nproc: int, launched
     plan's model name), `model_note` says why that differs from the plan's."""
     training = plan.training
     ranks = launched.ranks
-    global_batch = training.micro_batch_size * training.grad_accum_steps * nproc
+    # the ranks of a tensor-parallel group share their micro-batches: the data-parallel ranks make the batch
+    global_batch = training.micro_batch_size * training.grad_accum_steps * max(nproc // plan.cluster.tp_degree, 1)
     results = [r for r in ranks.values() if r is not None]
     all_ok = len(results) == nproc and all(r.status == "ok" for r in results)
 
