@@ -10,10 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from cost_models.options import SAVED_BY_SELECTIVE_KINDS, Recompute
-from cost_models.records import ModelTrace, OpRecord, Unit
+from cost_models.records import LOSS_NODE, ModelTrace, OpRecord, Unit
 
 __all__ = ["BackwardPeak", "Segment", "activation_keep_bytes", "backward_keep_bytes", "kept_saved_bytes",
-           "backward_points", "backward_peak", "saved_by_selective"]
+           "backward_points", "backward_peak", "loss_kept_bytes", "loss_reads_key", "saved_by_selective"]
 
 
 @dataclass(frozen=True)
@@ -122,17 +122,63 @@ def backward_keep_bytes(trace: ModelTrace, units: list[Unit], recompute: Recompu
             for unit in units]
 
 
+def loss_reads_key(producer: str) -> str:
+    """kept_saved_bytes' key for the bytes of `producer`'s kept outputs that the loss reads."""
+    return f"{LOSS_NODE} reads {producer}"
+
+
 def kept_saved_bytes(trace: ModelTrace, units: list[Unit], recompute: Recompute = Recompute.ALL) -> dict[str, int]:
     """Per op, the bytes it saved first that its checkpointed unit keeps anyway (an input, e.g. a
     block's first norm saves the block's input; selectively, a matmul output the next op saves):
-    counted in the unit's kept bytes, not recomputed."""
+    counted in the unit's kept bytes, not recomputed.
+    Under `loss_reads_key(op)`, the bytes of the op's outputs that its checkpointed unit keeps and the
+    loss reads without anything saving them (selectively, the head's logits): the loss's forward counts
+    its unsaved inputs among its transients (fwd_transient_bytes), and the unit's kept bytes count them
+    already, so the cost table takes them off the loss's forward where that unit keeps them. They travel
+    in this map, keyed by their producer, so that every caller extrapolating it carries them."""
     sizes = _storage_bytes(trace) if recompute is Recompute.CHEAP else None
     kept: dict[str, int] = {}
     for unit in units:  # a selectively kept output the recomputation replays is saved (and counted) as recomputed
         for nbytes, saver in _kept_through_backward(trace, unit, recompute, sizes).values():
             if saver is not None:
                 kept[saver] = kept.get(saver, 0) + nbytes
+    loss_inputs = [storage for storage, _ in trace.input_storages.get(LOSS_NODE, [])
+                   if storage not in trace.saved_storages]
+    if loss_inputs:
+        for unit in units:
+            owned = set(unit.ops)
+            keep = _kept_inputs(trace, unit, recompute, sizes)
+            for storage in loss_inputs:
+                producer = trace.storage_producer.get(storage)
+                if storage in keep and producer in owned:
+                    key = loss_reads_key(producer)
+                    kept[key] = kept.get(key, 0) + keep[storage][0]
     return kept
+
+
+def loss_kept_bytes(ops: list[OpRecord], owner: dict[str, int],
+                    kept_saved: dict[Recompute, dict[str, int]]) -> dict[tuple[int, Recompute], int]:
+    """Per (unit, way of checkpointing), how much of the loss's forward temporaries the unit keeps already.
+    The loss's forward counts its inputs that nothing saves among its transients (the logits); where the
+    unit that produced one keeps it (a selectively checkpointed head keeps its matmul output), the unit's
+    kept bytes count it too. kept_saved carries the bytes of each producer's kept outputs the loss reads
+    (see kept_saved_bytes), taken as at most the producer's output as `ops` have it (a vocabulary-parallel
+    head's 1/t). The loss's largest allocation stays. Several units' shares are each taken off the same
+    transient (a lower bound then; one producer, the head, in the models seen)."""
+    loss = next((op for op in ops if op.name == LOSS_NODE), None)
+    if loss is None:
+        return {}
+    by_name, prefix = {op.name: op for op in ops}, loss_reads_key("")
+    temp = max(loss.fwd_max_alloc_bytes, loss.fwd_transient_bytes)
+    out: dict[tuple[int, Recompute], int] = {}
+    for recompute, entries in kept_saved.items():
+        for key, nbytes in entries.items():
+            producer = by_name.get(key[len(prefix):]) if key.startswith(prefix) else None
+            if producer is not None:
+                read = min(nbytes, producer.out_bytes)
+                where = (owner[producer.name], recompute)
+                out[where] = out.get(where, 0) + temp - max(loss.fwd_max_alloc_bytes, loss.fwd_transient_bytes - read)
+    return out
 
 
 def backward_points(ops: list[OpRecord], owners: list[int], seg: Segment, checkpointed: bool,

@@ -19,7 +19,9 @@ gradients the units around u have computed so far (unsharded, compute dtype), an
 backward simulated op by op (table.backward_peak): s's saved or recomputed activations not yet
 consumed, gradients in flight and u's parameter gradients so far.
 The loss is a segment of its own: it runs after the model's forward and before its backward, when
-FSDP2 holds no unit gathered (not even the root: apply sets reshard_after_forward explicitly).
+FSDP2 holds no unit gathered (not even the root: apply sets reshard_after_forward explicitly). Its
+forward's transients hold its input (the logits) unless a checkpointed unit keeps that input already
+(a selectively checkpointed head: OptionCost.loss_kept_bytes, taken off there).
 When a unit's backward is done, FSDP2 reshards it and copies its gradients into the reduction input
 (reduce dtype): a "reduce" point with that unit's activations freed.
 FSDP2 keeps that reduction input alive until the next unit's post-backward (it frees the previous
@@ -196,6 +198,7 @@ def timeline(table: CostTable, alg: Algebra) -> list[MemoryPoint]:
             last = reduced_after[index][-1]
 
     grads_in_step = grads_all if table.grad_accum_steps > 1 else 0
+    loss_keepers = [u for u in range(n_units) if any(cost.loss_kept_bytes for cost in table.costs[u])]
     fwd_points, bwd_points = [], []
     spanning: list[tuple[int, int]] = []  # (last op, unit) of the units started by the segment, less some ended
     started = 0
@@ -223,10 +226,13 @@ def timeline(table: CostTable, alg: Algebra) -> list[MemoryPoint]:
                 gathered=gathered_fwd + (pick(previous, "gathered_bytes") if previous is not None else 0),
                 temporaries=0,
             )))
+        # the loss's unsaved inputs are among its transients; a unit that keeps one counts it already
+        kept_by = ([alg.pick(u, [-c.loss_kept_bytes for c in table.costs[u]]) for u in loss_keepers]
+                   if seg.outside_model else [])
         fwd_points.append(MemoryPoint(f"fwd {label}", _parts(
             params=params_all, grads=grads_in_step, optimizer=optimizer_all,
             activations=activations_upto[index], gathered=gathered_fwd,
-            temporaries=seg.fwd_temp_bytes,
+            temporaries=_sum([seg.fwd_temp_bytes] + kept_by),
         )))
 
         prefetch_bwd = None if seg.outside_model else last_ending_before(seg.first_op)

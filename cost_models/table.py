@@ -19,7 +19,7 @@ import heapq
 import math
 from dataclasses import dataclass, replace
 
-from cost_models.activations import Segment, backward_peak, saved_by_selective
+from cost_models.activations import Segment, backward_peak, loss_kept_bytes, saved_by_selective
 from cost_models.choices import Option, options_for
 from cost_models.options import OPTIMIZERS, PRECISIONS, OptimizerKind, Precision, Recompute, ShardGroup
 from cost_models.profile import DeviceProfile
@@ -66,6 +66,7 @@ class OptionCost:
     collectives_bwd: int = 0
     host_bytes: int = 0  # offloaded: parameters, gradients and optimizer states in host memory, per rank
     copy_s: float = 0.0  # offloaded: host<->device copies per micro-batch (in comm or overhead, see build)
+    loss_kept_bytes: int = 0  # checkpointed: its kept outputs among the loss's forward transients (activations)
 
 
 @dataclass
@@ -325,6 +326,10 @@ def build_cost_table(
             segments.append(seg)
         seg.saved_bytes += op.saved_bytes
         seg.fwd_temp_bytes = max(seg.fwd_temp_bytes, op.fwd_max_alloc_bytes, op.fwd_transient_bytes)
+    for (u, recompute), kept_bytes in loss_kept_bytes(ops, owner, kept_saved).items():
+        for option, cost in zip(all_options[u], all_costs[u]):
+            if option.mode.checkpoints and option.recompute is recompute:
+                cost.loss_kept_bytes = kept_bytes
     owners = [owner[op.name] for op in ops]
     positions: dict[int, list[int]] = {}  # unit -> where its ops are: a deep model must not scan every op per segment
     for position, u in enumerate(owners):
