@@ -83,7 +83,8 @@ def test_emitted_pins_reproduce_the_plan_exactly_and_edits_free_units(tmp_path):
 
 
 def test_a_module_that_is_not_a_unit_becomes_one_and_the_plan_estimates(tmp_path):
-    args = ["--model", "llama-tiny", "--gpus", "2", "--seq-len", "64", "--mem", "40MB"]
+    # FSDP alone (--tp 1): estimate does not cost tensor-parallel plans
+    args = ["--model", "llama-tiny", "--gpus", "2", "--seq-len", "64", "--mem", "40MB", "--tp", "1"]
     assert _search(tmp_path, *args, "--pin", "layers.*.mlp=shard+ckpt", "--emit-pins", str(tmp_path / "p.yaml")) == 0
     decisions, data = _decisions(tmp_path / "plan.json")
     assert ("layers.0.mlp", "shard", "full", False) in decisions and ("layers.1.mlp", "shard", "full", False) in decisions
