@@ -60,6 +60,37 @@ def summarize(errors: list[float]) -> tuple[float, float]:
     return statistics.median(magnitudes), max(magnitudes)
 
 
+def compared(plan: dict, measured: dict) -> dict:
+    """One executed plan's predicted and measured peak and step time, with their relative errors."""
+    predicted = plan["predicted"]
+    return dict(predicted_peak_bytes=predicted["peak_mem_bytes"], measured_peak_bytes=measured["peak_mem_bytes"],
+                predicted_step_s=predicted["step_time_s"], measured_step_s=measured["step_time_s"],
+                mem_error=rel_error(predicted["peak_mem_bytes"], measured["peak_mem_bytes"]),
+                time_error=rel_error(predicted["step_time_s"], measured["step_time_s"]))
+
+
+def compared_text(row: dict, mb_digits: int = 1) -> str:
+    """A `compared` row's columns: peak predicted and measured (MB) and error, step predicted and measured (ms)
+    and error."""
+    return (f"{row['predicted_peak_bytes'] / 1e6:>12.{mb_digits}f} {row['measured_peak_bytes'] / 1e6:>9.{mb_digits}f} "
+            f"{100 * row['mem_error']:>6.1f}% {row['predicted_step_s'] * 1e3:>12.1f} "
+            f"{row['measured_step_s'] * 1e3:>9.1f} {100 * row['time_error']:>6.1f}%")
+
+
+def group_summary(group: list[dict]) -> dict:
+    """Of `compared` rows: how many, and the median and worst |error| of memory and of step time."""
+    mem_median, mem_worst = summarize([r["mem_error"] for r in group])
+    time_median, time_worst = summarize([r["time_error"] for r in group])
+    return dict(n=len(group), mem_median=mem_median, mem_worst=mem_worst, time_median=time_median,
+                time_worst=time_worst)
+
+
+def summary_text(name: str, width: int, summary: dict) -> str:
+    return (f"{name:<{width}} {summary['n']:>3} {100 * summary['mem_median']:>10.1f}% "
+            f"{100 * summary['mem_worst']:>9.1f}% {100 * summary['time_median']:>11.1f}% "
+            f"{100 * summary['time_worst']:>10.1f}%")
+
+
 def write_results(name: str, data) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"

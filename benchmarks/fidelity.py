@@ -22,7 +22,7 @@ from __future__ import annotations
 import argparse
 from collections import defaultdict
 
-from common import ROUNDS, execute_many, make_plan, rel_error, summarize, write_results
+from common import ROUNDS, compared, compared_text, execute_many, group_summary, make_plan, summary_text, write_results
 
 from autoplan.plan.schema import Plan
 from autoplan.run.report import predicted_phase_peaks
@@ -79,20 +79,11 @@ def main() -> None:
             if measured is None:
                 print(f"{model:<62} {batch_size:>3} {kind:<16} FAILED")
                 continue
-            predicted = plan["predicted"]
-            mem_err = rel_error(predicted["peak_mem_bytes"], measured["peak_mem_bytes"])
-            time_err = rel_error(predicted["step_time_s"], measured["step_time_s"])
-            rows.append(dict(model=model, micro_batch=batch_size, kind=kind,
-                             predicted_peak_bytes=predicted["peak_mem_bytes"],
-                             measured_peak_bytes=measured["peak_mem_bytes"],
-                             predicted_step_s=predicted["step_time_s"], measured_step_s=measured["step_time_s"],
-                             mem_error=mem_err, time_error=time_err,
-                             predicted_phases=predicted_phase_peaks(Plan.model_validate(plan)),
-                             measured_phases=measured["phase_peak_bytes"]))
-            print(f"{model:<62} {batch_size:>3} {kind:<16} {predicted['peak_mem_bytes'] / 1e6:>12.1f} "
-                  f"{measured['peak_mem_bytes'] / 1e6:>9.1f} {100 * mem_err:>6.1f}% "
-                  f"{predicted['step_time_s'] * 1e3:>12.1f} {measured['step_time_s'] * 1e3:>9.1f} "
-                  f"{100 * time_err:>6.1f}%", flush=True)
+            row = dict(model=model, micro_batch=batch_size, kind=kind, **compared(plan, measured),
+                       predicted_phases=predicted_phase_peaks(Plan.model_validate(plan)),
+                       measured_phases=measured["phase_peak_bytes"])
+            rows.append(row)
+            print(f"{model:<62} {batch_size:>3} {kind:<16} {compared_text(row)}", flush=True)
 
     by_kind = defaultdict(list)
     for row in rows:
@@ -100,12 +91,8 @@ def main() -> None:
     print(f"\n{'plan kind':<16} {'n':>3} {'mem median':>11} {'mem worst':>10} {'time median':>12} {'time worst':>11}")
     summary = {}
     for kind, group in list(by_kind.items()) + [("all", rows)]:
-        mem_med, mem_worst = summarize([r["mem_error"] for r in group])
-        time_med, time_worst = summarize([r["time_error"] for r in group])
-        summary[kind] = dict(n=len(group), mem_median=mem_med, mem_worst=mem_worst,
-                             time_median=time_med, time_worst=time_worst)
-        print(f"{kind:<16} {len(group):>3} {100 * mem_med:>10.1f}% {100 * mem_worst:>9.1f}% "
-              f"{100 * time_med:>11.1f}% {100 * time_worst:>10.1f}%")
+        summary[kind] = group_summary(group)
+        print(summary_text(kind, 16, summary[kind]))
     partial = args.quick or args.model or args.batch_size or args.large or args.no_large
     path = write_results("fidelity" + ("_partial" if partial else ""), {"rows": rows, "summary": summary})
     print(f"written to {path}")

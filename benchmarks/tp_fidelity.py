@@ -18,7 +18,7 @@ import argparse
 import statistics
 from collections import defaultdict
 
-from common import execute_many, make_plan, rel_error, summarize, write_results
+from common import compared, compared_text, execute_many, group_summary, make_plan, summary_text, write_results
 
 MODELS = ["llama-tiny[n_layers=4,d_model=128,n_heads=4,n_kv_heads=2,ffn_hidden=352]"]
 MICRO_BATCHES = [4, 16]
@@ -51,20 +51,12 @@ def main() -> None:
                 if measured is None:
                     print(f"{short:<24} {batch_size:>3} {label:<22} FAILED")
                     continue
-                predicted = plan["predicted"]
-                mem_err = rel_error(predicted["peak_mem_bytes"], measured["peak_mem_bytes"])
-                time_err = rel_error(predicted["step_time_s"], measured["step_time_s"])
-                rows.append(dict(model=model, micro_batch=batch_size, plan=label,
-                                 tp_degree=plan["cluster"].get("tp_degree", 1),
-                                 sequence_parallel=plan["cluster"].get("sequence_parallel", False),
-                                 predicted_peak_bytes=predicted["peak_mem_bytes"],
-                                 measured_peak_bytes=measured["peak_mem_bytes"],
-                                 predicted_step_s=predicted["step_time_s"], measured_step_s=measured["step_time_s"],
-                                 mem_error=mem_err, time_error=time_err))
-                print(f"{short:<24} {batch_size:>3} {label:<22} {predicted['peak_mem_bytes'] / 1e6:>12.2f} "
-                      f"{measured['peak_mem_bytes'] / 1e6:>9.2f} {100 * mem_err:>6.1f}% "
-                      f"{predicted['step_time_s'] * 1e3:>12.1f} {measured['step_time_s'] * 1e3:>9.1f} "
-                      f"{100 * time_err:>6.1f}%", flush=True)
+                row = dict(model=model, micro_batch=batch_size, plan=label,
+                           tp_degree=plan["cluster"].get("tp_degree", 1),
+                           sequence_parallel=plan["cluster"].get("sequence_parallel", False),
+                           **compared(plan, measured))
+                rows.append(row)
+                print(f"{short:<24} {batch_size:>3} {label:<22} {compared_text(row, mb_digits=2)}", flush=True)
 
     groups = defaultdict(list)
     for row in rows:
@@ -75,14 +67,9 @@ def main() -> None:
     for name, group in list(groups.items()) + [("all tp2", tp_rows)]:
         if not group:
             continue
-        mem_med, mem_worst = summarize([r["mem_error"] for r in group])
-        time_med, time_worst = summarize([r["time_error"] for r in group])
-        summary[name] = dict(n=len(group), mem_median=mem_med, mem_worst=mem_worst,
-                             time_median=time_med, time_worst=time_worst,
-                             mem_bias=statistics.median(r["mem_error"] for r in group),
+        summary[name] = dict(group_summary(group), mem_bias=statistics.median(r["mem_error"] for r in group),
                              time_bias=statistics.median(r["time_error"] for r in group))
-        print(f"{name:<10} {len(group):>3} {100 * mem_med:>10.1f}% {100 * mem_worst:>9.1f}% "
-              f"{100 * time_med:>11.1f}% {100 * time_worst:>10.1f}%")
+        print(summary_text(name, 10, summary[name]))
     path = write_results("tp_fidelity" + ("_partial" if args.quick else ""), {"rows": rows, "summary": summary})
     print(f"written to {path}")
 
