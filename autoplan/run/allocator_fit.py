@@ -24,15 +24,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from autoplan.api.search import search
 from autoplan.errors import InfeasibleError, UsageError
 from autoplan.plan.schema import Plan
 from autoplan.profile_store import load_profile
-from autoplan.run.apply import apply, materialise, resolve_plan_model
+from autoplan.run.apply import materialise
 from autoplan.run.data import vocab_size_of
 from autoplan.run.memtrack import LiveTensorTracker
+from autoplan.run.torch_tracker import fake_rank
 from autoplan.run.worker import next_token_loss
 from autoplan.settings import MAX_HEADROOM, SearchSettings
 from autoplan.sizes import format_bytes
@@ -125,44 +125,24 @@ def record_step(plan: Plan, steps: int = 3) -> tuple[list[tuple], list[int]]:
     """The allocation events of materialisation and `steps` training steps of rank 0 of `plan`'s world, on
     fake tensors, the optimizer stepping foreach as on CUDA; and the event index at the start of each step
     (negative: the start of a backward or an optimizer step within it)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
-
-    if dist.is_initialized():
-        raise UsageError("a process group is already initialised in this process; replaying a plan's allocations "
-                         "needs its own fake one (run it in a fresh process)")
-    fake_mode = FakeTensorMode()
-    with fake_mode:
-        resolved = resolve_plan_model(plan)
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=plan.cluster.world_size)
     recorder = _AllocationRecorder()
     starts: list[int] = []
-    try:
-        mesh = init_device_mesh("cpu", (plan.cluster.world_size,))
-        with fake_mode:
-            module, optimizer = apply(resolved.module, plan, mesh)
-            for group in optimizer.param_groups:  # the optimizer as it runs on CUDA
-                if "foreach" in group:
-                    group["foreach"] = True
-            with recorder:
-                materialise(module, "cpu", 0)
-                shape = (plan.training.micro_batch_size, plan.training.seq_len)
-                vocab = vocab_size_of(module)
-                ids, labels = torch.randint(0, vocab, shape), torch.randint(0, vocab, shape)
-                for _ in range(steps):
-                    starts.append(len(recorder.events))
-                    for _ in range(plan.training.grad_accum_steps):
-                        loss = next_token_loss(module(ids), labels)
-                        starts.append(-len(recorder.events))
-                        loss.backward()
-                        del loss
-                    starts.append(-len(recorder.events))
-                    optimizer.step()
-                    optimizer.zero_grad(set_to_none=True)
-            events = list(recorder.events)  # not the frees of tearing the model down
-    finally:
-        dist.destroy_process_group()
+    with fake_rank(plan) as (_, module, optimizer), recorder:
+        materialise(module, "cpu", 0)
+        shape = (plan.training.micro_batch_size, plan.training.seq_len)
+        vocab = vocab_size_of(module)
+        ids, labels = torch.randint(0, vocab, shape), torch.randint(0, vocab, shape)
+        for _ in range(steps):
+            starts.append(len(recorder.events))
+            for _ in range(plan.training.grad_accum_steps):
+                loss = next_token_loss(module(ids), labels)
+                starts.append(-len(recorder.events))
+                loss.backward()
+                del loss
+            starts.append(-len(recorder.events))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        events = list(recorder.events)  # not the frees of tearing the model down
     return events, starts
 
 

@@ -22,6 +22,7 @@ frees it once the loss has its fp32 copy (as torchtitan does with `del pred`).
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -36,7 +37,7 @@ from autoplan.run.report import predicted_phase_peaks
 from autoplan.run.worker import next_token_loss
 from cost_models.options import PRECISIONS, Dtype
 
-__all__ = ["TrackerResult", "track_plan"]
+__all__ = ["TrackerResult", "fake_rank", "track_plan"]
 
 
 @dataclass
@@ -69,26 +70,20 @@ class TrackerResult:
         return (self.predicted_peak_bytes - self.tracked_peak_bytes) / self.tracked_peak_bytes
 
 
-def track_plan(plan: Plan, hold_logits: bool = False, model: str | None = None, seed: int = 0) -> TrackerResult:
-    """Run one warm-up step and one tracked step of `plan` as rank 0 of its world on fake tensors and a
-    fake process group, under torch's FSDPMemTracker. `model` names the model of a plan made from a
-    factory (as `autoplan apply --model`). The process group is destroyed on return."""
+@contextmanager
+def fake_rank(plan: Plan, model: str | None = None):
+    """`plan` applied to its model as rank 0 of its world, on fake tensors and torch's fake process group, on the
+    CPU: yields (the model's name, the module, the optimizer) inside the FakeTensorMode, not yet materialised
+    (the caller decides what watches materialisation). On a CUDA profile the optimizer steps foreach, as CUDA
+    runs it. `model` names the model of a plan made from a factory. The process group is destroyed on exit."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
-    world = plan.cluster.world_size
-    if world < 2:
-        raise UsageError(f"the plan is for a world of {world} rank; the tracker stands in for a world of several")
     if dist.is_available() and dist.is_initialized():
-        raise UsageError("a process group is already initialised in this process; the tracker makes its own "
-                         "(call torch.distributed.destroy_process_group() first)")
-    predicted = predicted_phase_peaks(plan)
-    if predicted is None:
-        raise UsageError("the plan's prediction has no timeline to compare with (estimate it again)")
-    foreach = load_profile(plan.cluster.profile).device_type == "cuda"
-    training = plan.training
+        raise UsageError("a process group is already initialised in this process; a fake rank needs its own "
+                         "(call torch.distributed.destroy_process_group() first, or run it in a fresh process)")
+    world = plan.cluster.world_size
     fake_mode = FakeTensorMode()
     with fake_mode:  # meta parameters made outside the mode would not be fake ones
         resolved = resolve_plan_model(plan, model)
@@ -97,55 +92,74 @@ def track_plan(plan: Plan, hold_logits: bool = False, model: str | None = None, 
         mesh = init_device_mesh("cpu", (world,))
         with fake_mode:
             module, optimizer = apply(resolved.module, plan, mesh)
-            for group in optimizer.param_groups if foreach else ():  # the plan's optimizer as CUDA runs it
-                if "foreach" in group:
-                    group["foreach"] = True
-            materialise(module, "cpu", seed)
-            vocab = vocab_size_of(module)
-            buffer_bytes = sum(b.numel() * b.element_size() for b in module.buffers())
-            shape = (training.micro_batch_size, training.seq_len)
-            ids, labels = torch.randint(0, vocab, shape), torch.randint(0, vocab, shape)
-            tracker = FSDPMemTracker(module, optimizer)
-            tracker.track_inputs((ids, labels))
-            tracked: dict[str, int] = {}
-            categories: dict[str, int] = {}
-
-            def record(name: str) -> None:
-                """The tracker's peak since it was entered, as the peak of phase `name` when higher than
-                the phases before it in the same context (a backward below its forward's peak is not seen)."""
-                snapshot = next(iter(tracker.get_tracker_snapshot("peak").values()))
-                if snapshot["Total"] > max(tracked.values(), default=0) or name == "forward":
-                    categories.clear()
-                    categories.update({str(getattr(k, "value", k)): v for k, v in snapshot.items()
-                                       if k != "Total" and v})
-                tracked[name] = snapshot["Total"]
-
-            def step() -> None:
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-
-            next_token_loss(module(ids), labels).backward()  # warm-up: the optimizer's states are made
-            step()
-            tracker.reset_mod_stats()
-            with tracker:  # forward and backward in one context: the tracker follows modules across both
-                output = module(ids)
-                loss = next_token_loss(output, labels)
-                if not hold_logits:
-                    del output
-                record("forward")
-                loss.backward()
-                del loss
-                record("backward")
-                output = None
-            tracker.reset_mod_stats()
-            with tracker:  # entering resets the tracker's peak to what is alive now
-                step()
-                record("optimizer")
+            if load_profile(plan.cluster.profile).device_type == "cuda":  # the plan's optimizer as CUDA runs it
+                for group in optimizer.param_groups:
+                    if "foreach" in group:
+                        group["foreach"] = True
+            yield resolved.name, module, optimizer
     finally:
         dist.destroy_process_group()
+
+
+def track_plan(plan: Plan, hold_logits: bool = False, model: str | None = None, seed: int = 0) -> TrackerResult:
+    """Run one warm-up step and one tracked step of `plan` as rank 0 of its world on fake tensors and a
+    fake process group, under torch's FSDPMemTracker. `model` names the model of a plan made from a
+    factory (as `autoplan apply --model`). The process group is destroyed on return."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+    world = plan.cluster.world_size
+    if world < 2:
+        raise UsageError(f"the plan is for a world of {world} rank; the tracker stands in for a world of several")
+    predicted = predicted_phase_peaks(plan)
+    if predicted is None:
+        raise UsageError("the plan's prediction has no timeline to compare with (estimate it again)")
+    foreach = load_profile(plan.cluster.profile).device_type == "cuda"
+    training = plan.training
+    with fake_rank(plan, model) as (model_name, module, optimizer):
+        materialise(module, "cpu", seed)
+        vocab = vocab_size_of(module)
+        buffer_bytes = sum(b.numel() * b.element_size() for b in module.buffers())
+        shape = (training.micro_batch_size, training.seq_len)
+        ids, labels = torch.randint(0, vocab, shape), torch.randint(0, vocab, shape)
+        tracker = FSDPMemTracker(module, optimizer)
+        tracker.track_inputs((ids, labels))
+        tracked: dict[str, int] = {}
+        categories: dict[str, int] = {}
+
+        def record(name: str) -> None:
+            """The tracker's peak since it was entered, as the peak of phase `name` when higher than
+            the phases before it in the same context (a backward below its forward's peak is not seen)."""
+            snapshot = next(iter(tracker.get_tracker_snapshot("peak").values()))
+            if snapshot["Total"] > max(tracked.values(), default=0) or name == "forward":
+                categories.clear()
+                categories.update({str(getattr(k, "value", k)): v for k, v in snapshot.items()
+                                   if k != "Total" and v})
+            tracked[name] = snapshot["Total"]
+
+        def step() -> None:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        next_token_loss(module(ids), labels).backward()  # warm-up: the optimizer's states are made
+        step()
+        tracker.reset_mod_stats()
+        with tracker:  # forward and backward in one context: the tracker follows modules across both
+            output = module(ids)
+            loss = next_token_loss(output, labels)
+            if not hold_logits:
+                del output
+            record("forward")
+            loss.backward()
+            del loss
+            record("backward")
+            output = None
+        tracker.reset_mod_stats()
+        with tracker:  # entering resets the tracker's peak to what is alive now
+            step()
+            record("optimizer")
     compute_bytes = Dtype(PRECISIONS[training.dtype].compute_dtype).bytes
     return TrackerResult(
-        model=resolved.name, world_size=world, micro_batch_size=training.micro_batch_size, seq_len=training.seq_len,
+        model=model_name, world_size=world, micro_batch_size=training.micro_batch_size, seq_len=training.seq_len,
         foreach=foreach, hold_logits=hold_logits, predicted_phase_bytes=predicted, tracked_phase_bytes=tracked,
         tracked_categories=categories, buffer_bytes=buffer_bytes, logits_bytes=training.micro_batch_size * training.seq_len * vocab * compute_bytes,
     )
