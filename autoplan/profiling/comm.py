@@ -34,6 +34,7 @@ from autoplan.profiling.calibration import TIMED_STEPS, WARMUP_STEPS, measure_tr
 from autoplan.profiling.fsdp import FSDP_CALLS, measure_fsdp
 from autoplan.profiling.overlap import OVERLAP_PHASE_S, OVERLAP_TRIALS, measure_overlap
 from autoplan.profiling.timing import Repeats
+from autoplan.run.host_memory import keep_freed_memory
 
 __all__ = ["COLLECTIVES", "CommProfileError", "CommRequest", "run_comm_benchmark", "message_bytes", "measurement_key",
            "default_backend", "group_sizes"]
@@ -154,6 +155,8 @@ def _worker(rank: int, request_fields: dict, store_path: str, result_path: str) 
     device = torch.device("cuda", rank) if request.device_type == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    else:
+        keep_freed_memory()  # as apply's CPU ranks run (autoplan.run.host_memory)
 
     def report(key: str, value) -> None:
         if rank == 0:

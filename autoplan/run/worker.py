@@ -38,6 +38,7 @@ from autoplan.plan.schema import load_plan
 from autoplan.run.apply import apply, materialise, model_for_plan
 from autoplan.run.data import AlpacaTokens, BatchShape, SyntheticTokens, rank_micro_batches, vocab_size_of
 from autoplan.run.fsdp import host_state_bytes, offloaded_params
+from autoplan.run.host_memory import keep_freed_memory
 from autoplan.run.memtrack import RankMemory, allocation_failure
 from autoplan.run.procs import die_with_parent, rank_signals
 from autoplan.run.tp import data_rank, local_loss, training_context
@@ -124,6 +125,8 @@ def train(spec: RunSpec, rank: int, world_size: int, result: RankResult, sender:
     plan = load_plan(spec.plan_path)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device("cuda", local_rank) if spec.device == "cuda" else torch.device("cpu")
+    if device.type == "cpu":
+        keep_freed_memory()  # freed memory stays mapped, as CUDA's caching allocator keeps it (host_memory.py)
     training = plan.training
     data_rank_, data_world = data_rank(plan, rank, world_size)  # a tensor-parallel group shares its rows
     shape = BatchShape(training.micro_batch_size, training.grad_accum_steps, data_world, training.seq_len)
