@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 __all__ = [
     "PROFILE_SCHEMA_VERSION", "Provenance", "Link", "CollectiveFit", "OpTiming", "OpFit", "Overlap", "FsdpOverhead",
-    "LossParallel", "HostLink", "DeviceProfile",
+    "LossParallel", "TpDispatch", "HostLink", "DeviceProfile",
 ]
 
 PROFILE_SCHEMA_VERSION = 1
@@ -134,6 +134,30 @@ class LossParallel(_Strict):
     bwd_s_per_logit: float = Field(ge=0)
 
 
+class TpDispatch(_Strict):
+    """What a tensor-parallel plan's modules cost one rank beyond their ops and collectives: DTensor's
+    dispatch (sharding propagation, redistribution and the from/to_local wrapping in Python) for every
+    module the layout parallelizes (each column- and row-wise projection, the vocabulary-parallel embedding
+    and head; with sequence parallelism also each sequence-parallel norm and each region's input
+    preparation), per micro-batch. Fitted by autoplan/profiling/tp_dispatch.py from whole FSDP2 + TP steps
+    of a small Llama on the fake process group against the same steps without TP; measured on the CPU, where
+    this time is the step's (a GPU launches asynchronously and hides it behind its kernels while they are
+    longer: absent there, the modules cost as their ops)."""
+
+    fwd_s_per_module: float = Field(ge=0)
+    """Forward seconds per parallelized module, tensor parallelism without sequence parallelism."""
+    bwd_s_per_module: float = Field(ge=0)
+    sp_fwd_s_per_module: float = Field(ge=0)
+    """The same with sequence parallelism (its modules include the norms and the regions' inputs)."""
+    sp_bwd_s_per_module: float = Field(ge=0)
+
+    def per_module(self, sequence_parallel: bool) -> tuple[float, float]:
+        """(forward, backward) seconds per module under the layout's mode."""
+        if sequence_parallel:
+            return self.sp_fwd_s_per_module, self.sp_bwd_s_per_module
+        return self.fwd_s_per_module, self.bwd_s_per_module
+
+
 class HostLink(_Strict):
     """The device's link to host memory, for offloaded parameters, gradients and optimizer states
     (FSDP2's CPUOffloadPolicy): pinned copy bandwidth each way, whether those copies run alongside
@@ -184,6 +208,7 @@ class DeviceProfile(_Strict):
     """The allocation size from which memory is mapped fresh each time (glibc: 32 MiB at most)."""
     fsdp: FsdpOverhead = Field(default_factory=FsdpOverhead)
     loss_parallel: LossParallel | None = None  # None: no cost beyond the fused loss on 1/t of the logits
+    tp_dispatch: TpDispatch | None = None  # None: a TP plan's modules cost as their ops (not measured: a GPU's)
     host_link: HostLink | None = None  # None: offload is not costed (the search does not offer it)
     op_times: list[OpTiming] = Field(default_factory=list)
     op_fits: list[OpFit] = Field(default_factory=list)

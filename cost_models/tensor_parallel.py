@@ -32,8 +32,8 @@ from cost_models.profile import DeviceProfile
 from cost_models.records import LOSS_NODE, OpRecord, ParamInfo, Unit
 
 __all__ = [
-    "LOSS_COLLECTIVES", "TpLayout", "TpRole", "UnitLayout", "add_tp_time", "regions_per_unit", "tp_collectives",
-    "tp_keep_bytes", "tp_ops", "tp_profile", "tp_units", "unit_layouts",
+    "LOSS_COLLECTIVES", "TpLayout", "TpRole", "UnitLayout", "add_tp_time", "parallelized_modules", "regions_per_unit",
+    "tp_collectives", "tp_keep_bytes", "tp_ops", "tp_profile", "tp_units", "unit_layouts",
 ]
 
 # loss_parallel's forward all-reduces three per-token fp32 vectors across the group (max, sum of exp, target logit)
@@ -92,7 +92,9 @@ _BYTE_FIELDS = ("out_bytes", "fwd_bytes", "bwd_bytes", "saved_bytes", "fwd_max_a
 
 
 def _divided(op: OpRecord, t: int, fields: tuple[str, ...]) -> OpRecord:
-    return replace(op, **{name: -(-getattr(op, name) // t) for name in fields})
+    """The op with `fields` divided by t, its key marked as 1/t of the traced op's work: a timing measured for
+    the traced (whole) op is not this op's, which the fits then price from its divided FLOPs and bytes."""
+    return replace(op, variant=f"{op.variant}[tp 1/{t}]", **{name: -(-getattr(op, name) // t) for name in fields})
 
 
 def _loss_parallel(op: OpRecord, t: int) -> OpRecord:
@@ -187,6 +189,20 @@ def unit_layouts(units: list[Unit], layout: TpLayout) -> list[UnitLayout | None]
     return tags
 
 
+def parallelized_modules(layout: TpLayout) -> list[str]:
+    """The modules a run parallelizes under the layout (autoplan.run.tp gives each a DTensor style): every
+    column- and row-wise projection (the vocabulary-parallel head among them) and the vocabulary-parallel
+    embedding; with sequence parallelism also each norm (SequenceParallel; a block's own path holds the
+    SEQUENCE role for its residual adds and is not one) and each region's input (PrepareModuleInput)."""
+    styled = (TpRole.COLWISE, TpRole.ROWWISE, TpRole.VOCAB_EMBED)
+    modules = [path for path, role in layout.roles.items() if role in styled]
+    if layout.sequence_parallel:
+        blocks = {region.rpartition(".")[0] for region in layout.regions}
+        modules += [path for path, role in layout.roles.items() if role is TpRole.SEQUENCE and path not in blocks]
+        modules += list(layout.regions)
+    return modules
+
+
 @dataclass(frozen=True)
 class TpTime:
     """One unit's tensor-parallel collectives per micro-batch: seconds and calls, forward and backward."""
@@ -216,7 +232,9 @@ def tp_collectives(units: list[Unit], layout: TpLayout, micro_batch_size: int, s
     input forward and reduces its gradient backward with sequence parallelism, only the latter without;
     the loss adds its small all-reduces, and, where the profile measured it (`loss_parallel`), what
     loss_parallel's decomposed cross-entropy costs beyond the fused one on the rank's micro-batch x seq x
-    `local_vocab` logits (compute on the head's unit, counted with its collectives)."""
+    `local_vocab` logits (compute on the head's unit, counted with its collectives); and, where the profile
+    measured it (`tp_dispatch`), DTensor's dispatch per parallelized module (`parallelized_modules`) on the
+    unit that owns the module."""
     t = layout.degree
     times = [TpTime() for _ in units]
     if t == 1:
@@ -244,6 +262,11 @@ def tp_collectives(units: list[Unit], layout: TpLayout, micro_batch_size: int, s
             logits = micro_batch_size * seq_len * local_vocab
             times[u] = replace(times[u], fwd_s=times[u].fwd_s + extra.fwd_s + extra.fwd_s_per_logit * logits,
                                bwd_s=times[u].bwd_s + extra.bwd_s + extra.bwd_s_per_logit * logits)
+    if profile.tp_dispatch is not None:
+        fwd, bwd = profile.tp_dispatch.per_module(sp)
+        for path in parallelized_modules(layout):
+            u = _owner(units, path)
+            times[u] = replace(times[u], fwd_s=times[u].fwd_s + fwd, bwd_s=times[u].bwd_s + bwd)
     return times
 
 

@@ -15,8 +15,18 @@ from autoplan.plan.schema import Plan, TpLayoutName, load_plan
 from autoplan.profile_store import load_profile
 from autoplan.solve.tp_layout import TpRefusal, recognise, tp_degrees
 from cost_models.comm import CommModel
+from cost_models.compute import ComputeModel
+from cost_models.profile import OpTiming
 from cost_models.records import LOSS_NODE
-from cost_models.tensor_parallel import TpRole, UnitLayout, tp_collectives, tp_ops, tp_units, unit_layouts
+from cost_models.tensor_parallel import (
+    TpRole,
+    UnitLayout,
+    parallelized_modules,
+    tp_collectives,
+    tp_ops,
+    tp_units,
+    unit_layouts,
+)
 
 SEQ = 64
 
@@ -131,6 +141,41 @@ def test_loss_parallel_costs_where_the_profile_measured_it(llama):
     gpu = load_profile("h100-sxm-80gb")  # not measured there: nothing beyond the fused loss
     assert tp_collectives(tables.units, layout, mb, SEQ, 2, gpu, local_vocab) == tp_collectives(
         tables.units, layout, mb, SEQ, 2, gpu)
+
+def test_dtensor_dispatch_costs_per_parallelized_module_where_measured(llama):
+    tables = llama.cache("bf16", "block")
+    cpu = load_profile("cpu-gloo-2")
+    assert cpu.tp_dispatch is not None and load_profile("h100-sxm-80gb").tp_dispatch is None
+    bare = cpu.model_copy(update={"tp_dispatch": None})
+    paths = [u.path for u in tables.units]
+    for sp, count in ((False, 2 * 7 + 2), (True, 2 * 7 + 2 + 2 * 2 + 1 + 4)):
+        layout = recognise(llama.module, 2, sp)
+        modules = parallelized_modules(layout)  # 7 projections a block, embedding and head; +norms and regions
+        assert len(modules) == count == len(set(modules))
+        fwd, bwd = cpu.tp_dispatch.per_module(sp)
+        priced, plain = (tp_collectives(tables.units, layout, 4, SEQ, 2, p) for p in (cpu, bare))
+        owners = [max((p for p in paths if p in ("", m) or m.startswith(p + ".")), key=len) for m in modules]
+        for path, with_it, without in zip(paths, priced, plain):
+            owned = owners.count(path)  # the innermost unit holding the module
+            assert with_it.fwd_s - without.fwd_s == pytest.approx(owned * fwd)
+            assert with_it.bwd_s - without.bwd_s == pytest.approx(owned * bwd)
+            assert (with_it.calls_fwd, with_it.calls_bwd) == (without.calls_fwd, without.calls_bwd)
+        assert sum(t.fwd_s for t in priced) - sum(t.fwd_s for t in plain) == pytest.approx(count * fwd)
+
+
+def test_a_rank_s_share_of_an_op_is_not_priced_as_the_whole_op(llama):
+    ops = llama.traces("bf16").at_1.ops
+    layout = recognise(llama.module, 2, False)
+    whole = next(op for op in ops if op.name == "layers_0_attn_wq")
+    local = next(op for op in tp_ops(ops, layout) if op.name == "layers_0_attn_wq")
+    assert local.key != whole.key
+    # a profile that timed the whole projection: its time is not taken for the rank's half
+    timed = OpTiming(key=whole.key, fwd_s=1.0, bwd_s=1.0)
+    profile = load_profile("cpu-gloo-2")
+    profile = profile.model_copy(update={"op_times": [*profile.op_times, timed]})
+    compute = ComputeModel(profile, "bf16")
+    assert compute.op_time_s(whole, "fwd") == 1.0 and compute.op_time_s(local, "fwd") < 0.1
+
 
 def _loss_backward_bytes(vocab_shards: int, tokens: int, vocab: int) -> int:
     """The loss's backward on [tokens, vocab] bf16 logits, as apply runs it (cast to fp32, cross-entropy), on

@@ -38,7 +38,7 @@ from cost_models.options import SHARDING_KINDS, MeshShape
 from cost_models.records import ParamInfo, Unit
 from cost_models.tensor_parallel import TpLayout, TpRole, unit_layouts
 
-__all__ = ["MESH_DIM_NAMES", "apply_tp", "data_rank", "local_loss", "training_context"]
+__all__ = ["MESH_DIM_NAMES", "apply_tp", "data_rank", "local_loss", "parallelize_tp", "training_context"]
 
 MESH_DIM_NAMES = ("dp", "tp")
 
@@ -109,7 +109,16 @@ def apply_tp(model: nn.Module, plan: Plan, world_mesh: DeviceMesh) -> DeviceMesh
         raise PlanFileError(f"the plan's tensor-parallel layout does not fit the model: {exc}") from None
     _check(plan, model, layout)
     mesh = DeviceMesh(world_mesh.device_type, world_mesh.mesh.view(world // t, t), mesh_dim_names=MESH_DIM_NAMES)
-    tp_mesh = mesh["tp"]
+    parallelize_tp(model, layout, mesh["tp"])
+    return mesh["dp"]
+
+
+def parallelize_tp(model: nn.Module, layout: TpLayout, tp_mesh: DeviceMesh) -> None:
+    """DTensor's `parallelize_module` with the layout's styles on `tp_mesh` (1-D, one tensor-parallel group):
+    the Megatron plan on each block (its attention's head counts set to the heads one rank holds), then the
+    vocabulary-parallel embedding and head and, with sequence parallelism, the final norm. What `apply_tp`
+    runs, and what the profiler times (autoplan.profiling.tp_dispatch)."""
+    t, sp = layout.degree, layout.sequence_parallel
     blocks = list(dict.fromkeys(region.rpartition(".")[0] for region in layout.regions))
     for path in blocks:
         block = model.get_submodule(path)
@@ -130,4 +139,3 @@ def apply_tp(model: nn.Module, plan: Plan, world_mesh: DeviceMesh) -> DeviceMesh
                                            use_local_output=False)
     if top:
         parallelize_module(model, tp_mesh, top)
-    return mesh["dp"]
