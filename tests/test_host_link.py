@@ -56,6 +56,6 @@ def test_one_process_profile_takes_its_links_from_another(tmp_path, capsys):
     assert profile.overlap == reference.overlap
     for field in ("links", "collectives", "overlap"):
         assert "taken from profile 'cpu-gloo-2'" in profile.provenance.sources[field]
-    assert "memcpy" in profile.provenance.sources["host_link"]
+    assert "memcpy" in profile.provenance.sources["host_link.h2d_bytes_s"]
     assert "host link:" in capsys.readouterr().out
     assert json.loads(out.read_text())["host_link"]["overlaps_compute"] is False

@@ -66,6 +66,13 @@ def test_quick_profile_measures_ops_collectives_overlap_optimizer(quick):
     assert profile.peak_flops["fp32"] > 1e9
     assert profile.links["intra_node"].bus_bandwidth_bytes_s > 0
     assert any(f.family == "Linear" and f.dtype == "fp32" for f in profile.op_fits)
+    # a CPU profile prices tensor parallelism's own costs, measured in child processes on the fake group
+    assert profile.loss_parallel is not None and profile.tp_dispatch is not None
+    assert profile.tp_dispatch.fwd_s_per_module > 0 and profile.tp_dispatch.sp_bwd_s_per_module > 0
+    assert {"loss_parallel", "tp_dispatch"} <= set(profile.provenance.sources)
+    # measured as apply's ranks run, with freed memory kept mapped: no large buffer is mapped fresh
+    assert profile.first_touch_s_per_byte == 0.0 and "kept mapped" in profile.provenance.sources[
+        "first_touch_s_per_byte"]
 
 
 @measures_a_profile

@@ -5,9 +5,11 @@ freshly mapped memory.
 Sizes matter on the CPU: the rates of real training steps are those of tensors far larger than the
 caches. AdamW timed on 2 MB tensors ran at 10.9 GB/s of state; gpt2 124M's step ran at 2.8 GB/s on
 two ranks. Two effects: the ranks share the memory bus (so the rate is timed with one optimizer per
-rank stepping at once), and allocations above glibc's largest mmap threshold (32 MiB) are mapped
-fresh each time and pay a page fault per 4 KiB page when first written (0.4-0.7 ms per MB here),
-which a heap-recycled small buffer never does (`first_touch_s_per_byte`)."""
+rank stepping at once), and with glibc's default malloc, allocations above its largest mmap threshold
+(32 MiB) are mapped fresh each time and pay a page fault per 4 KiB page when first written (0.4-0.7 ms
+per MB here), which a heap-recycled small buffer never does (`first_touch_s_per_byte`). `autoplan
+profile` measures with freed memory kept mapped, as apply's CPU ranks run (autoplan.run.host_memory):
+there a fresh allocation reuses the heap, and the first touch measures about 0."""
 
 from __future__ import annotations
 
@@ -113,3 +115,18 @@ def first_touch_s_per_byte(device: torch.device, repeats: Repeats) -> float:
     warm_s = median_time_s(lambda: warm.copy_(source), device, repeats)
     fresh_s = median_time_s(lambda: torch.empty(numel).copy_(source), device, repeats)
     return max(0.0, fresh_s - warm_s) / (numel * FP32_BYTES)
+
+
+def device_numbers(device: torch.device, repeats: Repeats, cached, concurrent: int = 1) -> dict[str, float]:
+    """The device's own figures for a profile. `cached(key, measure)` returns the measurement cache's value
+    for `key`, measuring and storing it when missing; `concurrent`: ranks on this host stepping their
+    optimizers at once (CPU)."""
+    return {
+        "copy_bandwidth_bytes_s": cached("device:copy_bandwidth_bytes_s",
+                                         lambda: copy_bandwidth_bytes_s(device, repeats)),
+        "dispatch_overhead_s": cached("device:dispatch_overhead_s", lambda: op_overhead_s(device, repeats)),
+        "adamw_bytes_s": cached(f"device:adamw_bytes_s:x{concurrent}:large",
+                                lambda: adamw_bytes_s(device, repeats, concurrent)),
+        "first_touch_s_per_byte": cached("device:first_touch_s_per_byte",
+                                         lambda: first_touch_s_per_byte(device, repeats)),
+    }

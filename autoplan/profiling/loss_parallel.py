@@ -26,12 +26,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from autoplan.profiling.timing import Repeats, median_time_s
+from autoplan.run.host_memory import keep_freed_memory
 from cost_models.profile import LossParallel
 
-__all__ = ["LOSS_SIZES", "measure_loss_parallel"]
+__all__ = ["LOSS_SIZES", "QUICK_REPEATS", "measure_loss_parallel"]
 
 # (tokens, local vocabulary): local fp32 logits from 0.5 M to 6.1 M elements (24.6 MB, under 32 MiB)
 LOSS_SIZES = ((256, 2000), (256, 8000), (384, 8000), (384, 16000))
+QUICK_REPEATS = Repeats(warmup=1, min_repeats=2, max_repeats=3, min_time_s=0.0)
 
 
 def _line(xs: list[float], ys: list[float]) -> tuple[float, float]:
@@ -94,8 +96,15 @@ def measure_loss_parallel(repeats: Repeats | None = None, sizes=LOSS_SIZES, thre
     return LossParallel(fwd_s=fwd_s, fwd_s_per_logit=fwd_per, bwd_s=bwd_s, bwd_s_per_logit=bwd_per), rows
 
 
-def main() -> None:
-    fitted, rows = measure_loss_parallel()
+def main(argv: list[str] | None = None) -> None:
+    """`python -m autoplan.profiling.loss_parallel [THREADS [quick]]`: the measurement in this process, as a CPU
+    rank of `autoplan apply` runs (its freed memory kept mapped: autoplan.run.host_memory), printed as JSON;
+    "quick": the two smaller sizes, few repeats (`autoplan profile --quick`)."""
+    argv = sys.argv[1:] if argv is None else argv
+    keep_freed_memory()
+    quick = argv[1:] == ["quick"]
+    fitted, rows = measure_loss_parallel(QUICK_REPEATS if quick else None, LOSS_SIZES[:2] if quick else LOSS_SIZES,
+                                         threads=int(argv[0]) if argv else 1)
     print(json.dumps({"loss_parallel": fitted.model_dump(),
                       "rows": [dict(zip(("tokens", "local_vocab", "fused_fwd_s", "fused_fwd_bwd_s", "parallel_fwd_s",
                                          "parallel_fwd_bwd_s"), row)) for row in rows]}, indent=2))

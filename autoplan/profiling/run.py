@@ -14,6 +14,7 @@ import platform
 import statistics
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -39,6 +40,8 @@ from autoplan.profiling.ops import OpCase, collect_cases, sweep_workload, unique
 from autoplan.profiling.overlap import OVERLAP_PHASE_S, OVERLAP_TRIALS
 from autoplan.profiling.ranks import measure_on_ranks
 from autoplan.profiling.timing import Repeats
+from autoplan.profiling.tp_costs import measure_tp_costs
+from autoplan.run.host_memory import FIRST_TOUCH_KEPT, keep_freed_memory
 from cost_models.comm import ring_factor
 from cost_models.profile import CollectiveFit, DeviceProfile, FsdpOverhead, HostLink, Link, Overlap, Provenance
 
@@ -125,7 +128,8 @@ def _resolve(settings: ProfileSettings) -> tuple[torch.device, str, int | None]:
 
 def measure_profile(settings: ProfileSettings) -> ProfileResult:
     """Measure (or read from the cache) everything a profile holds, fit, and return the profile with the
-    fits' held-out quality. Raises UsageError for settings this host cannot run."""
+    fits' held-out quality. Raises UsageError for settings this host cannot run. On the CPU this process's
+    malloc keeps what it frees from then on, as apply's ranks do (autoplan.run.host_memory)."""
     started = time.perf_counter()
     device, backend, threads = _resolve(settings)
     kind = device.type
@@ -139,6 +143,8 @@ def measure_profile(settings: ProfileSettings) -> ProfileResult:
                     settings.repeats.min_time_s],
         "overlap": [settings.overlap_phase_s, settings.overlap_trials],
         "comm_rounds": settings.comm_rounds,
+        # a CPU measures with freed memory kept mapped, as apply's ranks run (autoplan.run.host_memory)
+        "host_memory": "kept" if (kept := kind == "cpu" and keep_freed_memory()) else "default",
     })
     previous_threads = torch.get_num_threads()
     if threads:
@@ -149,7 +155,8 @@ def measure_profile(settings: ProfileSettings) -> ProfileResult:
         remeasured = remeasure_outliers(cases, op_seconds, fresh, device, settings.repeats, cache, settings.progress)
         points, op_times = points_and_timings(cases, op_seconds)
         op_fits = fit_op_families(points, device_bench.FRESH_MAP_BYTES if kind == "cpu" else None)
-        device_numbers = _device_numbers(device, settings.repeats, cache, settings.nproc if kind == "cpu" else 1)
+        device_numbers = device_bench.device_numbers(device, settings.repeats, partial(_cached, cache),
+                                                    settings.nproc if kind == "cpu" else 1)
         # the host threads a rank's offloaded optimizer step gets: every GPU of this node runs a rank
         host_threads = threads or host_threads_per_rank(max(settings.nproc, torch.cuda.device_count()))
         host = _cached(cache, f"host_link:{host_threads}threads:{settings.host_copy_bytes}B",
@@ -157,6 +164,7 @@ def measure_profile(settings: ProfileSettings) -> ProfileResult:
                                                  device_numbers["adamw_bytes_s"] if kind == "cpu" else None))
         sizes = DEFAULT_COMM_SIZES_BYTES[kind] if settings.comm_sizes_bytes is None else settings.comm_sizes_bytes
         comm = measure_on_ranks(settings, kind, backend, threads, sizes, cache)
+        tp_costs = measure_tp_costs(threads or 1, partial(_cached, cache), settings.quick) if kind == "cpu" else (None, None, {})
     finally:
         torch.set_num_threads(previous_threads)
     collective_fits = _collective_fits(comm["collectives"])
@@ -182,7 +190,9 @@ def measure_profile(settings: ProfileSettings) -> ProfileResult:
     else:  # one process: nothing of the links was measured
         links, collectives, overlap = reference.links, reference.collectives, reference.overlap
     provenance = _provenance(settings, kind, backend, threads, device_name)
-    provenance.sources.update(_sources(host, reference))
+    provenance.sources.update({**_sources(host, reference), **tp_costs[2]})
+    if kept:  # a rank's step reuses the heap's pages after its first steps: no large buffer is mapped fresh
+        provenance.sources["first_touch_s_per_byte"] = FIRST_TOUCH_KEPT
     profile = DeviceProfile(
         name=name,
         source="measured",
@@ -200,10 +210,12 @@ def measure_profile(settings: ProfileSettings) -> ProfileResult:
         collectives=collectives,
         overlap=overlap,
         optimizer_bytes_s=device_numbers["adamw_bytes_s"],
-        first_touch_s_per_byte=device_numbers["first_touch_s_per_byte"],
+        first_touch_s_per_byte=0.0 if kept else device_numbers["first_touch_s_per_byte"],
         first_touch_min_bytes=device_bench.FRESH_MAP_BYTES,
         optimizer_tensor_s=comm["fsdp"]["optimizer_tensor_s"],
         fsdp=FsdpOverhead(),  # calibrated below, against this profile's own prediction of the steps' parts
+        loss_parallel=tp_costs[0],
+        tp_dispatch=tp_costs[1],
         host_link=HostLink(**{field: host[field] for field in HostLink.model_fields}),
         op_times=op_times,
         op_fits=[r.fit for r in op_fits],
@@ -241,21 +253,6 @@ def _cached(cache: MeasurementCache, key: str, measure):
     return cache.get(key)
 
 
-def _device_numbers(device: torch.device, repeats: Repeats, cache: MeasurementCache,
-                    concurrent: int = 1) -> dict[str, float]:
-    """`concurrent`: ranks on this host stepping their optimizers at once (CPU)."""
-    return {
-        "copy_bandwidth_bytes_s": _cached(cache, "device:copy_bandwidth_bytes_s",
-                                          lambda: device_bench.copy_bandwidth_bytes_s(device, repeats)),
-        "dispatch_overhead_s": _cached(cache, "device:dispatch_overhead_s",
-                                       lambda: device_bench.op_overhead_s(device, repeats)),
-        "adamw_bytes_s": _cached(cache, f"device:adamw_bytes_s:x{concurrent}:large",
-                                 lambda: device_bench.adamw_bytes_s(device, repeats, concurrent)),
-        "first_touch_s_per_byte": _cached(cache, "device:first_touch_s_per_byte",
-                                          lambda: device_bench.first_touch_s_per_byte(device, repeats)),
-    }
-
-
 def _links_reference(settings: ProfileSettings, device_name: str) -> DeviceProfile | None:
     """With one process: the profile whose links, collective fits and overlap the measured one takes
     (`links_from`, else the shipped datasheet profile of this device); None with several processes."""
@@ -278,12 +275,16 @@ def _links_reference(settings: ProfileSettings, device_name: str) -> DeviceProfi
 def _sources(host: dict, reference: DeviceProfile | None) -> dict[str, str]:
     """provenance.sources of what was not measured the usual way: the host link's figures, and with one
     process the links taken from another profile."""
-    sources = {"host_link": (
-        f"measured here: one {host['copy_bytes'] >> 20} MiB copy each way (pinned host memory on CUDA, a memcpy "
-        f"on the CPU), AdamW on host fp32 tensors with {host['cpu_threads']} threads"
-        + (f"; a side-stream copy hid {host['overlap']['hidden_fraction']:.0%} of itself or of a matmul loop"
-           if "overlap" in host else "; the CPU runs no copy beside compute")
-        + ("" if host["host_mem_bytes"] is None else "; host memory: this machine's"))}
+    copy = (f"measured here: one {host['copy_bytes'] >> 20} MiB copy (pinned host memory on CUDA, a memcpy on the "
+            "CPU)")
+    sources = {f"host_link.{field}": text for field, text in (
+        ("h2d_bytes_s", copy), ("d2h_bytes_s", copy),
+        ("overlaps_compute", f"measured here: a side-stream copy hid {host['overlap']['hidden_fraction']:.0%} of "
+         "itself or of a matmul loop" if "overlap" in host else "the CPU runs no copy beside its compute"),
+        ("cpu_optimizer_bytes_s", f"measured here: AdamW on host fp32 tensors with {host['cpu_threads']} threads"),
+        ("cpu_threads", "the host threads a rank's offloaded optimizer step gets here"),
+        ("host_mem_bytes", "left to the search: it takes this machine's memory" if host["host_mem_bytes"] is None
+         else "this machine's memory"))}
     if reference is not None:
         for field in ("links", "collectives", "overlap"):
             sources[field] = (f"not measured (one process, no collectives): taken from profile {reference.name!r}"
@@ -324,8 +325,11 @@ def _provenance(settings: ProfileSettings, kind: str, backend: str, threads: int
         description=(
             f"{rough}measured by `autoplan profile` on {host} ({device_name}): per-op forward/backward times of the "
             f"models' traced ops and of sweep MLP blocks, per-family fits, {backend} collectives over "
-            f"{settings.nproc} processes, compute/communication overlap, per-tensor optimizer overhead (profiling/fsdp.py), whole FSDP2 training steps of a calibration model fitted for the in-step compute scale and per-unit cost (profiling/calibration.py), AdamW step throughput, the host link (profiling/host_link.py). "
-            "peak_flops is the best achieved matmul FLOP/s and mem_bandwidth a large copy, so both "
+            f"{settings.nproc} processes, compute/communication overlap, per-tensor optimizer overhead (profiling/fsdp.py), whole FSDP2 training steps of a calibration model fitted for the in-step compute scale and per-unit cost (profiling/calibration.py), AdamW step throughput, the host link (profiling/host_link.py)"
+            + (", and on the CPU loss_parallel's and DTensor's costs under tensor parallelism (profiling/tp_costs.py), "
+               "everything with freed memory kept mapped as apply's ranks run (run/host_memory.py). " if kind == "cpu"
+               else ". ")
+            + "peak_flops is the best achieved matmul FLOP/s and mem_bandwidth a large copy, so both "
             "efficiencies are 1.0."
         ),
         host=host,
