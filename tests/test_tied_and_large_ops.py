@@ -76,13 +76,14 @@ def test_ops_mapped_fresh_take_their_kinds_fit_over_large_points():
 
 
 def test_the_shipped_cpu_profile_prices_a_32k_vocabulary_loss_as_measured():
-    """cross_entropy over [3 x 128 x 32000] bf16 logits, timed alone on this project's machine (1 thread):
-    42 ms forward, 58 ms backward; the fit over all points said 11 and 13."""
+    """cross_entropy over [3 x 128 x 32000] bf16 logits, timed alone on this project's machine (1 thread) with
+    freed memory kept mapped, as apply's ranks run: 20 ms forward, 26 ms backward (42 and 58 with glibc's
+    default malloc, which maps the 49 MB logits fresh each time); the fit over all points said 11 and 13."""
     model = ComputeModel(load_profile("cpu-gloo-2"), "bf16")
     pair = autoplan.trace("llama-tiny[n_layers=1,d_model=64,n_heads=2,n_kv_heads=1,ffn_hidden=128,vocab_size=32000]",
                           seq_len=128).traces("bf16")
     loss = next(op for op in extrapolate_ops(pair.at_1.ops, pair.at_2.ops, 3) if op.kind == "cross_entropy")
-    # the fp32 logits are 49 MB: mapped fresh
+    # the fp32 logits are 49 MB: priced by the fits over ops of such sizes
     assert largest_alloc_bytes(loss, "fwd") >= 32 * MIB and largest_alloc_bytes(loss, "bwd") >= 32 * MIB
-    assert 0.035 < model.op_time_s(loss, "fwd") < 0.055 and 0.045 < model.op_time_s(loss, "bwd") < 0.07
+    assert 0.016 < model.op_time_s(loss, "fwd") < 0.026 and 0.02 < model.op_time_s(loss, "bwd") < 0.032
     assert all(fit.family not in ("matmul", "memory") for fit in model.profile.op_fits if fit.min_alloc_bytes)
