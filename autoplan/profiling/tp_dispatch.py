@@ -54,7 +54,7 @@ class DispatchRow:
     bwd_s: float
 
 
-def _build(variant: str, mesh, threads: int):
+def _build(variant: str, mesh):
     from torch.distributed.fsdp import fully_shard
 
     from autoplan.models.config import get_config
@@ -105,7 +105,7 @@ def measure_tp_dispatch(rounds: int = 5, steps: int = 8, warmup: int = 3,
     try:
         mesh = init_device_mesh("cpu", (_DP, _TP), mesh_dim_names=("dp", "tp"))
         variants = ("plain", "tp", "tp+sp")
-        built = {variant: _build(variant, mesh, threads) for variant in variants}
+        built = {variant: _build(variant, mesh) for variant in variants}
         ids = torch.randint(0, DISPATCH_MODEL["vocab_size"], _TOKENS, generator=torch.Generator().manual_seed(0))
         times: dict[str, list[tuple[float, float]]] = {variant: [] for variant in variants}
         for variant in variants:
