@@ -59,7 +59,35 @@ CASES: list[tuple[str, list[str]]] = [
                             "--batch-size", "4", "--json"]),
     ("estimate-llama2-7b", ["estimate", "--model", "llama2-7b", "--gpus", "8", "--strategy", "replicate",
                             "--dtype", "bf16", "--optimizer", "sgd", "--seq-len", "1024", "--json"]),
+    # tensor parallelism: fixed degrees, with and without sequence parallelism, and searched with the rest
+    ("tp2-llama-tiny-cpu", ["search", "--model", "llama-tiny", "--mem", "30MB", "--gpus", "2", "--seq-len", "64",
+                            "--profile", "cpu-gloo-2", "--tp", "2"]),
+    ("tp4-sp-llama2-7b", ["search", "--model", "llama2-7b", "--mem", "40GB", "--seq-len", "4096", "--tp", "4",
+                          "--sequence-parallel", "on", "--profile", "h100-sxm-80gb"]),
+    ("tp-searched-llama3-8b", ["search", "--model", "llama3-8b", "--mem", "40GB", "--seq-len", "8192",
+                               "--profile", "h100-sxm-80gb"]),
+    ("tp2-fine-llama-1b", ["search", "--model", "llama-1b", "--mem", "16GB", "--seq-len", "2048", "--granularity",
+                           "fine", "--tp", "2"]),
+    # offload: chosen by the solver where nothing else fits, and asked for with a strategy
+    ("offload-llama2-70b-8", ["search", "--model", "llama2-70b", "--mem", "40GB", "--gpus", "8", "--profile",
+                              "h100-sxm-80gb", "--seq-len", "2048", "--tp", "1"]),
+    ("strategy-offload", ["search", "--model", "gpt2-medium", "--mem", "8GB", "--strategy", "shard", "--offload",
+                          "--profile", "h100-sxm-80gb"]),
+    # selective checkpointing as a strategy, and pinned searches (a label, fields, a range)
+    ("strategy-selective", ["search", "--model", "llama2-7b", "--mem", "40GB", "--strategy", "shard", "--checkpoint",
+                            "selective"]),
+    ("pinned-fields-llama2-13b", ["search", "--model", "llama2-13b", "--mem", "60GB", "--seq-len", "2048",
+                                  "--pin", "layers.*=checkpoint=selective"]),
+    ("pinned-range-gpt2-1.5b", ["search", "--model", "gpt2-1.5b", "--mem", "8GB", "--pin",
+                                "transformer.h.0-11=shard+ckpt", "--pin", "transformer.h.40-47=checkpoint=none"]),
+    # estimates: selective with offload, and a plan file of an earlier case (@plan:LABEL)
+    ("estimate-selective-offload", ["estimate", "--model", "llama2-13b", "--gpus", "8", "--strategy", "shard",
+                                    "--checkpoint", "selective", "--offload", "--profile", "h100-sxm-80gb", "--json"]),
+    ("estimate-plan-gpt2-1.5b", ["estimate", "--plan", "@plan:readme-gpt2-1.5b", "--json"]),
+    ("estimate-plan-offload", ["estimate", "--plan", "@plan:offload-llama2-70b-8", "--json"]),
 ]
+
+PLAN_REF = "@plan:"  # an argument naming the plan file of an earlier case
 
 # fields that measure the machine, not the plan
 VOLATILE = {"wall_time_s"}
@@ -79,7 +107,8 @@ def run_cases(tree: Path, out_dir: Path, cases) -> dict[str, dict]:
     results = {}
     for label, argv in cases:
         plan_file = out_dir / f"{label}.json"
-        args = list(argv)
+        # "@plan:LABEL": the plan file an earlier case wrote with this tree's code
+        args = [str(out_dir / f"{a[len(PLAN_REF):]}.json") if a.startswith(PLAN_REF) else a for a in argv]
         if args[0] == "search":
             args += ["-o", str(plan_file)]
         start = time.perf_counter()
