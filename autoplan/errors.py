@@ -33,3 +33,9 @@ class TraceError(AutoplanError):
     """The model could not be traced; the message names the failing module or op."""
 
     exit_code = 2
+
+
+class SolverTimeout(AutoplanError):
+    """The solver's time limit ran out before any verdict (no plan, no proof that none fits)."""
+
+    exit_code = 1

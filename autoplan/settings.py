@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, mo
 
 from autoplan.errors import UsageError
 from autoplan.sizes import format_bytes, parse_mem_bytes
+from cost_models.mesh import Mesh, MeshError
 from cost_models.options import (
     CHECKPOINT_MODES,
     DEFAULT_OPTIMIZER,
@@ -32,13 +33,12 @@ from cost_models.options import (
 
 __all__ = [
     "DEFAULT_HEADROOM", "DEFAULT_MODEL", "DEFAULT_PROFILE", "DEFAULT_TIME_LIMIT_S", "GRANULARITIES", "MAX_HEADROOM",
-    "EstimateSettings", "Flag", "PlanningSettings", "SearchSettings", "check_choice", "check_mem_limit",
+    "EstimateSettings", "Flag", "PlanningSettings", "SearchSettings", "check_choice", "check_mem_limit", "mesh_of",
     "settings_error",
 ]
 
 DEFAULT_MODEL = "gpt2-1.5b"
 DEFAULT_PROFILE = "a100-sxm4-80gb"
-DEFAULT_GPUS_PER_NODE = 8
 # plans are made to this fraction below the limit: predicted peaks land within ~1% of measured ones in a
 # typical step (see benchmarks/RESULTS.md), and now and then a buffer freed late by another thread
 # (gloo's) lifts a step's peak by up to ~2% more
@@ -62,6 +62,14 @@ def check_choice(param: str, value: str, choices) -> None:
     """UsageError naming the parameter, the bad value and the accepted ones."""
     if value not in choices:
         raise UsageError(f"unknown `{param}` {value!r}; choose one of {', '.join(choices)}")
+
+
+def mesh_of(gpus: int | None, nodes: int | None, gpus_per_node: int | None) -> Mesh:
+    """The mesh of a request's cluster (cost_models.mesh.Mesh.of); UsageError where the counts disagree."""
+    try:
+        return Mesh.of(gpus, nodes, gpus_per_node)
+    except MeshError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def check_mem_limit(mem_limit_bytes: int, device_mem_bytes: int, profile: str, allowed: bool,
@@ -132,11 +140,8 @@ class _Settings(BaseModel):
             value = getattr(self, name, None)
             if value is not None:
                 check_choice(name, value, choices_of(name))
-        gpus, nodes, per_node = self.gpus, self.nodes, self.gpus_per_node
-        if gpus is not None and per_node is None and gpus % (nodes or 1):
-            raise UsageError(f"`gpus` {gpus} is not a multiple of `nodes` {nodes}")
-        if gpus is not None and per_node is not None and gpus != (nodes or 1) * per_node:
-            raise UsageError(f"`gpus` {gpus} does not equal `nodes` {nodes or 1} x `gpus_per_node` {per_node}")
+        if any(getattr(self, name, None) is not None for name in ("gpus", "nodes", "gpus_per_node")):
+            mesh_of(self.gpus, self.nodes, self.gpus_per_node)  # the counts agree (checked where the mesh is made)
         return self
 
 

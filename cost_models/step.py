@@ -19,7 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .algebra import Algebra
-from .table import CostTable, OptionCost
+from .option_cost import OptionCost
+from .table import CostTable
 
 
 @dataclass

@@ -27,13 +27,13 @@ from enum import Enum
 
 from cost_models.choices import Option
 from cost_models.comm import CommModel
-from cost_models.options import Recompute
+from cost_models.options import MeshShape, Recompute
 from cost_models.profile import DeviceProfile
 from cost_models.records import LOSS_NODE, OpRecord, ParamInfo, Unit
 
 __all__ = [
-    "LOSS_COLLECTIVES", "TpLayout", "TpRole", "UnitLayout", "add_tp_time", "parallelized_modules", "regions_per_unit",
-    "tp_collectives", "tp_keep_bytes", "tp_ops", "tp_profile", "tp_units", "unit_layouts",
+    "LOSS_COLLECTIVES", "TpLayout", "TpRole", "UnitLayout", "add_tp_time", "data_parallel_kinds", "parallelized_modules",
+    "regions_per_unit", "tp_collectives", "tp_keep_bytes", "tp_ops", "tp_profile", "tp_units", "unit_layouts",
 ]
 
 # loss_parallel's forward all-reduces three per-token fp32 vectors across the group (max, sum of exp, target logit)
@@ -163,13 +163,19 @@ def tp_units(units: list[Unit], layout: TpLayout) -> list[Unit]:
     return out
 
 
-def _owner(units: list[Unit], path: str) -> int:
-    """The innermost unit whose module holds `path`."""
-    best, best_len = None, -1
-    for index, unit in enumerate(units):
-        if (unit.path == "" or path == unit.path or path.startswith(unit.path + ".")) and len(unit.path) > best_len:
-            best, best_len = index, len(unit.path)
-    return best
+def _owners(units: list[Unit]):
+    """A function of a module path: the index of the innermost unit whose module holds it (its own path or
+    its nearest ancestor's that is a unit's)."""
+    index = {unit.path: i for i, unit in enumerate(units)}
+
+    def owner(path: str) -> int | None:
+        while path not in index:
+            if not path:
+                return None
+            path = path.rpartition(".")[0]
+        return index[path]
+
+    return owner
 
 
 def unit_layouts(units: list[Unit], layout: TpLayout) -> list[UnitLayout | None]:
@@ -177,15 +183,16 @@ def unit_layouts(units: list[Unit], layout: TpLayout) -> list[UnitLayout | None]
     tags: list[UnitLayout | None] = [None] * len(units)
     if layout.degree == 1:
         return tags
+    owner = _owners(units)
     for region in layout.regions:
-        tags[_owner(units, region)] = UnitLayout.MEGATRON_SP if layout.sequence_parallel else UnitLayout.MEGATRON
+        tags[owner(region)] = UnitLayout.MEGATRON_SP if layout.sequence_parallel else UnitLayout.MEGATRON
     for path in (layout.embedding, layout.head):
-        if path is not None and tags[_owner(units, path)] is None:
-            tags[_owner(units, path)] = UnitLayout.VOCAB
+        if path is not None and tags[owner(path)] is None:
+            tags[owner(path)] = UnitLayout.VOCAB
     if layout.sequence_parallel:
         for path, role in layout.roles.items():
-            if role is TpRole.SEQUENCE and tags[_owner(units, path)] is None:
-                tags[_owner(units, path)] = UnitLayout.SEQUENCE
+            if role is TpRole.SEQUENCE and tags[owner(path)] is None:
+                tags[owner(path)] = UnitLayout.SEQUENCE
     return tags
 
 
@@ -239,21 +246,27 @@ def tp_collectives(units: list[Unit], layout: TpLayout, micro_batch_size: int, s
     times = [TpTime() for _ in units]
     if t == 1:
         return times
+    owner = _owners(units)
     comm = CommModel(profile)
     activation = micro_batch_size * seq_len * layout.hidden * compute_bytes
     sp = layout.sequence_parallel
     pair = [("all_gather", activation), ("reduce_scatter", activation)] if sp else [("all_reduce", activation)]
+    columns_under: dict[str, int] = {}  # module path -> column-wise projections below it
+    for path, role in layout.roles.items():
+        if role is TpRole.COLWISE:
+            parts = path.split(".")
+            for depth in range(1, len(parts)):
+                ancestor = ".".join(parts[:depth])
+                columns_under[ancestor] = columns_under.get(ancestor, 0) + 1
     for region in layout.regions:
-        u = _owner(units, region)
-        columns = sum(1 for path, role in layout.roles.items() if role is TpRole.COLWISE
-                      and path.startswith(region + "."))
-        backward = pair if sp else pair * max(1, columns)
+        u = owner(region)
+        backward = pair if sp else pair * max(1, columns_under.get(region, 0))
         times[u] = times[u].plus(pair, comm, t, False).plus(backward, comm, t, True)
     if layout.embedding is not None:
-        u = _owner(units, layout.embedding)
+        u = owner(layout.embedding)
         times[u] = times[u].plus([("reduce_scatter" if sp else "all_reduce", activation)], comm, t, False)
     if layout.head is not None:
-        u = _owner(units, layout.head)
+        u = owner(layout.head)
         loss = [("all_reduce", micro_batch_size * seq_len * _LOSS_BYTES)] * LOSS_COLLECTIVES
         times[u] = times[u].plus(([("all_gather", activation)] if sp else []) + loss, comm, t, False)
         times[u] = times[u].plus([("reduce_scatter" if sp else "all_reduce", activation)], comm, t, True)
@@ -265,9 +278,19 @@ def tp_collectives(units: list[Unit], layout: TpLayout, micro_batch_size: int, s
     if profile.tp_dispatch is not None:
         fwd, bwd = profile.tp_dispatch.per_module(sp)
         for path in parallelized_modules(layout):
-            u = _owner(units, path)
+            u = owner(path)
             times[u] = replace(times[u], fwd_s=times[u].fwd_s + fwd, bwd_s=times[u].bwd_s + bwd)
     return times
+
+
+def data_parallel_kinds(table):
+    """A cost table with only the options that run beside tensor parallelism: kinds sharding over the whole
+    data-parallel dimension (replicate and hybrid would need a three-dimensional mesh that apply does not
+    build), without offload (not offered beside DTensor's parameters)."""
+    keep = [[i for i, o in enumerate(opts) if o.kind.mesh == MeshShape.WORLD and not o.offload]
+            for opts in table.options]
+    return replace(table, options=[[opts[i] for i in k] for opts, k in zip(table.options, keep)],
+                   costs=[[costs[i] for i in k] for costs, k in zip(table.costs, keep)])
 
 
 def add_tp_time(options: list[list[Option]], costs: list, times: list[TpTime], call_fwd_s: float = 0.0,
@@ -309,8 +332,9 @@ def tp_keep_bytes(keep_all: int, keep_cheap: int, layout_of_unit: UnitLayout | N
 def regions_per_unit(units: list[Unit], layout: TpLayout) -> list[int]:
     """How many attention and MLP regions each unit owns."""
     counts = [0] * len(units)
+    owner = _owners(units)
     for region in layout.regions:
-        counts[_owner(units, region)] += 1
+        counts[owner(region)] += 1
     return counts
 
 

@@ -11,12 +11,13 @@ from autoplan.solve.tables import CostTables
 from cost_models.comm import CommModel
 from cost_models.compute import ComputeModel
 from cost_models.evaluate import evaluate, uniform_choices
-from cost_models.options import Recompute
+from cost_models.mesh import Mesh
 from cost_models.records import extrapolate_ops
-from cost_models.table import ClusterShape, build_cost_table
+from cost_models.table import build_cost_table
+from cost_models.training import MicroBatch, Training
 
 CPU, GPU = "cpu-gloo-2", "a100-sxm4-80gb"
-TWO_RANKS = ClusterShape(world_size=2, nodes=1, gpus_per_node=2)
+TWO_RANKS = Mesh(nodes=1, gpus_per_node=2)
 
 
 @pytest.fixture(scope="module")
@@ -63,10 +64,8 @@ def _step_growth(profile_name, traced, small, large):
     """Step time of the all-shard plan at a large micro-batch over a small one."""
     steps = []
     for micro_batch_size in (small, large):
-        ops = extrapolate_ops(traced.trace_1.ops, traced.trace_2.ops, micro_batch_size)
-        keep = [a + (b - a) * (micro_batch_size - 1) for a, b in zip(*traced.keep[Recompute.ALL])]
-        table = build_cost_table(traced.units, ops, keep, load_profile(profile_name), TWO_RANKS, micro_batch_size,
-                                 1, 128, "bf16-mixed", "adamw")
+        table = build_cost_table(traced.inputs(micro_batch_size), load_profile(profile_name), TWO_RANKS,
+                                 MicroBatch(micro_batch_size), Training(128, "bf16-mixed", "adamw"))
         steps.append(evaluate(table, uniform_choices(table, "shard", False)).step_time_s)
     return steps[1] / steps[0]
 

@@ -10,12 +10,13 @@ import pytest
 
 import autoplan
 from autoplan.errors import UsageError
+from autoplan.models.tp_layout import TpRefusal, recognise
 from autoplan.models.zoo import ModelConfig, build_model
 from autoplan.plan.schema import Plan, TpLayoutName, load_plan
 from autoplan.profile_store import load_profile
-from autoplan.solve.tp_layout import TpRefusal, recognise, tp_degrees
 from cost_models.comm import CommModel
 from cost_models.compute import ComputeModel
+from cost_models.mesh import Mesh
 from cost_models.profile import OpTiming
 from cost_models.records import LOSS_NODE
 from cost_models.tensor_parallel import (
@@ -37,7 +38,10 @@ def llama():
 
 
 def test_degrees_are_the_divisors_of_a_node_up_to_eight():
-    assert tp_degrees(8) == [1, 2, 4, 8] and tp_degrees(2) == [1, 2] and tp_degrees(16) == [1, 2, 4, 8]
+    def degrees(gpus_per_node):
+        return Mesh(gpus_per_node=gpus_per_node).tensor_degrees()
+
+    assert degrees(8) == [1, 2, 4, 8] and degrees(2) == [1, 2] and degrees(16) == [1, 2, 4, 8]
 
 
 def test_llama_layout_is_megatron(llama):
@@ -232,14 +236,13 @@ def test_a_selective_block_keeps_its_row_wise_outputs_whole(llama):
     beside the all-reduces' outputs (kept as collective outputs): 8.4 MB a block under-predicted at 16k tokens
     when the partial sums were counted 1/t."""
     from autoplan.solve.cluster import resolve_cluster
-    from autoplan.solve.tp_search import TpTables, data_parallel_cluster
 
     mb, bf16 = 4, 2
     tables = llama.cache("bf16", "block")
     cluster = resolve_cluster(2, None, None, "a100-sxm4-80gb")
     plain = tables.table(mb, 1, cluster, SEQ, "bf16-mixed", "adamw")
-    tp = TpTables(tables, recognise(llama.module, 2, False)).table(
-        mb, 1, data_parallel_cluster(cluster, 2), SEQ, "bf16-mixed", "adamw")
+    tp = tables.for_layout(recognise(llama.module, 2, False)).table(
+        mb, 1, cluster.with_mesh(cluster.mesh.with_tensor(2)), SEQ, "bf16-mixed", "adamw")
 
     def kept(table, label):
         unit = [u.path for u in table.units].index("layers.0")

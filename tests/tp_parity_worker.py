@@ -21,12 +21,12 @@ from planmaker import make_plan
 from torch.distributed.tensor import DTensor
 
 from autoplan.errors import PlanFileError
+from autoplan.models.tp_layout import recognise
 from autoplan.models.zoo import build_model, get_config
 from autoplan.run.apply import apply
 from autoplan.run.data import BatchShape, SyntheticTokens, rank_micro_batches
-from autoplan.run.tp import data_rank, training_context
+from autoplan.run.tp import training_context
 from autoplan.run.worker import next_token_loss
-from autoplan.solve.tp_layout import recognise
 from cost_models.records import ParamInfo, Unit
 from cost_models.tensor_parallel import unit_layouts
 
@@ -110,7 +110,8 @@ def applied_run(plan, shape: BatchShape, rank: int):
 def run_case(world_size: int, case: tuple) -> dict:
     kwargs, sp = case
     plan = tp_plan(world_size, sp, **kwargs)
-    rank, dp = data_rank(plan, dist.get_rank(), world_size)
+    mesh = plan.cluster.mesh
+    rank, dp = mesh.data_rank(dist.get_rank()), world_size // mesh.tp
     t = plan.training
     shape = BatchShape(t.micro_batch_size, t.grad_accum_steps, dp, t.seq_len)
     losses, params, probe = applied_run(plan, shape, rank)

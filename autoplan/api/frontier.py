@@ -1,20 +1,20 @@
 """The throughput-memory frontier: the best plan's throughput under each of a sweep of memory limits,
 beside the uniform baselines' (all-shard, all-shard+ckpt, all-replicate) under the same limits.
 
-The model is traced once for the whole sweep (a TracedModel); each limit is one `search`.
+The request is prepared once for the whole sweep (the model traced once); each limit is one search of it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Iterable
 
-from autoplan.api.search import search
-from autoplan.api.traced import reuse_traced
+from autoplan.api.prepare import prepare
+from autoplan.api.search import plan_of
 from autoplan.errors import InfeasibleError
 from autoplan.plan.assemble import BASELINES
 from autoplan.plan.schema import Plan
-from autoplan.settings import SearchSettings
+from autoplan.settings import SearchSettings, check_mem_limit
 from autoplan.sizes import parse_mem_bytes
 
 
@@ -43,12 +43,13 @@ def frontier(model: Any, limits: Iterable[str | int], *, settings: SearchSetting
     [True, True]
     """
     base = SearchSettings.create(settings, model=model, **fields)
-    traced = reuse_traced(base.model_or_default, base.seq_len, base.example_inputs)
-    base = base.replace(model=traced)
+    request = prepare(base)
+    cluster = request.cluster
     points = []
     for limit_bytes in sorted(parse_mem_bytes(limit) for limit in limits):
+        check_mem_limit(limit_bytes, cluster.profile.mem_bytes, cluster.profile_name, base.allow_over_device_mem)
         try:
-            plan = search(mem=limit_bytes, settings=base)
+            plan = plan_of(replace(request, limits=replace(request.limits, mem_limit_bytes=limit_bytes)))
         except InfeasibleError:
             # no plan fits, so no uniform baseline does either (each is one of the plans searched)
             points.append(FrontierPoint(limit_bytes, None, {name: None for name, _, _ in BASELINES}))

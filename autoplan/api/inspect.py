@@ -8,39 +8,28 @@ import os
 from pathlib import Path
 from typing import Any
 
-from autoplan.api.estimate import _plan_choices
-from autoplan.api.traced import reuse_traced
+from autoplan.api.estimate import request_table
+from autoplan.api.prepare import load_plan_of, prepare
 from autoplan.errors import PlanFileError
-from autoplan.models.fingerprint import model_fingerprint
-from autoplan.models.resolve import model_from_plan
 from autoplan.plan.diff import PlanDiff, diff_plans
 from autoplan.plan.explain import Explanation, explain_plan
 from autoplan.plan.schema import Plan, load_plan
-from autoplan.solve.cluster import resolve_cluster
-from autoplan.solve.tables import compute_dtype_of
+from autoplan.settings import EstimateSettings
 from cost_models.table import CostTable
 
 __all__ = ["diff", "explain", "plan_table"]
 
 
 def plan_table(plan: Plan | str | os.PathLike, model: Any = None) -> tuple[Plan, CostTable, list[int]]:
-    """The plan (loaded if a path), the cost table of its own settings, and its decisions as option
-    indices into it. `model` is needed only for a plan made from a factory or an nn.Module."""
-    plan_file = None
-    if not isinstance(plan, Plan):
-        plan_file, plan = Path(plan), load_plan(plan)
-    if model is None:
-        model = model_from_plan(plan.model.name, plan.model.config, plan_file)
-    t, c = plan.training, plan.cluster
-    session = reuse_traced(model, t.seq_len, None)
-    if model_fingerprint(session.module) != plan.model.fingerprint:
-        raise PlanFileError(f"the plan {plan_file or ''} was made for a different model than {session.name} (module "
-                            "tree or parameter shapes differ)")
-    cluster = resolve_cluster(c.world_size, c.nodes, c.gpus_per_node, c.profile, c.host_mem_bytes)
-    traced = session.cache(compute_dtype_of(t.dtype), t.granularity, tuple(unit.module for unit in plan.units))
-    table = traced.table(t.micro_batch_size, t.grad_accum_steps, cluster, session.seq_len, t.dtype, t.optimizer,
-                         offload=any(unit.offload for unit in plan.units) or None)
-    return plan, table, _plan_choices(table, plan)
+    """The plan (loaded if a path), the cost table of its own settings (its mesh, tensor parallelism
+    included), and its decisions as option indices into it. `model` is needed only for a plan made from a
+    factory or an nn.Module."""
+    loaded, plan_file = load_plan_of(plan)
+    # the plan's own limit, as it was made to (above the device's memory only where it was asked to be)
+    settings = EstimateSettings.create(model=model, plan=loaded, allow_over_device_mem=True)
+    request = prepare(settings, loaded, plan_file)
+    table, choices = request_table(request, loaded)
+    return loaded, table, choices
 
 
 def explain(plan: Plan | str | os.PathLike, model: Any = None) -> Explanation:

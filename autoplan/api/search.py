@@ -1,28 +1,22 @@
 """`autoplan.search`: the fastest plan whose predicted per-rank peak fits a memory limit.
 
-The stages in order: resolve and trace the model (or reuse a TracedModel), build cost tables per
-micro-batch, sweep the micro-batch with one CP-SAT solve each, assemble the plan.
+The stages in order: prepare the request (autoplan.api.prepare: resolve and trace the model, or reuse a
+TracedModel; the cluster and its meshes; the limits), search every mesh with one micro-batch sweep each
+(autoplan.solve.mesh_search), assemble the plan (autoplan.plan.assemble).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from autoplan.api.traced import reuse_traced
-from autoplan.models.fingerprint import model_fingerprint
-from autoplan.models.resolve import check_seq_len
-from autoplan.models.zoo import count_params
+from autoplan.api.prepare import prepare
 from autoplan.plan.assemble import assemble_plan
-from autoplan.plan.schema import ModelRef, PinRecord, Plan
-from autoplan.plan.tp_plan import search_mesh
-from autoplan.settings import SearchSettings, check_mem_limit
-from autoplan.solve.cluster import resolve_cluster
-from autoplan.solve.pins import resolve_pins
-from autoplan.solve.sweep import sweep
-from autoplan.solve.tables import compute_dtype_of, micro_batch_candidates
-from autoplan.solve.tp_search import degrees_to_search
+from autoplan.plan.schema import PinRecord, Plan
+from autoplan.settings import SearchSettings
+from autoplan.solve.mesh_search import search_meshes
+from autoplan.solve.request import PlanRequest
 
-__all__ = ["search"]
+__all__ = ["plan_of", "search"]
 
 
 def search(model: Any = None, mem: str | int | None = None, *, settings: SearchSettings | None = None,
@@ -47,39 +41,12 @@ def search(model: Any = None, mem: str | int | None = None, *, settings: SearchS
     >>> plan.predicted.peak_mem_bytes <= 60e6
     True
     """
-    s = SearchSettings.create(settings, model=model, mem=mem, **fields)
-    session = reuse_traced(s.model_or_default, s.seq_len, s.example_inputs)
-    resolved, seq_len = session.resolved, session.seq_len
-    check_seq_len(resolved, seq_len)
-    cluster = resolve_cluster(s.gpus, s.nodes, s.gpus_per_node, s.profile, s.host_mem)
-    degrees = degrees_to_search(s.tp, cluster.shape.gpus_per_node)  # tensor-parallel degrees, checked before tracing
-    mem_limit_bytes = s.mem if s.mem is not None else cluster.profile.mem_bytes
-    check_mem_limit(mem_limit_bytes, cluster.profile.mem_bytes, cluster.profile_name, s.allow_over_device_mem)
-    # the headroom keeps plans under the limit when they run (see DEFAULT_HEADROOM)
-    planned_bytes = int(mem_limit_bytes * (1 - s.headroom))
-    candidates = micro_batch_candidates(cluster.shape.world_size, s.batch_size, s.global_batch)
-    dtype, optimizer, granularity = s.dtype_or_default, s.optimizer_or_default, s.granularity_or_default
-    tables = session.cache(compute_dtype_of(dtype), granularity)
-    pins = None
-    if s.pin_set is not None:  # matched once against the granularity's units; modules they name become units
-        pins = resolve_pins(s.pin_set, [unit.path for unit in tables.units], session.module, resolved.name)
-        tables = session.cache(compute_dtype_of(dtype), granularity, pins.extra_units)
-    sweep_args = dict(seq_len=seq_len, dtype=dtype, optimizer=optimizer, planned_bytes=planned_bytes,
-                      mem_limit_bytes=mem_limit_bytes, headroom=s.headroom, time_limit_s=s.time_limit_s,
-                      checkpoint=s.checkpoint, pins=pins, model_name=resolved.name,
-                      fixed_batch=s.batch_size is not None)
-    model_ref = ModelRef(name=resolved.name, config=resolved.config, n_params=count_params(resolved.module),
-                         fingerprint=model_fingerprint(resolved.module), tracer=tables.tracer)
-    assemble_args = dict(model=model_ref, mem_limit_bytes=mem_limit_bytes, headroom=s.headroom, seq_len=seq_len,
-                         dtype=dtype, optimizer=optimizer, granularity=granularity, planned_bytes=planned_bytes)
-    if degrees == [1]:  # FSDP alone
-        outcome = sweep(tables, cluster, candidates, strategy=s.strategy, offload=s.offload, **sweep_args)
-        plan = assemble_plan(outcome, cluster=cluster, **assemble_args)
-    else:  # the mesh too: every tensor-parallel degree (autoplan.solve.tp_search)
-        plan = search_mesh(session.module, tables, cluster, degrees,
-                           lambda world: micro_batch_candidates(world, s.batch_size, s.global_batch),
-                           strategy=s.strategy, offload=s.offload, sweep_args=sweep_args, assemble_args=assemble_args,
-                           sequence_parallel=None if s.sequence_parallel is None else s.sequence_parallel == "on")
-    if pins is None:
+    return plan_of(prepare(SearchSettings.create(settings, model=model, mem=mem, **fields)))
+
+
+def plan_of(request: PlanRequest) -> Plan:
+    """The plan a prepared search request makes (with the pins it was searched with)."""
+    plan = assemble_plan(search_meshes(request), request)
+    if request.pins is None:
         return plan
-    return plan.model_copy(update={"pins": [PinRecord(pattern=p, decision=d) for p, d in pins.records()]})
+    return plan.model_copy(update={"pins": [PinRecord(pattern=p, decision=d) for p, d in request.pins.records()]})

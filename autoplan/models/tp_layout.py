@@ -1,7 +1,8 @@
 """Which modules of a model tensor parallelism can split, and how: the Megatron layout, found from the modules.
 
 The search costs a layout (cost_models.tensor_parallel) and `apply` runs it (autoplan.run.tp); both
-read it from here, so what is costed is what runs. A block is recognised when it has the zoo Llama's
+read it from here, so what is costed is what runs. Which module of a model plays which role is knowledge
+about models, so it lives with them. A block is recognised when it has the zoo Llama's
 shape: an attention module `attn` with projections `wq`, `wk`, `wv`, `wo` and head counts `n_heads`,
 `n_kv_heads`, an MLP `mlp` with `w1` (gate), `w3` (up), `w2` (down), and norms around them. The model
 around the blocks must be an embedding, the blocks, a final norm and a head; the embedding and the
@@ -14,12 +15,11 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from autoplan.tracing.units import largest_module_list
+from autoplan.models.structure import largest_module_list
 from cost_models.tensor_parallel import TpLayout, TpRole
 
-__all__ = ["ATTENTION", "MLP", "TpRefusal", "recognise", "tp_degrees"]
+__all__ = ["ATTENTION", "MLP", "TpRefusal", "recognise"]
 
-MAX_TP_DEGREE = 8  # NVLink domains of today's nodes
 ATTENTION = ("attn", ("wq", "wk", "wv"), "wo")  # child, column-wise projections, row-wise projection
 MLP = ("mlp", ("w1", "w3"), "w2")
 _NORMS = (nn.LayerNorm, nn.RMSNorm)
@@ -27,11 +27,6 @@ _NORMS = (nn.LayerNorm, nn.RMSNorm)
 
 class TpRefusal(ValueError):
     """The model (or this degree) cannot take the layout; the message says why."""
-
-
-def tp_degrees(gpus_per_node: int) -> list[int]:
-    """TP degrees to search: the divisors of the GPUs per node up to MAX_TP_DEGREE (1, 2, 4, 8 on 8-GPU nodes)."""
-    return [t for t in range(1, min(gpus_per_node, MAX_TP_DEGREE) + 1) if gpus_per_node % t == 0]
 
 
 def _linear(module: nn.Module, name: str, where: str) -> nn.Linear:

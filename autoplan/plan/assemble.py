@@ -3,10 +3,17 @@
 The solve stage speaks in cost tables and option indices; a plan speaks in module paths, FSDP2
 settings and bytes. This module is the one translation between them, used by the search, the
 estimates and the calibration runs alike.
+
+A plan of a mesh search records the whole cluster its best mesh runs on (the world, the nodes, the
+tensor-parallel degree and sequence parallelism), every unit's full parameter shapes (apply checks them
+against the model) and its layout under tensor parallelism. Where meshes above degree 1 were searched, each
+one's best is in `solver.tp_degrees`, and a plan of degree above 1 is compared with the best plan of degree
+1 (FSDP alone, the `fsdp-only` baseline) and the uniform baselines of degree 1.
 """
 
 from __future__ import annotations
 
+from autoplan.errors import PlanFileError
 from autoplan.plan.schema import (
     Baseline,
     ClusterSpec,
@@ -17,20 +24,25 @@ from autoplan.plan.schema import (
     SolverInfo,
     SweepEntry,
     TimelinePoint,
+    TpDegreeEntry,
     TrainingSpec,
     UnitDecision,
     UnitPrediction,
 )
-from autoplan.solve.cluster import Cluster
-from autoplan.solve.sweep import SweepOutcome
+from autoplan.solve.mesh_search import MeshResult, MeshSearch
+from autoplan.solve.request import PlanRequest
 from autoplan.version import __version__
 from cost_models.allocator import reserved_bound
 from cost_models.evaluate import Evaluation, evaluate, uniform_choices
 from cost_models.memory import MemCategory, total
+from cost_models.records import Unit
 from cost_models.table import CostTable
+from cost_models.tensor_parallel import UnitLayout
 
-__all__ = ["BASELINES", "assemble_plan", "baselines", "prediction", "unit_decisions"]
+__all__ = ["BASELINES", "FSDP_ONLY", "assemble_plan", "baselines", "model_ref", "plan_choices", "prediction", "training_spec",
+           "unit_decisions"]
 
+FSDP_ONLY = "fsdp-only"  # the baseline a tensor-parallel plan is compared with: the best plan of degree 1
 # the uniform plans every search is compared with: (name, sharding kind, checkpoint mode)
 BASELINES = (("all-shard", "shard", "none"), ("all-shard+sel", "shard", "selective"), ("all-shard+ckpt", "shard", "full"),
              ("all-replicate", "replicate", "none"))
@@ -54,27 +66,54 @@ def prediction(table: CostTable, result: Evaluation, device_type: str | None = N
         timeline=[TimelinePoint(point=p.label, total_bytes=int(total(p)), breakdown=_breakdown(p))
                   for p in result.points],
         host_mem_bytes=result.host_bytes,
-        host_mem_per_node_bytes=result.host_bytes * table.cluster.gpus_per_node,
+        host_mem_per_node_bytes=result.host_bytes * table.mesh.gpus_per_node,
         reserved_bytes=reserved_bound(result.peak_mem_bytes) if device_type == "cuda" else None,
     )
 
 
-def unit_decisions(table: CostTable, choices: list[int]) -> list[UnitDecision]:
+def unit_decisions(table: CostTable, choices: list[int], full_units: list[Unit] | None = None,
+                   layouts: list[UnitLayout | None] | None = None) -> list[UnitDecision]:
+    """Each unit's decision and predictions. Under tensor parallelism `table` holds a rank's shards:
+    `full_units` are the units as the model holds them (their parameters recorded whole) and `layouts` each
+    unit's tensor-parallel layout."""
     decisions = []
-    for unit, options, costs, choice in zip(table.units, table.options, table.costs, choices):
+    for index, (unit, options, costs, choice) in enumerate(zip(table.units, table.options, table.costs, choices)):
         option, cost = options[choice], costs[choice]
+        whole = full_units[index] if full_units is not None else unit
+        layout = layouts[index] if layouts is not None else None
         decisions.append(UnitDecision(
             module=unit.path, sharding=option.sharding, checkpoint=option.checkpoint, offload=option.offload,
-            reshard_after_forward=option.kind.reshard_after_forward, params=unit.numel,
-            param_shapes={p.name: list(p.shape) for p in unit.params},
+            reshard_after_forward=option.kind.reshard_after_forward, params=whole.numel,
+            param_shapes={p.name: list(p.shape) for p in whole.params},
             predicted=UnitPrediction(
                 persistent_bytes=cost.param_bytes + cost.optimizer_bytes, grad_bytes=cost.grad_bytes,
                 gathered_bytes=cost.gathered_bytes, activation_bytes=cost.activation_bytes,
                 fwd_s=cost.fwd_s, bwd_s=cost.bwd_s, comm_s=cost.comm_fwd_s + cost.comm_bwd_s,
                 optimizer_s=cost.optimizer_s, host_bytes=cost.host_bytes,
             ),
+            tp=layout.value if layout is not None else None,
         ))
     return decisions
+
+
+def plan_choices(table: CostTable, plan: Plan) -> list[int]:
+    """The plan's option per unit, as option indices into `table`."""
+    decisions = {unit.module: unit for unit in plan.units}
+    missing = [u.path or "<root>" for u in table.units if u.path not in decisions]
+    extra = sorted(set(decisions) - {u.path for u in table.units})
+    if missing or extra:
+        raise PlanFileError(f"the plan's units do not match the model's at granularity {plan.training.granularity}: "
+                            f"missing {missing[:5]}, unknown {extra[:5]}")
+    choices = []
+    for unit, options in zip(table.units, table.options):
+        decision = decisions[unit.path]
+        match = [i for i, o in enumerate(options)
+                 if (o.sharding, o.checkpoint, o.offload) == (decision.sharding, decision.checkpoint, decision.offload)]
+        if not match:
+            why = " (offload needs a profile with a host link)" if decision.offload else ""
+            raise PlanFileError(f"unit {unit.path or '<root>'}: {decision.label} is not an option on this cluster{why}")
+        choices.append(match[0])
+    return choices
 
 
 def baselines(tables: list[CostTable], mem_limit_bytes: int) -> list[Baseline]:
@@ -99,30 +138,75 @@ def baselines(tables: list[CostTable], mem_limit_bytes: int) -> list[Baseline]:
     return baselines
 
 
-def assemble_plan(outcome: SweepOutcome, *, model: ModelRef, cluster: Cluster, mem_limit_bytes: int, headroom: float,
-                  seq_len: int, dtype: str, optimizer: str, granularity: str, planned_bytes: int) -> Plan:
-    """The plan file of a sweep's answer, with its baselines compared at `planned_bytes`."""
-    table, result = outcome.table, outcome.result
+def model_ref(request: PlanRequest) -> ModelRef:
+    model = request.model
+    return ModelRef(name=model.name, config=model.config, n_params=model.n_params, fingerprint=model.fingerprint,
+                    tracer=request.tables.tracer)
+
+
+def training_spec(table: CostTable, request: PlanRequest) -> TrainingSpec:
+    t = request.training
+    return TrainingSpec(micro_batch_size=table.micro_batch_size, grad_accum_steps=table.grad_accum_steps,
+                        global_batch_size=table.samples_per_step, seq_len=t.seq_len, dtype=t.dtype,
+                        optimizer=t.optimizer, granularity=request.granularity)
+
+
+def assemble_plan(search: MeshSearch, request: PlanRequest) -> Plan:
+    """The plan file of a mesh search's best result, with its baselines compared at the planned bytes."""
+    best, limits = search.best, request.limits
+    outcome, result = best.outcome, best.outcome.result
+    table = outcome.table
+    source = best.source
+    tensor_parallel = best.degree > 1
+    solver = SolverInfo(status=result.status, objective_s=result.objective, bound_s=result.bound,
+                        wall_time_s=outcome.wall_time_s, num_variables=outcome.num_variables,
+                        num_constraints=outcome.num_constraints,
+                        micro_batch_sweep=[SweepEntry(micro_batch_size=s.micro_batch_size,
+                                                      grad_accum_steps=s.grad_accum_steps, status=s.status,
+                                                      step_time_s=s.step_time_s,
+                                                      throughput_samples_s=s.throughput_samples_s)
+                                           for s in outcome.steps])
+    if tensor_parallel or search.tensor_parallel_searched:
+        solver = solver.model_copy(update={"tp_degrees": [_degree_entry(r) for r in search.results]})
+    fsdp = search.data_parallel
     return Plan(
         autoplan_version=__version__,
-        model=model,
-        cluster=ClusterSpec(world_size=cluster.shape.world_size, nodes=cluster.shape.nodes,
-                            gpus_per_node=cluster.shape.gpus_per_node, profile=cluster.profile_name,
-                            device_mem_bytes=cluster.profile.mem_bytes, mem_limit_bytes=mem_limit_bytes,
-                            mem_headroom=headroom,
-                            host_mem_bytes=cluster.host_mem_bytes if cluster.offload_allowed else None),
-        training=TrainingSpec(micro_batch_size=table.micro_batch_size, grad_accum_steps=table.grad_accum_steps,
-                              global_batch_size=table.samples_per_step, seq_len=seq_len, dtype=dtype,
-                              optimizer=optimizer, granularity=granularity),
-        units=unit_decisions(table, outcome.choices),
-        predicted=prediction(table, outcome.evaluation, cluster.profile.device_type),
-        solver=SolverInfo(status=result.status, objective_s=result.objective, bound_s=result.bound,
-                          wall_time_s=outcome.wall_time_s, num_variables=outcome.num_variables,
-                          num_constraints=outcome.num_constraints,
-                          micro_batch_sweep=[SweepEntry(micro_batch_size=s.micro_batch_size,
-                                                        grad_accum_steps=s.grad_accum_steps, status=s.status,
-                                                        step_time_s=s.step_time_s,
-                                                        throughput_samples_s=s.throughput_samples_s)
-                                             for s in outcome.steps]),
-        baselines=baselines(outcome.tables, planned_bytes),
+        model=model_ref(request),
+        cluster=ClusterSpec.of(best.cluster, limits.mem_limit_bytes, limits.headroom),
+        training=training_spec(table, request),
+        units=unit_decisions(table, outcome.choices, source.full_units() if tensor_parallel else None,
+                             source.unit_layouts if tensor_parallel else None),
+        predicted=prediction(table, outcome.evaluation, best.cluster.profile.device_type),
+        solver=solver,
+        baselines=(_fsdp_only(fsdp, limits.planned_bytes) if tensor_parallel and fsdp is not None
+                   else baselines(outcome.tables, limits.planned_bytes)),
     )
+
+
+def _degree_entry(result: MeshResult) -> TpDegreeEntry:
+    outcome = result.outcome
+    if outcome is None:
+        note = result.refused or ""
+        if result.error is not None and result.error.min_mem_bytes:
+            note = f"nothing fits (the leanest plan needs a limit of {result.error.min_mem_bytes:,} bytes)"
+        return TpDegreeEntry(degree=result.degree, sequence_parallel=result.sequence_parallel, fits=False,
+                             wall_time_s=result.wall_time_s, note=note)
+    evaluation = outcome.evaluation
+    return TpDegreeEntry(degree=result.degree, sequence_parallel=result.sequence_parallel, fits=True,
+                         micro_batch_size=outcome.table.micro_batch_size,
+                         grad_accum_steps=outcome.table.grad_accum_steps, step_time_s=evaluation.step_time_s,
+                         throughput_samples_s=result.throughput, peak_mem_bytes=evaluation.peak_mem_bytes,
+                         wall_time_s=result.wall_time_s)
+
+
+def _fsdp_only(result: MeshResult, planned_bytes: int) -> list[Baseline]:
+    """The best plan of degree 1 as a baseline, then the uniform baselines of degree 1."""
+    if result.outcome is None:
+        needed = result.error.min_mem_bytes if result.error is not None else None
+        return [Baseline(name=FSDP_ONLY, fits=False, micro_batch_size=1, peak_mem_bytes=needed or 0,
+                         step_time_s=0.0, throughput_samples_s=0.0)]
+    outcome = result.outcome
+    best = Baseline(name=FSDP_ONLY, fits=True, micro_batch_size=outcome.table.micro_batch_size,
+                    peak_mem_bytes=outcome.evaluation.peak_mem_bytes, step_time_s=outcome.evaluation.step_time_s,
+                    throughput_samples_s=result.throughput)
+    return [best] + baselines(outcome.tables, planned_bytes)

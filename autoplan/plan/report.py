@@ -1,15 +1,18 @@
 """Readable text for a plan: the decision table (consecutive identical units grouped), the memory
-breakdown at the peak, the predicted step time, and the speedup over each baseline."""
+breakdown at the peak, the predicted step time, and the speedup over each baseline.
+
+A schema.Plan prints itself with this module (`Plan.table()`), so this module reads plans and their units
+(`Plan`, `UnitDecision` below) without importing the schema: the dependency runs one way.
+"""
 
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING
+from typing import Any
 
 from autoplan.sizes import format_bytes
 
-if TYPE_CHECKING:  # the schema's Plan prints itself with this module; it is read here, never imported
-    from autoplan.plan.schema import Plan, UnitDecision
+Plan = UnitDecision = Any  # autoplan.plan.schema's records, read by their fields
 
 DEFAULT_CLUSTER_NOTE = "default cluster; set `gpus`, `nodes`, `gpus_per_node` or `profile` to change it"
 
@@ -56,7 +59,14 @@ def unit_rows(plan: Plan) -> list[tuple[str, int, UnitDecision]]:
 
 
 def format_plan(plan: Plan, cluster_is_default: bool = False) -> str:
-    c, t, p = plan.cluster, plan.training, plan.predicted
+    """The plan as the CLI prints it: the setting, the decisions, memory, time, baselines and the solver."""
+    lines = _setting_lines(plan, cluster_is_default) + [""] + _unit_lines(plan) + [""] + _memory_lines(plan)
+    return "\n".join(lines + _time_lines(plan) + _solver_lines(plan))
+
+
+def _setting_lines(plan: Plan, cluster_is_default: bool) -> list[str]:
+    """The model and cluster, the limit and the batch, the mesh."""
+    c, t = plan.cluster, plan.training
     lines = [
         f"autoplan: {plan.model.name} ({_count(plan.model.n_params)} parameters, traced by {plan.model.tracer}) on "
         f"{c.nodes} node(s) x "
@@ -72,18 +82,27 @@ def format_plan(plan: Plan, cluster_is_default: bool = False) -> str:
         lines.append(f"mesh {c.world_size // c.tp_degree} data-parallel x {c.tp_degree} tensor-parallel: the Megatron "
                      "layout inside each group of GPUs of a node" + (" with sequence parallelism" if c.sequence_parallel
                                                                      else "") + ", FSDP over the data-parallel ranks")
-    lines.append("")
+    return lines
+
+
+def _unit_lines(plan: Plan) -> list[str]:
+    """The decision table, alike units grouped."""
     header = f"{'units':<34} {'params/unit':>11}  {'decision':<20} {'act/mb':>10} {'fwd ms':>8} {'bwd ms':>8} {'comm ms':>8}"
-    lines += [header, "-" * len(header)]
+    lines = [header, "-" * len(header)]
     for label, _count_units, unit in unit_rows(plan):
         pred = unit.predicted
         lines.append(
             f"{label:<34} {_count(unit.params):>11}  {_decision(unit):<20} {format_bytes(pred.activation_bytes):>10} "
             f"{pred.fwd_s * 1e3:>8.2f} {pred.bwd_s * 1e3:>8.2f} {pred.comm_s * 1e3:>8.2f}"
         )
+    return lines
+
+
+def _memory_lines(plan: Plan) -> list[str]:
+    """The peak by category, what the caching allocator takes beyond it, and the offloaded state."""
+    c, p = plan.cluster, plan.predicted
     b = p.breakdown
-    lines += [
-        "",
+    lines = [
         f"peak memory per GPU {format_bytes(p.peak_mem_bytes)} of {format_bytes(c.mem_limit_bytes)}"
         + (f" ({c.mem_headroom:.0%} kept free)" if c.mem_headroom else "") + f", at {p.peak_point}:",
         f"  params {format_bytes(b.params_bytes)} | grads {format_bytes(b.grads_bytes)} | optimizer "
@@ -103,7 +122,13 @@ def format_plan(plan: Plan, cluster_is_default: bool = False) -> str:
         of = f" of {format_bytes(c.host_mem_bytes)}" if c.host_mem_bytes else ""
         lines.append(f"host memory (offloaded state, pinned) {format_bytes(p.host_mem_bytes)} per GPU, "
                      f"{format_bytes(p.host_mem_per_node_bytes)} per node{of}")
-    lines += [
+    return lines
+
+
+def _time_lines(plan: Plan) -> list[str]:
+    """The predicted step time and throughput, and the speed-up over each baseline."""
+    p = plan.predicted
+    lines = [
         f"predicted step time {p.step_time_s * 1e3:.1f} ms; throughput {p.throughput_samples_s:.1f} samples/s "
         f"({p.throughput_tokens_s:,.0f} tokens/s)",
     ]
@@ -114,12 +139,17 @@ def format_plan(plan: Plan, cluster_is_default: bool = False) -> str:
         else:
             lines.append(f"  vs {base.name:<15} does not fit (needs {format_bytes(base.peak_mem_bytes)} "
                          f"at micro-batch {base.micro_batch_size})")
+    return lines
+
+
+def _solver_lines(plan: Plan) -> list[str]:
+    """The solver's verdict, the micro-batches tried, and each tensor-parallel degree's best."""
     s = plan.solver
     tried = ", ".join(f"{e.micro_batch_size}:{e.status.lower()}" for e in s.micro_batch_sweep)
     gap_pct = 100 * (s.objective_s - s.bound_s) / s.objective_s if s.objective_s else 0.0
     gap = f", optimality gap {gap_pct:.3f}%" if gap_pct > 0 else ""
-    lines.append(f"solver: {s.status}{gap} in {s.wall_time_s:.2f} s ({s.num_variables} variables); "
-                 f"micro-batches tried {tried}")
+    lines = [f"solver: {s.status}{gap} in {s.wall_time_s:.2f} s ({s.num_variables} variables); "
+             f"micro-batches tried {tried}"]
     if s.tp_degrees:
         lines.append("tensor-parallel degrees (the fastest plan that fits of each):")
         for e in s.tp_degrees:
@@ -128,4 +158,4 @@ def format_plan(plan: Plan, cluster_is_default: bool = False) -> str:
                      f"{e.throughput_samples_s:.1f} samples/s, peak {format_bytes(e.peak_mem_bytes)}" if e.fits
                      else e.note)
             lines.append(f"  {name:<10} {found} ({e.wall_time_s:.1f} s)")
-    return "\n".join(lines)
+    return lines

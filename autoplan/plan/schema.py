@@ -17,7 +17,10 @@ from pydantic_core import PydanticCustomError, core_schema
 
 from autoplan.errors import PlanFileError
 from autoplan.fileio import read_versioned_json, write_text_atomic
+from autoplan.plan.report import format_plan
+from autoplan.solve.cluster import Cluster
 from autoplan.solve.solver import SolveStatus
+from cost_models.mesh import Mesh, MeshError
 from cost_models.options import (
     CHECKPOINT_MODES,
     OPTIMIZERS,
@@ -90,6 +93,29 @@ class ClusterSpec(_Strict):
     # FSDP over the data-parallel dimension (autoplan.run.tp); written only above 1, so older plans load
     tp_degree: int = Field(default=1, ge=1, exclude_if=lambda value: value == 1)
     sequence_parallel: bool = Field(default=False, exclude_if=lambda value: not value)  # norms split along the sequence
+
+    @classmethod
+    def of(cls, cluster: Cluster, mem_limit_bytes: int, headroom: float = 0.0) -> ClusterSpec:
+        """The plan file's record of a cluster running its mesh (`cluster.mesh`), planned to a memory limit."""
+        mesh = cluster.mesh
+        return cls(world_size=mesh.world_size, nodes=mesh.nodes, gpus_per_node=mesh.gpus_per_node,
+                   profile=cluster.profile_name, device_mem_bytes=cluster.profile.mem_bytes,
+                   mem_limit_bytes=mem_limit_bytes, mem_headroom=headroom,
+                   host_mem_bytes=cluster.host_mem_bytes if cluster.offload_allowed else None,
+                   tp_degree=mesh.tp, sequence_parallel=mesh.sequence_parallel)
+
+    @property
+    def mesh(self) -> Mesh:
+        """The mesh the plan runs on; PlanFileError where the file's counts do not make one."""
+        try:
+            mesh = Mesh(nodes=self.nodes, gpus_per_node=self.gpus_per_node, tp=self.tp_degree,
+                        sequence_parallel=self.sequence_parallel)
+        except MeshError as exc:
+            raise PlanFileError(f"the plan's cluster is not a mesh: {exc}") from None
+        if mesh.world_size != self.world_size:
+            raise PlanFileError(f"the plan's cluster has world_size {self.world_size}, but {self.nodes} node(s) x "
+                                f"{self.gpus_per_node} GPU(s) make {mesh.world_size}; make the plan again")
+        return mesh
 
 
 class TrainingSpec(_Strict):
@@ -252,8 +278,6 @@ class Plan(_Strict):
 
     def table(self) -> str:
         """The readable report: decisions, peak memory by category, step time, baselines."""
-        from autoplan.plan.report import format_plan
-
         return format_plan(self)
 
     def __str__(self) -> str:

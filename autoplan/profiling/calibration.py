@@ -112,9 +112,7 @@ def uniform_plan(traced, strategy: str, checkpoint: bool, world_size: int, micro
         autoplan_version=__version__,
         model=ModelRef(name=traced.name, config=traced.resolved.config, n_params=traced.n_params,
                        fingerprint=model_fingerprint(traced.module), tracer=tables.tracer),
-        cluster=ClusterSpec(world_size=cluster.shape.world_size, nodes=cluster.shape.nodes,
-                            gpus_per_node=cluster.shape.gpus_per_node, profile=cluster.profile_name,
-                            device_mem_bytes=cluster.profile.mem_bytes, mem_limit_bytes=cluster.profile.mem_bytes),
+        cluster=ClusterSpec.of(cluster, cluster.profile.mem_bytes),
         training=TrainingSpec(micro_batch_size=micro_batch, grad_accum_steps=1,
                               global_batch_size=table.samples_per_step, seq_len=traced.seq_len, dtype=dtype,
                               optimizer=optimizer, granularity=granularity),
@@ -270,11 +268,11 @@ def fit_calibration(profile, measured: dict[str, dict[str, float]], world_size: 
     from autoplan.api.traced import TracedModel
     from autoplan.solve.cluster import Cluster
     from cost_models.evaluate import uniform_choices
-    from cost_models.table import ClusterShape
+    from cost_models.mesh import Mesh
 
     device_type = profile.device_type
     seq_len = CALIBRATION_SEQ_LEN[device_type]
-    cluster = Cluster(ClusterShape(world_size, 1, world_size), profile, profile.name, False)
+    cluster = Cluster(Mesh(nodes=1, gpus_per_node=world_size), profile, profile.name, False)
     compute_dtype = PRECISIONS[CALIBRATION_DTYPE].compute_dtype
     traced = {depth: TracedModel(calibration_model(depth, device_type), seq_len=seq_len).cache(compute_dtype, "block")
               for depth in CALIBRATION_DEPTHS}

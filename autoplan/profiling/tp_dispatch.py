@@ -10,7 +10,7 @@ cpu-gloo-2) about 10 ms of the forward and 11 ms of the backward of a 309 ms ste
 How: one process joins torch's fake process group as rank 0 of 4 (collectives return at once; the TP
 collectives are priced on the collective fits) and builds, on a (2 data-parallel x 2 tensor-parallel) mesh,
 a small zoo Llama three times: plain, tensor-parallel, and tensor- and sequence-parallel, each laid out by the
-functions `autoplan apply` runs (autoplan.solve.tp_layout.recognise, autoplan.run.tp.parallelize_tp) and
+functions `autoplan apply` runs (autoplan.models.tp_layout.recognise, autoplan.run.tp.parallelize_tp) and
 wrapped per block and at the root by FSDP2 on the data-parallel sub-mesh with bf16 mixed precision. Their
 training steps (forward, then backward from the local logits' mean: the loss is loss_parallel's, priced apart)
 are timed in interleaved rounds; each phase's median excess over the plain model's, divided by the modules
@@ -61,7 +61,7 @@ def _build(variant: str, mesh):
     from autoplan.models.zoo import build_model
     from autoplan.run.apply import mixed_precision_policy
     from autoplan.run.tp import parallelize_tp
-    from autoplan.solve.tp_layout import recognise
+    from autoplan.models.tp_layout import recognise
 
     torch.manual_seed(0)
     model = build_model(get_config("llama-tiny", **DISPATCH_MODEL), device="cpu")

@@ -25,7 +25,6 @@ resets its shards in place), so the optimizer stays valid; it puts offloaded uni
 
 from __future__ import annotations
 
-import math
 import os
 from pathlib import Path
 from typing import NamedTuple
@@ -44,6 +43,7 @@ from autoplan.plan.schema import Plan, UnitDecision
 from autoplan.run.ac import apply_ac
 from autoplan.run.fsdp import apply_fsdp, materialise, param_groups  # noqa: F401 - materialise: re-exported
 from autoplan.run.tp import apply_tp
+from cost_models.mesh import MeshError
 from cost_models.options import (
     CHECKPOINT_MODES,
     OPTIMIZERS,
@@ -60,7 +60,6 @@ from cost_models.options import (
 )
 
 DEFAULT_LR = 1e-3
-MESH_DIM_NAMES = ("replicate", "shard")
 
 
 class Applied(NamedTuple):
@@ -89,18 +88,25 @@ def apply(
     if world_mesh.ndim != 1:
         raise UsageError(f"apply() takes a 1-D mesh over the plan's ranks, got a {world_mesh.ndim}-D mesh")
     check_world_size(world_mesh.size(), plan, dry_run=dry_run)
-    if plan.cluster.tp_degree > 1:  # tensor parallelism first (autoplan.run.tp); FSDP shards over the "dp" sub-mesh
-        world_mesh = apply_tp(model, plan, world_mesh)
-    meshes = _Meshes(world_mesh, plan)
+    planned = plan.cluster.mesh
+    try:
+        dp_mesh, tp_mesh = planned.split(world_mesh)
+    except MeshError as exc:
+        raise PlanFileError(str(exc)) from None
+    if tp_mesh is not None:  # tensor parallelism first (autoplan.run.tp); FSDP shards over the "dp" sub-mesh
+        apply_tp(model, plan, tp_mesh)
+    fsdp_meshes: dict[MeshShape, DeviceMesh] = {}  # each made once, only when a unit's kind asks for it
 
     master = torch_dtype(precision.master_dtype)
     if master != torch.float32:  # models are built in fp32
         model.to(master)
     mp_policy = mixed_precision_policy(precision)
-    pin_memory = world_mesh.device_type != "cpu"  # pinned host memory needs an accelerator
+    pin_memory = dp_mesh.device_type != "cpu"  # pinned host memory needs an accelerator
     for decision, kind, module in units:
         apply_ac(module, _plan_row(CHECKPOINT_MODES, decision.checkpoint))
-        apply_fsdp(module, meshes.for_kind(kind), kind, mp_policy, offload=decision.offload, pin_memory=pin_memory)
+        if kind.mesh not in fsdp_meshes:
+            fsdp_meshes[kind.mesh] = planned.fsdp_mesh(dp_mesh, kind.mesh)
+        apply_fsdp(module, fsdp_meshes[kind.mesh], kind, mp_policy, offload=decision.offload, pin_memory=pin_memory)
     return Applied(model, build_optimizer(param_groups(model), optimizer_kind, lr))
 
 
@@ -249,44 +255,6 @@ def _default_world_mesh() -> DeviceMesh:
         )
     device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
     return init_device_mesh(device_type, (dist.get_world_size(),))
-
-
-class _Meshes:
-    """The meshes a plan's decisions use, each created once and only when a unit asks for it."""
-
-    def __init__(self, world_mesh: DeviceMesh, plan: Plan):
-        self.world_mesh = world_mesh
-        self.plan = plan
-        self._made: dict[str, DeviceMesh] = {}
-
-    def for_kind(self, kind: ShardingKind) -> DeviceMesh:
-        """The mesh the kind's row declares (kind.mesh)."""
-        if kind.mesh == MeshShape.WORLD:
-            return self.world_mesh
-        if kind.mesh not in self._made:
-            self._made[kind.mesh] = self._two_d(*self.shape_for(kind.mesh))
-        return self._made[kind.mesh]
-
-    def shape_for(self, mesh: MeshShape) -> tuple[int, int]:
-        """(replicas, shards) of a 2-D mesh over the ranks running the plan."""
-        world_size = self.world_mesh.size()
-        if mesh == MeshShape.REPLICATE:
-            return world_size, 1
-        if mesh != MeshShape.HYBRID:
-            raise ValueError(f"no 2-D mesh for {mesh!r}")
-        # HYBRID shards within a node. On a dry run with fewer ranks than planned, keep as much of
-        # the node size as divides the world that is there.
-        gpus_per_node = math.gcd(self.plan.cluster.gpus_per_node, world_size)
-        return world_size // gpus_per_node, gpus_per_node
-
-    def _two_d(self, replicas: int, shards: int) -> DeviceMesh:
-        # a mesh's ranks are real integers, also when the model is applied under a FakeTensorMode (a rank
-        # of a big world on fake tensors: autoplan.run.allocator_fit); torch would make them fake there
-        from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-        with unset_fake_temporarily():
-            ranks = self.world_mesh.mesh.view(replicas, shards)
-            return DeviceMesh(self.world_mesh.device_type, ranks, mesh_dim_names=MESH_DIM_NAMES)
 
 
 # --------------------------------------------------------------------------- #

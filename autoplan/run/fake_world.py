@@ -35,8 +35,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from autoplan.api.estimate import _plan_choices
-from autoplan.api.traced import TracedModel
+from autoplan.api.inspect import plan_table
 from autoplan.errors import AutoplanError, UsageError
 from autoplan.fileio import write_text_atomic
 from autoplan.plan.assemble import prediction
@@ -46,15 +45,11 @@ from autoplan.run.apply import DEFAULT_LR, apply, materialise, resolve_plan_mode
 from autoplan.run.data import BatchShape, SyntheticTokens, vocab_size_of
 from autoplan.run.memtrack import RankMemory
 from autoplan.run.report import PHASES, predicted_phase_peaks
-from autoplan.run.tp import data_rank, training_context
+from autoplan.run.tp import training_context
 from autoplan.run.worker import RankResult, train_measured, train_untracked
 from autoplan.sizes import format_bytes
-from autoplan.solve.cluster import resolve_cluster
-from autoplan.solve.tables import compute_dtype_of
-from autoplan.solve.tp_layout import recognise
-from autoplan.solve.tp_search import TpTables, data_parallel_cluster
 from cost_models.evaluate import evaluate
-from cost_models.options import PRECISIONS, SHARDING_KINDS, Dtype, ShardGroup
+from cost_models.options import PRECISIONS, SHARDING_KINDS, Dtype
 from cost_models.table import without_gloo_copy
 
 __all__ = ["FakeWorldResult", "format_fake_world", "run_fake_world"]
@@ -154,7 +149,7 @@ def run_fake_world(plan: Plan | str | os.PathLike, steps: int = 3, model: str | 
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
     training = plan.training
-    _, data_world = data_rank(plan, 0, world)  # rank 0's tensor-parallel group shares its rows, as in apply
+    data_world = world // plan.cluster.mesh.tp  # rank 0's tensor-parallel group shares its rows, as in apply
     shape = BatchShape(training.micro_batch_size, training.grad_accum_steps, data_world, training.seq_len)
     torch_device = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
     result = RankResult(rank=0, pid=os.getpid())
@@ -212,12 +207,11 @@ def predicted_compute_s(plan: Plan) -> float:
 def _gloo_copy_bytes(plan: Plan) -> int:
     """The largest reduce-scatter input of a sharded unit (padded to the shard group, reduce dtype): the
     most that gloo's copy of it adds to a CPU prediction at any one time."""
-    world = plan.cluster.world_size
+    mesh = plan.cluster.mesh
     reduce_bytes = Dtype(PRECISIONS[plan.training.dtype].reduce_dtype).bytes
     largest = 0
     for unit in plan.units:
-        group = SHARDING_KINDS[unit.sharding].shard_group
-        shard = world if group == ShardGroup.WORLD else plan.cluster.gpus_per_node if group == ShardGroup.NODE else 1
+        shard = mesh.shard_size(SHARDING_KINDS[unit.sharding].shard_group)
         if shard > 1:
             numel = sum(math.ceil(math.prod(s) / shard) * shard if s else shard for s in unit.param_shapes.values())
             largest = max(largest, numel * reduce_bytes)
@@ -227,24 +221,15 @@ def _gloo_copy_bytes(plan: Plan) -> int:
 def _costed_in_place(plan: Plan, resolved) -> Prediction | None:
     """The plan's decisions costed again on the plan's own profile as a backend that reduces in place holds
     them (cost_models.table.without_gloo_copy): its prediction with gloo's copies left out and nothing else
-    changed. A tensor-parallel plan is costed on the per-rank view its degree's search used (TpTables, the
-    data-parallel cluster). None where the plan cannot be costed again here (its profile is not available)."""
+    changed. A tensor-parallel plan is costed on the per-rank view its degree's search used (its mesh's
+    tables, autoplan.api.inspect.plan_table). None where the plan cannot be costed again here (its profile is not available)."""
     try:
-        cluster = resolve_cluster(plan.cluster.world_size, plan.cluster.nodes, plan.cluster.gpus_per_node,
-                                  plan.cluster.profile, plan.cluster.host_mem_bytes)
+        profile = load_profile(plan.cluster.profile)
     except AutoplanError:
         return None
-    t, degree = plan.training, plan.cluster.tp_degree
-    traced = TracedModel(resolved, seq_len=t.seq_len)
-    tables = traced.cache(compute_dtype_of(t.dtype), t.granularity, tuple(unit.module for unit in plan.units))
-    if degree > 1:
-        tables = TpTables(tables, recognise(resolved.module, degree, plan.cluster.sequence_parallel))
-        cluster = data_parallel_cluster(cluster, degree)
-    offload = any(unit.offload for unit in plan.units)
-    table = tables.table(t.micro_batch_size, t.grad_accum_steps, cluster, t.seq_len, t.dtype, t.optimizer,
-                         offload=offload or None)
+    _, table, choices = plan_table(plan, resolved)
     in_place = without_gloo_copy(table)
-    return prediction(in_place, evaluate(in_place, _plan_choices(table, plan)), cluster.profile.device_type)
+    return prediction(in_place, evaluate(in_place, choices), profile.device_type)
 
 
 def _profile_device(plan: Plan) -> str:

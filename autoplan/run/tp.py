@@ -9,7 +9,7 @@ vocabulary columns of its output (ColwiseParallel, logits left as a DTensor for 
 then `fully_shard` runs on the "dp" sub-mesh (autoplan.run.apply), which shards the tensor-parallel
 DTensors over the data-parallel ranks.
 
-The layout is found from the model by the same function the search costed (autoplan.solve.tp_layout), and
+The layout is found from the model by the same function the search costed (autoplan.models.tp_layout), and
 checked against the units' layouts the plan records. The attention modules' head counts are set to the
 heads one rank holds (torchtitan does the same): the zoo's attention splits its projections by these
 attributes, so the model's code stays free of parallelism.
@@ -33,20 +33,12 @@ from torch.distributed.tensor.parallel import (
 
 from autoplan.errors import PlanFileError
 from autoplan.plan.schema import Plan
-from autoplan.solve.tp_layout import ATTENTION, MLP, TpRefusal, recognise
+from autoplan.models.tp_layout import ATTENTION, MLP, TpRefusal, recognise
 from cost_models.options import SHARDING_KINDS, MeshShape
 from cost_models.records import ParamInfo, Unit
 from cost_models.tensor_parallel import TpLayout, TpRole, unit_layouts
 
-__all__ = ["MESH_DIM_NAMES", "apply_tp", "data_rank", "local_loss", "parallelize_tp", "training_context"]
-
-MESH_DIM_NAMES = ("dp", "tp")
-
-
-def data_rank(plan: Plan, rank: int, world_size: int) -> tuple[int, int]:
-    """(data-parallel rank, data-parallel world): the ranks of one tensor-parallel group take the same rows."""
-    t = plan.cluster.tp_degree
-    return rank // t, world_size // t
+__all__ = ["apply_tp", "local_loss", "parallelize_tp", "training_context"]
 
 
 def training_context(plan: Plan):
@@ -96,21 +88,16 @@ def _block_plan(norms: list[str], sp: bool) -> dict:
     return plan
 
 
-def apply_tp(model: nn.Module, plan: Plan, world_mesh: DeviceMesh) -> DeviceMesh:
-    """Apply the plan's tensor-parallel layout to `model` over `world_mesh` (1-D, the ranks running the plan);
-    returns the data-parallel sub-mesh that `fully_shard` takes."""
-    t, sp = plan.cluster.tp_degree, plan.cluster.sequence_parallel
-    world = world_mesh.size()
-    if world % t:
-        raise PlanFileError(f"the plan's tensor-parallel degree {t} does not divide the {world} ranks running it")
+def apply_tp(model: nn.Module, plan: Plan, tp_mesh: DeviceMesh) -> None:
+    """Apply the plan's tensor-parallel layout to `model` on `tp_mesh` (this rank's tensor-parallel group, the
+    "tp" dimension of the plan's mesh: cost_models.mesh.Mesh.split)."""
+    mesh = plan.cluster.mesh
     try:
-        layout = recognise(model, t, sp)
+        layout = recognise(model, mesh.tp, mesh.sequence_parallel)
     except TpRefusal as exc:
         raise PlanFileError(f"the plan's tensor-parallel layout does not fit the model: {exc}") from None
     _check(plan, model, layout)
-    mesh = DeviceMesh(world_mesh.device_type, world_mesh.mesh.view(world // t, t), mesh_dim_names=MESH_DIM_NAMES)
-    parallelize_tp(model, layout, mesh["tp"])
-    return mesh["dp"]
+    parallelize_tp(model, layout, tp_mesh)
 
 
 def parallelize_tp(model: nn.Module, layout: TpLayout, tp_mesh: DeviceMesh) -> None:

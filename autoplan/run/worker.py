@@ -41,7 +41,7 @@ from autoplan.run.fsdp import host_state_bytes, offloaded_params
 from autoplan.run.host_memory import keep_freed_memory
 from autoplan.run.memtrack import RankMemory, allocation_failure
 from autoplan.run.procs import die_with_parent, rank_signals
-from autoplan.run.tp import data_rank, local_loss, training_context
+from autoplan.run.tp import local_loss, training_context
 
 __all__ = ["RankResult", "RunSpec", "main", "next_token_loss", "train", "train_measured", "train_untracked"]
 
@@ -128,7 +128,8 @@ def train(spec: RunSpec, rank: int, world_size: int, result: RankResult, sender:
     if device.type == "cpu":
         keep_freed_memory()  # freed memory stays mapped, as CUDA's caching allocator keeps it (host_memory.py)
     training = plan.training
-    data_rank_, data_world = data_rank(plan, rank, world_size)  # a tensor-parallel group shares its rows
+    mesh = plan.cluster.mesh  # a tensor-parallel group shares its rows
+    data_rank_, data_world = mesh.data_rank(rank), world_size // mesh.tp
     shape = BatchShape(training.micro_batch_size, training.grad_accum_steps, data_world, training.seq_len)
 
     memory = RankMemory(device, spec.mem_limit_bytes)

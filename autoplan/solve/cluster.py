@@ -1,18 +1,18 @@
-"""The cluster a plan is made for: world size, nodes x GPUs per node, and the device profile."""
+"""The cluster a plan is made for: its mesh (nodes x GPUs per node, and the parallel degrees laid on them),
+the device profile, and the host memory offloaded state may use."""
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from autoplan.errors import UsageError
 from autoplan.profile_store import load_profile
+from autoplan.settings import DEFAULT_PROFILE, mesh_of
+from cost_models.mesh import Mesh
 from cost_models.profile import DeviceProfile
-from cost_models.table import ClusterShape
+from cost_models.tensor_parallel import tp_profile
 
 __all__ = ["Cluster", "resolve_cluster"]
-
-from autoplan.settings import DEFAULT_GPUS_PER_NODE, DEFAULT_PROFILE
 
 # Host memory per node assumed for a GPU profile that states none, when `host_mem` is not given: a
 # conservative figure for an 8-GPU training node (DGX A100 ships 1 TB, DGX H100 2 TB).
@@ -21,7 +21,7 @@ DEFAULT_GPU_HOST_MEM_BYTES = 1_000_000_000_000
 
 @dataclass(frozen=True)
 class Cluster:
-    shape: ClusterShape
+    mesh: Mesh
     profile: DeviceProfile
     profile_name: str
     is_default: bool
@@ -38,6 +38,15 @@ class Cluster:
         """The search offers offload only where it frees device memory: not where the "device" is the host
         (a CPU profile), though a plan or strategy that asks for it there is still costed and run."""
         return self.offload_allowed and self.profile.device_type != "cpu"
+
+    def with_mesh(self, mesh: Mesh) -> Cluster:
+        """This cluster running `mesh` (other degrees on its nodes). Under tensor parallelism the data-parallel
+        groups of a node share its network links (cost_models.tensor_parallel.tp_profile), and offload is not
+        offered beside DTensor's parameters."""
+        if mesh.tp == 1:
+            return replace(self, mesh=mesh)
+        return replace(self, mesh=mesh, profile=tp_profile(self.profile, mesh.tp), host_mem_bytes=None,
+                       host_mem_source="not offered with tensor parallelism")
 
 
 def machine_mem_bytes() -> int | None:
@@ -64,19 +73,11 @@ def host_memory(profile: DeviceProfile, host_mem: int | None) -> tuple[int | Non
 
 def resolve_cluster(gpus: int | None, nodes: int | None, gpus_per_node: int | None, profile: str | None,
                     host_mem: int | None = None) -> Cluster:
-    for label, value in (("gpus", gpus), ("nodes", nodes), ("gpus_per_node", gpus_per_node)):
-        if value is not None and value < 1:
-            raise UsageError(f"`{label}` must be at least 1, got {value}")
+    """The cluster of `gpus` on `nodes` x `gpus_per_node` (see Mesh.of for the defaults) with device `profile`
+    (default DEFAULT_PROFILE); UsageError where the counts disagree or the profile cannot be loaded."""
+    mesh = mesh_of(gpus, nodes, gpus_per_node)
     is_default = gpus is None and nodes is None and gpus_per_node is None and profile is None
-    nodes = nodes or 1
-    if gpus_per_node is None:
-        if gpus is not None and gpus % nodes:
-            raise UsageError(f"`gpus` {gpus} is not a multiple of `nodes` {nodes}")
-        gpus_per_node = gpus // nodes if gpus is not None else DEFAULT_GPUS_PER_NODE
-    if gpus is not None and gpus != nodes * gpus_per_node:
-        raise UsageError(f"`gpus` {gpus} does not equal `nodes` {nodes} x `gpus_per_node` {gpus_per_node}")
     profile_name = profile or DEFAULT_PROFILE
     loaded = load_profile(profile_name)
     host_bytes, host_source = host_memory(loaded, host_mem)
-    return Cluster(ClusterShape(nodes * gpus_per_node, nodes, gpus_per_node), loaded, profile_name, is_default,
-                   host_bytes, host_source)
+    return Cluster(mesh, loaded, profile_name, is_default, host_bytes, host_source)

@@ -174,7 +174,7 @@ def _not_an_option(unit, options: list[Option], decision: Decision, pins: list[P
                else f"{name} owns no parameters to offload")
     elif "sharding" in fixed and not any(o.sharding == fixed["sharding"] for o in options):
         kind = Option(fixed["sharding"]).kind
-        why = (f"{kind.name} needs two or more nodes" if kind.multi_node_only and table.cluster.nodes < 2 else
+        why = (f"{kind.name} needs two or more nodes" if kind.multi_node_only and table.mesh.nodes < 2 else
                f"the root is not offered kinds that keep parameters gathered ({kind.name})"
                if unit.is_root and not kind.reshard_after_forward else f"{kind.name} is not offered there")
     pinned_by = pins[0] if len(pins) == 1 else "pins " + " and ".join(str(p) for p in pins)

@@ -12,12 +12,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from autoplan.errors import AutoplanError, InfeasibleError, UsageError
+from autoplan.errors import InfeasibleError, SolverTimeout, UsageError
 from autoplan.sizes import format_bytes
 from autoplan.solve.cluster import Cluster
 from autoplan.solve.pins import PinResolution
+from autoplan.solve.request import Limits, PlanRequest, Uniform
 from autoplan.solve.solver import AffineModel, SolveResult, SolveStatus, solve_min_memory, solve_min_time
-from autoplan.solve.tables import CostTables
+from autoplan.solve.tables import TableSource
 from cost_models.evaluate import Evaluation, evaluate, uniform_choices
 from cost_models.step import lower_bound_step_s
 from cost_models.table import CostTable
@@ -56,26 +57,26 @@ class SweepOutcome:
     num_constraints: int = 0
 
 
-def sweep(tables: CostTables, cluster: Cluster, candidates: list[tuple[int, int]], *, seq_len: int, dtype: str,
-          optimizer: str, planned_bytes: int, mem_limit_bytes: int, headroom: float, time_limit_s: float,
-          strategy: str | None, checkpoint: str | bool | None, model_name: str, fixed_batch: bool,
-          offload: bool = False, pins: PinResolution | None = None) -> SweepOutcome:
-    """The fastest plan over the micro-batch `candidates` whose predicted peak is at most `planned_bytes`.
+def sweep(request: PlanRequest, source: TableSource, cluster: Cluster) -> SweepOutcome:
+    """The fastest plan over the request's micro-batches whose predicted peak is at most its planned bytes, on
+    `cluster` (one of the request's meshes) with `source`'s tables (the model's, or their tensor-parallel view).
 
-    `strategy` (a sharding kind) with `checkpoint` (a mode) and `offload` replaces the solve by that uniform plan.
-    `pins` restrict the options of the units they name (with `strategy`: those units take their pins). Raises
-    InfeasibleError (with the smallest limit that would fit) when nothing fits, AutoplanError when the
-    solver's time ran out before any verdict."""
+    A uniform strategy (`request.uniform`) replaces the solve by that plan. The pins restrict the options of
+    the units they name (with a strategy: those units take their pins). Raises InfeasibleError (with the
+    smallest limit that would fit) when nothing fits, SolverTimeout when the solver's time ran out before
+    any verdict."""
+    limits, uniform, pins = request.limits, request.uniform, request.pins
+    training = request.training
     steps: list[SweepStep] = []
     seen: list[CostTable] = []
     unpinned: list[CostTable] = []  # the tables with every option: for the baselines, and to explain pins
     best = None  # (throughput, table, result, affine)
     wall_s, num_vars, num_cons = 0.0, 0, 0
-    for micro_batch_size, accum in candidates:
-        table = tables.table(micro_batch_size, accum, cluster, seq_len, dtype, optimizer,
-                             offload=True if strategy is not None and offload else None)
+    for micro_batch_size, accum in request.batch.candidates(cluster.mesh.dp):
+        table = source.table(micro_batch_size, accum, cluster, training.seq_len, training.dtype, training.optimizer,
+                             offload=True if uniform is not None and uniform.offload else None)
         unpinned.append(table)
-        if pins is not None and strategy is None:
+        if pins is not None and uniform is None:
             table = pins.restrict(table)
         if best is not None and table.samples_per_step / lower_bound_step_s(table) <= best[0]:
             # even with no memory limit this micro-batch cannot beat the best plan: skip the solve
@@ -83,10 +84,10 @@ def sweep(tables: CostTables, cluster: Cluster, candidates: list[tuple[int, int]
             seen.append(table)
             continue
         affine = AffineModel.of(table)
-        if strategy is None:
-            result = solve_min_time(table, planned_bytes, time_limit_s, affine=affine)
+        if uniform is None:
+            result = solve_min_time(table, limits.planned_bytes, limits.time_limit_s, affine=affine)
         else:
-            result = _fixed_strategy(table, affine, strategy, checkpoint, planned_bytes, offload, pins)
+            result = _fixed_strategy(table, affine, uniform, limits.planned_bytes, pins)
         wall_s += result.wall_time_s
         num_vars, num_cons = result.num_variables, result.num_constraints
         if result.choices is None:
@@ -103,28 +104,12 @@ def sweep(tables: CostTables, cluster: Cluster, candidates: list[tuple[int, int]
         steps.append(SweepStep(micro_batch_size, accum, result.status, result.objective, throughput))
         if best is None or throughput > best[0] * (1 + 1e-9):
             best = (throughput, table, result, affine)
-    if best is None and any(step.status not in (SolveStatus.INFEASIBLE, SolveStatus.PRUNED) for step in steps):
-        raise AutoplanError(
-            f"the solver found no plan within `time_limit_s` {time_limit_s:g} s per micro-batch size "
-            f"({', '.join(f'{s.micro_batch_size}: {s.status.lower()}' for s in steps)}); raise `time_limit_s`, or "
-            "give `batch_size` to try a single micro-batch size")
     if best is None:
-        if pins is not None and strategy is None:
-            explained = pins.explain_infeasible(unpinned[0], planned_bytes, model_name, mem_limit_bytes, headroom,
-                                                time_limit_s)
-            if explained is not None:
-                raise explained
-        error = _infeasible(unpinned[0], mem_limit_bytes, headroom, model_name, cluster, time_limit_s, fixed_batch)
-        if pins is not None and strategy is None:
-            error.args = (error.args[0] + " The pins are not the cause: without them no plan fits either.",)
-        raise error
-
+        raise _nothing_found(request, cluster, steps, unpinned[0])
     _, table, result, affine = best
     choices = result.choices
-    if strategy is None:
-        # Among plans as fast as the best, prefer the one with the lowest peak memory.
-        lean = solve_min_memory(table, time_limit_s=min(time_limit_s, TIE_BREAK_TIME_S), max_step_s=result.objective,
-                                mem_limit_bytes=planned_bytes, affine=affine, start_from=result.choices)
+    if uniform is None:  # among plans as fast as the best, the one with the lowest peak memory
+        lean = _leanest(table, affine, result, limits)
         wall_s += lean.wall_time_s
         choices = lean.choices or result.choices
     fitting = [t for t, step in zip(unpinned, steps) if step.status != SolveStatus.INFEASIBLE]
@@ -133,14 +118,43 @@ def sweep(tables: CostTables, cluster: Cluster, candidates: list[tuple[int, int]
                         num_constraints=num_cons)
 
 
-def _fixed_strategy(table: CostTable, affine: AffineModel, strategy: str, checkpoint: str | bool | None,
-                    mem_limit_bytes: int, offload: bool = False, pins: PinResolution | None = None) -> SolveResult:
+def _leanest(table: CostTable, affine: AffineModel, fastest: SolveResult, limits: Limits) -> SolveResult:
+    """Among plans as fast as `fastest`, the one with the lowest peak memory (a best-effort, short solve)."""
+    return solve_min_memory(table, time_limit_s=min(limits.time_limit_s, TIE_BREAK_TIME_S),
+                            max_step_s=fastest.objective, mem_limit_bytes=limits.planned_bytes, affine=affine,
+                            start_from=fastest.choices)
+
+
+def _nothing_found(request: PlanRequest, cluster: Cluster, steps: list[SweepStep],
+                   table: CostTable) -> SolverTimeout | InfeasibleError:
+    """Why no micro-batch gave a plan: the solver's time ran out before a verdict, the pins make it so (the
+    pins that cannot all hold), or nothing fits (with the smallest limit that would)."""
+    limits, pins = request.limits, request.pins
+    if any(step.status not in (SolveStatus.INFEASIBLE, SolveStatus.PRUNED) for step in steps):
+        return SolverTimeout(
+            f"the solver found no plan within `time_limit_s` {limits.time_limit_s:g} s per micro-batch size "
+            f"({', '.join(f'{s.micro_batch_size}: {s.status.lower()}' for s in steps)}); raise `time_limit_s`, or "
+            "give `batch_size` to try a single micro-batch size")
+    pinned = pins is not None and request.uniform is None
+    if pinned:
+        explained = pins.explain_infeasible(table, limits.planned_bytes, request.model.name, limits.mem_limit_bytes,
+                                            limits.headroom, limits.time_limit_s)
+        if explained is not None:
+            return explained
+    error = _infeasible(table, limits, request.model.name, cluster, request.batch.fixed)
+    if pinned:
+        error.args = (error.args[0] + " The pins are not the cause: without them no plan fits either.",)
+    return error
+
+
+def _fixed_strategy(table: CostTable, affine: AffineModel, uniform: Uniform, mem_limit_bytes: int,
+                    pins: PinResolution | None = None) -> SolveResult:
     """A uniform plan (the pinned units as pinned) evaluated in place of a solve, reported in the solver's terms."""
-    choices = uniform_choices(table, strategy, checkpoint, exact=True, offload=offload)
-    if choices is None and offload:
+    choices = uniform_choices(table, uniform.strategy, uniform.checkpoint, exact=True, offload=uniform.offload)
+    if choices is None and uniform.offload:
         raise UsageError("`offload` needs a profile that prices the host link (its `host_link`); this one has none")
     if choices is None:
-        raise UsageError(f"`strategy` {strategy} is not available on this cluster (it needs `nodes` 2 or more)")
+        raise UsageError(f"`strategy` {uniform.strategy} is not available on this cluster (it needs `nodes` 2 or more)")
     if pins is not None:
         choices = pins.overlay(table, choices)
     result = evaluate(table, choices)
@@ -151,9 +165,10 @@ def _fixed_strategy(table: CostTable, affine: AffineModel, strategy: str, checkp
     return SolveResult(SolveStatus.FIXED, choices, result.step_time_s, result.step_time_s, 0.0, *stats)
 
 
-def _infeasible(table: CostTable, mem_limit_bytes: int, headroom: float, model_name: str, cluster: Cluster,
-                time_limit_s: float, fixed_batch: bool) -> InfeasibleError:
-    smallest = solve_min_memory(table, time_limit_s=time_limit_s)
+def _infeasible(table: CostTable, limits: Limits, model_name: str, cluster: Cluster,
+                fixed_batch: bool) -> InfeasibleError:
+    mem_limit_bytes, headroom = limits.mem_limit_bytes, limits.headroom
+    smallest = solve_min_memory(table, time_limit_s=limits.time_limit_s)
     peak = int(smallest.objective) if smallest.objective is not None else None
     needed = math.ceil(peak / (1 - headroom)) if peak is not None else None  # the limit that leaves the headroom
     lean = evaluate(table, smallest.choices) if smallest.choices else None
@@ -165,7 +180,7 @@ def _infeasible(table: CostTable, mem_limit_bytes: int, headroom: float, model_n
                  f"{format_bytes(parts['activations'])}, gathered parameters {format_bytes(parts['gathered'])}, "
                  f"temporaries {format_bytes(parts['temporaries'])})")
     helps = [f"a limit of at least {format_bytes(needed)}" if needed else "a larger limit",
-             f"more GPUs (sharding divides parameters, gradients and optimizer states over {cluster.shape.world_size} "
+             f"more GPUs (sharding divides parameters, gradients and optimizer states over {cluster.mesh.dp} "
              "now)", "a shorter `seq_len`", "`dtype` bf16 (no fp32 master weights)"]
     if fixed_batch and table.micro_batch_size > 1:
         helps.insert(1, "a smaller `batch_size`")

@@ -1,10 +1,16 @@
-"""Cost tables at any micro-batch size, from a model's two traces, and the micro-batch sizes to try.
+"""Cost tables at any micro-batch size, from a model's two traces, on any mesh, and the micro-batch sizes to try.
 
 Every op count is affine in the micro-batch (per-sample activations and FLOPs plus batch-independent
-parameter traffic), so traces at micro-batch 1 and 2 give the costs at any size without tracing again.
+parameter traffic), so traces at micro-batch 1 and 2 give the costs at any size without tracing again:
+`CostTables.inputs` extrapolates them once per size. A tensor-parallel degree is a transform of those
+inputs (`TensorParallelTables`: what one rank of a tensor-parallel group runs, holds and sends), not a
+second builder; both are `TableSource`s, the one interface the sweep reads, and both build their tables
+with the same `TableSource.table`.
 """
 
 from __future__ import annotations
+
+from typing import Protocol
 
 import torch.nn as nn
 
@@ -13,11 +19,25 @@ from autoplan.solve.cluster import Cluster
 from autoplan.tracing.tracer import TracePair, trace_pair
 from autoplan.tracing.units import build_units
 from cost_models.activations import activation_keep_bytes, backward_keep_bytes, kept_saved_bytes
-from cost_models.options import PRECISIONS, Recompute
-from cost_models.records import extrapolate_ops
-from cost_models.table import CostTable, build_cost_table
+from cost_models.options import Recompute
+from cost_models.records import Unit, extrapolate_ops
+from cost_models.table import CostTable, TableInputs, build_cost_table
+from cost_models.tensor_parallel import (
+    TpLayout,
+    UnitLayout,
+    add_tp_time,
+    data_parallel_kinds,
+    regions_per_unit,
+    tp_collectives,
+    tp_keep_bytes,
+    tp_ops,
+    tp_units,
+    unit_layouts,
+)
+from cost_models.training import MicroBatch, Training
 
-__all__ = ["CostTables", "micro_batch_candidates", "compute_dtype_of", "MAX_MICRO_BATCH"]
+__all__ = ["CHECKPOINTED", "MAX_MICRO_BATCH", "CostTables", "TableSource", "TensorParallelTables", "compute_dtype_of",
+           "micro_batch_candidates"]
 
 MAX_MICRO_BATCH = 256
 CHECKPOINTED = (Recompute.ALL, Recompute.CHEAP)  # the ways of checkpointing that keep a subset of activations
@@ -25,18 +45,19 @@ CHECKPOINTED = (Recompute.ALL, Recompute.CHEAP)  # the ways of checkpointing tha
 
 def compute_dtype_of(dtype: str) -> str:
     """The dtype the model computes in under a training precision ("bf16-mixed" computes in bf16)."""
-    return PRECISIONS[dtype].compute_dtype.value
+    return Training(1, dtype, "adamw").compute_dtype
 
 
-def micro_batch_candidates(world_size: int, batch_size: int | None, global_batch: int | None) -> list[tuple[int, int]]:
-    """(micro_batch_size, grad_accum_steps) pairs to try, smallest micro-batch first."""
+def micro_batch_candidates(world_size: int, batch_size: int | None, global_batch: int | None) -> list[MicroBatch]:
+    """(micro-batch size, gradient accumulation steps) pairs to try, smallest micro-batch first, for
+    `world_size` data-parallel ranks."""
     if global_batch is not None and global_batch < 1:
         raise UsageError(f"`global_batch` must be positive, got {global_batch}")
     if batch_size is not None and batch_size < 1:
         raise UsageError(f"`batch_size` must be positive, got {batch_size}")
     if global_batch is None:
         sizes = [batch_size] if batch_size else [2**k for k in range(MAX_MICRO_BATCH.bit_length()) if 2**k <= MAX_MICRO_BATCH]
-        return [(size, 1) for size in sizes]
+        return [MicroBatch(size, 1) for size in sizes]
     if global_batch % world_size:
         raise UsageError(f"`global_batch` {global_batch} is not divisible by the {world_size} GPUs")
     per_rank = global_batch // world_size
@@ -44,11 +65,49 @@ def micro_batch_candidates(world_size: int, batch_size: int | None, global_batch
         if per_rank % batch_size:
             raise UsageError(
                 f"`global_batch` {global_batch} is not a multiple of `batch_size` {batch_size} x {world_size} GPUs")
-        return [(batch_size, per_rank // batch_size)]
-    return [(size, per_rank // size) for size in range(1, min(per_rank, MAX_MICRO_BATCH) + 1) if per_rank % size == 0]
+        return [MicroBatch(batch_size, per_rank // batch_size)]
+    return [MicroBatch(size, per_rank // size) for size in range(1, min(per_rank, MAX_MICRO_BATCH) + 1)
+            if per_rank % size == 0]
 
 
-class CostTables:
+class TableSource(Protocol):
+    """What the sweep reads: a model's units and its cost tables at any micro-batch, on any cluster."""
+
+    tracer: str
+    units: list[Unit]
+
+    def inputs(self, micro_batch_size: int, training: Training) -> TableInputs:
+        """What the table at this micro-batch is built from."""
+
+    def table(self, micro_batch_size: int, grad_accum_steps: int, cluster: Cluster, seq_len: int, dtype: str,
+              optimizer: str, offload: bool | None = None) -> CostTable:
+        """The table at this micro-batch on `cluster` (see _Source.table)."""
+
+
+class _Source:
+    """The table of a TableSource's inputs, written once for every source."""
+
+    def table(self, micro_batch_size: int, grad_accum_steps: int, cluster: Cluster, seq_len: int, dtype: str,
+              optimizer: str, offload: bool | None = None) -> CostTable:
+        """The table at this micro-batch on `cluster` (its mesh's data-parallel ranks). `offload`: offer
+        offload options (None: where the search offers them, see Cluster.offload_searched; True: wherever the
+        profile can price them)."""
+        offload = cluster.offload_searched if offload is None else offload and cluster.offload_allowed
+        training = Training(seq_len, dtype, optimizer)
+        host_limit = cluster.host_mem_bytes // cluster.mesh.gpus_per_node if offload else None
+        table = build_cost_table(self.inputs(micro_batch_size, training), cluster.profile, cluster.mesh,
+                                 MicroBatch(micro_batch_size, grad_accum_steps), training, offload, host_limit)
+        return self.finish(table, cluster)
+
+    def inputs(self, micro_batch_size: int, training: Training) -> TableInputs:
+        raise NotImplementedError
+
+    def finish(self, table: CostTable, cluster: Cluster) -> CostTable:
+        """What the source adds to a built table (nothing by default)."""
+        return table
+
+
+class CostTables(_Source):
     """Op costs at any micro-batch from two traces (micro-batch 1 and 2): they are affine in it."""
 
     def __init__(self, model: nn.Module, seq_len: int, compute_dtype: str, granularity: str,
@@ -64,21 +123,79 @@ class CostTables:
                                      backward_keep_bytes(self.trace_2, self.units, mode)) for mode in CHECKPOINTED}
         self.kept_saved = {mode: (kept_saved_bytes(self.trace_1, self.units, mode),
                                   kept_saved_bytes(self.trace_2, self.units, mode)) for mode in CHECKPOINTED}
+        self._inputs: dict[int, TableInputs] = {}  # by micro-batch: a mesh search reads each size once per mesh
 
-    def table(self, micro_batch_size: int, grad_accum_steps: int, cluster: Cluster, seq_len: int,
-              dtype: str, optimizer: str, offload: bool | None = None) -> CostTable:
-        """The table at this micro-batch. `offload`: offer offload options (None: where the search offers
-        them, see Cluster.offload_searched; True: wherever the profile can price them)."""
-        offload = cluster.offload_searched if offload is None else offload and cluster.offload_allowed
-        ops = extrapolate_ops(self.trace_1.ops, self.trace_2.ops, micro_batch_size)
-        keep = {mode: [a + (b - a) * (micro_batch_size - 1) for a, b in zip(*self.keep[mode])]
-                for mode in CHECKPOINTED}
-        backward_keep = {mode: [a + (b - a) * (micro_batch_size - 1) for a, b in zip(*self.backward_keep[mode])]
-                         for mode in CHECKPOINTED}
-        kept_saved = {mode: {name: a + (at_2.get(name, 0) - a) * (micro_batch_size - 1) for name, a in at_1.items()}
-                      for mode, (at_1, at_2) in self.kept_saved.items()}
-        return build_cost_table(self.units, ops, keep, cluster.profile, cluster.shape, micro_batch_size,
-                                grad_accum_steps, seq_len, dtype, optimizer, kept_saved,
-                                offload=offload, backward_keep=backward_keep,
-                                host_limit_bytes=cluster.host_mem_bytes // cluster.shape.gpus_per_node
-                                if offload else None)
+    def inputs(self, micro_batch_size: int, training: Training | None = None) -> TableInputs:
+        """The ops, and what checkpointing keeps, at this micro-batch: each count affine between the traces."""
+        if micro_batch_size not in self._inputs:
+            m = micro_batch_size - 1
+
+            def at(pair: tuple[list[int], list[int]]) -> list[int]:
+                return [a + (b - a) * m for a, b in zip(*pair)]
+
+            self._inputs[micro_batch_size] = TableInputs(
+                units=self.units,
+                ops=extrapolate_ops(self.trace_1.ops, self.trace_2.ops, micro_batch_size),
+                keep={mode: at(self.keep[mode]) for mode in CHECKPOINTED},
+                backward_keep={mode: at(self.backward_keep[mode]) for mode in CHECKPOINTED},
+                kept_saved={mode: {name: a + (at_2.get(name, 0) - a) * m for name, a in at_1.items()}
+                            for mode, (at_1, at_2) in self.kept_saved.items()},
+            )
+        return self._inputs[micro_batch_size]
+
+    def for_layout(self, layout: TpLayout | None) -> TableSource:
+        """This model's tables under a tensor-parallel layout (itself for none)."""
+        return self if layout is None or layout.degree == 1 else TensorParallelTables(self, layout)
+
+
+class TensorParallelTables(_Source):
+    """A model's tables as one rank of a tensor-parallel group under `layout` sees them: the split ops and
+    parameters (cost_models.tensor_parallel), what a checkpointed unit keeps of them, the data-parallel
+    kinds that run beside tensor parallelism, and each unit's tensor-parallel collectives."""
+
+    def __init__(self, base: CostTables, layout: TpLayout):
+        self.base, self.layout = base, layout
+        self.tracer = base.tracer
+        self.units = tp_units(base.units, layout)
+        self.unit_layouts: list[UnitLayout | None] = unit_layouts(base.units, layout)
+        self.regions = regions_per_unit(base.units, layout)
+        # the vocabulary-parallel head's rows on one rank: the width of its loss_parallel logits
+        head = f"{layout.head}.weight" if layout.head else None
+        self.local_vocab = next((p.shape[0] for u in self.units for p in u.params if p.name == head), 0)
+
+    def inputs(self, micro_batch_size: int, training: Training) -> TableInputs:
+        """The base inputs at this micro-batch, transformed: each op as a rank runs it, and what a checkpointed
+        unit keeps per rank (cost_models.tensor_parallel.tp_keep_bytes)."""
+        base, layout = self.base.inputs(micro_batch_size), self.layout
+        ops = tp_ops(base.ops, layout)
+        activation = micro_batch_size * training.seq_len * layout.hidden * training.precision.compute_bytes
+
+        def kept(full: list[int], cheap: list[int]) -> list[tuple[int, int]]:
+            return [tp_keep_bytes(f, c, tag, layout, regions, activation)
+                    for f, c, tag, regions in zip(full, cheap, self.unit_layouts, self.regions)]
+
+        keep = kept(base.keep[Recompute.ALL], base.keep[Recompute.CHEAP])
+        # held after the recomputation: the selective cache's outputs it replays go (a collective's output
+        # after the last saving op, the MLP's, stays; the attention's is counted too: an upper bound)
+        cheap_after = kept(base.keep[Recompute.ALL], base.backward_keep[Recompute.CHEAP])
+        share = {old.name: new.saved_bytes / old.saved_bytes for old, new in zip(base.ops, ops) if old.saved_bytes}
+        return TableInputs(
+            units=self.units, ops=ops,
+            keep={Recompute.ALL: [k[0] for k in keep], Recompute.CHEAP: [k[1] for k in keep]},
+            backward_keep={Recompute.ALL: [k[0] for k in keep], Recompute.CHEAP: [k[1] for k in cheap_after]},
+            kept_saved={mode: {name: int(nbytes * share.get(name, 1.0)) for name, nbytes in entries.items()}
+                        for mode, entries in base.kept_saved.items()},
+        )
+
+    def finish(self, table: CostTable, cluster: Cluster) -> CostTable:
+        """Only the data-parallel kinds that run beside tensor parallelism; each unit's TP collectives added."""
+        table = data_parallel_kinds(table)
+        times = tp_collectives(self.units, self.layout, table.micro_batch_size, table.seq_len,
+                               table.precision.compute_bytes, cluster.profile, self.local_vocab)
+        fsdp = cluster.profile.fsdp
+        add_tp_time(table.options, table.costs, times, fsdp.collective_fwd_s, fsdp.collective_bwd_s)
+        return table
+
+    def full_units(self) -> list[Unit]:
+        """The units as the whole model holds them (the plan records their full parameter shapes)."""
+        return self.base.units

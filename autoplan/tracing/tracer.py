@@ -23,7 +23,7 @@ from autoplan.tracing.expand import Mismatch, Repeats, expand
 from autoplan.tracing.fx_tracer import symbolic_trace, trace_model
 from autoplan.tracing.progress import BlockProgress
 from autoplan.tracing.reuse import TRACED_PERIODS, block_tensors, find_repeats, predict_and_check, truncated
-from autoplan.tracing.units import largest_module_list
+from autoplan.models.structure import largest_module_list
 from cost_models.records import ModelTrace
 
 TRACERS = ("fx", "dispatch")

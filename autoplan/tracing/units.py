@@ -17,11 +17,12 @@ from __future__ import annotations
 import torch.nn as nn
 
 from autoplan.errors import UsageError
+from autoplan.models.structure import largest_module_list, params_of
 from autoplan.settings import GRANULARITIES
 from cost_models.records import ModelTrace, ParamInfo, Unit
 
 __all__ = [
-    "MIN_CHILD_FRACTION", "MIN_SIBLING_FRACTION", "build_units", "candidate_paths", "largest_module_list", "unit_refusal",
+    "MIN_CHILD_FRACTION", "MIN_SIBLING_FRACTION", "build_units", "candidate_paths", "unit_refusal",
 ]
 
 # A sibling module along the path to the blocks becomes a unit only if it is at least this
@@ -34,10 +35,6 @@ MIN_CHILD_FRACTION = 0.1
 
 def _owns(unit_path: str, module_path: str) -> bool:
     return unit_path == "" or module_path == unit_path or module_path.startswith(unit_path + ".")
-
-
-def _params_of(module: nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())
 
 
 def _registrations(model: nn.Module) -> dict[int, list[str]]:
@@ -54,17 +51,6 @@ def _shared_outside(model: nn.Module, path: str, registrations: dict[int, list[s
                for owner in registrations[id(param)])
 
 
-def largest_module_list(model: nn.Module) -> str | None:
-    """The path of the ModuleList (of two or more modules) holding the most parameters: the blocks."""
-    best, best_params = None, 0
-    for name, module in model.named_modules():
-        if isinstance(module, nn.ModuleList) and len(module) > 1:
-            count = _params_of(module)
-            if count > best_params:
-                best, best_params = name, count
-    return best
-
-
 def candidate_paths(model: nn.Module, granularity: str = "block") -> list[str]:
     """Module paths that become units (the root "" always is one), before tie exclusion."""
     if granularity not in GRANULARITIES:
@@ -78,9 +64,9 @@ def candidate_paths(model: nn.Module, granularity: str = "block") -> list[str]:
     blocks_path = largest_module_list(model)
     if blocks_path is None:
         # no repeated blocks: every direct child with parameters is a unit
-        return paths + [name for name, child in model.named_children() if _params_of(child) > 0]
+        return paths + [name for name, child in model.named_children() if params_of(child) > 0]
     blocks = model.get_submodule(blocks_path)
-    block_params = min(_params_of(block) for block in blocks)
+    block_params = min(params_of(block) for block in blocks)
     # siblings along the path root -> blocks
     parts = blocks_path.split(".")
     for depth in range(len(parts)):
@@ -90,15 +76,15 @@ def candidate_paths(model: nn.Module, granularity: str = "block") -> list[str]:
             child_path = f"{ancestor_path}.{child_name}" if ancestor_path else child_name
             if child_name == parts[depth]:
                 continue
-            if _params_of(child) >= MIN_SIBLING_FRACTION * block_params:
+            if params_of(child) >= MIN_SIBLING_FRACTION * block_params:
                 paths.append(child_path)
     for index, block in enumerate(blocks):
         block_path = f"{blocks_path}.{index}"
         paths.append(block_path)
         if granularity == "fine":
-            block_size = _params_of(block)
+            block_size = params_of(block)
             for child_name, child in block.named_children():
-                if _params_of(child) >= MIN_CHILD_FRACTION * block_size:
+                if params_of(child) >= MIN_CHILD_FRACTION * block_size:
                     paths.append(f"{block_path}.{child_name}")
     return paths
 

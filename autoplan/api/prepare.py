@@ -1,0 +1,139 @@
+"""From a command's settings to one PlanRequest: the model resolved and traced, the cluster and the meshes
+to search on it, the limits, the micro-batches, the pins.
+
+`search`, `estimate`, `frontier`, `explain` and `diff` all start here, so they resolve a model, default a
+setting and refuse bad input the same way, in the same order: what can be checked without tracing (the
+sequence length, the cluster, the tensor-parallel degree, the memory limit, the batch) is checked before
+the model is traced. An estimate of a plan file (or an explanation of one) takes every setting the user
+left out from the plan, and its model from the plan's data only (never code the plan names).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from autoplan.api.traced import TracedModel, reuse_traced
+from autoplan.errors import PlanFileError, UsageError
+from autoplan.models.fingerprint import model_fingerprint
+from autoplan.models.resolve import check_seq_len, model_from_plan
+from autoplan.models.zoo import count_params
+from autoplan.plan.schema import Plan, load_plan
+from autoplan.settings import EstimateSettings, PlanningSettings, SearchSettings, check_mem_limit
+from autoplan.solve.cluster import Cluster, resolve_cluster
+from autoplan.solve.pins import PinResolution, resolve_pins
+from autoplan.solve.request import Batch, Limits, ModelInfo, PlanRequest, Uniform
+from autoplan.solve.tables import CostTables
+from cost_models.evaluate import checkpoint_name
+from cost_models.mesh import Mesh, MeshError
+from cost_models.options import DEFAULT_SHARDING, SHARDING_KINDS
+from cost_models.training import Training
+
+__all__ = ["load_plan_of", "prepare", "search_meshes_of"]
+
+
+def prepare(settings: PlanningSettings, plan: Plan | None = None, plan_file: Path | None = None) -> PlanRequest:
+    """The request of a search (SearchSettings) or of an estimate (EstimateSettings: of a uniform strategy, or
+    of its `plan`, whose settings fill those not given; `plan` and `plan_file` where the caller loaded it
+    already). UsageError (or PlanFileError) for bad input, raised before the model is traced where it can be."""
+    if plan is None:
+        plan, plan_file = load_plan_of(getattr(settings, "plan", None))
+    mem_source = "the plan's memory limit" if plan is not None and settings.mem is None else "`mem`"
+    if plan is not None:
+        settings = _with_plan_defaults(settings, plan, plan_file)
+    session = reuse_traced(settings.model_or_default, settings.seq_len, settings.example_inputs)
+    check_seq_len(session.resolved, session.seq_len)
+    if plan is not None and model_fingerprint(session.module) != plan.model.fingerprint:
+        raise PlanFileError(f"the plan{f' {plan_file}' if plan_file else ''} was made for a different model than "
+                            f"{session.name} (module tree or parameter shapes differ); search again for this model")
+    cluster = resolve_cluster(settings.gpus, settings.nodes, settings.gpus_per_node, settings.profile,
+                              settings.host_mem)
+    meshes = search_meshes_of(settings, cluster.mesh) if plan is None else (_plan_mesh(plan, cluster.mesh),)
+    uniform = _uniform(settings, cluster)
+    mem = settings.mem if settings.mem is not None else cluster.profile.mem_bytes
+    check_mem_limit(mem, cluster.profile.mem_bytes, cluster.profile_name, settings.allow_over_device_mem, mem_source)
+    searching = isinstance(settings, SearchSettings)
+    limits = (Limits(mem, settings.headroom, settings.time_limit_s) if searching else Limits(mem))
+    batch = Batch(settings.batch_size if searching else settings.batch_size or 1, settings.global_batch)
+    batch.candidates(meshes[0].dp)  # a batch that does not divide over the ranks, refused before tracing
+    training = Training(session.seq_len, settings.dtype_or_default, settings.optimizer_or_default)
+    tables, pins = _tables(session, training, settings, plan)
+    model = ModelInfo(name=session.name, config=session.resolved.config, n_params=count_params(session.module),
+                      fingerprint=model_fingerprint(session.module), module=session.module)
+    return PlanRequest(model=model, tables=tables, training=training, granularity=settings.granularity_or_default,
+                       cluster=cluster, meshes=meshes, batch=batch, limits=limits, pins=pins, uniform=uniform)
+
+
+def load_plan_of(plan: Plan | str | Path | None) -> tuple[Plan | None, Path | None]:
+    """A plan given as a Plan or a file, and the file it came from (its folder holds a relative "hf:" config)."""
+    if plan is None or isinstance(plan, Plan):
+        return plan, None
+    return load_plan(plan), Path(plan)
+
+
+def search_meshes_of(settings: PlanningSettings, mesh: Mesh) -> tuple[Mesh, ...]:
+    """The meshes a search tries on the cluster's `mesh`: each tensor-parallel degree (`tp` itself when given,
+    else every degree a node takes), above 1 with and without sequence parallelism (or as
+    `sequence_parallel` says). An estimate runs on the cluster's mesh alone."""
+    if not isinstance(settings, SearchSettings):
+        return (mesh,)
+    try:
+        degrees = [mesh.with_tensor(settings.tp).tp] if settings.tp is not None else mesh.tensor_degrees()
+    except MeshError as exc:
+        raise UsageError(str(exc)) from None
+    variants = (True, False) if settings.sequence_parallel is None else (settings.sequence_parallel == "on",)
+    return tuple(mesh.with_tensor(t, sp) for t in degrees for sp in ((False,) if t == 1 else variants))
+
+
+def _plan_mesh(plan: Plan, cluster_mesh: Mesh) -> Mesh:
+    """The plan's own degrees on the cluster asked for (the plan's unless given)."""
+    planned = plan.cluster.mesh
+    try:
+        return cluster_mesh.with_tensor(planned.tp, planned.sequence_parallel)
+    except MeshError as exc:
+        raise UsageError(f"the plan's tensor-parallel degree does not fit this cluster: {exc}") from None
+
+
+def _with_plan_defaults(settings: PlanningSettings, plan: Plan, plan_file: Path | None) -> PlanningSettings:
+    """The settings with what they leave out taken from the plan: its cluster (unless any of gpus, nodes and
+    gpus_per_node is given: then its global batch is not taken either), profile, host memory, limit,
+    micro-batch, sequence length, precision, optimizer, granularity, and its model from the plan's data."""
+    t, c = plan.training, plan.cluster
+    cluster_given = any(v is not None for v in (settings.gpus, settings.nodes, settings.gpus_per_node))
+    fields = dict(profile=c.profile, host_mem=c.host_mem_bytes, mem=c.mem_limit_bytes, batch_size=t.micro_batch_size,
+                  seq_len=t.seq_len, dtype=t.dtype, optimizer=t.optimizer, granularity=t.granularity)
+    if not cluster_given:
+        fields.update(gpus=c.world_size, nodes=c.nodes, gpus_per_node=c.gpus_per_node, global_batch=t.global_batch_size)
+    if settings.model is None:  # from the plan's data: never code the plan names
+        fields["model"] = model_from_plan(plan.model.name, plan.model.config, plan_file)
+    given = {name: getattr(settings, name) for name in fields}
+    return settings.replace(**{name: value if given[name] is None else given[name] for name, value in fields.items()})
+
+
+def _uniform(settings: PlanningSettings, cluster: Cluster) -> Uniform | None:
+    """The uniform strategy that replaces the solver: a search's `strategy` if given; an estimate's (default
+    shard) unless it costs a plan."""
+    if isinstance(settings, SearchSettings):
+        return None if settings.strategy is None else Uniform(settings.strategy, settings.checkpoint, settings.offload)
+    if isinstance(settings, EstimateSettings) and settings.plan is not None:
+        return None
+    strategy = settings.strategy or DEFAULT_SHARDING
+    if SHARDING_KINDS[strategy].multi_node_only and cluster.mesh.nodes < 2:
+        raise UsageError(f"`strategy` {strategy} needs more than one node (`nodes`)")
+    return Uniform(strategy, checkpoint_name(settings.checkpoint), settings.offload)
+
+
+def _tables(session: TracedModel, training: Training, settings: PlanningSettings,
+            plan: Plan | None) -> tuple[CostTables, PinResolution | None]:
+    """The model's cost tables at the granularity (traced here), with the units a plan's or the pins'
+    modules make, and the pins resolved against them."""
+    granularity, compute = settings.granularity_or_default, training.compute_dtype
+    extra = tuple(unit.module for unit in plan.units) if plan is not None else ()
+    pins = None
+    if settings.pin_set is not None:  # matched once against the granularity's units; modules they name become units
+        base = session.cache(compute, granularity, extra)
+        pins = resolve_pins(settings.pin_set, [unit.path for unit in base.units], session.module, session.name)
+        if plan is not None and pins.extra_units:
+            raise UsageError(f"pins that make modules units ({', '.join(pins.extra_units[:3])}) cannot change a "
+                             "`plan`: it has no decision for them; search again with the pins")
+        extra += pins.extra_units
+    return session.cache(compute, granularity, extra), pins

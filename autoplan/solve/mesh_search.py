@@ -1,0 +1,173 @@
+"""The search over meshes: the micro-batch sweep on each of the request's meshes, the fastest plan kept.
+
+A mesh of tensor-parallel degree t runs tensor parallelism inside each group of t GPUs of a node and FSDP
+over the world / t data-parallel ranks. Each mesh is searched with the same sweep (autoplan.solve.sweep)
+on the tables as one of its ranks sees them (`CostTables.for_layout`: the split ops and parameters, the TP
+collectives on each unit's critical path) and the cluster as its data-parallel groups share it
+(`Cluster.with_mesh`). FSDP alone is the mesh of degree 1: one path for every mesh. The fastest plan that
+fits wins; every mesh's best, or why it was not searched, is kept for the report.
+
+Under tensor parallelism the data-parallel dimension offers the kinds that shard over all its ranks
+(shard, shard_keep): replicate and hybrid would need a three-dimensional mesh that apply does not build,
+and offload is not offered beside DTensor's tensor-parallel parameters. A model whose blocks the layout
+does not recognise (autoplan.models.tp_layout) keeps its plans of degree 1.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+
+from autoplan.errors import InfeasibleError, SolverTimeout, UsageError
+from autoplan.models.tp_layout import TpRefusal, recognise
+from autoplan.solve.cluster import Cluster
+from autoplan.solve.request import PlanRequest, Uniform
+from autoplan.solve.sweep import SweepOutcome, sweep
+from autoplan.solve.tables import TableSource
+from cost_models.mesh import Mesh
+from cost_models.options import SHARDING_KINDS, MeshShape
+from cost_models.tensor_parallel import TpLayout
+
+__all__ = ["PROGRESS_DELAY_S", "MeshResult", "MeshSearch", "best_result", "search_meshes"]
+
+PROGRESS_DELAY_S = 2.0  # a search that answers sooner prints nothing on stderr
+
+
+@dataclass
+class MeshResult:
+    """One mesh searched, or refused."""
+
+    mesh: Mesh
+    outcome: SweepOutcome | None = None  # the fastest plan that fits, in solver terms
+    layout: TpLayout | None = None  # the tensor-parallel layout (degree above 1)
+    cluster: Cluster | None = None  # the cluster as the mesh runs it (Cluster.with_mesh)
+    source: TableSource | None = None  # the tables it was searched on
+    refused: str | None = None  # why it was not searched, or why nothing fits
+    error: InfeasibleError | None = None
+    timed_out: SolverTimeout | None = None  # the solver's time ran out before any verdict at every micro-batch
+    wall_time_s: float = 0.0
+
+    @property
+    def degree(self) -> int:
+        return self.mesh.tp
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.mesh.sequence_parallel
+
+    @property
+    def throughput(self) -> float:
+        if self.outcome is None:
+            return 0.0
+        return self.outcome.table.samples_per_step / self.outcome.evaluation.step_time_s
+
+    @property
+    def label(self) -> str:
+        return f"tp {self.degree}" + (" +sp" if self.sequence_parallel else "")
+
+
+@dataclass
+class MeshSearch:
+    """Every mesh's result, in the request's order, and the fastest that fits."""
+
+    results: list[MeshResult]
+    best: MeshResult
+
+    @property
+    def tensor_parallel_searched(self) -> bool:
+        """Whether some mesh above degree 1 was searched (its layout recognised), so the report lists them."""
+        return any(r.degree > 1 and r.layout is not None for r in self.results)
+
+    @property
+    def data_parallel(self) -> MeshResult | None:
+        """The result of degree 1 (FSDP alone), if it was searched."""
+        return next((r for r in self.results if r.degree == 1), None)
+
+
+def search_meshes(request: PlanRequest) -> MeshSearch:
+    """Every mesh of the request searched, the fastest plan that fits chosen (`best_result`). Raises the
+    InfeasibleError needing the least memory when nothing fits anywhere."""
+    progress = _Progress(len(request.meshes))
+    results = []
+    for mesh in request.meshes:
+        results.append(_search(request, mesh))
+        progress.done(results)
+    return MeshSearch(results, best_result(results))
+
+
+def _search(request: PlanRequest, mesh: Mesh) -> MeshResult:
+    result = MeshResult(mesh)
+    start = time.perf_counter()
+    try:
+        if mesh.tp > 1:
+            _check_beside_tensor_parallelism(request.uniform)
+            result.layout = recognise(request.model.module, mesh.tp, mesh.sequence_parallel)
+        result.source = request.tables.for_layout(result.layout)
+        result.cluster = request.cluster.with_mesh(mesh)
+        result.outcome = sweep(request, result.source, result.cluster)
+    except TpRefusal as exc:
+        result.refused = str(exc)
+    except UsageError as exc:  # pins asking for options that do not run beside tensor parallelism
+        if mesh.tp == 1:
+            raise
+        result.refused = f"not with the pins: {exc}"
+    except InfeasibleError as exc:
+        result.refused, result.error = "nothing fits", exc
+    except SolverTimeout as exc:
+        result.refused, result.timed_out = "no verdict within `time_limit_s`", exc
+    result.wall_time_s = time.perf_counter() - start
+    return result
+
+
+def _check_beside_tensor_parallelism(uniform: Uniform | None) -> None:
+    """TpRefusal for a uniform strategy that does not run beside tensor parallelism."""
+    if uniform is None:
+        return
+    if SHARDING_KINDS[uniform.strategy].mesh != MeshShape.WORLD:
+        raise TpRefusal(f"`strategy` {uniform.strategy} is not offered beside tensor parallelism "
+                        "(the data-parallel dimension shards: shard, shard_keep)")
+    if uniform.offload:
+        raise TpRefusal("`offload` is not offered beside tensor parallelism")
+
+
+def best_result(results: list[MeshResult]) -> MeshResult:
+    """The fastest result that fits (the lowest degree among equals); the InfeasibleError needing the least
+    memory when none fits."""
+    fitting = [r for r in results if r.outcome is not None]
+    if fitting:
+        return max(fitting, key=lambda r: (round(r.throughput, 9), -r.degree, r.sequence_parallel))
+    errors = [r.error for r in results if r.error is not None]
+    timed_out = [r.timed_out for r in results if r.timed_out is not None]
+    if timed_out:  # a degree with no verdict might have fitted: say so rather than "nothing fits"
+        raise timed_out[0]
+    if not errors:
+        raise UsageError("no tensor-parallel degree could be searched: "
+                         + "; ".join(f"{r.degree}: {r.refused}" for r in results))
+    error = min(errors, key=lambda e: e.min_mem_bytes if e.min_mem_bytes is not None else float("inf"))
+    tried = [str(r.degree) + (" with sequence parallelism" if r.sequence_parallel else "")
+             for r in results if r.error is not None]
+    if len(tried) > 1:
+        error.args = (error.args[0] + f" (tensor-parallel degrees tried: {', '.join(tried)})",)
+    raise error
+
+
+class _Progress:
+    """A line on stderr per mesh searched, once the search has taken PROGRESS_DELAY_S: which mesh, its best
+    micro-batch, and the best plan so far."""
+
+    def __init__(self, meshes: int):
+        self.meshes, self.start = meshes, time.perf_counter()
+
+    def done(self, results: list[MeshResult]) -> None:
+        elapsed = time.perf_counter() - self.start
+        if elapsed < PROGRESS_DELAY_S or self.meshes == 1:
+            return
+        last = results[-1]
+        found = (f"micro-batch {last.outcome.table.micro_batch_size}, {last.throughput:,.1f} samples/s"
+                 if last.outcome is not None else last.refused or "no plan")
+        fitting = [r for r in results if r.outcome is not None]
+        best = max(fitting, key=lambda r: r.throughput) if fitting else None
+        so_far = f"; best so far {best.label}, {best.throughput:,.1f} samples/s" if best is not None else ""
+        print(f"autoplan: mesh {len(results)} of {self.meshes} ({last.label}): {found}{so_far} ({elapsed:.1f} s)",
+              file=sys.stderr, flush=True)

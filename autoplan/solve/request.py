@@ -1,0 +1,97 @@
+"""One planning request as the stages below the API take it: prepared once, typed, handed down whole.
+
+`autoplan.search`, `estimate`, `frontier`, `explain` and `diff` each turn their settings into a
+`PlanRequest` in one step (autoplan.api.prepare): the model resolved and traced, the cluster and the
+meshes to search on it, the memory limits, the micro-batches, the pins. The mesh search
+(autoplan.solve.mesh_search), the micro-batch sweep (autoplan.solve.sweep) and the plan's assembly
+(autoplan.plan.assemble) each take the request, so no untyped bundle of arguments crosses a module
+boundary, and a new setting is a field here rather than a keyword threaded through every call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch.nn as nn
+
+from autoplan.settings import DEFAULT_TIME_LIMIT_S
+from autoplan.solve.cluster import Cluster
+from autoplan.solve.pins import PinResolution
+from autoplan.solve.tables import CostTables, micro_batch_candidates
+from cost_models.mesh import Mesh
+from cost_models.training import MicroBatch, Training
+
+__all__ = ["Batch", "Limits", "ModelInfo", "PlanRequest", "Uniform"]
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """The model planned: what a plan file records of it, and its module (on the meta device)."""
+
+    name: str
+    """zoo name, "hf:PATH" or "package.module:factory" (what the plan names)"""
+    config: dict[str, Any] | None
+    """the zoo config a plan rebuilds the model from (None: a factory or a module)"""
+    n_params: int
+    fingerprint: str
+    """sha256 of the module tree and parameter shapes (autoplan.models.fingerprint)"""
+    module: nn.Module
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The per-GPU memory a plan must fit, and the solver's time per micro-batch."""
+
+    mem_limit_bytes: int
+    headroom: float = 0.0
+    """fraction of the limit kept free: plans are made to `planned_bytes`"""
+    time_limit_s: float = DEFAULT_TIME_LIMIT_S
+
+    @property
+    def planned_bytes(self) -> int:
+        return int(self.mem_limit_bytes * (1 - self.headroom))
+
+
+@dataclass(frozen=True)
+class Uniform:
+    """A strategy that replaces the solver: every unit takes this sharding kind, checkpoint mode and offload."""
+
+    strategy: str
+    checkpoint: str | None = None
+    offload: bool = False
+
+
+@dataclass(frozen=True)
+class Batch:
+    """The micro-batch asked for (`batch_size`, else swept) and the samples per step (`global_batch`)."""
+
+    batch_size: int | None = None
+    global_batch: int | None = None
+
+    @property
+    def fixed(self) -> bool:
+        return self.batch_size is not None
+
+    def candidates(self, data_parallel_ranks: int) -> list[MicroBatch]:
+        """The micro-batches to try over this many data-parallel ranks, smallest first."""
+        return micro_batch_candidates(data_parallel_ranks, self.batch_size, self.global_batch)
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """Everything a search (or an estimate) of one model on one cluster needs."""
+
+    model: ModelInfo
+    tables: CostTables
+    """the model's units and cost tables (with the units pins make)"""
+    training: Training
+    granularity: str
+    cluster: Cluster
+    meshes: tuple[Mesh, ...]
+    """the meshes to search, in order (their tensor degree and sequence parallelism); one for an estimate"""
+    batch: Batch
+    limits: Limits
+    pins: PinResolution | None = None
+    uniform: Uniform | None = None
+    """a uniform strategy in place of the solver"""

@@ -1,0 +1,172 @@
+"""The mesh a plan runs on: its parallel degrees and the hardware they are laid on, in one record.
+
+Every view of the cluster that the cost models, the search and `apply` need derives from `Mesh`: the
+world size, the data-parallel ranks left once tensor parallelism has taken its groups, how many ranks a
+sharding kind splits a parameter over, which collectives cross nodes, the rank whose rows a rank trains
+on, and, at run time, the DeviceMeshes FSDP2 and DTensor get. Before it, seven records each held part
+of this (a cluster shape, a data-parallel view, the run's meshes, ...), and every new dimension added one
+more. Like torchtitan's `ParallelDims`: one frozen object, validated once.
+
+The degrees, outermost first: data parallel (what is left: `dp`), tensor parallel (`tp`, groups of
+neighbouring ranks inside a node). A new dimension (pipeline, context, expert) is a field here, with its
+place in `dims`, its share of the world in `dp`, its checks in `__post_init__` and its sub-mesh in
+`split`; the cost models and the search read the derived views, not the fields.
+
+The per-unit sharding kinds (cost_models.options) choose how FSDP2 lays a unit over the data-parallel
+ranks: over all of them (a 1-D mesh), replicated (dp, 1), or sharded within a node and replicated across
+nodes (nodes, dp per node): `fsdp_shape`.
+
+This module imports nothing from autoplan; torch only inside the methods that build DeviceMeshes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from cost_models.options import MeshShape, ShardGroup
+
+__all__ = ["DEFAULT_GPUS_PER_NODE", "FSDP_DIM_NAMES", "MAX_TP_DEGREE", "Mesh", "MeshError"]
+
+DEFAULT_GPUS_PER_NODE = 8
+MAX_TP_DEGREE = 8  # NVLink domains of today's nodes
+FSDP_DIM_NAMES = ("replicate", "shard")  # a 2-D FSDP mesh's dimensions (FSDP2's HSDP convention)
+INTER_NODE, INTRA_NODE = "inter_node", "intra_node"
+
+
+class MeshError(ValueError):
+    """Degrees that do not make a mesh; the message names the parameters (`gpus`, `tp`, ...) as the API does."""
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """The devices a plan runs on (`nodes` x `gpus_per_node`) and how its parallel dimensions divide them."""
+
+    nodes: int = 1
+    """nodes in the cluster"""
+
+    gpus_per_node: int = DEFAULT_GPUS_PER_NODE
+    """devices per node"""
+
+    tp: int = 1
+    """tensor-parallel degree: groups of `tp` neighbouring ranks of a node split each block's matmuls"""
+
+    sequence_parallel: bool = False
+    """with `tp` above 1: the norms and the residual stream are split along the sequence too"""
+
+    def __post_init__(self):
+        for name in ("nodes", "gpus_per_node", "tp"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise MeshError(f"`{name}` must be at least 1, got {value}")
+        if self.gpus_per_node % self.tp:
+            raise MeshError(f"`tp` {self.tp} does not divide `gpus_per_node` {self.gpus_per_node}: tensor parallelism "
+                            f"runs inside a node; choose one of {', '.join(map(str, self.tensor_degrees()))}")
+        if self.sequence_parallel and self.tp == 1:
+            raise MeshError("sequence parallelism needs a tensor-parallel degree above 1")
+
+    @classmethod
+    def of(cls, gpus: int | None = None, nodes: int | None = None, gpus_per_node: int | None = None) -> Mesh:
+        """The data-parallel mesh of `gpus` GPUs on `nodes` nodes of `gpus_per_node` each, any of them left out:
+        one node by default; per node, gpus / nodes or DEFAULT_GPUS_PER_NODE. MeshError where they disagree."""
+        for name, value in (("gpus", gpus), ("nodes", nodes), ("gpus_per_node", gpus_per_node)):
+            if value is not None and value < 1:
+                raise MeshError(f"`{name}` must be at least 1, got {value}")
+        nodes_or_one = nodes or 1
+        if gpus_per_node is None:
+            if gpus is not None and gpus % nodes_or_one:
+                raise MeshError(f"`gpus` {gpus} is not a multiple of `nodes` {nodes}")
+            gpus_per_node = gpus // nodes_or_one if gpus is not None else DEFAULT_GPUS_PER_NODE
+        if gpus is not None and gpus != nodes_or_one * gpus_per_node:
+            raise MeshError(f"`gpus` {gpus} does not equal `nodes` {nodes_or_one} x `gpus_per_node` {gpus_per_node}")
+        return cls(nodes=nodes_or_one, gpus_per_node=gpus_per_node)
+
+    # ----------------------------------------------------------------------------------------------- #
+    # Degrees and derived views
+    # ----------------------------------------------------------------------------------------------- #
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel ranks: the world over the other degrees (the ranks FSDP shards over)."""
+        return self.world_size // self.tp
+
+    @property
+    def dp_per_node(self) -> int:
+        """Data-parallel ranks in one node."""
+        return self.gpus_per_node // self.tp
+
+    @property
+    def dims(self) -> tuple[tuple[str, int], ...]:
+        """(name, size) of each dimension above 1, outermost first ("dp" always): the run's DeviceMesh."""
+        return (("dp", self.dp),) + ((("tp", self.tp),) if self.tp > 1 else ())
+
+    def with_tensor(self, tp: int, sequence_parallel: bool = False) -> Mesh:
+        """This cluster with tensor-parallel degree `tp` (MeshError where it does not divide a node)."""
+        return replace(self, tp=tp, sequence_parallel=sequence_parallel and tp > 1)
+
+    def tensor_degrees(self) -> list[int]:
+        """Tensor-parallel degrees a node takes: its divisors up to MAX_TP_DEGREE (1, 2, 4, 8 on 8-GPU nodes)."""
+        return [t for t in range(1, min(self.gpus_per_node, MAX_TP_DEGREE) + 1) if self.gpus_per_node % t == 0]
+
+    def shard_size(self, group: ShardGroup) -> int:
+        """Ranks one parameter is split over under a sharding kind's group (of the data-parallel ranks)."""
+        return {ShardGroup.WORLD: self.dp, ShardGroup.NODE: self.dp_per_node, ShardGroup.ONE: 1}[group]
+
+    def scope(self, group_size: int, spans_nodes: bool = False) -> str:
+        """Where a collective over `group_size` data-parallel ranks runs: "inter_node" when the cluster has
+        several nodes and the group spans them (`spans_nodes`: one rank per node, or larger than a node)."""
+        crosses = self.nodes > 1 and (spans_nodes or group_size > self.dp_per_node)
+        return INTER_NODE if crosses else INTRA_NODE
+
+    def fsdp_shape(self, kind_mesh: MeshShape, dp_ranks: int | None = None) -> tuple[int, ...]:
+        """The FSDP2 mesh of a sharding kind over `dp_ranks` data-parallel ranks (default: all of them): WORLD
+        1-D, REPLICATE (dp, 1), HYBRID (nodes, dp per node). With fewer ranks than planned (a dry run), HYBRID
+        keeps as much of a node as divides them."""
+        ranks = self.dp if dp_ranks is None else dp_ranks
+        if kind_mesh == MeshShape.WORLD:
+            return (ranks,)
+        if kind_mesh == MeshShape.REPLICATE:
+            return (ranks, 1)
+        if kind_mesh == MeshShape.HYBRID:
+            per_node = math.gcd(self.dp_per_node, ranks)
+            return (ranks // per_node, per_node)
+        raise ValueError(f"no FSDP mesh for {kind_mesh!r}")
+
+    def data_rank(self, rank: int) -> int:
+        """The data-parallel rank of global rank `rank`: the ranks of one tensor-parallel group share their rows."""
+        return rank // self.tp
+
+    # ----------------------------------------------------------------------------------------------- #
+    # At run time: the DeviceMeshes (torch imported here only)
+    # ----------------------------------------------------------------------------------------------- #
+
+    def split(self, world):
+        """`world` (a 1-D DeviceMesh over the ranks running the plan) as (data-parallel mesh, tensor-parallel
+        mesh or None): a (world / tp) x tp mesh named ("dp", "tp"), rank r being tensor-parallel rank r % tp of
+        data-parallel rank r // tp, so that a tensor-parallel group is `tp` neighbouring ranks of a node."""
+        from torch.distributed.device_mesh import DeviceMesh
+
+        if self.tp == 1:
+            return world, None
+        size = world.size()
+        if size % self.tp:
+            raise MeshError(f"the plan's tensor-parallel degree {self.tp} does not divide the {size} ranks running it")
+        mesh = DeviceMesh(world.device_type, world.mesh.view(size // self.tp, self.tp), mesh_dim_names=("dp", "tp"))
+        return mesh["dp"], mesh["tp"]
+
+    def fsdp_mesh(self, dp_mesh, kind_mesh: MeshShape):
+        """The DeviceMesh `fully_shard` gets for a sharding kind over `dp_mesh` (the data-parallel ranks)."""
+        if kind_mesh == MeshShape.WORLD:
+            return dp_mesh
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+        from torch.distributed.device_mesh import DeviceMesh
+
+        shape = self.fsdp_shape(kind_mesh, dp_mesh.size())
+        # a mesh's ranks are real integers, also when the model is applied under a FakeTensorMode (a rank
+        # of a big world on fake tensors: autoplan.run.allocator_fit); torch would make them fake there
+        with unset_fake_temporarily():
+            return DeviceMesh(dp_mesh.device_type, dp_mesh.mesh.view(*shape), mesh_dim_names=FSDP_DIM_NAMES)
