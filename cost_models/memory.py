@@ -104,179 +104,219 @@ def _backward_peak(seg, recompute: Recompute):
 
 
 def timeline(table: CostTable, alg: Algebra) -> list[MemoryPoint]:
-    units, segments = table.units, table.segments
-    n_units = len(units)
+    """Every time point of the step (see the module docstring), as expressions of `alg`: numbers for one plan
+    (NumericAlgebra), affine rows over the option literals for the solver (AffineAlgebra)."""
+    steps = _Timeline(table, alg)
+    fwd_points, bwd_points = [], []
+    for index, seg in enumerate(table.segments):  # in op order: a sweep over the units' spans
+        around = steps.around(seg)
+        fwd_points += steps.forward(index, seg, around)
+        bwd_points.append(steps.backward(index, seg, around))
+    return fwd_points + [p for points in bwd_points[::-1] for p in points] + steps.optimizer_step()
 
-    def pick(unit: int, field: str):
-        return alg.pick(unit, _values(table, unit, field))
 
-    params_all = alg.define(_sum([pick(u, "param_bytes") for u in range(n_units)]), "params")
-    optimizer_all = alg.define(_sum([pick(u, "optimizer_bytes") for u in range(n_units)]), "optimizer")
-    grads_all = alg.define(_sum([pick(u, "grad_bytes") for u in range(n_units)]), "grads")
+class _Timeline:
+    """What the time points share: the state held throughout (prefix and suffix sums over units and
+    segments, defined once), where units start and end (each question O(log units): a model of thousands
+    of layers must not scan every unit at every segment), FSDP2's gather and reduce orders."""
 
-    # [Constraint-helper] reduced gradients of units whose backward is done: a suffix sum over units
-    # ordered by first op (a unit's backward ends at its first op).
-    by_first = sorted(range(n_units), key=lambda u: units[u].first_op)
-    grads_from: list = [0] * (n_units + 1)
-    for rank in range(n_units - 1, -1, -1):
-        grads_from[rank] = alg.define(grads_from[rank + 1] + pick(by_first[rank], "grad_bytes"), f"grads_from_{rank}")
+    def __init__(self, table: CostTable, alg: Algebra):
+        self.table, self.alg = table, alg
+        self.units, n_units = table.units, len(table.units)
+        self.params_all = alg.define(_sum([self.pick(u, "param_bytes") for u in range(n_units)]), "params")
+        self.optimizer_all = alg.define(_sum([self.pick(u, "optimizer_bytes") for u in range(n_units)]), "optimizer")
+        self.grads_all = alg.define(_sum([self.pick(u, "grad_bytes") for u in range(n_units)]), "grads")
+        self._state_prefixes()
+        self._spans()
+        self._reductions()
+        self.grads_in_step = self.grads_all if table.grad_accum_steps > 1 else 0
+        self.loss_keepers = [u for u in range(n_units) if any(cost.loss_kept_bytes for cost in table.costs[u])]
+        self.spanning: list[tuple[int, int]] = []  # (last op, unit) of the units started by the segment, less some ended
+        self.started = 0
 
-    # kept-gathered parameters of units whose forward is done: a prefix sum over units by last op
-    by_last = sorted(range(n_units), key=lambda u: units[u].last_op)
-    held_upto: list = [0] * (n_units + 1)
-    for rank, unit in enumerate(by_last):
-        held_upto[rank + 1] = alg.define(held_upto[rank] + pick(unit, "held_bytes"), f"held_{rank}")
+    def pick(self, unit: int, field: str):
+        return self.alg.pick(unit, _values(self.table, unit, field))
 
-    # activations saved by segments 1..s: a prefix sum over segments
-    first_segment_of: dict[int, int] = {}
-    activations_upto: list = []
-    running = 0
-    for index, seg in enumerate(segments):
-        first_segment_of.setdefault(seg.unit, index)
-        per_option = [
-            (cost.activation_bytes if index == first_segment_of[seg.unit] else 0) if option.mode.checkpoints
-            else seg.saved_bytes
-            for option, cost in zip(table.options[seg.unit], table.costs[seg.unit])
-        ]
-        running = alg.define(running + alg.pick(seg.unit, per_option), f"act_{index}")
-        activations_upto.append(running)
+    def _state_prefixes(self) -> None:
+        table, alg, units, n_units = self.table, self.alg, self.units, len(self.units)
+        # [Constraint-helper] reduced gradients of units whose backward is done: a suffix sum over units
+        # ordered by first op (a unit's backward ends at its first op).
+        by_first = sorted(range(n_units), key=lambda u: units[u].first_op)
+        self.grads_from: list = [0] * (n_units + 1)
+        for rank in range(n_units - 1, -1, -1):
+            self.grads_from[rank] = alg.define(self.grads_from[rank + 1] + self.pick(by_first[rank], "grad_bytes"),
+                                               f"grads_from_{rank}")
+        # kept-gathered parameters of units whose forward is done: a prefix sum over units by last op
+        by_last = sorted(range(n_units), key=lambda u: units[u].last_op)
+        self.held_upto: list = [0] * (n_units + 1)
+        for rank, unit in enumerate(by_last):
+            self.held_upto[rank + 1] = alg.define(self.held_upto[rank] + self.pick(unit, "held_bytes"), f"held_{rank}")
+        # activations saved by segments 1..s: a prefix sum over segments
+        self.first_segment_of: dict[int, int] = {}
+        self.activations_upto: list = []
+        running = 0
+        for index, seg in enumerate(table.segments):
+            self.first_segment_of.setdefault(seg.unit, index)
+            per_option = [
+                (cost.activation_bytes if index == self.first_segment_of[seg.unit] else 0) if option.mode.checkpoints
+                else seg.saved_bytes
+                for option, cost in zip(table.options[seg.unit], table.costs[seg.unit])
+            ]
+            running = alg.define(running + alg.pick(seg.unit, per_option), f"act_{index}")
+            self.activations_upto.append(running)
 
-    # units by where their ops start and end: the questions below take O(log units) each, for a model of
-    # thousands of layers must not scan every unit at every segment
-    starts = sorted((units[u].first_op, u) for u in range(n_units))
-    ends = sorted((units[u].last_op, u) for u in range(n_units))
-    start_ops, end_ops = [op for op, _ in starts], [op for op, _ in ends]
+    def _spans(self) -> None:
+        """Units by where their ops start and end, and in the order FSDP2 gathers them in the forward (by first
+        op, outer ones first)."""
+        units, n_units = self.units, len(self.units)
+        self.starts = sorted((units[u].first_op, u) for u in range(n_units))
+        self.ends = sorted((units[u].last_op, u) for u in range(n_units))
+        self.start_ops, self.end_ops = [op for op, _ in self.starts], [op for op, _ in self.ends]
+        self.index_of = {unit.path: u for u, unit in enumerate(units)}
+        depth = {u: units[u].path.count(".") + (0 if units[u].is_root else 1) for u in range(n_units)}
+        self.gather_order = sorted((u for u in range(n_units) if units[u].params),
+                                   key=lambda u: (units[u].first_op, depth[u]))
+        self.gather_starts = [units[u].first_op for u in self.gather_order]
+        self.gather_rank = {u: rank for rank, u in enumerate(self.gather_order)}
 
-    def ending_before(position: int) -> int:
-        return bisect.bisect_left(end_ops, position)
+    def _reductions(self) -> None:
+        """A unit is reduced once the backward of its subtree's first op is done (innermost units first); per
+        segment, the unit reduced last before its backward (its reduction input is still alive)."""
+        units, segments = self.units, self.table.segments
+        segment_of_op = {}
+        for index, seg in enumerate(segments):
+            for position in range(seg.first_op, seg.last_op + 1):
+                segment_of_op[position] = index
+        self.reduced_after: dict[int, list[int]] = {}
+        for u in sorted(range(len(units)), key=lambda u: -len(self.enclosing(u))):
+            self.reduced_after.setdefault(segment_of_op.get(units[u].first_op, 0), []).append(u)
+        self.last_reduced_before: dict[int, int | None] = {}
+        last = None
+        for index in range(len(segments) - 1, -1, -1):
+            self.last_reduced_before[index] = last
+            if self.reduced_after.get(index):
+                last = self.reduced_after[index][-1]
 
-    def starting_after(position: int) -> int:
-        return n_units - bisect.bisect_right(start_ops, position)
+    def ending_before(self, position: int) -> int:
+        return bisect.bisect_left(self.end_ops, position)
 
-    def last_ending_before(position: int) -> int | None:
+    def starting_after(self, position: int) -> int:
+        return len(self.units) - bisect.bisect_right(self.start_ops, position)
+
+    def last_ending_before(self, position: int) -> int | None:
         """Of the units ending before `position`, the last to end (the lowest index among ties)."""
-        rank = bisect.bisect_left(end_ops, position)
-        return ends[bisect.bisect_left(end_ops, end_ops[rank - 1])][1] if rank else None
+        rank = bisect.bisect_left(self.end_ops, position)
+        return self.ends[bisect.bisect_left(self.end_ops, self.end_ops[rank - 1])][1] if rank else None
 
-    index_of = {unit.path: u for u, unit in enumerate(units)}
-    depth = {u: units[u].path.count(".") + (0 if units[u].is_root else 1) for u in range(n_units)}
-    # units with parameters in the order FSDP2 gathers them in the forward: by first op, outer ones first
-    gather_order = sorted((u for u in range(n_units) if units[u].params), key=lambda u: (units[u].first_op, depth[u]))
-    gather_starts = [units[u].first_op for u in gather_order]
-    gather_rank = {u: rank for rank, u in enumerate(gather_order)}
-
-    def latest_gathered(position: int, before: int | None = None) -> int | None:
+    def latest_gathered(self, position: int, before: int | None = None) -> int | None:
         """The unit gathered last when the op at `position` runs (or the one gathered just before `before`)."""
-        rank = bisect.bisect_right(gather_starts, position)
+        rank = bisect.bisect_right(self.gather_starts, position)
         if before is not None:
-            rank = gather_rank[before]
-        return gather_order[rank - 1] if rank else None
+            rank = self.gather_rank[before]
+        return self.gather_order[rank - 1] if rank else None
 
-    def enclosing(unit: int) -> list[int]:
+    def enclosing(self, unit: int) -> list[int]:
         """Units strictly around `unit` (its parent, the parent's parent, ...)."""
-        chain, parent = [], units[unit].parent
+        chain, parent = [], self.units[unit].parent
         while parent is not None:
-            chain.append(index_of[parent])
-            parent = units[index_of[parent]].parent
+            chain.append(self.index_of[parent])
+            parent = self.units[self.index_of[parent]].parent
         return chain
 
-    segment_of_op = {}
-    for index, seg in enumerate(segments):
-        for position in range(seg.first_op, seg.last_op + 1):
-            segment_of_op[position] = index
-    # a unit is reduced once the backward of its subtree's first op is done (innermost units first)
-    reduced_after: dict[int, list[int]] = {}
-    for u in sorted(range(n_units), key=lambda u: -len(enclosing(u))):
-        reduced_after.setdefault(segment_of_op.get(units[u].first_op, 0), []).append(u)
+    def around(self, seg) -> list[int]:
+        """The units whose ops span the segment (called for each segment in order). The loss runs after the
+        model's forward returned and before its backward starts: FSDP2 holds no unit gathered then (apply sets
+        reshard_after_forward explicitly, so the root reshards too)."""
+        units, starts = self.units, self.starts
+        while self.started < len(units) and self.start_ops[self.started] <= seg.first_op:
+            heapq.heappush(self.spanning, (units[starts[self.started][1]].last_op, starts[self.started][1]))
+            self.started += 1
+        while self.spanning and self.spanning[0][0] < seg.first_op:
+            heapq.heappop(self.spanning)
+        return [] if seg.outside_model else sorted(u for _, u in self.spanning)
 
-    # the unit reduced last before the backward of segment s (its reduction input is still alive)
-    last_reduced_before: dict[int, int | None] = {}
-    last = None
-    for index in range(len(segments) - 1, -1, -1):
-        last_reduced_before[index] = last
-        if reduced_after.get(index):
-            last = reduced_after[index][-1]
+    def _label(self, seg) -> str:
+        return "loss" if seg.outside_model else self.units[seg.unit].path or "<root>"
 
-    grads_in_step = grads_all if table.grad_accum_steps > 1 else 0
-    loss_keepers = [u for u in range(n_units) if any(cost.loss_kept_bytes for cost in table.costs[u])]
-    fwd_points, bwd_points = [], []
-    spanning: list[tuple[int, int]] = []  # (last op, unit) of the units started by the segment, less some ended
-    started = 0
-    for index, seg in enumerate(segments):  # in op order: a sweep over the units' spans
-        while started < n_units and start_ops[started] <= seg.first_op:
-            heapq.heappush(spanning, (units[starts[started][1]].last_op, starts[started][1]))
-            started += 1
-        while spanning and spanning[0][0] < seg.first_op:
-            heapq.heappop(spanning)
-        # the loss runs after the model's forward returned and before its backward starts: FSDP2 holds no
-        # unit gathered then (apply sets reshard_after_forward explicitly, so the root reshards too)
-        around = [] if seg.outside_model else sorted(u for _, u in spanning)  # the units whose ops span it
-        label = "loss" if seg.outside_model else units[seg.unit].path or "<root>"
-        held_done = held_upto[ending_before(seg.first_op)]
-
-        running = _sum([pick(u, "gathered_bytes") for u in around]) + held_done
-        latest = None if seg.outside_model else latest_gathered(seg.first_op)
-        gathered_fwd = running + (pick(latest, "gathered_bytes") if latest is not None else 0)
-        if not seg.outside_model and seg.unit == latest and first_segment_of[seg.unit] == index:
+    def forward(self, index: int, seg, around: list[int]) -> list[MemoryPoint]:
+        """The segment's forward point, after a pre-forward point where its unit copies out its gathered
+        parameters."""
+        table, alg = self.table, self.alg
+        label = self._label(seg)
+        points = []
+        held_done = self.held_upto[self.ending_before(seg.first_op)]
+        running = _sum([self.pick(u, "gathered_bytes") for u in around]) + held_done
+        latest = None if seg.outside_model else self.latest_gathered(seg.first_op)
+        gathered_fwd = running + (self.pick(latest, "gathered_bytes") if latest is not None else 0)
+        if not seg.outside_model and seg.unit == latest and self.first_segment_of[seg.unit] == index:
             # [Point] the unit's copy-out: the previous unit's all-gather output is still alive
-            previous = latest_gathered(seg.first_op, before=seg.unit)
-            fwd_points.append(MemoryPoint(f"pre-fwd {label}", _parts(
-                params=params_all, grads=grads_in_step, optimizer=optimizer_all,
-                activations=activations_upto[index - 1] if index > 0 else 0,
-                gathered=gathered_fwd + (pick(previous, "gathered_bytes") if previous is not None else 0),
+            previous = self.latest_gathered(seg.first_op, before=seg.unit)
+            points.append(MemoryPoint(f"pre-fwd {label}", _parts(
+                params=self.params_all, grads=self.grads_in_step, optimizer=self.optimizer_all,
+                activations=self.activations_upto[index - 1] if index > 0 else 0,
+                gathered=gathered_fwd + (self.pick(previous, "gathered_bytes") if previous is not None else 0),
                 temporaries=0,
             )))
         # the loss's unsaved inputs are among its transients; a unit that keeps one counts it already
-        kept_by = ([alg.pick(u, [-c.loss_kept_bytes for c in table.costs[u]]) for u in loss_keepers]
+        kept_by = ([alg.pick(u, [-c.loss_kept_bytes for c in table.costs[u]]) for u in self.loss_keepers]
                    if seg.outside_model else [])
-        fwd_points.append(MemoryPoint(f"fwd {label}", _parts(
-            params=params_all, grads=grads_in_step, optimizer=optimizer_all,
-            activations=activations_upto[index], gathered=gathered_fwd,
+        points.append(MemoryPoint(f"fwd {label}", _parts(
+            params=self.params_all, grads=self.grads_in_step, optimizer=self.optimizer_all,
+            activations=self.activations_upto[index], gathered=gathered_fwd,
             temporaries=_sum([seg.fwd_temp_bytes] + kept_by),
         )))
+        return points
 
-        prefetch_bwd = None if seg.outside_model else last_ending_before(seg.first_op)
+    def backward(self, index: int, seg, around: list[int]) -> list[MemoryPoint]:
+        """The segment's backward at its peak, then the reductions of the units whose backward ends with it."""
+        table, alg, n_units = self.table, self.alg, len(self.units)
+        held_done = self.held_upto[self.ending_before(seg.first_op)]
+        prefetch_bwd = None if seg.outside_model else self.last_ending_before(seg.first_op)
         gathered_bwd = held_done
         if prefetch_bwd is not None:  # prefetched for the next backward unless already held
             gathered_bwd = gathered_bwd + alg.pick(prefetch_bwd, [
                 c.gathered_bytes - c.held_bytes for c in table.costs[prefetch_bwd]])
-        done_rank = starting_after(seg.last_op)
-        grads_done = grads_all if table.grad_accum_steps > 1 else grads_from[n_units - done_rank]
+        done_rank = self.starting_after(seg.last_op)
+        grads_done = self.grads_all if table.grad_accum_steps > 1 else self.grads_from[n_units - done_rank]
         # the gradients of every unit whose backward is running accumulate unsharded until its reduction
-        pending = last_reduced_before[index]
-        pending_reduce = pick(pending, "pending_reduce_bytes") if pending is not None else 0
+        pending = self.last_reduced_before[index]
+        pending_reduce = self.pick(pending, "pending_reduce_bytes") if pending is not None else 0
         # [Point] the segment's backward at its peak (table.backward_peak): its own activations and
         # gradients as simulated op by op, the checkpointed unit's kept inputs, earlier segments' activations
         peak = [_backward_peak(seg, option.recompute) for option in table.options[seg.unit]]
-        kept = [cost.bwd_kept_bytes if option.mode.checkpoints and index == first_segment_of[seg.unit] else 0
+        kept = [cost.bwd_kept_bytes if option.mode.checkpoints and index == self.first_segment_of[seg.unit] else 0
                 for option, cost in zip(table.options[seg.unit], table.costs[seg.unit])]
-        bwd_here = [MemoryPoint(f"bwd {label}", _parts(
-            params=params_all, grads=grads_done, optimizer=optimizer_all,
-            activations=(activations_upto[index - 1] if index > 0 else 0)
-            + alg.pick(seg.unit, [k + p.activations for k, p in zip(kept, peak)]),
-            gathered=gathered_bwd + _sum([pick(u, "gathered_bytes") for u in around]),
+        earlier = self.activations_upto[index - 1] if index > 0 else 0
+        points = [MemoryPoint(f"bwd {self._label(seg)}", _parts(
+            params=self.params_all, grads=grads_done, optimizer=self.optimizer_all,
+            activations=earlier + alg.pick(seg.unit, [k + p.activations for k, p in zip(kept, peak)]),
+            gathered=gathered_bwd + _sum([self.pick(u, "gathered_bytes") for u in around]),
             temporaries=alg.pick(seg.unit, [p.temporaries for p in peak]) + seg.outer_grad_bytes + pending_reduce,
         ))]
-        for u in reduced_after.get(index, []):
-            # [Point] FSDP2's post-backward: u is resharded, its gradients copied into the reduction
-            # input (the previous unit's input freed just before); the activations of its subtree
-            # are freed by now
-            outer = enclosing(u)
-            later_rank = starting_after(units[u].first_op)
-            bwd_here.append(MemoryPoint(f"reduce {units[u].path or '<root>'}", _parts(
-                params=params_all,
-                grads=grads_all if table.grad_accum_steps > 1 else grads_from[n_units - later_rank],
-                optimizer=optimizer_all,
-                activations=activations_upto[index - 1] if index > 0 else 0,
-                gathered=gathered_bwd + _sum([pick(v, "gathered_bytes") for v in outer]),
-                temporaries=pick(u, "reduce_peak_bytes") + _sum([pick(v, "unsharded_grad_bytes") for v in outer]),
-            )))
-        bwd_points.append(bwd_here)
+        for u in self.reduced_after.get(index, []):
+            points.append(self._reduce_point(u, earlier, gathered_bwd))
+        return points
 
-    state = _parts(params=params_all, grads=grads_all, optimizer=optimizer_all, activations=0, gathered=0,
-                   temporaries=_sum([pick(u, "optimizer_temp_bytes") for u in range(n_units)]))
-    step_points = _optimizer_step_points(table, alg, state)
-    return fwd_points + [p for points in bwd_points[::-1] for p in points] + step_points
+    def _reduce_point(self, u: int, activations, gathered_bwd) -> MemoryPoint:
+        """[Point] FSDP2's post-backward: u is resharded, its gradients copied into the reduction input (the
+        previous unit's input freed just before); the activations of its subtree are freed by now."""
+        table, n_units = self.table, len(self.units)
+        outer = self.enclosing(u)
+        later_rank = self.starting_after(self.units[u].first_op)
+        return MemoryPoint(f"reduce {self.units[u].path or '<root>'}", _parts(
+            params=self.params_all,
+            grads=self.grads_all if table.grad_accum_steps > 1 else self.grads_from[n_units - later_rank],
+            optimizer=self.optimizer_all,
+            activations=activations,
+            gathered=gathered_bwd + _sum([self.pick(v, "gathered_bytes") for v in outer]),
+            temporaries=self.pick(u, "reduce_peak_bytes") + _sum([self.pick(v, "unsharded_grad_bytes") for v in outer]),
+        ))
+
+    def optimizer_step(self) -> list[MemoryPoint]:
+        state = _parts(params=self.params_all, grads=self.grads_all, optimizer=self.optimizer_all, activations=0,
+                       gathered=0, temporaries=_sum([self.pick(u, "optimizer_temp_bytes")
+                                                     for u in range(len(self.units))]))
+        return _optimizer_step_points(self.table, self.alg, state)
 
 
 MAX_SCRATCH_POINTS = 64
