@@ -176,6 +176,18 @@ def plot_memory_timeline(result, *, limit_bytes: int | None = None, ax=None, tit
                 bbox={"boxstyle": "round,pad=0.15", "facecolor": "white", "edgecolor": "none", "alpha": 0.85})
 
     groups = _groups(points, decisions)
+    _shade_phases(ax, groups, n)
+    _label_groups(ax, figure, groups, n)
+    ax.set_xlim(-0.6, n - 0.4)
+    ax.set_ylim(0, 1.15 * top_bytes / scale)  # room for the peak's label
+    ax.set_ylabel(f"memory per GPU ({unit})")
+    ax.set_title(title or _title(result, prediction, peak_text, limit_text), fontsize=10, pad=14)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    return figure
+
+
+def _shade_phases(ax, groups, n: int) -> None:
+    """Each phase's span shaded, divided by a line and named above the axes."""
     phase_runs: list[list] = []  # [phase, first, last] of each phase's span
     for group in groups:
         if phase_runs and phase_runs[-1][0] == group.phase:
@@ -189,22 +201,19 @@ def plot_memory_timeline(result, *, limit_bytes: int | None = None, ax=None, tit
         ax.text((first + last) / 2, 1.0, phase if last - first >= 0.08 * n else phase[:3] + ".",
                 transform=ax.get_xaxis_transform(), ha="center", va="bottom", fontsize=8, color="dimgrey")
 
+
+def _label_groups(ax, figure, groups, n: int) -> None:
+    """One tick label per run of like points, and the run's extent as a bracket under the axis."""
     axes_width_in = ax.get_position().width * figure.get_size_inches()[0]
     rotated = n <= ROTATED_UP_TO
     ticks = _tick_labels(groups, max(axes_width_in, 1.0), n, rotated)
     ax.set_xticks([position for position, _ in ticks], [text for _, text in ticks], fontsize=7,
                   rotation=90 if rotated else 0)
     ax.tick_params(axis="x", length=0, pad=8)
-    for group in groups:  # a run's extent, as a bracket under the axis
+    for group in groups:
         if group.last > group.first:
             ax.plot([group.first - 0.3, group.last + 0.3], [-0.02, -0.02], color="dimgrey", linewidth=1.5,
                     transform=ax.get_xaxis_transform(), clip_on=False, solid_capstyle="butt")
-    ax.set_xlim(-0.6, n - 0.4)
-    ax.set_ylim(0, 1.15 * top_bytes / scale)  # room for the peak's label
-    ax.set_ylabel(f"memory per GPU ({unit})")
-    ax.set_title(title or _title(result, prediction, peak_text, limit_text), fontsize=10, pad=14)
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    return figure
 
 
 def plot_frontier(points: Sequence[FrontierPoint], *, ax=None, title: str | None = None):
