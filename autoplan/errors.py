@@ -6,6 +6,18 @@ class AutoplanError(Exception):
 
     exit_code = 1
 
+    def __reduce__(self):
+        # pickled with its fields (an InfeasibleError's smallest limit, the pins of a PinsInfeasibleError): the
+        # mesh search hands errors back from its worker processes
+        return _rebuilt, (type(self), self.args, self.__dict__)
+
+
+def _rebuilt(cls: type, args: tuple, state: dict) -> AutoplanError:
+    error = cls.__new__(cls)
+    error.args = args
+    error.__dict__.update(state)
+    return error
+
 
 class UsageError(AutoplanError):
     """Bad command-line or API input (an unparsable size, an unknown name)."""

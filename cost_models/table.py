@@ -21,7 +21,7 @@ from cost_models.records import OpRecord, Unit
 from cost_models.segments import build_segments
 from cost_models.training import MicroBatch, Training
 
-__all__ = ["CostTable", "OptionCost", "TableInputs", "build_cost_table", "unit_classes", "without_gloo_copy"]
+__all__ = ["CostTable", "OptionCost", "TableInputs", "build_cost_table", "op_content", "unit_classes", "without_gloo_copy"]
 
 
 @dataclass
@@ -57,6 +57,9 @@ class TableInputs:
     keep: dict[Recompute, list[int]]  # per unit: what a checkpointed unit keeps (activations.activation_keep_bytes)
     backward_keep: dict[Recompute, list[int]]  # of that, what is still held after its recomputation
     kept_saved: dict[Recompute, dict[str, int]]  # per op: the saved bytes a checkpointed unit keeps
+    # per op, a number equal for ops alike in everything their costs read here (op_content and kept_saved), where
+    # the source knows it for every micro-batch at once; None: unit_classes compares the ops themselves
+    op_ids: list[int] | None = None
 
 
 def without_gloo_copy(table: CostTable) -> CostTable:
@@ -116,21 +119,29 @@ def build_cost_table(inputs: TableInputs, profile: DeviceProfile, mesh: Mesh, mi
 _OP_CONTENT = tuple(f.name for f in fields(OpRecord) if f.name not in ("name", "module"))
 
 
+def op_content(op: OpRecord) -> tuple:
+    """Everything of an op that its costs read."""
+    return tuple(getattr(op, f) for f in _OP_CONTENT)
+
+
 def unit_classes(inputs: TableInputs) -> list[int]:
     """Per unit, the first unit alike in everything its costs and its segments' backward peaks read: its ops'
     contents and relative positions, its parameters' shapes, whether it is the root or a leaf, what each way
     of checkpointing keeps of it and of each of its ops. A model's repeated blocks form one class."""
     position = {op.name: i for i, op in enumerate(inputs.ops)}
-    by_name = {op.name: op for op in inputs.ops}
     modes = sorted(inputs.keep)
+    if inputs.op_ids is not None:
+        op_key = {op.name: inputs.op_ids[i] for i, op in enumerate(inputs.ops)}
+    else:
+        op_key = {op.name: (op_content(op), tuple(inputs.kept_saved[m].get(op.name) for m in modes))
+                  for op in inputs.ops}
     first: dict[tuple, int] = {}
     classes = []
     for index, unit in enumerate(inputs.units):
         start = position[unit.ops[0]] if unit.ops else 0
         signature = (
             unit.is_root, unit.is_leaf, tuple(p.shape for p in unit.params),
-            tuple((position[name] - start, tuple(getattr(by_name[name], f) for f in _OP_CONTENT),
-                   tuple(inputs.kept_saved[m].get(name) for m in modes)) for name in unit.ops),
+            tuple((position[name] - start, op_key[name]) for name in unit.ops),
             tuple((inputs.keep[m][index], inputs.backward_keep[m][index]) for m in modes),
         )
         classes.append(first.setdefault(signature, index))

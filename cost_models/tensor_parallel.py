@@ -10,10 +10,9 @@ of one all-reduce. The embedding table and the output head can be split by vocab
 then runs on vocabulary-parallel logits: torch's loss_parallel).
 
 The search reuses the whole data-parallel machinery on this per-rank view: `tp_ops` and `tp_units`
-turn the traced ops and the units into what one rank of a TP group runs and owns, the cost table is
-built for the data-parallel cluster (world / t ranks, gpus_per_node / t per node) on `tp_profile`, and
-`add_tp_time` adds each unit's TP collectives (`tp_collectives`) to its forward and backward: they sit
-on the critical path between the unit's matmuls, so they are compute-side time, not overlapped with it.
+turn the traced ops and the units into what one rank of a TP group runs and owns, and the cost table is
+built for the data-parallel ranks (world / t, gpus_per_node / t per node); what tensor parallelism adds in
+time (its collectives, the network links the data-parallel groups share) is in cost_models.tp_time.
 
 The layout itself (which module plays which role) is found by autoplan from the model's modules and
 handed here as plain data (`TpLayout`); this module imports nothing from autoplan and nothing from torch.
@@ -25,20 +24,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from enum import Enum
 
-from cost_models.choices import Option
-from cost_models.comm import CommModel
-from cost_models.options import MeshShape, Recompute
-from cost_models.profile import DeviceProfile
+from cost_models.options import MeshShape
 from cost_models.records import LOSS_NODE, OpRecord, ParamInfo, Unit
 
 __all__ = [
-    "LOSS_COLLECTIVES", "TpLayout", "TpRole", "UnitLayout", "add_tp_time", "data_parallel_kinds", "parallelized_modules",
-    "regions_per_unit", "tp_collectives", "tp_keep_bytes", "tp_ops", "tp_profile", "tp_units", "unit_layouts",
+    "TpLayout", "TpRole", "UnitLayout", "data_parallel_kinds", "op_role", "owners", "parallelized_modules",
+    "regions_per_unit", "tp_keep_bytes", "tp_ops", "tp_units", "unit_layouts",
 ]
-
-# loss_parallel's forward all-reduces three per-token fp32 vectors across the group (max, sum of exp, target logit)
-LOSS_COLLECTIVES = 3
-_LOSS_BYTES = 4
 
 
 class TpRole(str, Enum):
@@ -91,10 +83,19 @@ _BYTE_FIELDS = ("out_bytes", "fwd_bytes", "bwd_bytes", "saved_bytes", "fwd_max_a
                 "bwd_in_bytes", "bwd_live_bytes")
 
 
+def _with(op: OpRecord, **changes) -> OpRecord:
+    """A copy of the op with `changes` (dataclasses.replace without re-running __init__: a 405B model's tables
+    transform some 160,000 ops per mesh searched)."""
+    new = OpRecord.__new__(OpRecord)
+    new.__dict__.update(op.__dict__)
+    new.__dict__.update(changes)
+    return new
+
+
 def _divided(op: OpRecord, t: int, fields: tuple[str, ...]) -> OpRecord:
     """The op with `fields` divided by t, its key marked as 1/t of the traced op's work: a timing measured for
     the traced (whole) op is not this op's, which the fits then price from its divided FLOPs and bytes."""
-    return replace(op, variant=f"{op.variant}[tp 1/{t}]", **{name: -(-getattr(op, name) // t) for name in fields})
+    return _with(op, variant=f"{op.variant}[tp 1/{t}]", **{name: -(-getattr(op, name) // t) for name in fields})
 
 
 def _loss_parallel(op: OpRecord, t: int) -> OpRecord:
@@ -107,21 +108,22 @@ def _loss_parallel(op: OpRecord, t: int) -> OpRecord:
     under loss_parallel, one fp32 shard)."""
     local = _divided(op, t, _BYTE_FIELDS + ("fwd_flops", "bwd_flops"))
     fused = max(op.fwd_max_alloc_bytes, op.bwd_live_bytes - op.fwd_max_alloc_bytes)
-    return replace(local, bwd_live_bytes=-(-fused // t))
+    return _with(local, bwd_live_bytes=-(-fused // t))
 
 
-def tp_op(op: OpRecord, layout: TpLayout) -> OpRecord:
+def tp_op(op: OpRecord, layout: TpLayout, role: TpRole | None | str = "") -> OpRecord:
     """One op as a rank of the group runs it. Bytes and FLOPs divide by t where the tensors they count do:
     a column-wise projection keeps its (whole) input saved and writes 1/t of the output; a row-wise one reads
     1/t and writes a whole partial sum; the ops between them work on 1/t of the heads or hidden width;
-    norms and residual adds on 1/t of the sequence with sequence parallelism, all of it without."""
+    norms and residual adds on 1/t of the sequence with sequence parallelism, all of it without. `role`: the
+    op's (`op_role`), where the caller knows it already."""
     t = layout.degree
     if t == 1:
         return op
     flops = ("fwd_flops", "bwd_flops")
     if op.name == LOSS_NODE:
         return _loss_parallel(op, t) if layout.head else op
-    role = layout.role_of(op.module)
+    role = layout.role_of(op.module) if role == "" else role
     if role is TpRole.COLWISE:
         return _divided(op, t, tuple(f for f in _BYTE_FIELDS if f != "saved_bytes") + flops + ("param_grad_bytes",))
     if role is TpRole.ROWWISE:
@@ -136,8 +138,21 @@ def tp_op(op: OpRecord, layout: TpLayout) -> OpRecord:
     return op
 
 
+def op_role(op: OpRecord, layout: TpLayout, roles: dict[str, TpRole | None] | None = None) -> TpRole | str | None:
+    """What decides how tp_op transforms the op: its module's role, or LOSS_NODE for the loss. `roles`: a cache
+    of module path -> role."""
+    if op.name == LOSS_NODE:
+        return LOSS_NODE
+    if roles is None:
+        return layout.role_of(op.module)
+    if op.module not in roles:
+        roles[op.module] = layout.role_of(op.module)
+    return roles[op.module]
+
+
 def tp_ops(ops: list[OpRecord], layout: TpLayout) -> list[OpRecord]:
-    return [tp_op(op, layout) for op in ops]
+    roles: dict[str, TpRole | None] = {}
+    return [tp_op(op, layout, op_role(op, layout, roles)) for op in ops]
 
 
 def tp_units(units: list[Unit], layout: TpLayout) -> list[Unit]:
@@ -163,7 +178,7 @@ def tp_units(units: list[Unit], layout: TpLayout) -> list[Unit]:
     return out
 
 
-def _owners(units: list[Unit]):
+def owners(units: list[Unit]):
     """A function of a module path: the index of the innermost unit whose module holds it (its own path or
     its nearest ancestor's that is a unit's)."""
     index = {unit.path: i for i, unit in enumerate(units)}
@@ -183,7 +198,7 @@ def unit_layouts(units: list[Unit], layout: TpLayout) -> list[UnitLayout | None]
     tags: list[UnitLayout | None] = [None] * len(units)
     if layout.degree == 1:
         return tags
-    owner = _owners(units)
+    owner = owners(units)
     for region in layout.regions:
         tags[owner(region)] = UnitLayout.MEGATRON_SP if layout.sequence_parallel else UnitLayout.MEGATRON
     for path in (layout.embedding, layout.head):
@@ -210,79 +225,6 @@ def parallelized_modules(layout: TpLayout) -> list[str]:
     return modules
 
 
-@dataclass(frozen=True)
-class TpTime:
-    """One unit's tensor-parallel collectives per micro-batch: seconds and calls, forward and backward."""
-
-    fwd_s: float = 0.0
-    bwd_s: float = 0.0
-    calls_fwd: int = 0
-    calls_bwd: int = 0
-
-    def plus(self, collectives: list[tuple[str, float]], comm: CommModel, t: int, backward: bool) -> "TpTime":
-        seconds = sum(comm.collective_s(name, nbytes, t, "intra_node") for name, nbytes in collectives)
-        if backward:
-            return replace(self, bwd_s=self.bwd_s + seconds, calls_bwd=self.calls_bwd + len(collectives))
-        return replace(self, fwd_s=self.fwd_s + seconds, calls_fwd=self.calls_fwd + len(collectives))
-
-
-def tp_collectives(units: list[Unit], layout: TpLayout, micro_batch_size: int, seq_len: int, compute_bytes: int,
-                   profile: DeviceProfile, local_vocab: int = 0) -> list[TpTime]:
-    """Per unit, its TP collectives on the profile's intra-node fits (the group is inside a node).
-    A region (attention or MLP): without sequence parallelism one all-reduce of the activation
-    [micro-batch, seq, hidden] forward (the row-wise output) and, backward, one per column-wise projection
-    (torch's ColwiseParallel makes each projection's replicated input a DTensor of its own, whose gradient it
-    all-reduces alone: q, k and v three, gate and up two; measured, 21 backward all-reduces per step for a
-    4-block llama, not 9); with it, an all-gather and a reduce-scatter each way (PrepareModuleInput gives
-    the projections one shared input, whose gradient is reduced once). The vocabulary-parallel embedding
-    completes its output forward (all-reduce, or reduce-scatter along the sequence); the head gathers its
-    input forward and reduces its gradient backward with sequence parallelism, only the latter without;
-    the loss adds its small all-reduces, and, where the profile measured it (`loss_parallel`), what
-    loss_parallel's decomposed cross-entropy costs beyond the fused one on the rank's micro-batch x seq x
-    `local_vocab` logits (compute on the head's unit, counted with its collectives); and, where the profile
-    measured it (`tp_dispatch`), DTensor's dispatch per parallelized module (`parallelized_modules`) on the
-    unit that owns the module."""
-    t = layout.degree
-    times = [TpTime() for _ in units]
-    if t == 1:
-        return times
-    owner = _owners(units)
-    comm = CommModel(profile)
-    activation = micro_batch_size * seq_len * layout.hidden * compute_bytes
-    sp = layout.sequence_parallel
-    pair = [("all_gather", activation), ("reduce_scatter", activation)] if sp else [("all_reduce", activation)]
-    columns_under: dict[str, int] = {}  # module path -> column-wise projections below it
-    for path, role in layout.roles.items():
-        if role is TpRole.COLWISE:
-            parts = path.split(".")
-            for depth in range(1, len(parts)):
-                ancestor = ".".join(parts[:depth])
-                columns_under[ancestor] = columns_under.get(ancestor, 0) + 1
-    for region in layout.regions:
-        u = owner(region)
-        backward = pair if sp else pair * max(1, columns_under.get(region, 0))
-        times[u] = times[u].plus(pair, comm, t, False).plus(backward, comm, t, True)
-    if layout.embedding is not None:
-        u = owner(layout.embedding)
-        times[u] = times[u].plus([("reduce_scatter" if sp else "all_reduce", activation)], comm, t, False)
-    if layout.head is not None:
-        u = owner(layout.head)
-        loss = [("all_reduce", micro_batch_size * seq_len * _LOSS_BYTES)] * LOSS_COLLECTIVES
-        times[u] = times[u].plus(([("all_gather", activation)] if sp else []) + loss, comm, t, False)
-        times[u] = times[u].plus([("reduce_scatter" if sp else "all_reduce", activation)], comm, t, True)
-        extra = profile.loss_parallel
-        if extra is not None and local_vocab:
-            logits = micro_batch_size * seq_len * local_vocab
-            times[u] = replace(times[u], fwd_s=times[u].fwd_s + extra.fwd_s + extra.fwd_s_per_logit * logits,
-                               bwd_s=times[u].bwd_s + extra.bwd_s + extra.bwd_s_per_logit * logits)
-    if profile.tp_dispatch is not None:
-        fwd, bwd = profile.tp_dispatch.per_module(sp)
-        for path in parallelized_modules(layout):
-            u = owner(path)
-            times[u] = replace(times[u], fwd_s=times[u].fwd_s + fwd, bwd_s=times[u].bwd_s + bwd)
-    return times
-
-
 def data_parallel_kinds(table):
     """A cost table with only the options that run beside tensor parallelism: kinds sharding over the whole
     data-parallel dimension (replicate and hybrid would need a three-dimensional mesh that apply does not
@@ -291,22 +233,6 @@ def data_parallel_kinds(table):
             for opts in table.options]
     return replace(table, options=[[opts[i] for i in k] for opts, k in zip(table.options, keep)],
                    costs=[[costs[i] for i in k] for costs, k in zip(table.costs, keep)])
-
-
-def add_tp_time(options: list[list[Option]], costs: list, times: list[TpTime], call_fwd_s: float = 0.0,
-                call_bwd_s: float = 0.0) -> None:
-    """Add each unit's TP collectives to its costs (in place): to the forward, and to the backward with,
-    for a fully checkpointed unit, the forward's again (its recomputation runs them again; a selective
-    checkpoint keeps the collectives' outputs, see autoplan.run.ac). `call_*_s`: the profile's in-step
-    cost of one collective call (FsdpOverhead), charged per TP call as per FSDP call."""
-    for unit_options, unit_costs, time in zip(options, costs, times):
-        if not (time.calls_fwd or time.calls_bwd):
-            continue
-        fwd = time.fwd_s + time.calls_fwd * call_fwd_s
-        bwd = time.bwd_s + time.calls_bwd * call_bwd_s
-        for option, cost in zip(unit_options, unit_costs):
-            cost.fwd_s += fwd
-            cost.bwd_s += bwd + (fwd if option.recompute is Recompute.ALL else 0.0)
 
 
 def tp_keep_bytes(keep_all: int, keep_cheap: int, layout_of_unit: UnitLayout | None, layout: TpLayout,
@@ -332,19 +258,7 @@ def tp_keep_bytes(keep_all: int, keep_cheap: int, layout_of_unit: UnitLayout | N
 def regions_per_unit(units: list[Unit], layout: TpLayout) -> list[int]:
     """How many attention and MLP regions each unit owns."""
     counts = [0] * len(units)
-    owner = _owners(units)
+    owner = owners(units)
     for region in layout.regions:
         counts[owner(region)] += 1
     return counts
-
-
-def tp_profile(profile: DeviceProfile, degree: int) -> DeviceProfile:
-    """The profile as one data-parallel group sees it: the inter-node collective fits were measured by rings
-    over whole nodes, which use every NIC of a node; with degree t, t data-parallel groups run side by side
-    and share them, so each gets 1/t of that bandwidth (beta x t). Intra-node links are per GPU (NVSwitch)
-    and stay as they are."""
-    if degree == 1:
-        return profile
-    fits = [fit.model_copy(update={"beta_s_per_byte": fit.beta_s_per_byte * degree}) if fit.scope == "inter_node"
-            else fit for fit in profile.collectives]
-    return profile.model_copy(update={"collectives": fits})

@@ -112,3 +112,39 @@ def test_bad_inputs_are_usage_errors():
         search(model="autoplan.models:no_such_factory", mem="8GB")
     with pytest.raises(UsageError, match="`seq_len`"):  # a model object outside the zoo: no default length
         search(model=build_model("gpt2-tiny"), mem="8GB")
+
+
+def _without_wall_times(value):
+    if isinstance(value, dict):
+        return {k: _without_wall_times(v) for k, v in value.items() if k != "wall_time_s"}
+    if isinstance(value, list):
+        return [_without_wall_times(v) for v in value]
+    return value
+
+
+def test_meshes_searched_in_worker_processes_give_the_same_plan(monkeypatch):
+    """The meshes after the first go to forked workers for a large model; the plan (every mesh's best
+    included) is the one the search makes mesh by mesh. Here a small model is made to take that path."""
+    import autoplan.solve.mesh_search as mesh_search
+
+    settings = dict(model="llama-tiny", mem="30MB", gpus=2, seq_len=64, profile="cpu-gloo-2")
+    one_by_one = search(**settings)
+    monkeypatch.setattr(mesh_search, "PARALLEL_MIN_UNITS", 0)
+    monkeypatch.setattr(mesh_search.os, "sched_getaffinity", lambda pid: {0, 1, 2})  # two workers even on 1 core
+    forked = search(**settings)
+    assert len(forked.solver.tp_degrees) == 3  # FSDP alone, TP 2 with and without sequence parallelism
+    assert _without_wall_times(forked.to_dict()) == _without_wall_times(one_by_one.to_dict())
+
+
+def test_a_refusal_in_a_worker_process_is_reported_as_one_mesh_by_mesh(monkeypatch):
+    """Pins that do not run beside tensor parallelism refuse those meshes, whichever process searched them."""
+    import autoplan.solve.mesh_search as mesh_search
+
+    settings = dict(model="llama-tiny", mem="1GB", gpus=2, seq_len=64, profile="h100-sxm-80gb",
+                    pin=["layers.0=replicate"])
+    one_by_one = search(**settings)
+    monkeypatch.setattr(mesh_search, "PARALLEL_MIN_UNITS", 0)
+    forked = search(**settings)
+    notes = [entry.note for entry in forked.solver.tp_degrees if entry.degree > 1]
+    assert notes and all(note.startswith("not with the pins") for note in notes)
+    assert _without_wall_times(forked.to_dict()) == _without_wall_times(one_by_one.to_dict())

@@ -23,11 +23,11 @@ from cost_models.tensor_parallel import (
     TpRole,
     UnitLayout,
     parallelized_modules,
-    tp_collectives,
     tp_ops,
     tp_units,
     unit_layouts,
 )
+from cost_models.tp_time import tp_collectives
 
 SEQ = 64
 

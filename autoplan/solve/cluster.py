@@ -10,7 +10,7 @@ from autoplan.profile_store import load_profile
 from autoplan.settings import DEFAULT_PROFILE, mesh_of
 from cost_models.mesh import Mesh
 from cost_models.profile import DeviceProfile
-from cost_models.tensor_parallel import tp_profile
+from cost_models.tp_time import tp_profile
 
 __all__ = ["Cluster", "resolve_cluster"]
 
@@ -41,7 +41,7 @@ class Cluster:
 
     def with_mesh(self, mesh: Mesh) -> Cluster:
         """This cluster running `mesh` (other degrees on its nodes). Under tensor parallelism the data-parallel
-        groups of a node share its network links (cost_models.tensor_parallel.tp_profile), and offload is not
+        groups of a node share its network links (cost_models.tp_time.tp_profile), and offload is not
         offered beside DTensor's parameters."""
         if mesh.tp == 1:
             return replace(self, mesh=mesh)

@@ -7,6 +7,11 @@ collectives on each unit's critical path) and the cluster as its data-parallel g
 (`Cluster.with_mesh`). FSDP alone is the mesh of degree 1: one path for every mesh. The fastest plan that
 fits wins; every mesh's best, or why it was not searched, is kept for the report.
 
+The meshes are independent searches, each deterministic (one CP-SAT worker), so for a model large enough
+to pay for it (PARALLEL_MIN_UNITS) the rest run in forked worker processes on the machine's other cores while
+this process searches the first (a refusal of FSDP alone, such as pins that cannot hold, ends the search);
+the plan is the same either way.
+
 Under tensor parallelism the data-parallel dimension offers the kinds that shard over all its ranks
 (shard, shard_keep): replicate and hybrid would need a three-dimensional mesh that apply does not build,
 and offload is not offered beside DTensor's tensor-parallel parameters. A model whose blocks the layout
@@ -15,9 +20,11 @@ does not recognise (autoplan.models.tp_layout) keeps its plans of degree 1.
 
 from __future__ import annotations
 
+import multiprocessing
+import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from autoplan.errors import InfeasibleError, SolverTimeout, UsageError
 from autoplan.models.tp_layout import TpRefusal, recognise
@@ -29,9 +36,13 @@ from cost_models.mesh import Mesh
 from cost_models.options import SHARDING_KINDS, MeshShape
 from cost_models.tensor_parallel import TpLayout
 
-__all__ = ["PROGRESS_DELAY_S", "MeshResult", "MeshSearch", "best_result", "search_meshes"]
+__all__ = ["PARALLEL_MIN_UNITS", "PROGRESS_DELAY_S", "MeshResult", "MeshSearch", "best_result", "search_meshes"]
 
 PROGRESS_DELAY_S = 2.0  # a search that answers sooner prints nothing on stderr
+# worker processes only for models of this many units: forking a process that holds a traced model and sending
+# its results back costs a tenth of a second or so, a model's search grows with its units (the zoo's 7B Llama
+# has 34, GPT-2 1.5B 50)
+PARALLEL_MIN_UNITS = 24
 
 
 @dataclass
@@ -89,11 +100,46 @@ def search_meshes(request: PlanRequest) -> MeshSearch:
     """Every mesh of the request searched, the fastest plan that fits chosen (`best_result`). Raises the
     InfeasibleError needing the least memory when nothing fits anywhere."""
     progress = _Progress(len(request.meshes))
-    results = []
-    for mesh in request.meshes:
-        results.append(_search(request, mesh))
-        progress.done(results)
+    first, *rest = request.meshes
+    workers = _workers(request, len(rest))
+    if not workers:
+        results = []
+        for mesh in request.meshes:
+            results.append(_search(request, mesh))
+            progress.done(results)
+        return MeshSearch(results, best_result(results))
+    global _REQUEST
+    _REQUEST = request  # inherited by the workers forked now, never pickled
+    try:
+        with multiprocessing.get_context("fork").Pool(workers) as pool:
+            pending = pool.imap(_search_in_worker, rest)  # under way while this process searches the first
+            results = [_search(request, first)]
+            progress.done(results)
+            for result in pending:
+                # the worker sent its result without its tables and cluster: made again here, the model's
+                # traces stay out of the pipes
+                results.append(replace(result, source=request.tables.for_layout(result.layout),
+                                       cluster=request.cluster.with_mesh(result.mesh)))
+                progress.done(results)
+    finally:
+        _REQUEST = None
     return MeshSearch(results, best_result(results))
+
+
+def _workers(request: PlanRequest, meshes: int) -> int:
+    """Worker processes for the meshes after the first: none for a small model or a single mesh, else one
+    per core besides this process's (at least one), at most one per mesh. Only on Linux, whose fork is safe
+    with torch imported; elsewhere the meshes run one after another."""
+    if meshes == 0 or len(request.tables.units) < PARALLEL_MIN_UNITS or not sys.platform.startswith("linux"):
+        return 0
+    return max(1, min(meshes, len(os.sched_getaffinity(0)) - 1))
+
+
+_REQUEST: PlanRequest | None = None  # the request a forked worker searches
+
+
+def _search_in_worker(mesh: Mesh) -> MeshResult:
+    return replace(_search(_REQUEST, mesh), source=None, cluster=None)
 
 
 def _search(request: PlanRequest, mesh: Mesh) -> MeshResult:

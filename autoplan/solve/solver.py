@@ -139,7 +139,7 @@ def _identical_runs(table: CostTable) -> tuple[list[list[int]], list[list[int]]]
         peaks = tuple((seg.bwd_peak, seg.bwd_peak_checkpointed, seg.bwd_peak_selective, seg.saved_bytes,
                        seg.fwd_temp_bytes, seg.outer_grad_bytes) for seg in segments)
         # not the parent: what the units around a unit hold adds the same to each of its options
-        return tuple(o.label for o in table.options[u]), tuple(map(repr, table.costs[u])), peaks
+        return tuple(o.label for o in table.options[u]), tuple(tuple(vars(c).values()) for c in table.costs[u]), peaks
 
     order = []
     for u in range(len(table.units)):

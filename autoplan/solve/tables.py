@@ -21,19 +21,19 @@ from autoplan.tracing.units import build_units
 from cost_models.activations import activation_keep_bytes, backward_keep_bytes, kept_saved_bytes
 from cost_models.options import Recompute
 from cost_models.records import Unit, extrapolate_ops
-from cost_models.table import CostTable, TableInputs, build_cost_table
+from cost_models.table import CostTable, TableInputs, build_cost_table, op_content
 from cost_models.tensor_parallel import (
     TpLayout,
     UnitLayout,
-    add_tp_time,
     data_parallel_kinds,
+    op_role,
     regions_per_unit,
-    tp_collectives,
     tp_keep_bytes,
     tp_ops,
     tp_units,
     unit_layouts,
 )
+from cost_models.tp_time import add_tp_time, tp_collectives
 from cost_models.training import MicroBatch, Training
 
 __all__ = ["CHECKPOINTED", "MAX_MICRO_BATCH", "CostTables", "TableSource", "TensorParallelTables", "compute_dtype_of",
@@ -124,6 +124,10 @@ class CostTables(_Source):
         self.kept_saved = {mode: (kept_saved_bytes(self.trace_1, self.units, mode),
                                   kept_saved_bytes(self.trace_2, self.units, mode)) for mode in CHECKPOINTED}
         self._inputs: dict[int, TableInputs] = {}  # by micro-batch: a mesh search reads each size once per mesh
+        # ops alike at micro-batch 1 and 2 (contents, and what checkpointing keeps of them) are alike at every size
+        self.op_ids = _ids([(op_content(one), op_content(two),
+                             tuple((kept[0].get(one.name), kept[1].get(one.name)) for kept in self.kept_saved.values()))
+                            for one, two in zip(self.trace_1.ops, self.trace_2.ops)])
 
     def inputs(self, micro_batch_size: int, training: Training | None = None) -> TableInputs:
         """The ops, and what checkpointing keeps, at this micro-batch: each count affine between the traces."""
@@ -140,6 +144,7 @@ class CostTables(_Source):
                 backward_keep={mode: at(self.backward_keep[mode]) for mode in CHECKPOINTED},
                 kept_saved={mode: {name: a + (at_2.get(name, 0) - a) * m for name, a in at_1.items()}
                             for mode, (at_1, at_2) in self.kept_saved.items()},
+                op_ids=self.op_ids,
             )
         return self._inputs[micro_batch_size]
 
@@ -162,6 +167,10 @@ class TensorParallelTables(_Source):
         # the vocabulary-parallel head's rows on one rank: the width of its loss_parallel logits
         head = f"{layout.head}.weight" if layout.head else None
         self.local_vocab = next((p.shape[0] for u in self.units for p in u.params if p.name == head), 0)
+        # an op is transformed by its role alone: alike ops of one role stay alike
+        roles: dict = {}
+        self.op_ids = _ids([(base_id, op_role(op, layout, roles))
+                            for base_id, op in zip(base.op_ids, base.trace_1.ops)])
 
     def inputs(self, micro_batch_size: int, training: Training) -> TableInputs:
         """The base inputs at this micro-batch, transformed: each op as a rank runs it, and what a checkpointed
@@ -185,6 +194,7 @@ class TensorParallelTables(_Source):
             backward_keep={Recompute.ALL: [k[0] for k in keep], Recompute.CHEAP: [k[1] for k in cheap_after]},
             kept_saved={mode: {name: int(nbytes * share.get(name, 1.0)) for name, nbytes in entries.items()}
                         for mode, entries in base.kept_saved.items()},
+            op_ids=self.op_ids,
         )
 
     def finish(self, table: CostTable, cluster: Cluster) -> CostTable:
@@ -199,3 +209,9 @@ class TensorParallelTables(_Source):
     def full_units(self) -> list[Unit]:
         """The units as the whole model holds them (the plan records their full parameter shapes)."""
         return self.base.units
+
+
+def _ids(keys: list) -> list[int]:
+    """Per key, a number equal for equal keys."""
+    seen: dict = {}
+    return [seen.setdefault(key, len(seen)) for key in keys]
