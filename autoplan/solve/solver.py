@@ -139,7 +139,7 @@ def _identical_runs(table: CostTable) -> tuple[list[list[int]], list[list[int]]]
         peaks = tuple((seg.bwd_peak, seg.bwd_peak_checkpointed, seg.bwd_peak_selective, seg.saved_bytes,
                        seg.fwd_temp_bytes, seg.outer_grad_bytes) for seg in segments)
         # not the parent: what the units around a unit hold adds the same to each of its options
-        return tuple(o.label for o in table.options[u]), tuple(tuple(vars(c).values()) for c in table.costs[u]), peaks
+        return tuple(o.label for o in table.options[u]), tuple(map(repr, table.costs[u])), peaks
 
     order = []
     for u in range(len(table.units)):
@@ -208,10 +208,12 @@ class _Model:
 
 
 def _solve_lazily(affine: AffineModel, build, check, time_limit_s: float, seeds: list[list[int]],
-                  hint: list[int] | None = None) -> SolveResult:
+                  hint: list[int] | None = None, work_limit: float | None = None) -> SolveResult:
     """Solve, check the solution against every point, add violated points, repeat. `hint`: a plan
-    known to satisfy every constraint, to start the first round from."""
+    known to satisfy every constraint, to start the first round from. `work_limit`: CP-SAT's deterministic
+    time over all rounds, where the answer must not depend on how busy the machine is."""
     start = time.perf_counter()
+    work = 0.0
     active: set[int] = set()
     for seed in seeds:
         active.update(_top_points(affine.memory(seed), 2))
@@ -221,10 +223,13 @@ def _solve_lazily(affine: AffineModel, build, check, time_limit_s: float, seeds:
             model.hint(hint)
         solver = cp_model.CpSolver()
         solver.parameters.max_time_in_seconds = max(0.01, time_limit_s - (time.perf_counter() - start))
+        if work_limit is not None:
+            solver.parameters.max_deterministic_time = max(0.001, work_limit - work)
         solver.parameters.num_workers = NUM_WORKERS
         solver.parameters.relative_gap_limit = RELATIVE_GAP_LIMIT
         status = solver.solve(model.model)
         wall = time.perf_counter() - start
+        work += solver.response_proto.deterministic_time
         if status == cp_model.MODEL_INVALID:  # a bug in this module, not the user's input
             raise RuntimeError(f"CP-SAT refused the model: {model.model.validate()}")
         name = SolveStatus(solver.status_name(status))
@@ -237,7 +242,7 @@ def _solve_lazily(affine: AffineModel, build, check, time_limit_s: float, seeds:
         if not new_points:
             return SolveResult(name, choices, solver.objective_value / objective_scale,
                                solver.best_objective_bound / objective_scale, wall, *stats)
-        if wall >= time_limit_s:
+        if wall >= time_limit_s or (work_limit is not None and work >= work_limit):
             return SolveResult(SolveStatus.UNKNOWN, None, None, None, wall, *stats)
         active.update(new_points)
         hint = choices
@@ -265,12 +270,12 @@ def solve_min_time(table: CostTable, mem_limit_bytes: int, time_limit_s: float =
 
 def solve_min_memory(table: CostTable, time_limit_s: float = DEFAULT_TIME_LIMIT_S, max_step_s: float | None = None,
                      mem_limit_bytes: int | None = None, affine: AffineModel | None = None,
-                     start_from: list[int] | None = None) -> SolveResult:
+                     start_from: list[int] | None = None, work_limit: float | None = None) -> SolveResult:
     """[Objective] minimise the peak memory (the smallest limit any plan fits in), optionally among
     plans no slower than `max_step_s`: the tie-break that keeps memory headroom at no cost in time.
     `start_from` is a plan meeting both (the fastest plan found), given to CP-SAT as a hint. It helps on
     some models; on others (405B at micro-batch 2) CP-SAT still spends its whole limit on this solve,
-    so the search gives it a short budget."""
+    so the search gives it a short budget (`work_limit`, deterministic: see _solve_lazily)."""
     affine = affine or AffineModel.of(table)
     horizon = int(affine.mem_const.max() + np.abs(affine.mem_coef).sum(axis=1).max())
     state = {}
@@ -295,4 +300,4 @@ def solve_min_memory(table: CostTable, time_limit_s: float = DEFAULT_TIME_LIMIT_
         return [p for p in np.argsort(-memory, kind="stable") if memory[p] > peak]
 
     seeds = [affine.leanest_each()] if max_step_s is None else [affine.leanest_each(), affine.unconstrained_fastest()]
-    return _solve_lazily(affine, build, check, time_limit_s, seeds, hint=start_from)
+    return _solve_lazily(affine, build, check, time_limit_s, seeds, hint=start_from, work_limit=work_limit)

@@ -23,12 +23,12 @@ from cost_models.evaluate import Evaluation, evaluate, uniform_choices
 from cost_models.step import lower_bound_step_s
 from cost_models.table import CostTable
 
-__all__ = ["SweepStep", "SweepOutcome", "sweep", "TIE_BREAK_TIME_S"]
+__all__ = ["SweepStep", "SweepOutcome", "sweep", "TIE_BREAK_WORK"]
 
 # the tie-break towards lower memory is best-effort: proving the leanest of many equally fast plans
 # over near-identical blocks can take CP-SAT any time limit (405B: all 10 s); without it the fastest
 # plan found stands
-TIE_BREAK_TIME_S = 1.0
+TIE_BREAK_WORK = 1.0
 
 
 @dataclass
@@ -120,9 +120,9 @@ def sweep(request: PlanRequest, source: TableSource, cluster: Cluster) -> SweepO
 
 def _leanest(table: CostTable, affine: AffineModel, fastest: SolveResult, limits: Limits) -> SolveResult:
     """Among plans as fast as `fastest`, the one with the lowest peak memory (a best-effort, short solve)."""
-    return solve_min_memory(table, time_limit_s=min(limits.time_limit_s, TIE_BREAK_TIME_S),
-                            max_step_s=fastest.objective, mem_limit_bytes=limits.planned_bytes, affine=affine,
-                            start_from=fastest.choices)
+    return solve_min_memory(table, time_limit_s=limits.time_limit_s, max_step_s=fastest.objective,
+                            mem_limit_bytes=limits.planned_bytes, affine=affine, start_from=fastest.choices,
+                            work_limit=TIE_BREAK_WORK)
 
 
 def _nothing_found(request: PlanRequest, cluster: Cluster, steps: list[SweepStep],
