@@ -207,9 +207,9 @@ class _Progress:
 
     def done(self, results: list[MeshResult]) -> None:
         elapsed = time.perf_counter() - self.start
-        if elapsed < PROGRESS_DELAY_S or self.meshes == 1:
-            return
         last = results[-1]
+        if elapsed < PROGRESS_DELAY_S or self.meshes == 1 or last.outcome is None and last.error is None:
+            return  # quick, alone, or not searched (a layout the model does not take)
         found = (f"micro-batch {last.outcome.table.micro_batch_size}, {last.throughput:,.1f} samples/s"
                  if last.outcome is not None else last.refused or "no plan")
         fitting = [r for r in results if r.outcome is not None]
