@@ -148,6 +148,7 @@ class Mesh:
         """`world` (a 1-D DeviceMesh over the ranks running the plan) as (data-parallel mesh, tensor-parallel
         mesh or None): a (world / tp) x tp mesh named ("dp", "tp"), rank r being tensor-parallel rank r % tp of
         data-parallel rank r // tp, so that a tensor-parallel group is `tp` neighbouring ranks of a node."""
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
         from torch.distributed.device_mesh import DeviceMesh
 
         if self.tp == 1:
@@ -155,8 +156,9 @@ class Mesh:
         size = world.size()
         if size % self.tp:
             raise MeshError(f"the plan's tensor-parallel degree {self.tp} does not divide the {size} ranks running it")
-        mesh = DeviceMesh(world.device_type, world.mesh.view(size // self.tp, self.tp), mesh_dim_names=("dp", "tp"))
-        return mesh["dp"], mesh["tp"]
+        with unset_fake_temporarily():  # real rank numbers, also under a FakeTensorMode (see fsdp_mesh)
+            mesh = DeviceMesh(world.device_type, world.mesh.view(size // self.tp, self.tp), mesh_dim_names=("dp", "tp"))
+            return mesh["dp"], mesh["tp"]
 
     def fsdp_mesh(self, dp_mesh, kind_mesh: MeshShape):
         """The DeviceMesh `fully_shard` gets for a sharding kind over `dp_mesh` (the data-parallel ranks)."""
