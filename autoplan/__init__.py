@@ -7,8 +7,8 @@ The Python API, as a notebook uses it (each step is also a CLI command: `autopla
 >>> traced = autoplan.trace("gpt2-tiny", seq_len=64)   # a zoo name, "hf:dir/config.json", "pkg.mod:factory", a module
 >>> traced.tracer                                       # torch.fx here; "dispatch" where fx cannot trace the model
 'fx'
->>> plan = autoplan.search(traced, "40MB", gpus=2)                # the fastest plan under 40 MB per GPU (InfeasibleError if none)
->>> plan.predicted.peak_mem_bytes <= 40_000_000
+>>> plan = autoplan.search(traced, "400MB", gpus=2)     # the fastest plan under 400 MB per GPU (InfeasibleError if none)
+>>> plan.predicted.needed_bytes <= 400_000_000          # what CUDA's caching allocator needs, not only live bytes
 True
 >>> [row["module"] for row in plan.unit_table()]        # plain data: one dict per FSDP unit, "" is the root
 ['', 'transformer.h.0', 'transformer.h.1']
@@ -17,7 +17,7 @@ True
 >>> est = autoplan.estimate(traced, "shard", checkpoint=True, gpus=2, batch_size=8)  # a fixed strategy
 >>> est.fits and est.predicted.peak_mem_bytes > est.model_state_bytes
 True
->>> points = autoplan.frontier(traced, ["20MB", "40MB", "80MB"], gpus=2)  # one search per limit, one trace
+>>> points = autoplan.frontier(traced, ["250MB", "400MB", "800MB"], gpus=2)  # one search per limit, one trace
 >>> figure = autoplan.plots.plot_frontier(points)       # matplotlib Figures (pip install 'autoplan[plot]')
 >>> figure = autoplan.plots.plot_memory_timeline(plan)
 >>> plan.save("plan.json")

@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, mo
 
 from autoplan.errors import UsageError
 from autoplan.sizes import format_bytes, parse_mem_bytes
+from cost_models.allocator_margin import is_expandable
 from cost_models.mesh import Mesh, MeshError
 from cost_models.options import (
     CHECKPOINT_MODES,
@@ -32,7 +33,7 @@ from cost_models.options import (
 )
 
 __all__ = [
-    "DEFAULT_HEADROOM", "DEFAULT_MODEL", "DEFAULT_PROFILE", "DEFAULT_TIME_LIMIT_S", "GRANULARITIES", "MAX_HEADROOM",
+    "DEFAULT_HEADROOM", "DEFAULT_MODEL", "DEFAULT_PROFILE", "DEFAULT_TIME_LIMIT_S", "FIT_TO", "GRANULARITIES", "MAX_HEADROOM",
     "EstimateSettings", "Flag", "PlanningSettings", "SearchSettings", "check_choice", "check_mem_limit", "mesh_of",
     "settings_error",
 ]
@@ -46,6 +47,7 @@ DEFAULT_HEADROOM = 0.02
 MAX_HEADROOM = 0.5
 DEFAULT_TIME_LIMIT_S = 10.0
 GRANULARITIES = ("block", "fine", "leaf")
+FIT_TO = ("needed", "allocated")  # what a CUDA plan is fitted to: what the caching allocator needs, or live bytes
 
 
 @dataclass(frozen=True)
@@ -91,6 +93,7 @@ def choices_of(field: str) -> tuple[str, ...] | None:
         "checkpoint": lambda: tuple(CHECKPOINT_MODES),
         "granularity": lambda: GRANULARITIES,
         "sequence_parallel": lambda: ("on", "off"),
+        "fit_to": lambda: FIT_TO,
     }.get(field, lambda: None)()
 
 
@@ -136,12 +139,16 @@ class _Settings(BaseModel):
             value = getattr(self, name, None)
             if value is not None and value < 1:
                 raise UsageError(f"`{name}` must be at least 1, got {value}")
-        for name in ("dtype", "optimizer", "granularity", "strategy", "checkpoint", "sequence_parallel"):
+        for name in ("dtype", "optimizer", "granularity", "strategy", "checkpoint", "sequence_parallel", "fit_to"):
             value = getattr(self, name, None)
             if value is not None:
                 check_choice(name, value, choices_of(name))
         if any(getattr(self, name, None) is not None for name in ("gpus", "nodes", "gpus_per_node")):
             mesh_of(self.gpus, self.nodes, self.gpus_per_node)  # the counts agree (checked where the mesh is made)
+        try:
+            is_expandable(self.allocator_conf or "")
+        except ValueError as exc:
+            raise UsageError(f"`allocator_conf` {self.allocator_conf!r}: {exc}") from None
         return self
 
 
@@ -196,6 +203,10 @@ class PlanningSettings(_Settings):
     host_mem: Annotated[int | None, Flag(kind="mem")] = None
     """host memory per node that offloaded parameters, gradients and optimizer states may use (default: the
     profile's figure; for a CPU profile this machine's memory)"""
+
+    allocator_conf: str | None = None
+    """the PYTORCH_CUDA_ALLOC_CONF a CUDA run uses, which decides what torch's caching allocator needs beyond the
+    live bytes (default: the environment's, else expandable_segments:True, which `autoplan apply` sets)"""
 
     example_inputs: Annotated[Any, Flag(api_only=True)] = None
     """inputs of a model whose forward does not take token ids [batch, seq] (a tensor, a tuple or a dict;
@@ -290,6 +301,11 @@ class SearchSettings(PlanningSettings):
     sequence_parallel: Annotated[str | None, Flag(kind="choice")] = None
     """with tensor parallelism: norms and residual stream split along the sequence (on) or not (off); default:
     both searched"""
+
+    fit_to: Annotated[str, Flag(kind="choice")] = "needed"
+    """on a CUDA profile, what the plan fits in `mem`: what torch's caching allocator needs to run the step
+    (needed: live bytes plus its rounding, per-stream pages and fragmentation), or the live bytes alone
+    (allocated: the fit of autoplan 0.1 plans, which can run out on a GPU)"""
 
     @model_validator(mode="after")
     def _check_search(self):

@@ -35,7 +35,8 @@ from common import write_results
 import autoplan
 from autoplan.profile_store import load_profile
 from autoplan.run.allocator_fit import record_step
-from cost_models.allocator import min_limit, replay, reserved_bound
+from cost_models.allocator import reserved_bound
+from cost_models.allocator_replay import min_limit, replay
 
 PROFILE = "h100-sxm-80gb"
 WORLD = 8

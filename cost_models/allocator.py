@@ -22,8 +22,9 @@ Two parts:
   * when the limit (`set_per_process_memory_fraction`, or the device) would be passed by a new segment,
     the allocator frees every cached segment that holds no allocated block and tries again; if that fails
     too, the run fails (torch.cuda.OutOfMemoryError).
-  `replay` runs a recorded event sequence through it; `min_limit` finds the smallest limit a sequence runs
-  in without an out-of-memory error: what the plan's limit has to cover.
+  cost_models.allocator_replay runs a recorded event sequence through it (or through the expandable
+  segments' variant, cost_models.expandable_segments) and finds the smallest limit a sequence runs in without
+  an out-of-memory error: what the plan's limit has to cover.
 - `reserved_bound`: the plan-level figure from the cost model's allocated peak, fitted on such replays of
   real plans (benchmarks/allocator.py; the evidence is in benchmarks/RESULTS.md, "CUDA caching allocator").
 """
@@ -33,11 +34,9 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
-from dataclasses import dataclass
 
-__all__ = ["CachingAllocator", "OutOfMemory", "ReplayResult", "replay", "min_limit", "round_size",
-           "segment_size", "reserved_bound", "FRAGMENTATION", "MIN_BLOCK", "SMALL_SIZE", "SMALL_BUFFER",
-           "LARGE_BUFFER", "MIN_LARGE_ALLOC", "ROUND_LARGE"]
+__all__ = ["CachingAllocator", "OutOfMemory", "round_size", "segment_size", "reserved_bound", "FRAGMENTATION",
+           "MIN_BLOCK", "SMALL_SIZE", "SMALL_BUFFER", "LARGE_BUFFER", "MIN_LARGE_ALLOC", "ROUND_LARGE"]
 
 MIN_BLOCK = 512  # kMinBlockSize: every request is rounded up to a multiple of it
 SMALL_SIZE = 1 << 20  # kSmallSize: requests up to 1 MiB come from the small pool
@@ -81,11 +80,12 @@ class OutOfMemory(RuntimeError):
 
 
 class _Block:
-    __slots__ = ("addr", "size", "stream", "small", "allocated", "prev", "next", "requested")
+    __slots__ = ("addr", "size", "stream", "small", "allocated", "prev", "next", "requested", "mapped")
 
     def __init__(self, addr: int, size: int, stream: int, small: bool):
         self.addr, self.size, self.stream, self.small = addr, size, stream, small
         self.allocated = False
+        self.mapped = True  # backed by memory (an expandable segment's unmapped range is not)
         self.prev: _Block | None = None
         self.next: _Block | None = None
         self.requested = 0
@@ -212,54 +212,6 @@ class CachingAllocator:
         block.next = rest
         block.size = size
         self._put(rest)
-
-
-@dataclass
-class ReplayResult:
-    peak_requested: int  # the live bytes as requested (what max_memory_allocated would be without rounding)
-    peak_allocated: int  # torch.cuda.max_memory_allocated: rounded blocks
-    peak_reserved: int  # torch.cuda.max_memory_reserved
-    segments: int  # segments held at the end
-    retries: int  # times the limit made the allocator free its cache (num_alloc_retries)
-
-
-def replay(events, limit: int | None = None, max_split_size: int | None = None) -> ReplayResult:
-    """Run `events` through the allocator: ("alloc", key, nbytes, stream) or ("free", key) each; a key
-    names one allocation until it is freed. Raises OutOfMemory when the sequence does not fit `limit`."""
-    allocator = CachingAllocator(limit, max_split_size)
-    live: dict = {}
-    for event in events:
-        if event[0] == "alloc":
-            _, key, nbytes, stream = event
-            if key in live:
-                raise ValueError(f"allocation {key!r} made twice without a free")
-            live[key] = allocator.malloc(nbytes, stream)
-        elif event[0] == "free":
-            block = live.pop(event[1], None)
-            if block is None:
-                raise ValueError(f"allocation {event[1]!r} freed but never made (or freed twice)")
-            allocator.free(block)
-        else:
-            raise ValueError(f"unknown event {event[0]!r}: expected 'alloc' or 'free'")
-    return ReplayResult(allocator.peak_requested, allocator.peak_allocated, allocator.peak_reserved,
-                        allocator.segments, allocator.retries)
-
-
-def min_limit(events, max_split_size: int | None = None, step: int = ROUND_LARGE) -> int:
-    """The smallest limit (to `step` bytes) that `events` run in without OutOfMemory: between the rounded
-    allocated peak and the reserved peak without a limit (the allocator frees its cache under pressure)."""
-    events = list(events)
-    free_run = replay(events, None, max_split_size)
-    low = math.ceil(free_run.peak_allocated / step) - 1  # below the allocated peak: fails
-    high = math.ceil(free_run.peak_reserved / step)  # the limit is never reached: runs
-    while high - low > 1:
-        middle = (low + high) // 2
-        try:
-            replay(events, middle * step, max_split_size)
-            high = middle
-        except OutOfMemory:
-            low = middle
-    return high * step
 
 
 def reserved_bound(allocated_peak_bytes: int) -> int:

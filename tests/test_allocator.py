@@ -12,12 +12,12 @@ from autoplan.plan.schema import Plan
 from cost_models.allocator import (
     CachingAllocator,
     OutOfMemory,
-    min_limit,
-    replay,
     reserved_bound,
     round_size,
     segment_size,
 )
+from cost_models.allocator_margin import ALLOC_CONF_ENV, needed_bytes, reserved_bytes
+from cost_models.allocator_replay import min_limit, replay
 
 MiB = 1 << 20
 
@@ -85,14 +85,69 @@ def traced():
     return autoplan.trace("gpt2-tiny", seq_len=32)
 
 
-def test_a_cuda_plan_carries_the_reserved_figure_and_a_cpu_plan_does_not(traced):
+def test_a_cuda_plan_carries_what_the_allocator_needs_and_a_cpu_plan_does_not(traced, monkeypatch):
+    monkeypatch.delenv(ALLOC_CONF_ENV, raising=False)
     cuda = autoplan.search(traced, "80GB", gpus=2, profile="h100-sxm-80gb")
-    assert cuda.predicted.reserved_bytes == reserved_bound(cuda.predicted.peak_mem_bytes)
-    assert "reserved (CUDA caching allocator): at most about" in format_plan(cuda)
+    p = cuda.predicted
+    assert cuda.cluster.allocator_conf == "expandable_segments:True" and cuda.cluster.mem_fitted_to == "needed"
+    assert p.needed_bytes == needed_bytes(p.peak_mem_bytes, "expandable_segments:True") > p.peak_mem_bytes
+    assert p.reserved_bytes == reserved_bytes(p.peak_mem_bytes, "expandable_segments:True")
+    assert "needed (CUDA caching allocator, expandable_segments:True)" in format_plan(cuda)
     cpu = autoplan.search(traced, "20MB", gpus=2, profile="cpu-gloo-2")
-    assert cpu.predicted.reserved_bytes is None
-    assert "reserved_bytes" not in json.dumps(cpu.model_dump(mode="json"))
+    assert cpu.predicted.needed_bytes is None and cpu.cluster.allocator_conf is None
+    assert "needed_bytes" not in json.dumps(cpu.model_dump(mode="json"))
     assert "caching allocator" not in format_plan(cpu)
     older = cuda.model_dump(mode="json")
-    del older["predicted"]["reserved_bytes"]  # a plan written before the field loads
-    assert Plan.model_validate(older).predicted.reserved_bytes is None
+    for field in ("needed_bytes", "reserved_bytes"):
+        del older["predicted"][field]  # a plan written before the fields loads, fitted to its live bytes
+    del older["cluster"]["allocator_conf"], older["cluster"]["mem_fitted_to"]
+    loaded = Plan.model_validate(older)
+    assert loaded.predicted.needed_bytes is None and loaded.cluster.mem_fitted_to == "allocated"
+
+
+# -- expandable segments (cost_models/expandable_segments.py) -----------------------------------------------
+
+
+def test_expandable_segments_pack_large_requests_into_20_mib_pages():
+    from cost_models.expandable_segments import ExpandableAllocator
+
+    a = ExpandableAllocator()
+    a.malloc(5 * MiB)  # one 20 MiB page mapped, 15 MiB of it free after the block
+    a.malloc(30 * MiB)  # the free 15 MiB and one more page: contiguous, no second segment
+    assert (a.reserved, a.allocated) == (40 * MiB, 35 * MiB)
+    native = CachingAllocator()
+    native.malloc(5 * MiB)
+    native.malloc(30 * MiB)  # a 20 MiB segment, then one of its own
+    assert native.reserved == 50 * MiB
+    small = ExpandableAllocator()
+    for _ in range(4):
+        small.malloc(600 * 1024)  # the small pool maps 2 MiB pages
+    assert small.reserved == 4 * MiB
+
+
+def test_expandable_segments_unmap_whole_free_pages_under_a_limit_and_keep_partial_ones():
+    whole = [("alloc", "a", 40 * MiB, 0), ("free", "a"), ("alloc", "b", 40 * MiB, 1)]
+    assert replay(whole, expandable=True).peak_reserved == 80 * MiB  # each stream keeps its pages
+    assert min_limit(whole, expandable=True) == 40 * MiB  # under a limit stream 0's free pages are unmapped
+    partial = [("alloc", "a", 10 * MiB, 0), ("alloc", "b", 10 * MiB, 0), ("free", "a"),
+               ("alloc", "c", 30 * MiB, 1)]
+    # a and b share one 20 MiB page: freeing a frees no whole page, so stream 1's 40 MiB come on top
+    assert min_limit(partial, expandable=True) == 60 * MiB
+    # natively a had a segment of its own (10 MiB and more), which the limit frees
+    assert min_limit(partial) == 40 * MiB
+    with pytest.raises(OutOfMemory):
+        replay(partial, 58 * MiB, expandable=True)
+
+
+def test_expandable_segments_merge_freed_blocks_and_count_requests_like_the_native_allocator():
+    from cost_models.expandable_segments import ExpandableAllocator
+
+    a = ExpandableAllocator()
+    blocks = [a.malloc(6 * MiB + 1) for _ in range(3)]  # rounded to 512 B each, packed one after another
+    assert a.allocated == 3 * (6 * MiB + 512) and a.requested == 3 * (6 * MiB + 1) and a.reserved == 20 * MiB
+    for block in blocks:
+        a.free(block)
+    a.malloc(18 * MiB)  # the three merged with the page's free tail: no new page
+    assert a.reserved == 20 * MiB and a.segments == 1
+    with pytest.raises(ValueError, match="freed twice"):
+        a.free(blocks[0])

@@ -31,15 +31,16 @@ def test_a_traced_model_is_traced_once_and_searches_as_search_does(traced, monke
     original = autoplan.tracing.tracer.trace_pair
     traced_module = sys.modules["autoplan.api.traced"]
     monkeypatch.setattr(traced_module, "trace_pair", lambda *a, **k: calls.append(a) or original(*a, **k))
-    fresh = autoplan.search("gpt2-tiny", "20MB", gpus=2, seq_len=64).model_dump(mode="json")
+    fresh = autoplan.search("gpt2-tiny", "20MB", gpus=2, seq_len=64, fit_to="allocated").model_dump(mode="json")
     assert len(calls) == 1
-    reused = [autoplan.search(traced, limit, gpus=2).model_dump(mode="json") for limit in ("20MB", "40MB")]
-    reused.append(autoplan.search(traced, "20MB", gpus=4, granularity="fine").model_dump(mode="json"))
+    reused = [autoplan.search(traced, limit, gpus=2, fit_to="allocated").model_dump(mode="json")
+              for limit in ("20MB", "40MB")]
+    reused.append(autoplan.search(traced, "20MB", gpus=4, granularity="fine", fit_to="allocated").model_dump(mode="json"))
     assert len(calls) == 1  # the TracedModel's bf16 traces served all three
     for plan in (fresh, reused[0]):
         plan["solver"]["wall_time_s"] = 0
     assert fresh == reused[0]
-    autoplan.search(traced, "20MB", gpus=2, dtype="fp32")
+    autoplan.search(traced, "20MB", gpus=2, dtype="fp32", fit_to="allocated")
     assert len(calls) == 2  # another compute dtype is another trace
 
 
@@ -51,7 +52,7 @@ def test_a_traced_model_keeps_its_sequence_length(traced):
 
 
 def test_plan_prints_and_gives_plain_data(traced):
-    plan = autoplan.search(traced, "20MB", gpus=2)
+    plan = autoplan.search(traced, "20MB", gpus=2, fit_to="allocated")
     assert str(plan) == plan.table()
     assert "peak memory per GPU" in plan.table() and "traced by fx" in plan.table()
     data = plan.to_dict()
@@ -65,14 +66,14 @@ def test_plan_prints_and_gives_plain_data(traced):
 
 
 def test_old_plan_files_without_a_tracer_still_load(traced, tmp_path):
-    data = autoplan.search(traced, "20MB", gpus=2).to_dict()
+    data = autoplan.search(traced, "20MB", gpus=2, fit_to="allocated").to_dict()
     del data["model"]["tracer"]
     (tmp_path / "old.json").write_text(json.dumps(data))
     assert autoplan.load_plan(tmp_path / "old.json").model.tracer == "fx"
 
 
 def test_frontier_is_monotone_and_never_below_a_fitting_baseline(traced):
-    points = autoplan.frontier(traced, ["80MB", "100KB", "10MB", "20MB"], gpus=2)
+    points = autoplan.frontier(traced, ["80MB", "100KB", "10MB", "20MB"], gpus=2, fit_to="allocated")
     assert [p.mem_limit_bytes for p in points] == [100_000, 10_000_000, 20_000_000, 80_000_000]
     assert points[0].plan is None and set(points[0].baselines.values()) == {None}
     throughputs = [p.throughput_samples_s for p in points[1:]]

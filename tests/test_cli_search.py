@@ -13,7 +13,7 @@ REQUIRED = [("predicted", "peak_mem_bytes"), ("predicted", "step_time_s"), ("pre
 
 def test_search_writes_plan_and_prints_table(run_cli, tmp_path):
     result = run_cli("search", "--model", "gpt2-tiny", "--mem", "60MB", "--gpus", "2", "--seq-len", "64",
-                     "-o", "p.json")
+                     "-o", "p.json", "--fit-to", "allocated")
     assert result.returncode == 0, result.stderr
     assert "peak memory per GPU" in result.stdout and "transformer.h.0-1" in result.stdout
     plan = json.loads((tmp_path / "p.json").read_text())
@@ -23,7 +23,7 @@ def test_search_writes_plan_and_prints_table(run_cli, tmp_path):
 
 
 def test_json_flag_prints_the_plan(run_cli, tmp_path):
-    result = run_cli("search", "--model", "gpt2-tiny", "--mem", "60MB", "--gpus", "2", "--seq-len", "64", "--json")
+    result = run_cli("search", "--model", "gpt2-tiny", "--mem", "60MB", "--gpus", "2", "--seq-len", "64", "--json", "--fit-to", "allocated")
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout) == json.loads((tmp_path / "plan.json").read_text())
 

@@ -37,7 +37,7 @@ def configs(tmp_path_factory):
 
 @pytest.mark.parametrize("name", ["llama", "gpt2", "bert"])
 def test_search_plans_a_local_hf_config_with_the_fallback_tracer(configs, name):
-    plan = autoplan.search(f"hf:{configs[name]}", "40MB", gpus=2, seq_len=32)
+    plan = autoplan.search(f"hf:{configs[name]}", "40MB", gpus=2, seq_len=32, fit_to="allocated")
     assert plan.model.tracer == "dispatch"  # torch.fx cannot trace current transformers models
     paths = [unit.module for unit in plan.units]
     assert f"{BLOCKS[name]}.0" in paths and f"{BLOCKS[name]}.1" in paths
@@ -71,7 +71,7 @@ def test_cli_estimate_takes_a_plan_for_an_hf_config(run_cli, configs, tmp_path, 
     """`search -o` writes the config's path relative to the plan's folder, where `estimate --plan` reads it."""
     monkeypatch.chdir(tmp_path)
     assert main(["search", "--model", f"hf:{configs['llama']}", "--mem", "40MB", "--gpus", "2", "--seq-len", "32",
-                 "-o", "plans/hf-plan.json"]) == 0
+                 "-o", "plans/hf-plan.json", "--fit-to", "allocated"]) == 0
     name = json.loads((tmp_path / "plans" / "hf-plan.json").read_text())["model"]["name"]
     assert name == "hf:" + os.path.relpath(configs["llama"], tmp_path / "plans")
     result = run_cli("estimate", "--plan", "plans/hf-plan.json", "--timeline")  # the plan names its hf: model
@@ -81,7 +81,7 @@ def test_cli_estimate_takes_a_plan_for_an_hf_config(run_cli, configs, tmp_path, 
 
 
 def test_a_plans_hf_path_is_read_from_its_folder_and_never_absolute(configs, tmp_path, monkeypatch):
-    plan = autoplan.search(f"hf:{configs['llama']}", "40MB", gpus=2, seq_len=32)
+    plan = autoplan.search(f"hf:{configs['llama']}", "400MB", gpus=2, seq_len=32)
     plan.save(tmp_path / "absolute.json")
     with pytest.raises(UsageError, match="the plan file .*absolute.json names its Hugging Face config by the "
                                          "absolute path .*Give the model: `model` hf:PATH"):

@@ -24,7 +24,7 @@ TINY = ["--model", "gpt2-tiny", "--gpus", "2", "--seq-len", "64"]
 @pytest.fixture(scope="module")
 def plan_data(tmp_path_factory):
     path = tmp_path_factory.mktemp("plan") / "plan.json"
-    autoplan.search("gpt2-tiny", "40MB", gpus=2, seq_len=64).save(path)
+    autoplan.search("gpt2-tiny", "40MB", gpus=2, seq_len=64, fit_to="allocated").save(path)
     return json.loads(path.read_text())
 
 
@@ -101,8 +101,8 @@ def test_a_limit_above_the_device_is_refused_unless_allowed(tmp_path, capsys, mo
 def test_a_limit_within_the_device_writes_the_plan_as_before(tmp_path, monkeypatch):
     """The new setting is not in the plan: a plan within the device's memory is byte-identical either way."""
     monkeypatch.chdir(tmp_path)
-    assert main(["search", *TINY, "--mem", "40MB", "-o", "a.json"]) == 0
-    assert main(["search", *TINY, "--mem", "40MB", "--allow-over-device-mem", "-o", "b.json"]) == 0
+    assert main(["search", *TINY, "--mem", "40MB", "-o", "a.json", "--fit-to", "allocated"]) == 0
+    assert main(["search", *TINY, "--mem", "40MB", "--allow-over-device-mem", "-o", "b.json", "--fit-to", "allocated"]) == 0
     a, b = (json.loads((tmp_path / name).read_text()) for name in ("a.json", "b.json"))
     assert {**a, "solver": None} == {**b, "solver": None}  # the solver's wall time differs
     assert "allow" not in json.dumps(b)

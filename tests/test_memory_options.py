@@ -88,7 +88,7 @@ def test_an_offloaded_unit_moves_its_state_to_the_host_and_pays_the_copies(llama
 
 def test_host_memory_bounds_what_the_search_offloads(llama):
     free = autoplan.search(llama, "1TB", gpus=2, profile=PROFILE, batch_size=1, allow_over_device_mem=True)
-    tight = autoplan.search(llama, "1MB", gpus=2, profile=PROFILE, batch_size=1)
+    tight = autoplan.search(llama, "1MB", gpus=2, profile=PROFILE, batch_size=1, fit_to="allocated")
     assert not any(u.offload for u in free.units)  # offload only where it must
     assert any(u.offload for u in tight.units)
     host = tight.predicted.host_mem_bytes
@@ -97,7 +97,7 @@ def test_host_memory_bounds_what_the_search_offloads(llama):
     assert "host" in tight.table()
     # a node's host memory below what the offloaded units need: no plan fits at that limit
     with pytest.raises(InfeasibleError):
-        autoplan.search(llama, "1MB", gpus=2, profile=PROFILE, batch_size=1, host_mem=2 * host // 10)
+        autoplan.search(llama, "1MB", gpus=2, profile=PROFILE, batch_size=1, host_mem=2 * host // 10, fit_to="allocated")
 
 
 def test_estimate_takes_checkpoint_modes_and_offload(llama):

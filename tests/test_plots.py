@@ -13,7 +13,7 @@ def traced():
 
 
 def test_memory_timeline_stacks_every_category_under_the_limit(traced):
-    plan = autoplan.search(traced, "20MB", gpus=2)
+    plan = autoplan.search(traced, "20MB", gpus=2, fit_to="allocated")
     figure = autoplan.plots.plot_memory_timeline(plan)
     ax = figure.axes[0]
     points = plan.predicted.timeline
@@ -46,7 +46,7 @@ def _peak_marker(figure):
 
 
 def test_memory_timeline_names_the_run_and_marks_the_peak(traced, tmp_path):
-    plan = autoplan.search(traced, "20MB", gpus=2)
+    plan = autoplan.search(traced, "20MB", gpus=2, fit_to="allocated")
     figure = autoplan.plots.plot_memory_timeline(plan)
     title = _title(figure)
     assert "gpt2-tiny" in title and "on 2 GPUs" in title and f"micro-batch {plan.training.micro_batch_size}" in title
@@ -92,7 +92,7 @@ def test_estimate_timeline_marks_the_peak_row(traced):
 
 
 def test_frontier_plot_draws_autoplan_and_each_baseline(traced, tmp_path):
-    points = autoplan.frontier(traced, ["100KB", "10MB", "40MB"], gpus=2)
+    points = autoplan.frontier(traced, ["100KB", "10MB", "40MB"], gpus=2, fit_to="allocated")
     figure = autoplan.plots.plot_frontier(points)
     lines = {line.get_label(): line for line in figure.axes[0].get_lines()}
     assert set(lines) == {"autoplan", "all-shard", "all-shard+sel", "all-shard+ckpt", "all-replicate"}
@@ -108,7 +108,7 @@ def test_figures_go_into_a_given_axes_and_leave_pyplot_alone(traced):
 
     figure = Figure()
     axes = figure.subplots(1, 2)
-    plan = autoplan.search(traced, "20MB", gpus=2)
+    plan = autoplan.search(traced, "20MB", gpus=2, fit_to="allocated")
     assert autoplan.plots.plot_memory_timeline(plan, ax=axes[0]) is figure
     import matplotlib.pyplot as plt
 

@@ -88,5 +88,5 @@ def test_search_on_the_cpu_profile_predicts_far_slower_steps_than_on_a_gpu():
     magnitude slower than the A100 datasheet. (Both searches now pick the largest micro-batch with
     checkpointed blocks: on this CPU FSDP2's fixed costs per unit and micro-batch and the optimizer's
     per-tensor cost are large, and a larger micro-batch amortises them, as on a launch-bound GPU.)"""
-    plans = {name: search("gpt2-tiny", "64MB", gpus=2, profile=name, time_limit_s=5.0) for name in (CPU, GPU)}
+    plans = {name: search("gpt2-tiny", "64MB", gpus=2, profile=name, time_limit_s=5.0, fit_to="allocated") for name in (CPU, GPU)}
     assert plans[CPU].predicted.step_time_s > 20 * plans[GPU].predicted.step_time_s

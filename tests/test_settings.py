@@ -76,14 +76,14 @@ def test_unknown_and_mistyped_settings_are_usage_errors():
 
 
 def test_a_settings_record_is_frozen_and_reusable():
-    settings = SearchSettings.create(model="gpt2-tiny", mem="40MB", gpus=2, seq_len=32)
+    settings = SearchSettings.create(model="gpt2-tiny", mem="40MB", gpus=2, seq_len=32, fit_to="allocated")
     assert settings.mem == 40_000_000
     with pytest.raises(ValidationError):
         settings.gpus = 4
     wider = settings.replace(gpus=4)
     assert (settings.gpus, wider.gpus, wider.mem) == (2, 4, 40_000_000)
     by_record = autoplan.search(settings=settings).to_dict()
-    by_keywords = autoplan.search("gpt2-tiny", "40MB", gpus=2, seq_len=32).to_dict()
+    by_keywords = autoplan.search("gpt2-tiny", "40MB", gpus=2, seq_len=32, fit_to="allocated").to_dict()
     for plan in (by_record, by_keywords):
         plan["solver"]["wall_time_s"] = 0
     assert by_record == by_keywords

@@ -66,7 +66,7 @@ def test_a_command_that_exits_without_teardown_still_flushes_its_output_and_exit
     # search, estimate, models and profiles end with os._exit (the interpreter's teardown after torch
     # costs 0.6 s): what they print and write must all be there, and the exit code be theirs
     plan = tmp_path / "plan.json"
-    args = ["--model", "gpt2-tiny", "--gpus", "2", "--seq-len", "32", "-o", str(plan)]
+    args = ["--model", "gpt2-tiny", "--gpus", "2", "--seq-len", "32", "--fit-to", "allocated", "-o", str(plan)]
     done = subprocess.run([sys.executable, "-m", "autoplan", "search", *args, "--mem", "40MB", "--json"],
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr

@@ -45,8 +45,8 @@ def test_dispatch_tracer_costs_each_unit_as_fx_does(name):
 
 def test_forced_dispatch_tracer_gives_the_fx_plan():
     settings = dict(gpus=2, batch_size=4)
-    by_fx = autoplan.search(autoplan.trace("gpt2-tiny", seq_len=32), "20MB", **settings)
-    by_dispatch = autoplan.search(autoplan.trace("gpt2-tiny", seq_len=32, tracer="dispatch"), "20MB", **settings)
+    by_fx = autoplan.search(autoplan.trace("gpt2-tiny", seq_len=32), "20MB", **settings, fit_to="allocated")
+    by_dispatch = autoplan.search(autoplan.trace("gpt2-tiny", seq_len=32, tracer="dispatch"), "20MB", **settings, fit_to="allocated")
     assert (by_fx.model.tracer, by_dispatch.model.tracer) == ("fx", "dispatch")
     assert [(u.sharding, u.checkpoint) for u in by_dispatch.units] == [(u.sharding, u.checkpoint) for u in by_fx.units]
     assert by_dispatch.predicted.peak_mem_bytes == by_fx.predicted.peak_mem_bytes
@@ -73,7 +73,7 @@ class ShapeBranchingLM(nn.Module):
 
 
 def test_fx_failure_falls_back_to_the_dispatch_tracer_and_says_so():
-    plan = autoplan.search(ShapeBranchingLM(), "20MB", gpus=2, seq_len=16)
+    plan = autoplan.search(ShapeBranchingLM(), "20MB", gpus=2, seq_len=16, fit_to="allocated")
     assert plan.model.tracer == "dispatch"
     assert [u.module for u in plan.units] == ["", "embed", "blocks.0", "blocks.1", "head"]
     assert "traced by dispatch" in plan.table()
@@ -142,7 +142,7 @@ def test_example_inputs_trace_other_forwards_and_give_the_sequence_length():
     example = {"features": torch.randn(4, 10, 16), "mask": torch.ones(4, 10)}
     traced = autoplan.trace(FeatureModel(), example_inputs=example)
     assert traced.seq_len == 10 and traced.tracer == "dispatch"  # keyword inputs: fx takes positional only
-    plan = autoplan.search(traced, "10MB", gpus=2, batch_size=8)
+    plan = autoplan.search(traced, "10MB", gpus=2, batch_size=8, fit_to="allocated")
     assert plan.training.seq_len == 10
     assert [u.module for u in plan.units] == ["", "layers.0", "layers.1", "layers.2"]
 

@@ -71,9 +71,9 @@ def estimate(model: Any = None, strategy: str | None = None, *, settings: Estima
     cluster = request.cluster.with_mesh(request.meshes[0])
     return Estimate(
         model=model_ref(request), strategy=label, description=description,
-        cluster=ClusterSpec.of(cluster, request.limits.mem_limit_bytes), training=training_spec(table, request),
+        cluster=ClusterSpec.of(cluster, request.limits), training=training_spec(table, request),
         units=unit_decisions(table, choices), predicted=prediction(table, evaluate(table, choices),
-                                                                   cluster.profile.device_type),
+                                                                   request.limits.allocator_conf),
     )
 
 

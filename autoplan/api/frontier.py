@@ -38,7 +38,7 @@ def frontier(model: Any, limits: Iterable[str | int], *, settings: SearchSetting
     (gpus, profile, batch_size, dtype, ...), the same for every limit; the model is traced once.
 
     >>> import autoplan
-    >>> points = autoplan.frontier("gpt2-tiny", ["20MB", "80GB"], gpus=2, seq_len=64)
+    >>> points = autoplan.frontier("gpt2-tiny", ["300MB", "80GB"], gpus=2, seq_len=64)
     >>> [p.throughput_samples_s is not None for p in points]
     [True, True]
     """

@@ -38,7 +38,7 @@ def explain(plan: Plan | str | os.PathLike, model: Any = None) -> Explanation:
 
     >>> import autoplan
     >>> from autoplan.api.inspect import explain
-    >>> why = explain(autoplan.search("gpt2-tiny", "20MB", gpus=2, seq_len=64))
+    >>> why = explain(autoplan.search("gpt2-tiny", "20MB", gpus=2, seq_len=64, fit_to="allocated"))
     >>> [group.pattern for group in why.groups]
     ['<root>', 'transformer.h.0', 'transformer.h.1']
     """

@@ -10,6 +10,7 @@ left out from the plan, and its model from the plan's data only (never code the 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from autoplan.api.traced import TracedModel, reuse_traced
@@ -23,12 +24,13 @@ from autoplan.solve.cluster import Cluster, resolve_cluster
 from autoplan.solve.pins import PinResolution, resolve_pins
 from autoplan.solve.request import Batch, Limits, ModelInfo, PlanRequest, Uniform
 from autoplan.solve.tables import CostTables
+from cost_models.allocator_margin import ALLOC_CONF_ENV, DEFAULT_ALLOC_CONF, is_expandable
 from cost_models.evaluate import checkpoint_name
 from cost_models.mesh import Mesh, MeshError
 from cost_models.options import DEFAULT_SHARDING, SHARDING_KINDS
 from cost_models.training import Training
 
-__all__ = ["load_plan_of", "prepare", "search_meshes_of"]
+__all__ = ["allocator_conf", "load_plan_of", "prepare", "search_meshes_of"]
 
 
 def prepare(settings: PlanningSettings, plan: Plan | None = None, plan_file: Path | None = None) -> PlanRequest:
@@ -52,7 +54,9 @@ def prepare(settings: PlanningSettings, plan: Plan | None = None, plan_file: Pat
     mem = settings.mem if settings.mem is not None else cluster.profile.mem_bytes
     check_mem_limit(mem, cluster.profile.mem_bytes, cluster.profile_name, settings.allow_over_device_mem, mem_source)
     searching = isinstance(settings, SearchSettings)
-    limits = (Limits(mem, settings.headroom, settings.time_limit_s) if searching else Limits(mem))
+    conf = allocator_conf(settings, cluster)
+    limits = (Limits(mem, settings.headroom, settings.time_limit_s, conf, settings.fit_to) if searching
+              else Limits(mem, allocator_conf=conf))
     batch = Batch(settings.batch_size if searching else settings.batch_size or 1, settings.global_batch)
     batch.candidates(meshes[0].dp)  # a batch that does not divide over the ranks, refused before tracing
     training = Training(session.seq_len, settings.dtype_or_default, settings.optimizer_or_default)
@@ -61,6 +65,19 @@ def prepare(settings: PlanningSettings, plan: Plan | None = None, plan_file: Pat
                       fingerprint=model_fingerprint(session.module), module=session.module)
     return PlanRequest(model=model, tables=tables, training=training, granularity=settings.granularity_or_default,
                        cluster=cluster, meshes=meshes, batch=batch, limits=limits, pins=pins, uniform=uniform)
+
+
+def allocator_conf(settings: PlanningSettings, cluster: Cluster) -> str | None:
+    """The PYTORCH_CUDA_ALLOC_CONF a CUDA run of the plan uses: as given, else the environment's, else expandable
+    segments (what `autoplan apply` sets); None where the profile's device has no CUDA caching allocator."""
+    if cluster.profile.device_type != "cuda":
+        return None
+    conf = settings.allocator_conf or os.environ.get(ALLOC_CONF_ENV) or DEFAULT_ALLOC_CONF
+    try:
+        is_expandable(conf)
+    except ValueError as exc:
+        raise UsageError(f"{ALLOC_CONF_ENV}={conf!r} in the environment: {exc}") from None
+    return conf
 
 
 def load_plan_of(plan: Plan | str | Path | None) -> tuple[Plan | None, Path | None]:
@@ -100,7 +117,8 @@ def _with_plan_defaults(settings: PlanningSettings, plan: Plan, plan_file: Path 
     t, c = plan.training, plan.cluster
     cluster_given = any(v is not None for v in (settings.gpus, settings.nodes, settings.gpus_per_node))
     fields = dict(profile=c.profile, host_mem=c.host_mem_bytes, mem=c.mem_limit_bytes, batch_size=t.micro_batch_size,
-                  seq_len=t.seq_len, dtype=t.dtype, optimizer=t.optimizer, granularity=t.granularity)
+                  seq_len=t.seq_len, dtype=t.dtype, optimizer=t.optimizer, granularity=t.granularity,
+                  allocator_conf=c.allocator_conf)
     if not cluster_given:
         fields.update(gpus=c.world_size, nodes=c.nodes, gpus_per_node=c.gpus_per_node, global_batch=t.global_batch_size)
     if settings.model is None:  # from the plan's data: never code the plan names

@@ -45,10 +45,12 @@ def register(subparsers) -> None:
                         "JSON if FILE ends in .json), units that agree grouped by ranges: edit it and search again "
                         "with --pins FILE")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON instead of the table")
-    parser.add_argument("--fit-allocator", action="store_true",
-                        help="CUDA profiles: replay the plan's step (rank 0, fake tensors) through a model of torch's "
-                             "caching allocator and, while it needs more than --mem, search again keeping the excess "
-                             "free (a few seconds to a minute per round)")
+    parser.add_argument("--fit-allocator", nargs="?", const="on", default="auto", choices=("auto", "on", "off"),
+                        help="CUDA profiles: check the plan by replaying its step (rank 0, fake tensors) through a model "
+                             "of torch's caching allocator. auto (the default): when the replay takes less time than "
+                             "the search took, and if the step needs more than --mem, fit it (as on); on (or bare "
+                             "--fit-allocator): plan to the replay itself, searching again while the step needs more "
+                             "than --mem (a few seconds to a minute per round); off: no replay")
     parser.set_defaults(handler=_run, subparser=parser)
 
 
@@ -67,8 +69,42 @@ def _hf_relative_to(plan, out: str):
     return plan.model_copy(update={"model": plan.model.model_copy(update={"name": relative})})
 
 
-def _run(args) -> int:
+def _search(settings, fit_allocator: str):
+    """The plan, checked or fitted by replaying its step through the caching allocator model as `fit_allocator`
+    says (CUDA profiles; see the flag's help)."""
     from autoplan.api.search import search
+    from autoplan.profile_store import load_profile
+    from autoplan.settings import DEFAULT_PROFILE
+    from autoplan.sizes import format_bytes
+
+    def say(line: str) -> None:
+        print(f"autoplan search: {line}", file=sys.stderr, flush=True)
+
+    cuda = load_profile(settings.profile or DEFAULT_PROFILE).device_type == "cuda"
+    if fit_allocator == "on" or not cuda:
+        if fit_allocator == "on":
+            from autoplan.run.allocator_fit import search_fitting_allocator
+
+            return search_fitting_allocator(settings, say=say)[0]
+        return search(settings=settings)
+    start = time.perf_counter()
+    plan = search(settings=settings)
+    if fit_allocator == "off" or settings.fit_to == "allocated":  # live bytes alone, as asked
+        return plan
+    from autoplan.run.allocator_fit import replay_within, search_fitting_allocator
+
+    replayed = replay_within(plan, time.perf_counter() - start)  # no longer than the search took
+    if replayed is None:
+        return plan
+    if replayed.needed_bytes > plan.cluster.mem_limit_bytes:
+        say(f"the replayed step needs {format_bytes(replayed.needed_bytes)}, more than the limit: fitting the plan "
+            "to the replay")
+        return search_fitting_allocator(settings, say=say)[0]
+    return plan.model_copy(update={"predicted": plan.predicted.model_copy(
+        update={"allocator_needed_bytes": replayed.needed_bytes})})
+
+
+def _run(args) -> int:
     from autoplan.fileio import check_writable
     from autoplan.plan.report import format_plan
     from autoplan.settings import SearchSettings
@@ -78,12 +114,7 @@ def _run(args) -> int:
     check_writable(args.out, "plan file", param="out", example="plan.json")
     if args.emit_pins:
         check_writable(args.emit_pins, "pins file", param="emit_pins", example="pins.yaml")
-    if args.fit_allocator:
-        from autoplan.run.allocator_fit import search_fitting_allocator
-
-        found, _ = search_fitting_allocator(settings, say=lambda line: print(f"autoplan search: {line}", file=sys.stderr))
-    else:
-        found = search(settings=settings)
+    found = _search(settings, args.fit_allocator)
     plan = _hf_relative_to(found, args.out)
     plan.save(args.out)
     if args.emit_pins:

@@ -32,7 +32,7 @@ from autoplan.plan.schema import (
 from autoplan.solve.mesh_search import MeshResult, MeshSearch
 from autoplan.solve.request import PlanRequest
 from autoplan.version import __version__
-from cost_models.allocator import reserved_bound
+from cost_models.allocator_margin import needed_bytes, reserved_bytes
 from cost_models.evaluate import Evaluation, evaluate, uniform_choices
 from cost_models.memory import MemCategory, total
 from cost_models.records import Unit
@@ -52,9 +52,9 @@ def _breakdown(point) -> MemoryBreakdown:
     return MemoryBreakdown(**{f"{category.value}_bytes": int(point.parts[category]) for category in MemCategory})
 
 
-def prediction(table: CostTable, result: Evaluation, device_type: str | None = None) -> Prediction:
-    """The plan's predicted figures; on a CUDA profile (`device_type` "cuda") with what the caching allocator
-    reserves for the allocated peak (cost_models.allocator)."""
+def prediction(table: CostTable, result: Evaluation, allocator_conf: str | None = None) -> Prediction:
+    """The plan's predicted figures; on a CUDA profile (an `allocator_conf`) with what the caching allocator
+    needs and reserves for the allocated peak (cost_models.allocator_margin)."""
     samples = table.samples_per_step
     return Prediction(
         peak_mem_bytes=result.peak_mem_bytes,
@@ -67,7 +67,8 @@ def prediction(table: CostTable, result: Evaluation, device_type: str | None = N
                   for p in result.points],
         host_mem_bytes=result.host_bytes,
         host_mem_per_node_bytes=result.host_bytes * table.mesh.gpus_per_node,
-        reserved_bytes=reserved_bound(result.peak_mem_bytes) if device_type == "cuda" else None,
+        needed_bytes=needed_bytes(result.peak_mem_bytes, allocator_conf) if allocator_conf else None,
+        reserved_bytes=reserved_bytes(result.peak_mem_bytes, allocator_conf) if allocator_conf else None,
     )
 
 
@@ -172,11 +173,11 @@ def assemble_plan(search: MeshSearch, request: PlanRequest) -> Plan:
     return Plan(
         autoplan_version=__version__,
         model=model_ref(request),
-        cluster=ClusterSpec.of(best.cluster, limits.mem_limit_bytes, limits.headroom),
+        cluster=ClusterSpec.of(best.cluster, limits),
         training=training_spec(table, request),
         units=unit_decisions(table, outcome.choices, source.full_units() if tensor_parallel else None,
                              source.unit_layouts if tensor_parallel else None),
-        predicted=prediction(table, outcome.evaluation, best.cluster.profile.device_type),
+        predicted=prediction(table, outcome.evaluation, limits.allocator_conf),
         solver=solver,
         baselines=(_fsdp_only(fsdp, limits.planned_bytes) if tensor_parallel and fsdp is not None
                    else baselines(outcome.tables, limits.planned_bytes)),

@@ -90,7 +90,7 @@ def _settings(a: Plan, b: Plan) -> list[str]:
 
 def diff_plans(a: Plan, b: Plan, table: CostTable, choices: list[int]) -> PlanDiff:
     """The differences of `b` from `a`, whose decisions are `choices` into `table` (A's own settings' table)."""
-    planned = int(a.cluster.mem_limit_bytes * (1 - a.cluster.mem_headroom))
+    planned = a.cluster.planned_bytes
     base = evaluate(table, choices)
     index = {unit.path: u for u, unit in enumerate(table.units)}
     theirs = {unit.module: unit for unit in b.units}

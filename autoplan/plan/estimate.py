@@ -35,7 +35,14 @@ class Estimate(_Strict):
 
     @property
     def fits(self) -> bool:
-        return self.predicted.peak_mem_bytes <= self.cluster.mem_limit_bytes
+        """Whether the step runs in the limit: what the CUDA caching allocator needs where the profile is a
+        GPU's, the live peak elsewhere."""
+        return self.needed_bytes <= self.cluster.mem_limit_bytes
+
+    @property
+    def needed_bytes(self) -> int:
+        p = self.predicted
+        return p.needed_bytes if p.needed_bytes is not None else p.peak_mem_bytes
 
     @property
     def model_state_bytes(self) -> int:
@@ -56,7 +63,7 @@ class Estimate(_Strict):
 def format_estimate(est: Estimate, timeline: bool = False) -> str:
     c, t, p = est.cluster, est.training, est.predicted
     limit_name = "device memory" if c.mem_limit_bytes == c.device_mem_bytes else "limit"
-    verdict = "fits" if est.fits else f"does not fit (over by {format_bytes(p.peak_mem_bytes - c.mem_limit_bytes)})"
+    verdict = "fits" if est.fits else f"does not fit (over by {format_bytes(est.needed_bytes - c.mem_limit_bytes)})"
     lines = [
         f"autoplan estimate: {est.model.name} ({est.model.n_params:,} parameters, traced by {est.model.tracer})",
         f"strategy {est.strategy}: {est.description}",
@@ -69,8 +76,17 @@ def format_estimate(est: Estimate, timeline: bool = False) -> str:
     breakdown = p.breakdown.model_dump()
     lines += [f"  {CATEGORY_LABELS[key]:<20} {format_bytes(breakdown[key]):>12}" for key in CATEGORY_LABELS]
     lines += [
-        f"  {'total':<20} {format_bytes(p.peak_mem_bytes):>12}  of {format_bytes(c.mem_limit_bytes)} {limit_name}: "
-        f"{verdict}",
+        f"  {'total (allocated)':<20} {format_bytes(p.peak_mem_bytes):>12}"
+        + (f"  of {format_bytes(c.mem_limit_bytes)} {limit_name}: {verdict}" if p.needed_bytes is None else ""),
+    ]
+    if p.needed_bytes is not None:
+        lines += [
+            f"  {'needed':<20} {format_bytes(p.needed_bytes):>12}  of {format_bytes(c.mem_limit_bytes)} {limit_name}: "
+            f"{verdict} (what torch's CUDA caching allocator needs to run the step, with {c.allocator_conf})",
+            f"  {'reserved':<20} {format_bytes(p.reserved_bytes):>12}  at most (torch.cuda.max_memory_reserved with "
+            "memory to spare)",
+        ]
+    lines += [
         f"valley (held after the step: parameters, gradients, optimizer states) {format_bytes(est.model_state_bytes)} "
         "per GPU",
     ]

@@ -50,15 +50,18 @@ class Explanation(BaseModel):
     peak_mem_bytes: int
     peak_point: str
     mem_limit_bytes: int
-    planned_bytes: int  # the limit less the headroom: what the plan was made to fit
+    planned_bytes: int  # the limit less the headroom (and the caching allocator's margin): what the live peak may reach
+    margin_bytes: int = 0  # of the limit less the headroom, what is kept for the caching allocator (CUDA plans)
     micro_batch_size: int
     groups: list[GroupExplanation]
 
     def table(self) -> str:
         lines = [f"{self.model}: step {self.step_time_s * 1e3:.2f} ms, peak {format_bytes(self.peak_mem_bytes)} at "
                  f"{self.peak_point}, of {format_bytes(self.planned_bytes)} planned ({format_bytes(self.mem_limit_bytes)}"
-                 f" less headroom); micro-batch {self.micro_batch_size}. Each group below is changed alone, the rest "
-                 "of the plan kept."]
+                 " less headroom" + (f" and {format_bytes(self.margin_bytes)} for the CUDA caching allocator"
+                                     if self.margin_bytes else "")
+                 + f"); micro-batch {self.micro_batch_size}. Each group below is changed alone, the rest of the plan "
+                 "kept."]
         for group in self.groups:
             lines += ["", f"{group.pattern} ({len(group.units)} unit{'s' * (len(group.units) > 1)}): {group.decision}"
                       f" - {group.why}",
@@ -80,7 +83,7 @@ def option_index(options, sharding: str, checkpoint: str, offload: bool) -> int 
                  == (sharding, checkpoint, offload)), None)
 
 
-def _why(chosen: OptionOutcome, outcomes: list[OptionOutcome], pinned_by: list[str]) -> str:
+def _why(chosen: OptionOutcome, outcomes: list[OptionOutcome], pinned_by: list[str], margin_bytes: int) -> str:
     faster = [o for o in outcomes if not o.chosen and o.step_time_s < chosen.step_time_s * (1 - SAME_TIME)]
     if pinned_by:
         cost = f"; the fastest option that fits would save {-min(o.step_change_s for o in faster if o.fits) * 1e3:.2f} ms" \
@@ -90,14 +93,18 @@ def _why(chosen: OptionOutcome, outcomes: list[OptionOutcome], pinned_by: list[s
         return "the fastest of its options"
     if all(not o.fits for o in faster):
         best = min(faster, key=lambda o: o.step_time_s)
-        return (f"faster options do not fit: the limit binds at {best.peak_point} (with {best.option} the peak is "
-                f"{format_bytes(best.peak_mem_bytes)}, {format_bytes(best.over_bytes)} over)")
+        why = (f"faster options do not fit: the limit binds at {best.peak_point} (with {best.option} the peak is "
+               f"{format_bytes(best.peak_mem_bytes)}, {format_bytes(best.over_bytes)} over)")
+        if best.over_bytes <= margin_bytes:
+            why += (f"; the live bytes would fit, it is the {format_bytes(margin_bytes)} kept for the CUDA caching "
+                    "allocator that binds")
+        return why
     return "a faster option fits when this group changes alone (the solver stopped within its gap, or its time limit)"
 
 
 def explain_plan(plan: Plan, table: CostTable, choices: list[int]) -> Explanation:
     """The explanation of `plan`, whose decisions are `choices` into `table` (its own settings' table)."""
-    planned = int(plan.cluster.mem_limit_bytes * (1 - plan.cluster.mem_headroom))
+    kept, planned = int(plan.cluster.mem_limit_bytes * (1 - plan.cluster.mem_headroom)), plan.cluster.planned_bytes
     base = evaluate(table, choices)
     index = {unit.path: u for u, unit in enumerate(table.units)}
     pins = [(Pattern(p.pattern), f"{p.pattern}: {p.decision}") for p in plan.pins]
@@ -126,7 +133,8 @@ def explain_plan(plan: Plan, table: CostTable, choices: list[int]) -> Explanatio
         outcomes.sort(key=lambda o: (o.step_time_s, o.peak_mem_bytes))
         chosen = next(o for o in outcomes if o.chosen)
         groups.append(GroupExplanation(pattern=pattern, units=paths, decision=label, pinned_by=list(pinned_by),
-                                       why=_why(chosen, outcomes, list(pinned_by)), options=outcomes))
+                                       why=_why(chosen, outcomes, list(pinned_by), kept - planned), options=outcomes))
     return Explanation(model=plan.model.name, step_time_s=base.step_time_s, peak_mem_bytes=base.peak_mem_bytes,
                        peak_point=base.peak_point.label, mem_limit_bytes=plan.cluster.mem_limit_bytes,
-                       planned_bytes=planned, micro_batch_size=plan.training.micro_batch_size, groups=groups)
+                       planned_bytes=planned, margin_bytes=kept - planned,
+                       micro_batch_size=plan.training.micro_batch_size, groups=groups)

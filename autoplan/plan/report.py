@@ -109,19 +109,33 @@ def _memory_lines(plan: Plan) -> list[str]:
         f"{format_bytes(b.optimizer_bytes)} | activations {format_bytes(b.activations_bytes)} | gathered params "
         f"{format_bytes(b.gathered_bytes)} | temporaries {format_bytes(b.temporaries_bytes)}",
     ]
-    if p.reserved_bytes is not None and p.allocator_needed_bytes is None:
-        over = p.reserved_bytes > c.mem_limit_bytes
-        lines.append(f"reserved (CUDA caching allocator): at most about {format_bytes(p.reserved_bytes)} with its "
-                     "rounding, per-stream caches and fragmentation (a bound, 1-19% above the peak in replays; the "
-                     "plan is made to the peak" + (", so keep headroom, check a first step or search with --fit-allocator)"
-                                                        if over else ")"))
-    if p.allocator_needed_bytes is not None:
-        lines.append(f"caching allocator, replayed: the step runs in a limit of {format_bytes(p.allocator_needed_bytes)} "
-                     "(its allocations on fake tensors, kernel workspaces allowed for)")
+    lines += _allocator_lines(plan)
     if p.host_mem_bytes:
         of = f" of {format_bytes(c.host_mem_bytes)}" if c.host_mem_bytes else ""
         lines.append(f"host memory (offloaded state, pinned) {format_bytes(p.host_mem_bytes)} per GPU, "
                      f"{format_bytes(p.host_mem_per_node_bytes)} per node{of}")
+    return lines
+
+
+def _allocator_lines(plan: Plan) -> list[str]:
+    """On CUDA: what torch's caching allocator needs to run the step and reserves, and which figure the plan fits
+    its limit with (older plans carry a reserved bound only)."""
+    c, p = plan.cluster, plan.predicted
+    lines = []
+    if p.needed_bytes is not None:
+        fitted = ("the plan is fitted to this" if c.mem_fitted_to == "needed" else
+                  "the plan is fitted to the live bytes alone (--fit-to allocated): it may run out on the GPU"
+                  if p.needed_bytes > c.mem_limit_bytes else "the plan is fitted to the live bytes alone (--fit-to allocated)")
+        lines.append(f"needed (CUDA caching allocator, {c.allocator_conf}): {format_bytes(p.needed_bytes)}, the live "
+                     f"peak with the allocator's rounding, per-stream pages and kernel workspaces (a bound); {fitted}")
+        lines.append(f"reserved: up to {format_bytes(p.reserved_bytes)} (torch.cuda.max_memory_reserved with memory to "
+                     "spare: freed blocks stay cached until the allocator runs short)")
+    elif p.reserved_bytes is not None and p.allocator_needed_bytes is None:  # a plan of autoplan 0.1
+        lines.append(f"reserved (CUDA caching allocator): at most about {format_bytes(p.reserved_bytes)} (the plan is "
+                     "made to the peak; search again to fit what the allocator needs)")
+    if p.allocator_needed_bytes is not None:
+        lines.append(f"caching allocator, replayed: the step runs in a limit of {format_bytes(p.allocator_needed_bytes)} "
+                     "(its allocations on fake tensors, kernel workspaces allowed for)")
     return lines
 
 

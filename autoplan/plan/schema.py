@@ -19,6 +19,7 @@ from autoplan.errors import PlanFileError
 from autoplan.fileio import read_versioned_json, write_text_atomic
 from autoplan.plan.report import format_plan
 from autoplan.solve.cluster import Cluster
+from autoplan.solve.request import Limits
 from autoplan.solve.solver import SolveStatus
 from cost_models.mesh import Mesh, MeshError
 from cost_models.options import (
@@ -93,16 +94,31 @@ class ClusterSpec(_Strict):
     # FSDP over the data-parallel dimension (autoplan.run.tp); written only above 1, so older plans load
     tp_degree: int = Field(default=1, ge=1, exclude_if=lambda value: value == 1)
     sequence_parallel: bool = Field(default=False, exclude_if=lambda value: not value)  # norms split along the sequence
+    # CUDA profiles: the PYTORCH_CUDA_ALLOC_CONF the plan was made for (`autoplan apply` runs its ranks with it,
+    # and warns when a run's differs); None for other devices and in older plans
+    allocator_conf: str | None = Field(default=None, exclude_if=lambda value: value is None)
+    # what fits mem_limit_bytes (less the headroom): "needed", what torch's caching allocator needs to run the
+    # step under allocator_conf (cost_models.allocator_margin), or "allocated", the live bytes alone (older plans)
+    mem_fitted_to: Literal["allocated", "needed"] = Field(default="allocated",
+                                                          exclude_if=lambda value: value == "allocated")
 
     @classmethod
-    def of(cls, cluster: Cluster, mem_limit_bytes: int, headroom: float = 0.0) -> ClusterSpec:
-        """The plan file's record of a cluster running its mesh (`cluster.mesh`), planned to a memory limit."""
+    def of(cls, cluster: Cluster, limits: Limits) -> ClusterSpec:
+        """The plan file's record of a cluster running its mesh (`cluster.mesh`), planned to `limits`."""
         mesh = cluster.mesh
         return cls(world_size=mesh.world_size, nodes=mesh.nodes, gpus_per_node=mesh.gpus_per_node,
                    profile=cluster.profile_name, device_mem_bytes=cluster.profile.mem_bytes,
-                   mem_limit_bytes=mem_limit_bytes, mem_headroom=headroom,
+                   mem_limit_bytes=limits.mem_limit_bytes, mem_headroom=limits.headroom,
                    host_mem_bytes=cluster.host_mem_bytes if cluster.offload_allowed else None,
-                   tp_degree=mesh.tp, sequence_parallel=mesh.sequence_parallel)
+                   tp_degree=mesh.tp, sequence_parallel=mesh.sequence_parallel, allocator_conf=limits.allocator_conf,
+                   mem_fitted_to="needed" if limits.fits_needed else "allocated")
+
+    @property
+    def planned_bytes(self) -> int:
+        """What the plan's live peak was made to fit: the limit less the headroom, less the caching allocator's
+        margin where the plan is fitted to what it needs."""
+        return Limits(self.mem_limit_bytes, self.mem_headroom, allocator_conf=self.allocator_conf,
+                      fit_to=self.mem_fitted_to).planned_bytes
 
     @property
     def mesh(self) -> Mesh:
@@ -187,8 +203,11 @@ class Prediction(_Strict):
     timeline: list[TimelinePoint]
     host_mem_bytes: int = 0  # offloaded state per rank in host memory (pinned)
     host_mem_per_node_bytes: int = 0  # the same over the node's ranks: what must fit the node's host memory
-    # CUDA profiles only: the limit the step needs under torch's caching allocator (rounding, per-stream caches,
-    # fragmentation; cost_models.allocator.reserved_bound); None on other devices and in older plans
+    # CUDA profiles only (None on other devices and in older plans), from the peak under the plan's
+    # allocator_conf (cost_models.allocator_margin): what torch's caching allocator needs to run the step (its
+    # rounding, per-stream pages or segments, fragmentation, kernel workspaces; an upper bound), and at most what
+    # torch.cuda.max_memory_reserved shows with memory to spare (older plans: the native allocator's needed bound)
+    needed_bytes: int | None = Field(default=None, exclude_if=lambda value: value is None)
     reserved_bytes: int | None = Field(default=None, exclude_if=lambda value: value is None)
     # `search --fit-allocator` only: the smallest limit this plan's step ran in when its allocations were
     # replayed through the caching allocator model (autoplan.run.allocator_fit); None when not replayed

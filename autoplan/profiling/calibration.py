@@ -95,12 +95,16 @@ def uniform_plan(traced, strategy: str, checkpoint: bool, world_size: int, micro
     from autoplan.plan.assemble import prediction, unit_decisions
     from autoplan.plan.schema import ClusterSpec, ModelRef, Plan, SolverInfo, SweepEntry, TrainingSpec
     from autoplan.solve.cluster import resolve_cluster
+    from autoplan.api.prepare import allocator_conf
+    from autoplan.settings import SearchSettings
+    from autoplan.solve.request import Limits
     from autoplan.solve.solver import SolveStatus
     from autoplan.version import __version__
     from cost_models.evaluate import evaluate, uniform_choices
 
     dtype, optimizer, granularity = CALIBRATION_DTYPE, CALIBRATION_OPTIMIZER, "block"
     cluster = resolve_cluster(world_size, None, None, PLAN_PROFILE)
+    limits = Limits(cluster.profile.mem_bytes, allocator_conf=allocator_conf(SearchSettings.create(), cluster))
     tables = traced.cache(PRECISIONS[dtype].compute_dtype, granularity)
     table = tables.table(micro_batch, 1, cluster, traced.seq_len, dtype, optimizer)
     choices = uniform_choices(table, strategy, checkpoint, exact=True)
@@ -112,12 +116,12 @@ def uniform_plan(traced, strategy: str, checkpoint: bool, world_size: int, micro
         autoplan_version=__version__,
         model=ModelRef(name=traced.name, config=traced.resolved.config, n_params=traced.n_params,
                        fingerprint=model_fingerprint(traced.module), tracer=tables.tracer),
-        cluster=ClusterSpec.of(cluster, cluster.profile.mem_bytes),
+        cluster=ClusterSpec.of(cluster, limits),
         training=TrainingSpec(micro_batch_size=micro_batch, grad_accum_steps=1,
                               global_batch_size=table.samples_per_step, seq_len=traced.seq_len, dtype=dtype,
                               optimizer=optimizer, granularity=granularity),
         units=unit_decisions(table, choices),
-        predicted=prediction(table, result, cluster.profile.device_type),
+        predicted=prediction(table, result, limits.allocator_conf),
         solver=SolverInfo(status=SolveStatus.FIXED, objective_s=result.step_time_s, bound_s=result.step_time_s,
                           wall_time_s=0.0, num_variables=0, num_constraints=0,
                           micro_batch_sweep=[SweepEntry(micro_batch_size=micro_batch, grad_accum_steps=1,

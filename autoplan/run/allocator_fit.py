@@ -19,6 +19,7 @@ and the device are one memory). A replay of llama2-70b's rank 0 (80 layers) take
 
 from __future__ import annotations
 
+import multiprocessing
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,13 +34,16 @@ from autoplan.run.apply import materialise
 from autoplan.run.data import vocab_size_of
 from autoplan.run.memtrack import LiveTensorTracker
 from autoplan.run.torch_tracker import fake_rank
+from autoplan.run.tp import training_context
 from autoplan.run.worker import next_token_loss
 from autoplan.settings import MAX_HEADROOM, SearchSettings
 from autoplan.sizes import format_bytes
-from cost_models.allocator import SEGMENT_SLACK, min_limit, replay
+from cost_models.allocator import SEGMENT_SLACK
+from cost_models.allocator_margin import is_expandable
+from cost_models.allocator_replay import min_limit, replay
 from cost_models.options import SHARDING_KINDS, ShardGroup
 
-__all__ = ["AllocatorReplay", "record_step", "replay_plan", "search_fitting_allocator", "STREAMS"]
+__all__ = ["AllocatorReplay", "record_step", "replay_plan", "replay_within", "search_fitting_allocator", "STREAMS"]
 
 STREAMS = {"default": 0, "all_gather": 1, "reduce_scatter": 2}
 MAX_ROUNDS = 6
@@ -105,8 +109,9 @@ def _check_replayable(plan: Plan) -> None:
                          "caching allocator a replay models (pick a GPU profile with --profile, or leave out "
                          "--fit-allocator)")
     if plan.cluster.tp_degree > 1:
-        raise UsageError("a tensor-parallel plan does not run on fake tensors yet, so its allocations cannot be "
-                         "replayed: search with --tp 1 to fit the allocator")
+        raise UsageError("a tensor-parallel plan does not run on fake tensors yet (FSDP2 joins the data- and "
+                         "tensor-parallel meshes inside the fake tensor mode, which torch 2.13 refuses), so its "
+                         "allocations cannot be replayed: search with --tp 1 to check a plan by replay")
     offloaded = [u.module or "<root>" for u in plan.units if u.offload]
     if offloaded:
         raise UsageError(f"units offloaded to the host ({', '.join(offloaded[:3])}{', ...' if len(offloaded) > 3 else ''}): "
@@ -127,7 +132,7 @@ def record_step(plan: Plan, steps: int = 3) -> tuple[list[tuple], list[int]]:
     (negative: the start of a backward or an optimizer step within it)."""
     recorder = _AllocationRecorder()
     starts: list[int] = []
-    with fake_rank(plan) as (_, module, optimizer), recorder:
+    with fake_rank(plan) as (_, module, optimizer), recorder, training_context(plan):  # loss_parallel under TP
         materialise(module, "cpu", 0)
         shape = (plan.training.micro_batch_size, plan.training.seq_len)
         vocab = vocab_size_of(module)
@@ -157,12 +162,46 @@ class AllocatorReplay:
 
 
 def replay_plan(plan: Plan) -> AllocatorReplay:
-    """Record `plan`'s step on fake tensors and replay it through the caching allocator model."""
+    """Record `plan`'s step on fake tensors and replay it through the caching allocator model of the plan's
+    configuration (expandable segments or native; native for a plan that records none)."""
     _check_replayable(plan)
     events, _ = record_step(plan)
-    free_run = replay(events)
-    return AllocatorReplay(free_run.peak_allocated, free_run.peak_reserved, min_limit(events) + SEGMENT_SLACK,
-                           len(events))
+    expandable = is_expandable(plan.cluster.allocator_conf or "")
+    free_run = replay(events, expandable=expandable)
+    return AllocatorReplay(free_run.peak_allocated, free_run.peak_reserved,
+                           min_limit(events, expandable=expandable) + SEGMENT_SLACK, len(events))
+
+
+def replay_within(plan: Plan, budget_s: float) -> AllocatorReplay | None:
+    """`replay_plan` in a forked process given `budget_s` seconds: None when it takes longer (the process is
+    stopped) or the plan cannot be replayed (a tensor-parallel or offloading plan). Linux only (fork with torch
+    imported); None elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        _check_replayable(plan)
+    except UsageError:
+        return None
+    context = multiprocessing.get_context("fork")
+    receive, send = context.Pipe(duplex=False)
+    worker = context.Process(target=_replay_into, args=(plan, send), daemon=True)
+    worker.start()
+    send.close()
+    try:
+        return receive.recv() if receive.poll(budget_s) else None
+    except EOFError:  # the replay failed in the worker
+        return None
+    finally:
+        if worker.is_alive():
+            worker.kill()
+        worker.join()
+
+
+def _replay_into(plan: Plan, send) -> None:
+    try:
+        send.send(replay_plan(plan))
+    finally:
+        send.close()
 
 
 def search_fitting_allocator(settings: SearchSettings, say: Callable[[str], None] = lambda line: None,
@@ -180,6 +219,7 @@ def search_fitting_allocator(settings: SearchSettings, say: Callable[[str], None
         say("tensor parallelism is not searched with --fit-allocator: its plans do not run on fake tensors yet")
     if settings.tp is None:
         settings = SearchSettings.create(settings, tp=1)
+    settings = SearchSettings.create(settings, fit_to="allocated")  # the replay fits the live bytes, not a bound
     headroom, replays, previous = settings.headroom, [], None
     failed, best = None, None  # the largest headroom whose plan did not fit; (headroom, plan) of the smallest that did
     limit = None

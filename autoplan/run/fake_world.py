@@ -224,12 +224,12 @@ def _costed_in_place(plan: Plan, resolved) -> Prediction | None:
     changed. A tensor-parallel plan is costed on the per-rank view its degree's search used (its mesh's
     tables, autoplan.api.inspect.plan_table). None where the plan cannot be costed again here (its profile is not available)."""
     try:
-        profile = load_profile(plan.cluster.profile)
+        load_profile(plan.cluster.profile)
     except AutoplanError:
         return None
     _, table, choices = plan_table(plan, resolved)
     in_place = without_gloo_copy(table)
-    return prediction(in_place, evaluate(in_place, choices), profile.device_type)
+    return prediction(in_place, evaluate(in_place, choices), plan.cluster.allocator_conf)
 
 
 def _profile_device(plan: Plan) -> str:

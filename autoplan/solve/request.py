@@ -19,6 +19,7 @@ from autoplan.settings import DEFAULT_TIME_LIMIT_S
 from autoplan.solve.cluster import Cluster
 from autoplan.solve.pins import PinResolution
 from autoplan.solve.tables import CostTables, micro_batch_candidates
+from cost_models.allocator_margin import allocated_within
 from cost_models.mesh import Mesh
 from cost_models.training import MicroBatch, Training
 
@@ -45,12 +46,24 @@ class Limits:
 
     mem_limit_bytes: int
     headroom: float = 0.0
-    """fraction of the limit kept free: plans are made to `planned_bytes`"""
+    """fraction of the limit kept free against prediction error and run-to-run variation"""
     time_limit_s: float = DEFAULT_TIME_LIMIT_S
+    allocator_conf: str | None = None
+    """the PYTORCH_CUDA_ALLOC_CONF a CUDA run uses (None: no caching allocator, a CPU profile)"""
+    fit_to: str = "needed"
+    """"needed": the plan's live bytes leave room for what the caching allocator needs beyond them
+    (cost_models.allocator_margin); "allocated": the live bytes alone fit"""
+
+    @property
+    def fits_needed(self) -> bool:
+        return self.allocator_conf is not None and self.fit_to == "needed"
 
     @property
     def planned_bytes(self) -> int:
-        return int(self.mem_limit_bytes * (1 - self.headroom))
+        """What the plan's live bytes (the memory timeline's peak) may reach: the limit less the headroom, less
+        the caching allocator's margin when fitting to what it needs."""
+        kept = int(self.mem_limit_bytes * (1 - self.headroom))
+        return allocated_within(kept, self.allocator_conf) if self.fits_needed else kept
 
 
 @dataclass(frozen=True)

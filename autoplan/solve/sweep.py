@@ -19,6 +19,7 @@ from autoplan.solve.pins import PinResolution
 from autoplan.solve.request import Limits, PlanRequest, Uniform
 from autoplan.solve.solver import AffineModel, SolveResult, SolveStatus, solve_min_memory, solve_min_time
 from autoplan.solve.tables import TableSource
+from cost_models.allocator_margin import needed_bytes
 from cost_models.evaluate import Evaluation, evaluate, uniform_choices
 from cost_models.step import lower_bound_step_s
 from cost_models.table import CostTable
@@ -27,7 +28,9 @@ __all__ = ["SweepStep", "SweepOutcome", "sweep", "TIE_BREAK_WORK"]
 
 # the tie-break towards lower memory is best-effort: proving the leanest of many equally fast plans
 # over near-identical blocks can take CP-SAT any time limit (405B: all 10 s); without it the fastest
-# plan found stands
+# plan found stands. Its budget is CP-SAT's deterministic time (about a second of an idle core), not the
+# clock: a wall-clock second ran out or not with the machine's load (and with the meshes searched side by
+# side), so the same search on a busy machine chose another of the equally fast plans
 TIE_BREAK_WORK = 1.0
 
 
@@ -170,7 +173,9 @@ def _infeasible(table: CostTable, limits: Limits, model_name: str, cluster: Clus
     mem_limit_bytes, headroom = limits.mem_limit_bytes, limits.headroom
     smallest = solve_min_memory(table, time_limit_s=limits.time_limit_s)
     peak = int(smallest.objective) if smallest.objective is not None else None
-    needed = math.ceil(peak / (1 - headroom)) if peak is not None else None  # the limit that leaves the headroom
+    # the limit that leaves the headroom (and, fitting to what the caching allocator needs, its margin)
+    wanted = needed_bytes(peak, limits.allocator_conf) if peak is not None and limits.fits_needed else peak
+    needed = math.ceil(wanted / (1 - headroom)) if peak is not None else None
     lean = evaluate(table, smallest.choices) if smallest.choices else None
     state = ""
     if lean is not None:
@@ -184,10 +189,17 @@ def _infeasible(table: CostTable, limits: Limits, model_name: str, cluster: Clus
              "now)", "a shorter `seq_len`", "`dtype` bf16 (no fp32 master weights)"]
     if fixed_batch and table.micro_batch_size > 1:
         helps.insert(1, "a smaller `batch_size`")
+    margin = ""
+    if peak is not None and limits.fits_needed:
+        margin = (f"; torch's caching allocator needs {format_bytes(wanted)} to run it (with "
+                  f"{limits.allocator_conf})")
+        if peak <= mem_limit_bytes * (1 - headroom):
+            margin += (": the live bytes alone would fit, so the allocator's margin is what does not (`fit_to` "
+                       "allocated plans to the live bytes alone, at the risk of running out on the GPU)")
     return InfeasibleError(
         f"no plan for {model_name} fits in {format_bytes(mem_limit_bytes)} per GPU less {headroom:.0%} headroom: the "
         f"smallest peak any plan reaches (sharding, checkpointing and offload where they help, micro-batch "
-        f"{table.micro_batch_size}) is {format_bytes(peak) if peak else 'unknown'}{state}. What would help: "
+        f"{table.micro_batch_size}) is {format_bytes(peak) if peak else 'unknown'}{state}{margin}. What would help: "
         + "; ".join(helps) + ".",
         min_mem_bytes=needed,
     )

@@ -1,0 +1,91 @@
+"""Plans fitted to what CUDA's caching allocator needs (issue 23), through the command line: the figure a plan is
+fitted to, the allocator configuration it records, and a limit that only the allocator's margin makes too tight."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cost_models.allocator_margin import ALLOC_CONF_ENV, allocated_within, needed_bytes
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = ["--model", "gpt2-tiny", "--gpus", "2", "--seq-len", "64", "--profile", "h100-sxm-80gb"]
+
+
+def _cli(tmp_path: Path, *args: str, conf: str | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop(ALLOC_CONF_ENV, None)
+    if conf is not None:
+        env[ALLOC_CONF_ENV] = conf
+    return subprocess.run([sys.executable, "-m", "autoplan", *args], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=900)
+
+
+def test_a_cuda_plan_is_fitted_to_what_the_allocator_needs_with_expandable_segments(tmp_path):
+    done = _cli(tmp_path, "search", *TINY, "--mem", "400MB", "-o", "plan.json")
+    assert done.returncode == 0, done.stderr
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    cluster, predicted = plan["cluster"], plan["predicted"]
+    assert cluster["allocator_conf"] == "expandable_segments:True" and cluster["mem_fitted_to"] == "needed"
+    assert predicted["peak_mem_bytes"] <= allocated_within(int(400e6 * 0.98), "expandable_segments:True")
+    assert predicted["needed_bytes"] == needed_bytes(predicted["peak_mem_bytes"], "expandable_segments:True")
+    assert predicted["needed_bytes"] <= 400e6 * 0.98
+    assert "needed (CUDA caching allocator, expandable_segments:True)" in done.stdout
+    assert "the plan is fitted to this" in done.stdout and "reserved: up to" in done.stdout
+
+
+def test_the_environments_allocator_configuration_is_planned_for_and_recorded(tmp_path):
+    native = "expandable_segments:False,max_split_size_mb:256"
+    done = _cli(tmp_path, "search", *TINY, "--mem", "400MB", "-o", "plan.json", conf=native)
+    assert done.returncode == 0, done.stderr
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert plan["cluster"]["allocator_conf"] == native
+    assert plan["predicted"]["needed_bytes"] == needed_bytes(plan["predicted"]["peak_mem_bytes"], native)
+    given = _cli(tmp_path, "search", *TINY, "--mem", "400MB", "--allocator-conf", "expandable_segments:True",
+                 "-o", "given.json", conf=native)  # the flag over the environment
+    assert json.loads((tmp_path / "given.json").read_text())["cluster"]["allocator_conf"] == "expandable_segments:True"
+    assert given.returncode == 0
+    bad = _cli(tmp_path, "search", *TINY, "--mem", "400MB", "-o", "bad.json", conf="expandable_segments:maybe")
+    assert bad.returncode == 2 and "expandable_segments takes True or False" in bad.stderr
+    assert not (tmp_path / "bad.json").exists()
+
+
+def test_fit_to_allocated_keeps_the_live_bytes_fit_and_says_the_step_may_not_run(tmp_path):
+    done = _cli(tmp_path, "search", *TINY, "--mem", "40MB", "--fit-to", "allocated", "--batch-size", "64",
+                "-o", "plan.json")
+    assert done.returncode == 0, done.stderr
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert plan["predicted"]["peak_mem_bytes"] <= 40e6 * 0.98 < plan["predicted"]["needed_bytes"]
+    assert "mem_fitted_to" not in plan["cluster"]  # the fit of older plans: live bytes
+    assert "fitted to the live bytes alone (--fit-to allocated): it may run out on the GPU" in done.stdout
+
+
+def test_a_limit_only_the_allocators_margin_makes_too_tight_says_so(tmp_path):
+    # gpt2-tiny's live bytes are well under 100 MB at micro-batch 1; the allocator's pages and workspaces are not
+    done = _cli(tmp_path, "search", *TINY, "--mem", "100MB", "-o", "plan.json")
+    assert done.returncode == 3
+    assert "the live bytes alone would fit, so the allocator's margin is what does not" in done.stderr
+    assert "--fit-to allocated plans to the live bytes alone" in done.stderr
+    assert not (tmp_path / "plan.json").exists()
+
+
+def test_estimate_prints_allocated_needed_and_reserved_with_the_configuration(tmp_path):
+    done = _cli(tmp_path, "estimate", *TINY, "--mem", "400MB", "--strategy", "shard")
+    assert done.returncode == 0, done.stderr
+    for text in ("total (allocated)", "needed", "expandable_segments:True", "reserved", "fits"):
+        assert text in done.stdout, text
+    tight = _cli(tmp_path, "estimate", *TINY, "--mem", "100MB", "--strategy", "shard")
+    assert tight.returncode == 0 and "does not fit" in tight.stdout
+
+
+@pytest.mark.parametrize("profile", ["cpu-gloo-2"])
+def test_a_cpu_plan_has_no_allocator_figures(tmp_path, profile):
+    done = _cli(tmp_path, "search", *TINY[:-2], "--profile", profile, "--mem", "40MB", "-o", "plan.json")
+    assert done.returncode == 0, done.stderr
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert "allocator_conf" not in plan["cluster"] and "needed_bytes" not in plan["predicted"]
