@@ -19,7 +19,8 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
 from autoplan.errors import UsageError
-from autoplan.sizes import format_bytes, parse_mem_bytes
+from autoplan.sizes import check_mem_limit, parse_mem_bytes
+from cost_models.attention import KERNEL_ALIASES, AttentionKernel
 from cost_models.mesh import Mesh, MeshError
 from cost_models.options import (
     CHECKPOINT_MODES,
@@ -72,16 +73,6 @@ def mesh_of(gpus: int | None, nodes: int | None, gpus_per_node: int | None) -> M
         raise UsageError(str(exc)) from None
 
 
-def check_mem_limit(mem_limit_bytes: int, device_mem_bytes: int, profile: str, allowed: bool,
-                    source: str = "`mem`") -> None:
-    """UsageError for a limit above the device's memory (a plan to it could not run), unless `allowed`."""
-    if mem_limit_bytes > device_mem_bytes and not allowed:
-        raise UsageError(f"{source} {format_bytes(mem_limit_bytes)} is more than the {format_bytes(device_mem_bytes)} "
-                         f"of memory a device of profile {profile} has, so a plan to it could not run there. Give "
-                         f"`mem` at most {format_bytes(device_mem_bytes)}, the `profile` of the device you will run "
-                         "on, or `allow_over_device_mem` to plan above the device's memory anyway")
-
-
 def choices_of(field: str) -> tuple[str, ...] | None:
     """The values a field takes, read from the registry now (None: any value of its type)."""
     return {
@@ -91,6 +82,7 @@ def choices_of(field: str) -> tuple[str, ...] | None:
         "checkpoint": lambda: tuple(CHECKPOINT_MODES),
         "granularity": lambda: GRANULARITIES,
         "sequence_parallel": lambda: ("on", "off"),
+        "attention": lambda: tuple(AttentionKernel) + tuple(KERNEL_ALIASES),
     }.get(field, lambda: None)()
 
 
@@ -130,13 +122,24 @@ class _Settings(BaseModel):
         """`checkpoint=True` (and a bare `--checkpoint`) is full checkpointing; False is none."""
         return checkpoint_of_bool(value)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _spelled(cls, data):  # `inputs`: example inputs read by name; Hugging Face's names for the kernels
+        if isinstance(data, dict) and data.get("inputs") is not None:
+            if data.get("example_inputs") is not None:
+                raise UsageError("give `inputs` (a spec) or `example_inputs` (tensors), not both")
+            data = {**data, "example_inputs": data["inputs"]}
+        if isinstance(data, dict) and data.get("attention") in KERNEL_ALIASES:
+            data = {**data, "attention": KERNEL_ALIASES[data["attention"]]}
+        return data
+
     @model_validator(mode="after")
     def _check(self):
-        for name in ("gpus", "nodes", "gpus_per_node", "seq_len", "batch_size", "global_batch", "tp"):
+        for name in ("gpus", "nodes", "gpus_per_node", "seq_len", "batch_size", "global_batch", "tp", "capacity_factor"):
             value = getattr(self, name, None)
             if value is not None and value < 1:
                 raise UsageError(f"`{name}` must be at least 1, got {value}")
-        for name in ("dtype", "optimizer", "granularity", "strategy", "checkpoint", "sequence_parallel"):
+        for name in ("dtype", "optimizer", "granularity", "strategy", "checkpoint", "sequence_parallel", "attention"):
             value = getattr(self, name, None)
             if value is not None:
                 check_choice(name, value, choices_of(name))
@@ -196,6 +199,19 @@ class PlanningSettings(_Settings):
     host_mem: Annotated[int | None, Flag(kind="mem")] = None
     """host memory per node that offloaded parameters, gradients and optimizer states may use (default: the
     profile's figure; for a CPU profile this machine's memory)"""
+
+    attention: Annotated[str | None, Flag(kind="choice")] = None
+    """attention kernel: flash, efficient (CUDA's memory-efficient), math (S x S scores), or as Hugging Face
+    names them (default: torch's pick for each call on the profile's device)"""
+
+    capacity_factor: float | None = None
+    """expert (mixture-of-experts) matmuls priced for this many times their routed tokens (default 1)"""
+
+    allow_unpriced: bool = False
+    """plan a model whose ops without a FLOP formula are more than 1% of its FLOPs (they are listed, not timed)"""
+
+    inputs: Annotated[str | None, Flag()] = None
+    """forward inputs other than token ids: `name=dtype[dims] ...` (batch, seq named) or a JSON file of them"""
 
     example_inputs: Annotated[Any, Flag(api_only=True)] = None
     """inputs of a model whose forward does not take token ids [batch, seq] (a tensor, a tuple or a dict;

@@ -65,13 +65,9 @@ class LlamaAttention(nn.Module):
         q = _apply_rope(split_heads(self.wq(x), self.n_heads), cos, sin)
         k = _apply_rope(split_heads(self.wk(x), self.n_kv_heads), cos, sin)
         v = split_heads(self.wv(x), self.n_kv_heads)
-        # GQA: repeat k/v heads explicitly (as torchtitan does) so every SDPA
-        # backend and any cost model sees plain multi-head attention.
-        n_rep = self.n_heads // self.n_kv_heads
-        if n_rep > 1:
-            k = k.repeat_interleave(n_rep, dim=1)
-            v = v.repeat_interleave(n_rep, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        # GQA: k/v heads unrepeated, as Hugging Face's Llama passes them to SDPA without a mask; the kernel
+        # takes them so (flash), or autoplan's attention path repeats them for one that does not (efficient)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads)
         return self.wo(merge_heads(y))
 
 

@@ -70,6 +70,28 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class AttentionRecord(_Strict):
+    """A run of alike attention calls and the kernel that prices (and runs) them (cost_models.attention)."""
+
+    modules: str  # "model.layers.0-31.self_attn": the calls' modules, alike but for block indices
+    count: int = Field(ge=1)
+    kernel: Literal["flash", "efficient", "math"]
+    detail: str  # what the call is: "causal, window 4096, K/V 8 of 32 heads"
+
+
+class UnpricedRecord(_Strict):
+    """An aten op no FLOP formula prices (autoplan.tracing.flops): its time is not in the plan."""
+
+    op: str  # "aten.foo", or a library's custom op
+    modules: str
+    count: int = Field(ge=1)
+    flops_guess: int  # 2 x output elements x the contracted size, at micro-batch 1, forward and backward
+
+
+def _empty(value) -> bool:
+    return not value
+
+
 class ModelRef(_Strict):
     """How to rebuild the model: a zoo name and config, or a user factory named on the command line."""
 
@@ -78,6 +100,15 @@ class ModelRef(_Strict):
     n_params: int
     fingerprint: str  # sha256 of the module tree and parameter shapes
     tracer: Tracer = "fx"  # what read the model: torch.fx, or the dispatch-level fallback
+    # how it was priced: each attention's kernel, the kernel asked for (None: torch's pick on the profile's
+    # device), ops no formula prices (and whether that was allowed), the experts' capacity factor
+    attention: list[AttentionRecord] = Field(default_factory=list, exclude_if=_empty)
+    attention_request: Literal["flash", "efficient", "math"] | None = Field(default=None, exclude_if=_empty)
+    unpriced: list[UnpricedRecord] = Field(default_factory=list, exclude_if=_empty)
+    allow_unpriced: bool = Field(default=False, exclude_if=_empty)
+    capacity_factor: float = Field(default=1.0, ge=1.0, exclude_if=lambda value: value == 1.0)
+    # what the forward takes when not token ids [batch, seq] alone (autoplan.models.inputs' spec); None: token ids
+    inputs: str | None = Field(default=None, exclude_if=_empty)
 
 
 class ClusterSpec(_Strict):
