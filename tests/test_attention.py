@@ -124,11 +124,8 @@ def test_apply_s_kernels_compute_the_model_s_own_attention(tmp_path, config, cha
     """The same logits under the plan's kernels (masks skipped, windows and soft-capping as arguments, K and V
     unrepeated) as under transformers' own attention, on the CPU."""
     built = build_hf_model(hf(tmp_path, config, **changes)[3:])
-    model = built.module.to_empty(device="cpu").float()
     torch.manual_seed(0)
-    for param in model.parameters():
-        torch.nn.init.normal_(param, std=0.05)
-    model.eval()
+    model = type(built.module)(built.module.config).float().eval()  # on the CPU, initialised as transformers does
     ids = torch.randint(0, 256, (2, SEQ))
     inputs = {"input_ids": ids, **({"decoder_input_ids": ids[:, :16]} if config is T5 else {})}
     expected = model(**inputs).logits

@@ -8,6 +8,7 @@ by a test; regenerate it with `python -m autoplan.plan.schema > autoplan/plan/pl
 from __future__ import annotations
 
 import json
+import operator
 import os
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
@@ -88,10 +89,6 @@ class UnpricedRecord(_Strict):
     flops_guess: int  # 2 x output elements x the contracted size, at micro-batch 1, forward and backward
 
 
-def _empty(value) -> bool:
-    return not value
-
-
 class ModelRef(_Strict):
     """How to rebuild the model: a zoo name and config, or a user factory named on the command line."""
 
@@ -102,13 +99,13 @@ class ModelRef(_Strict):
     tracer: Tracer = "fx"  # what read the model: torch.fx, or the dispatch-level fallback
     # how it was priced: each attention's kernel, the kernel asked for (None: torch's pick on the profile's
     # device), ops no formula prices (and whether that was allowed), the experts' capacity factor
-    attention: list[AttentionRecord] = Field(default_factory=list, exclude_if=_empty)
-    attention_request: Literal["flash", "efficient", "math"] | None = Field(default=None, exclude_if=_empty)
-    unpriced: list[UnpricedRecord] = Field(default_factory=list, exclude_if=_empty)
-    allow_unpriced: bool = Field(default=False, exclude_if=_empty)
+    attention: list[AttentionRecord] = Field(default_factory=list, exclude_if=operator.not_)
+    attention_request: Literal["flash", "efficient", "math"] | None = Field(default=None, exclude_if=operator.not_)
+    unpriced: list[UnpricedRecord] = Field(default_factory=list, exclude_if=operator.not_)
+    allow_unpriced: bool = Field(default=False, exclude_if=operator.not_)
     capacity_factor: float = Field(default=1.0, ge=1.0, exclude_if=lambda value: value == 1.0)
     # what the forward takes when not token ids [batch, seq] alone (autoplan.models.inputs' spec); None: token ids
-    inputs: str | None = Field(default=None, exclude_if=_empty)
+    inputs: str | None = Field(default=None, exclude_if=operator.not_)
 
 
 class ClusterSpec(_Strict):
