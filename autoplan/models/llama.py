@@ -72,11 +72,12 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, hidden: int | None = None):
         super().__init__()
-        self.w1 = nn.Linear(config.d_model, config.ffn_dim, bias=False)  # gate
-        self.w2 = nn.Linear(config.ffn_dim, config.d_model, bias=False)  # down
-        self.w3 = nn.Linear(config.d_model, config.ffn_dim, bias=False)  # up
+        hidden = hidden or config.ffn_dim
+        self.w1 = nn.Linear(config.d_model, hidden, bias=False)  # gate
+        self.w2 = nn.Linear(hidden, config.d_model, bias=False)  # down
+        self.w3 = nn.Linear(config.d_model, hidden, bias=False)  # up
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch.nn as nn
 
 from autoplan.errors import PlanFileError, UsageError
-from autoplan.models.config import PRESETS, ModelConfig, UnknownModelError, get_config
+from autoplan.models.config import PRESETS, ROPE_FAMILIES, ModelConfig, UnknownModelError, get_config
 from autoplan.models.factory import load_factory
 from autoplan.models.hf import HF_PREFIX, build_hf_model, position_limit
 from autoplan.models.inputs import ModelInputs, for_hf_model
@@ -78,7 +78,7 @@ def zoo_spec(config: ModelConfig) -> str:
 
 
 def _zoo(module: nn.Module, name: str, config: ModelConfig) -> ResolvedModel:
-    what = "RoPE tables hold" if config.family == "llama" else "position table holds"
+    what = "RoPE tables hold" if config.family in ROPE_FAMILIES else "position table holds"
     return ResolvedModel(module, name, config.to_dict(), config.max_seq_len, config.max_seq_len,
                          f"its max_seq_len: its {what} that many positions")
 

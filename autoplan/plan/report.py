@@ -58,6 +58,13 @@ def unit_rows(plan: Plan) -> list[tuple[str, int, UnitDecision]]:
     return [(_group_label(first, last, count), count, unit) for first, count, unit, last in rows]
 
 
+def _flops(count: int) -> str:
+    for unit, scale in (("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6), ("kFLOP", 1e3)):
+        if count >= scale:
+            return f"{count / scale:.3g} {unit}"
+    return f"{count} FLOP"
+
+
 def has_sequence(model: ModelRef) -> bool:
     """Whether the model's inputs have a sequence (token ids do; named inputs where one names `seq`)."""
     return model.inputs is None or any("seq" in re.split(r"[\[\],]", item) for item in model.inputs.split())
@@ -83,9 +90,8 @@ def pricing_lines(model: ModelRef) -> list[str]:
     if model.capacity_factor != 1.0:
         lines.append(f"mixture-of-experts expert matmuls priced at capacity factor {model.capacity_factor:g}")
     for row in model.unpriced:
-        lines.append(f"unpriced: {row.op} in {row.modules} ({row.count} calls; about {row.flops_guess / 1e9:,.2f} "
-                     "GFLOP per sample by a guess) is not timed" + (" (`allow_unpriced`)" if model.allow_unpriced
-                                                                    else ""))
+        lines.append(f"unpriced: {row.op} in {row.modules} ({row.count} calls; about {_flops(row.flops_guess)} per "
+                     "sample by a guess) is not timed" + (" (`allow_unpriced`)" if model.allow_unpriced else ""))
     return lines
 
 

@@ -8,11 +8,13 @@ they are not, and then a count of 0 would make them free. So:
   by offsets) gets a formula here, registered in torch's own registry;
 - any other op without a formula that is not a view, not tagged pointwise or reduction by torch, and not
   one of the memory-bound families below is *unpriced*: the trace keeps its name and a guess of its work
-  (2 x output elements x the largest input dimension the output lacks: a matmul's contraction), and the
+  (2 x output elements x the largest size an input has that the output lacks: a matmul's contraction), and the
   plan and the report list it. Its time is not priced; the guess only says how much may be missing.
 """
 
 from __future__ import annotations
+
+from collections import Counter
 
 import torch
 from torch.utils.flop_counter import flop_registry, register_flop_formula, sdpa_backward_flop_count, sdpa_flop_count
@@ -92,7 +94,8 @@ _MEMORY_BOUND = {
     "avg_pool2d_backward", "_adaptive_avg_pool2d", "_adaptive_avg_pool2d_backward", "sum", "mean", "prod",
     "_foreach_add", "_foreach_mul", "_pdist_forward", "_cdist_forward", "_weight_norm_interface",
     "_fused_adam", "_fused_adamw", "floor_divide", "remainder", "fmod", "bitwise_and", "bitwise_or", "lt", "le", "gt",
-    "ge", "eq", "ne", "logical_not", "logical_and", "logical_or", "clamp", "where",
+    "ge", "eq", "ne", "logical_not", "logical_and", "logical_or", "clamp", "where", "polar", "view_as_complex",
+    "view_as_real", "complex", "argsort",
 }
 _TAGS = (torch.Tag.pointwise, torch.Tag.reduction)
 
@@ -106,6 +109,7 @@ def unpriced_guess(func, args, kwargs, outputs: list[torch.Tensor]) -> int | Non
     if not outputs:
         return None
     inputs = [t for t in list(args) + list((kwargs or {}).values()) if isinstance(t, torch.Tensor)]
-    out_dims = set(outputs[0].shape)
-    contracted = max((d for t in inputs for d in t.shape if d not in out_dims), default=1)
+    out_dims = Counter(outputs[0].shape)
+    # an input's sizes the output does not have (counted with repeats): a matmul's contraction
+    contracted = max((d for t in inputs for d in (Counter(t.shape) - out_dims).elements()), default=1)
     return 2 * sum(t.numel() for t in outputs) * contracted

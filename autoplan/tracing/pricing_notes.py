@@ -71,7 +71,8 @@ def unpriced_rows(trace: ModelTrace) -> list[dict[str, Any]]:
             key = (name, _indexless(op.module))
             guesses[key] = guesses.get(key, 0) + op.unpriced_flops
     for row in rows:  # the guesses of the calls alike but for block indices
-        key = (row["op"], _indexless(re.sub(r"\.[\d,-]+(\.|$)", r".0\1", row["modules"], count=1)))
+        modules = "" if row["modules"] == "<root>" else row["modules"]
+        key = (row["op"], _indexless(re.sub(r"\.[\d,-]+(\.|$)", r".0\1", modules, count=1)))
         row["flops_guess"] = guesses.pop(key, 0)
     return rows
 
