@@ -126,7 +126,7 @@ class _Settings(BaseModel):
     @classmethod
     def _spelled(cls, data):  # `inputs`: example inputs read by name; Hugging Face's names for the kernels
         if isinstance(data, dict) and data.get("inputs") is not None:
-            if data.get("example_inputs") is not None:
+            if data.get("example_inputs") not in (None, data["inputs"]):
                 raise UsageError("give `inputs` (a spec) or `example_inputs` (tensors), not both")
             data = {**data, "example_inputs": data["inputs"]}
         if isinstance(data, dict) and data.get("attention") in KERNEL_ALIASES:

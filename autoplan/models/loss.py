@@ -35,12 +35,12 @@ def logits_of(output) -> torch.Tensor:
 
 def loss_kind(output) -> str:
     """"next-token", "classes" or "mean" (see the module docstring)."""
-    logits = logits_of(output)
+    logits, named = logits_of(output), isinstance(getattr(output, "logits", None), torch.Tensor)
+    if not named and not isinstance(output, (torch.Tensor, tuple, list)):
+        return "mean"  # a Hugging Face output without logits: hidden states
     if logits.dim() == 3:
         return "next-token"
-    if logits.dim() == 2 and isinstance(getattr(output, "logits", None), torch.Tensor):
-        return "classes"
-    return "mean"
+    return "classes" if logits.dim() == 2 and named else "mean"
 
 
 def training_loss(output) -> torch.Tensor:
