@@ -40,6 +40,24 @@ def test_a_moe_layer_counts_its_routed_tokens(name):
     assert layer_forward_flops(name, seq) == pytest.approx(analytic(name, seq), rel=1e-6)
 
 
+def test_hugging_face_moe_configs_count_their_experts(tmp_path):
+    """Qwen2-MoE: 8 experts of 32, top 2, a shared expert of 64 behind a sigmoid gate; Mixtral: 8 of 128, top 2."""
+    qwen2 = dict(model_type="qwen2_moe", architectures=["Qwen2MoeForCausalLM"], hidden_size=64, intermediate_size=128,
+                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                 max_position_embeddings=4096, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                 shared_expert_intermediate_size=64, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=False)
+    mixtral = dict(model_type="mixtral", architectures=["MixtralForCausalLM"], hidden_size=64, intermediate_size=128,
+                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                   max_position_embeddings=4096, num_local_experts=8, num_experts_per_tok=2)
+    t, d = SEQ, 64
+    attention = 2 * t * d * (2 * d + 2 * 32) + 4 * t * t * d
+    for config, routed, shared in ((qwen2, 2 * 3 * 2 * t * d * 32, 3 * 2 * t * d * 64 + 2 * t * d),
+                                   (mixtral, 2 * 3 * 2 * t * d * 128, 0)):
+        (tmp_path / "config.json").write_text(json.dumps(config))
+        flops = layer_forward_flops(f"hf:{tmp_path}", block="model.layers.1.")
+        assert flops == pytest.approx(attention + 2 * t * d * 8 + routed + shared, rel=1e-6), config["model_type"]
+
+
 def test_the_capacity_factor_scales_the_expert_matmuls_and_the_plan_says_so():
     flops = layer_forward_flops("moe-tiny", capacity_factor=1.25)
     assert flops == pytest.approx(analytic("moe-tiny", capacity_factor=1.25), rel=1e-6)
