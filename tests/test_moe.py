@@ -135,6 +135,9 @@ def test_an_op_no_formula_prices_is_named_and_refused_above_the_limit(tmp_path, 
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "autoplan_test.matmul" in err and "--allow-unpriced" in err and not (tmp_path / "plan.json").exists()
+    traced = autoplan.trace("custom_mm:build", seq_len=32)  # reading the model is fine; planning it is refused
+    with pytest.raises(UsageError, match="autoplan_test.matmul"):
+        autoplan.search(traced, "1GB", gpus=2)
     assert main(argv + ["--allow-unpriced"]) == 0
     out = capsys.readouterr().out
     assert "unpriced: autoplan_test.matmul in <root> (1 calls;" in out and "(--allow-unpriced)" in out

@@ -98,10 +98,7 @@ class TracedModel:
         if key not in self._traces:
             self._traces[key] = trace_pair(self.resolved.module, self.seq_len, compute_dtype, self.example_inputs,
                                            self.forced_tracer, self.pricing)
-        pair = self._traces[key]
-        if not self.allow_unpriced:
-            refuse_unpriced(pair.at_1, self.name)
-        return pair
+        return self._traces[key]
 
     def _trace_key(self, compute_dtype: str) -> tuple:
         for key, pair in self._traces.items():
@@ -110,8 +107,11 @@ class TracedModel:
         return (compute_dtype, self.pricing)
 
     def notes(self, compute_dtype: str) -> dict[str, Any]:
-        """The plan's record of how the model was priced (ModelRef's attention, unpriced, ... fields)."""
+        """The plan's record of how the model was priced (ModelRef's attention, unpriced, ... fields); UsageError
+        where unpriced work passes the limit and `allow_unpriced` was not given (tracing.pricing_notes)."""
         named = self.example_inputs.named if self.example_inputs is not None else None
+        if not self.allow_unpriced:  # a plan or an estimate of a model with work no formula prices
+            refuse_unpriced(self.traces(compute_dtype).at_1, self.name)
         return {**trace_notes(self.traces(compute_dtype), self.pricing, self.allow_unpriced),
                 "inputs": named.text() if named is not None else None}
 
