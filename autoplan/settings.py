@@ -13,14 +13,15 @@ The options a field can take (precisions, optimizers, sharding kinds) come from 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
 from autoplan.errors import UsageError
-from autoplan.sizes import format_bytes, parse_mem_bytes
+from autoplan.settings_flags import Flag
+from autoplan.sizes import check_mem_limit, parse_mem_bytes
 from cost_models.allocator_margin import is_expandable
+from cost_models.attention import KERNEL_ALIASES, AttentionKernel
 from cost_models.mesh import Mesh, MeshError
 from cost_models.options import (
     CHECKPOINT_MODES,
@@ -50,16 +51,6 @@ GRANULARITIES = ("block", "fine", "leaf")
 FIT_TO = ("needed", "allocated")  # what a CUDA plan is fitted to: what the caching allocator needs, or live bytes
 
 
-@dataclass(frozen=True)
-class Flag:
-    """How a field appears on the command line, where its name or type alone does not say."""
-
-    name: str | None = None  # the flag, when not `--` + the field name with dashes
-    kind: str | None = None  # "mem" (a size such as 8GB), "choice" (from the registry, see _choices)
-    api_only: bool = False  # a Python object (a module, example inputs): no flag
-    bare: str | None = None  # a "choice" flag given without a value means this one (`--checkpoint`: full)
-
-
 def check_choice(param: str, value: str, choices) -> None:
     """UsageError naming the parameter, the bad value and the accepted ones."""
     if value not in choices:
@@ -74,16 +65,6 @@ def mesh_of(gpus: int | None, nodes: int | None, gpus_per_node: int | None) -> M
         raise UsageError(str(exc)) from None
 
 
-def check_mem_limit(mem_limit_bytes: int, device_mem_bytes: int, profile: str, allowed: bool,
-                    source: str = "`mem`") -> None:
-    """UsageError for a limit above the device's memory (a plan to it could not run), unless `allowed`."""
-    if mem_limit_bytes > device_mem_bytes and not allowed:
-        raise UsageError(f"{source} {format_bytes(mem_limit_bytes)} is more than the {format_bytes(device_mem_bytes)} "
-                         f"of memory a device of profile {profile} has, so a plan to it could not run there. Give "
-                         f"`mem` at most {format_bytes(device_mem_bytes)}, the `profile` of the device you will run "
-                         "on, or `allow_over_device_mem` to plan above the device's memory anyway")
-
-
 def choices_of(field: str) -> tuple[str, ...] | None:
     """The values a field takes, read from the registry now (None: any value of its type)."""
     return {
@@ -94,6 +75,7 @@ def choices_of(field: str) -> tuple[str, ...] | None:
         "granularity": lambda: GRANULARITIES,
         "sequence_parallel": lambda: ("on", "off"),
         "fit_to": lambda: FIT_TO,
+        "attention": lambda: tuple(AttentionKernel) + tuple(KERNEL_ALIASES),
     }.get(field, lambda: None)()
 
 
@@ -133,13 +115,25 @@ class _Settings(BaseModel):
         """`checkpoint=True` (and a bare `--checkpoint`) is full checkpointing; False is none."""
         return checkpoint_of_bool(value)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _spelled(cls, data):  # `inputs`: example inputs read by name; Hugging Face's names for the kernels
+        if isinstance(data, dict) and data.get("inputs") is not None:
+            if data.get("example_inputs") not in (None, data["inputs"]):
+                raise UsageError("give `inputs` (a spec) or `example_inputs` (tensors), not both")
+            data = {**data, "example_inputs": data["inputs"]}
+        if isinstance(data, dict) and data.get("attention") in KERNEL_ALIASES:
+            data = {**data, "attention": KERNEL_ALIASES[data["attention"]]}
+        return data
+
     @model_validator(mode="after")
     def _check(self):
-        for name in ("gpus", "nodes", "gpus_per_node", "seq_len", "batch_size", "global_batch", "tp"):
+        for name in ("gpus", "nodes", "gpus_per_node", "seq_len", "batch_size", "global_batch", "tp", "capacity_factor"):
             value = getattr(self, name, None)
             if value is not None and value < 1:
                 raise UsageError(f"`{name}` must be at least 1, got {value}")
-        for name in ("dtype", "optimizer", "granularity", "strategy", "checkpoint", "sequence_parallel", "fit_to"):
+        for name in ("dtype", "optimizer", "granularity", "strategy", "checkpoint", "sequence_parallel", "fit_to",
+                     "attention"):
             value = getattr(self, name, None)
             if value is not None:
                 check_choice(name, value, choices_of(name))
@@ -207,6 +201,19 @@ class PlanningSettings(_Settings):
     allocator_conf: str | None = None
     """the PYTORCH_CUDA_ALLOC_CONF a CUDA run uses, which decides what torch's caching allocator needs beyond the
     live bytes (default: the environment's, else expandable_segments:True, which `autoplan apply` sets)"""
+
+    attention: Annotated[str | None, Flag(kind="choice")] = None
+    """attention kernel: flash, efficient (CUDA's memory-efficient), math (S x S scores), or as Hugging Face
+    names them (default: torch's pick for each call on the profile's device)"""
+
+    capacity_factor: float | None = None
+    """expert (mixture-of-experts) matmuls priced for this many times their routed tokens (default 1)"""
+
+    allow_unpriced: bool = False
+    """plan a model whose ops without a FLOP formula are more than 1% of its FLOPs (they are listed, not timed)"""
+
+    inputs: Annotated[str | None, Flag()] = None
+    """forward inputs other than token ids: `name=dtype[dims] ...` (batch, seq named) or a JSON file of them"""
 
     example_inputs: Annotated[Any, Flag(api_only=True)] = None
     """inputs of a model whose forward does not take token ids [batch, seq] (a tensor, a tuple or a dict;
@@ -349,12 +356,3 @@ class EstimateSettings(PlanningSettings):
             raise UsageError("give either `strategy` (with or without `checkpoint` and `offload`) or `plan`, not both: "
                              "a plan says per unit how it shards, where it checkpoints and what it offloads")
         return self
-
-
-def field_flag(cls: type[BaseModel], name: str) -> Flag:
-    """The Flag metadata of a field (an empty one where the annotation has none)."""
-    return next((m for m in cls.model_fields[name].metadata if isinstance(m, Flag)), Flag())
-
-
-def flag_name(cls: type[BaseModel], name: str) -> str:
-    return field_flag(cls, name).name or "--" + name.replace("_", "-")

@@ -42,6 +42,11 @@ class OpRecord:
     # what besides input shapes decides the work: a module's configuration (Linear's out_features),
     # a function's constant arguments (is_causal, a slice); "" when there is none
     variant: str = ""
+    # an attention call: the kernel priced and what it was asked ("flash: causal, K/V 8 of 32 heads"); ""
+    attention: str = ""
+    # aten ops it ran that no FLOP formula prices ("aten.foo,custom.bar"), and a guess of their FLOPs
+    unpriced: str = ""
+    unpriced_flops: int = 0
 
     @property
     def key(self) -> str:
@@ -73,7 +78,7 @@ class ModelTrace:
 _SCALED_FIELDS = (
     "out_bytes", "fwd_flops", "bwd_flops", "fwd_bytes", "bwd_bytes", "saved_bytes",
     "fwd_max_alloc_bytes", "fwd_transient_bytes", "bwd_in_bytes", "bwd_live_bytes",
-    "param_grad_bytes",
+    "param_grad_bytes", "unpriced_flops",
 )
 
 
@@ -89,8 +94,8 @@ def extrapolate_ops(ops_at_1: list[OpRecord], ops_at_2: list[OpRecord], micro_ba
                        for s, t in zip(one.input_shapes, two.input_shapes))
         # constant arguments can hold the batch size (a view's sizes); batch 2's are the nearer guess
         variant = one.variant if micro_batch_size == 1 else two.variant
-        result.append(OpRecord(one.name, one.kind, one.module, shapes, one.dtype,
-                               is_matmul=one.is_matmul, variant=variant, **values))
+        result.append(OpRecord(one.name, one.kind, one.module, shapes, one.dtype, is_matmul=one.is_matmul,
+                               variant=variant, attention=one.attention, unpriced=one.unpriced, **values))
     return result
 
 

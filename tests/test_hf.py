@@ -145,3 +145,21 @@ def test_unreadable_configs_name_the_file(tmp_path):
     broken.write_text('{"model_type": "llama",,}')
     with pytest.raises(UsageError, match=r"broken.json is not valid JSON: .*line 1 column"):
         autoplan.search(f"hf:{broken}", "1GB", seq_len=16)
+
+
+def test_a_rope_config_without_positions_needs_only_the_sequence_length(tmp_path):
+    """Falcon-7B's config.json has no max_position_embeddings: a RoPE model has no table for it to size."""
+    falcon = dict(model_type="falcon", architectures=["FalconForCausalLM"], hidden_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, multi_query=True, parallel_attn=True, bias=False, alibi=False, vocab_size=256)
+    directory = tmp_path / "falcon"
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps(falcon))
+    with pytest.raises(UsageError, match=r"give `seq_len` .* its config gives no max_position_embeddings \(a falcon "
+                                         r"model has no position table to size: it takes any length\)"):
+        autoplan.search(f"hf:{directory}", "1GB", gpus=2)
+    assert autoplan.search(f"hf:{directory}", "1GB", gpus=2, seq_len=300).training.seq_len == 300
+    gpt2 = {k: v for k, v in CONFIGS["gpt2"].items() if k != "n_positions"}  # a learned table needs its size
+    (tmp_path / "gpt2.json").write_text(json.dumps(gpt2))
+    with pytest.raises(UsageError, match=r"does not give 'n_positions'; transformers would take its 'gpt2' defaults "
+                                         r"\(n_positions=1024\)"):
+        autoplan.search(f"hf:{tmp_path / 'gpt2.json'}", "1GB", gpus=2, seq_len=32)

@@ -22,6 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 LAYERS: list[tuple[str, ...]] = [
     ("cost_models",),
     ("autoplan.version", "autoplan.errors", "autoplan.sizes", "autoplan.fileio"),
+    ("autoplan.settings_flags",),
     ("autoplan.settings", "autoplan.profile_store", "autoplan.pins"),
     ("autoplan.models",),
     ("autoplan.tracing",),

@@ -8,7 +8,8 @@ from pydantic import ValidationError
 import autoplan
 from autoplan.cli.main import build_parser, main
 from autoplan.errors import UsageError
-from autoplan.settings import EstimateSettings, SearchSettings, field_flag, flag_name
+from autoplan.settings import EstimateSettings, SearchSettings
+from autoplan.settings_flags import field_flag, flag_name
 
 
 def _subparser(command):

@@ -49,6 +49,7 @@ def prepare(settings: PlanningSettings, plan: Plan | None = None, plan_file: Pat
                             f"{session.name} (module tree or parameter shapes differ); search again for this model")
     cluster = resolve_cluster(settings.gpus, settings.nodes, settings.gpus_per_node, settings.profile,
                               settings.host_mem)
+    session.price_for(settings, cluster.profile.device_type, plan)  # attention kernels, capacity factor, unpriced ops
     meshes = search_meshes_of(settings, cluster.mesh) if plan is None else (_plan_mesh(plan, cluster.mesh),)
     uniform = _uniform(settings, cluster)
     mem = settings.mem if settings.mem is not None else cluster.profile.mem_bytes
@@ -62,7 +63,8 @@ def prepare(settings: PlanningSettings, plan: Plan | None = None, plan_file: Pat
     training = Training(session.seq_len, settings.dtype_or_default, settings.optimizer_or_default)
     tables, pins = _tables(session, training, settings, plan)
     model = ModelInfo(name=session.name, config=session.resolved.config, n_params=count_params(session.module),
-                      fingerprint=model_fingerprint(session.module), module=session.module)
+                      fingerprint=model_fingerprint(session.module), module=session.module,
+                      notes=session.notes(training.compute_dtype))
     return PlanRequest(model=model, tables=tables, training=training, granularity=settings.granularity_or_default,
                        cluster=cluster, meshes=meshes, batch=batch, limits=limits, pins=pins, uniform=uniform)
 

@@ -17,7 +17,8 @@ from autoplan.models.resolve import resolve_model
 from autoplan.models.zoo import count_params
 from autoplan.settings import check_choice, choices_of
 from autoplan.solve.tables import CostTables, compute_dtype_of
-from autoplan.tracing.tracer import ExampleInputs, TracePair, trace_pair
+from autoplan.tracing.pricing_notes import refuse_unpriced, trace_notes
+from autoplan.tracing.tracer import ExampleInputs, Pricing, TracePair, trace_pair
 
 __all__ = ["TracedModel", "trace", "reuse_traced"]
 
@@ -36,17 +37,42 @@ class TracedModel:
     def __init__(self, model: str | nn.Module, *, seq_len: int | None = None, example_inputs: Any = None,
                  tracer: str | None = None):
         self.resolved = resolve_model(model)
-        self.example_inputs = ExampleInputs.of(example_inputs) if example_inputs is not None else None
+        given = example_inputs if example_inputs is not None else self.resolved.inputs
+        self.example_inputs = ExampleInputs.of(given) if given is not None else None
+        if self.example_inputs is not None and not self.example_inputs.has_sequence:
+            if seq_len not in (None, 1):
+                raise UsageError(f"`seq_len` {seq_len}: the inputs of {self.resolved.name} "
+                                 f"({self.example_inputs.named.text()}) have no `seq` dimension to take it")
+            seq_len = 1  # no sequence: throughput in samples/s
         if seq_len is None:
             seq_len = self.resolved.max_seq_len or (self.example_inputs.seq_len if self.example_inputs else None)
         if seq_len is None:
-            raise UsageError("give `seq_len` (the sequence length to plan for) for a model outside the zoo")
+            note = self.resolved.seq_len_note
+            raise UsageError("give `seq_len` (the sequence length to plan for) " + (
+                f"for {self.resolved.name}: {note}" if note else "for a model outside the zoo"))
         if seq_len < 1:
             raise UsageError(f"`seq_len` must be positive, got {seq_len}")
         self.seq_len = seq_len
         self.forced_tracer = tracer
-        self._traces: dict[str, TracePair] = {}
-        self._caches: dict[tuple[str, ...], CostTables] = {}
+        self.pricing = Pricing()  # what traces price: see price_for
+        self.allow_unpriced = False
+        self._traces: dict[tuple, TracePair] = {}
+        self._caches: dict[tuple, CostTables] = {}
+
+    def price_for(self, settings: Any, device_type: str, plan: Any = None) -> TracedModel:
+        """Trace for `settings`' attention kernel and capacity factor on a profile of `device_type`, or for
+        what `plan` (a Plan) was made with; refuse unpriced work above the limit unless the settings allow it."""
+        model = plan.model if plan is not None else None
+        attention = getattr(settings, "attention", None) or (model.attention_request if model else None)
+        factor = getattr(settings, "capacity_factor", None) or (model.capacity_factor if model else 1.0)
+        self.pricing = Pricing(attention, "cuda" if device_type == "cuda" else "cpu", factor)
+        self.allow_unpriced = bool(getattr(settings, "allow_unpriced", False)) or (
+            model is not None and model.allow_unpriced)
+        if model is not None and model.inputs and not self._traces and (
+                self.example_inputs is None or self.example_inputs.named is None
+                or self.example_inputs.named.text() != model.inputs):
+            self.example_inputs = ExampleInputs.of(model.inputs)  # the inputs the plan was made for
+        return self
 
     @property
     def name(self) -> str:
@@ -66,14 +92,32 @@ class TracedModel:
         return next((pair.tracer for pair in self._traces.values()), None)
 
     def traces(self, compute_dtype: str = "bf16") -> TracePair:
-        if compute_dtype not in self._traces:
-            self._traces[compute_dtype] = trace_pair(self.resolved.module, self.seq_len, compute_dtype,
-                                                     self.example_inputs, self.forced_tracer)
-        return self._traces[compute_dtype]
+        """The traces for `compute_dtype` as `pricing` prices them (a trace for another device is reused where
+        every attention call takes the same kernel on both)."""
+        key = self._trace_key(compute_dtype)
+        if key not in self._traces:
+            self._traces[key] = trace_pair(self.resolved.module, self.seq_len, compute_dtype, self.example_inputs,
+                                           self.forced_tracer, self.pricing)
+        return self._traces[key]
+
+    def _trace_key(self, compute_dtype: str) -> tuple:
+        for key, pair in self._traces.items():
+            if key[0] == compute_dtype and pair.prices_as(self.pricing):
+                return key
+        return (compute_dtype, self.pricing)
+
+    def notes(self, compute_dtype: str) -> dict[str, Any]:
+        """The plan's record of how the model was priced (ModelRef's attention, unpriced, ... fields); UsageError
+        where unpriced work passes the limit and `allow_unpriced` was not given (tracing.pricing_notes)."""
+        named = self.example_inputs.named if self.example_inputs is not None else None
+        if not self.allow_unpriced:  # a plan or an estimate of a model with work no formula prices
+            refuse_unpriced(self.traces(compute_dtype).at_1, self.name)
+        return {**trace_notes(self.traces(compute_dtype), self.pricing, self.allow_unpriced),
+                "inputs": named.text() if named is not None else None}
 
     def cache(self, compute_dtype: str, granularity: str, extra_units: tuple[str, ...] = ()) -> CostTables:
         """The cost tables at `granularity`, with `extra_units` (module paths, e.g. pinned) made units too."""
-        key = (compute_dtype, granularity)
+        key = (self._trace_key(compute_dtype), granularity)
         if key not in self._caches:
             self._caches[key] = CostTables(self.resolved.module, self.seq_len, compute_dtype, granularity,
                                             self.traces(compute_dtype))

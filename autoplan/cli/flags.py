@@ -18,7 +18,8 @@ from typing import Any
 from pydantic import BaseModel
 
 from autoplan.cli.args import mem_arg, positive_float, positive_int
-from autoplan.settings import choices_of, field_flag, flag_name
+from autoplan.settings import choices_of
+from autoplan.settings_flags import field_flag, flag_name
 from cost_models.options import SHARDING_KINDS
 
 __all__ = ["add_settings_flags", "settings_fields", "to_flags"]

@@ -15,11 +15,12 @@ __all__ = ["ALIASES", "FAMILIES", "PRESETS", "ModelConfig", "UnknownModelError",
 
 FACTORY_FORM = "package.module:factory"
 
-FAMILIES = ("gpt2", "llama", "bert")
+FAMILIES = ("gpt2", "llama", "bert", "moe")
+ROPE_FAMILIES = ("llama", "moe")  # rotary positions: precomputed tables of max_seq_len rows
 
 # Family defaults, applied by ModelConfig.__post_init__ when a field is None.
-_DEFAULT_TIE_EMBEDDINGS = {"gpt2": True, "llama": False, "bert": True}
-_DEFAULT_NORM_EPS = {"gpt2": 1e-5, "llama": 1e-5, "bert": 1e-12}
+_DEFAULT_TIE_EMBEDDINGS = {"gpt2": True, "llama": False, "bert": True, "moe": False}
+_DEFAULT_NORM_EPS = {"gpt2": 1e-5, "llama": 1e-5, "bert": 1e-12, "moe": 1e-5}
 
 
 # --------------------------------------------------------------------------- #
@@ -37,7 +38,7 @@ class ModelConfig:
     read the effective values from ``kv_heads`` / ``ffn_dim``.
     """
 
-    family: str  # "gpt2" | "llama" | "bert"
+    family: str  # "gpt2" | "llama" | "bert" | "moe" (llama with a mixture of experts for each MLP)
     n_layers: int
     n_heads: int
     d_model: int
@@ -52,6 +53,11 @@ class ModelConfig:
     ffn_dim_multiplier: float | None = None  # llama only: ffn_dim scaling, as in Meta's code
     type_vocab_size: int = 2  # bert only: token-type (segment) embeddings
     init_std: float = 0.02  # std of the normal init for linear / embedding weights
+    n_experts: int | None = None  # moe only: routed experts per block
+    top_k: int | None = None  # moe only: experts each token is sent to
+    expert_ffn: int | None = None  # moe only: one expert's SwiGLU hidden size
+    n_shared_experts: int = 0  # moe only: experts every token passes through (one MLP of their total width)
+    norm_topk: bool = True  # moe only: the chosen experts' weights renormalised to sum to one (Mixtral)
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -67,12 +73,27 @@ class ModelConfig:
         if self.d_model % self.n_heads:
             raise ValueError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
         if self.n_kv_heads is not None:
-            if self.family != "llama" and self.n_kv_heads != self.n_heads:
-                raise ValueError(f"n_kv_heads (grouped-query attention) is only supported for llama, not {self.family}")
+            if self.family not in ROPE_FAMILIES and self.n_kv_heads != self.n_heads:
+                raise ValueError(f"n_kv_heads (grouped-query attention) is only supported for llama and moe, not "
+                                 f"{self.family}")
             if self.n_kv_heads <= 0 or self.n_heads % self.n_kv_heads:
                 raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
-        if self.family == "llama" and self.head_dim % 2:
+        if self.family in ROPE_FAMILIES and self.head_dim % 2:
             raise ValueError(f"RoPE needs an even head_dim, got {self.head_dim}")
+        self._check_experts()
+
+    def _check_experts(self) -> None:
+        experts = (self.n_experts, self.top_k, self.expert_ffn)
+        if self.family != "moe":
+            if any(value is not None for value in experts) or self.n_shared_experts:
+                raise ValueError(f"n_experts, top_k, expert_ffn and n_shared_experts are the moe family's, not "
+                                 f"{self.family}'s")
+            return
+        if any(value is None for value in experts):
+            raise ValueError("a moe model needs n_experts, top_k and expert_ffn")
+        if self.n_experts < 2 or not 1 <= self.top_k <= self.n_experts or self.expert_ffn < 1 or self.n_shared_experts < 0:
+            raise ValueError(f"need n_experts >= 2, 1 <= top_k <= n_experts, expert_ffn >= 1 and n_shared_experts >= 0; "
+                             f"got {self.n_experts}, {self.top_k}, {self.expert_ffn}, {self.n_shared_experts}")
 
     @property
     def head_dim(self) -> int:
@@ -87,7 +108,7 @@ class ModelConfig:
         """Effective MLP hidden size."""
         if self.ffn_hidden is not None:
             return self.ffn_hidden
-        if self.family != "llama":
+        if self.family not in ROPE_FAMILIES:
             return 4 * self.d_model
         # Meta's llama FeedForward: 2/3 of 4*d (SwiGLU has three matrices),
         # optionally scaled, then rounded up to a multiple of multiple_of.
@@ -145,6 +166,16 @@ PRESETS: dict[str, ModelConfig] = {
         "llama", 126, 128, 16384, vocab_size=128256, max_seq_len=8192, n_kv_heads=8,
         ffn_hidden=53248, rope_theta=500000.0,
     ),
+    # Mixtures of experts: Mixtral-8x7B's shape (8 experts, top-2; 46,702,792,704 parameters) and a
+    # fine-grained one of DeepSeek-MoE-16B's (64 experts of 1408, top-6, 2 shared; every block routed).
+    "mixtral-8x7b": ModelConfig(
+        "moe", 32, 32, 4096, vocab_size=32000, max_seq_len=32768, n_kv_heads=8, rope_theta=1e6,
+        n_experts=8, top_k=2, expert_ffn=14336,
+    ),
+    "moe-16b": ModelConfig(
+        "moe", 28, 16, 2048, vocab_size=102400, max_seq_len=4096, n_experts=64, top_k=6, expert_ffn=1408,
+        n_shared_experts=2, norm_topk=False,
+    ),
     # BERT-large (Google), masked-LM head; 335,174,458 as HF BertForMaskedLM.
     "bert-large": ModelConfig("bert", 24, 16, 1024, vocab_size=30522, max_seq_len=512),
     # Tiny presets for fast CPU tests and smoke training.
@@ -153,6 +184,13 @@ PRESETS: dict[str, ModelConfig] = {
         "llama", 2, 4, 64, vocab_size=512, max_seq_len=128, n_kv_heads=2, ffn_hidden=176
     ),
     "bert-tiny": ModelConfig("bert", 2, 4, 64, vocab_size=512, max_seq_len=128),
+    "moe-tiny": ModelConfig(
+        "moe", 2, 4, 64, vocab_size=512, max_seq_len=128, n_kv_heads=2, n_experts=8, top_k=2, expert_ffn=96,
+    ),
+    "moe-fine-tiny": ModelConfig(
+        "moe", 2, 4, 64, vocab_size=512, max_seq_len=128, n_kv_heads=2, n_experts=16, top_k=4, expert_ffn=32,
+        n_shared_experts=1, norm_topk=False,
+    ),
 }
 
 ALIASES: dict[str, str] = {

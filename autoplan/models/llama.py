@@ -65,22 +65,19 @@ class LlamaAttention(nn.Module):
         q = _apply_rope(split_heads(self.wq(x), self.n_heads), cos, sin)
         k = _apply_rope(split_heads(self.wk(x), self.n_kv_heads), cos, sin)
         v = split_heads(self.wv(x), self.n_kv_heads)
-        # GQA: repeat k/v heads explicitly (as torchtitan does) so every SDPA
-        # backend and any cost model sees plain multi-head attention.
-        n_rep = self.n_heads // self.n_kv_heads
-        if n_rep > 1:
-            k = k.repeat_interleave(n_rep, dim=1)
-            v = v.repeat_interleave(n_rep, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        # GQA: k/v heads unrepeated, as Hugging Face's Llama passes them to SDPA without a mask; the kernel
+        # takes them so (flash), or autoplan's attention path repeats them for one that does not (efficient)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads)
         return self.wo(merge_heads(y))
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, hidden: int | None = None):
         super().__init__()
-        self.w1 = nn.Linear(config.d_model, config.ffn_dim, bias=False)  # gate
-        self.w2 = nn.Linear(config.ffn_dim, config.d_model, bias=False)  # down
-        self.w3 = nn.Linear(config.d_model, config.ffn_dim, bias=False)  # up
+        hidden = hidden or config.ffn_dim
+        self.w1 = nn.Linear(config.d_model, hidden, bias=False)  # gate
+        self.w2 = nn.Linear(hidden, config.d_model, bias=False)  # down
+        self.w3 = nn.Linear(config.d_model, hidden, bias=False)  # up
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))

@@ -23,9 +23,10 @@ from pathlib import Path
 import torch.nn as nn
 
 from autoplan.errors import PlanFileError, UsageError
-from autoplan.models.config import PRESETS, ModelConfig, UnknownModelError, get_config
+from autoplan.models.config import PRESETS, ROPE_FAMILIES, ModelConfig, UnknownModelError, get_config
 from autoplan.models.factory import load_factory
 from autoplan.models.hf import HF_PREFIX, build_hf_model, position_limit
+from autoplan.models.inputs import ModelInputs, for_hf_model
 from autoplan.models.zoo import build_model
 
 __all__ = ["ResolvedModel", "check_seq_len", "model_from_plan", "parse_zoo_spec", "plan_hf_path", "resolve_model",
@@ -40,6 +41,8 @@ class ResolvedModel:
     max_seq_len: int | None = None  # the default sequence length, when the model says
     max_positions: int | None = None  # the longest sequence the model takes (its position table); None: not known
     positions_from: str = ""  # where max_positions comes from, for messages
+    seq_len_note: str = ""  # why there is no default sequence length (a Hugging Face config without one)
+    inputs: ModelInputs | None = None  # what its forward takes, when not token ids alone (Hugging Face models)
 
 
 def parse_zoo_spec(spec: str) -> tuple[str, dict[str, int | float | bool]]:
@@ -75,7 +78,7 @@ def zoo_spec(config: ModelConfig) -> str:
 
 
 def _zoo(module: nn.Module, name: str, config: ModelConfig) -> ResolvedModel:
-    what = "RoPE tables hold" if config.family == "llama" else "position table holds"
+    what = "RoPE tables hold" if config.family in ROPE_FAMILIES else "position table holds"
     return ResolvedModel(module, name, config.to_dict(), config.max_seq_len, config.max_seq_len,
                          f"its max_seq_len: its {what} that many positions")
 
@@ -87,7 +90,8 @@ def _object(module: nn.Module, name: str) -> ResolvedModel:
         return dataclasses.replace(_zoo(module, name, config), config=None, max_seq_len=None)
     limit = position_limit(module) if config is not None else None
     return ResolvedModel(module, name, None, None, limit,
-                         "its config's max_position_embeddings: its learned position table" if limit else "")
+                         "its config's max_position_embeddings: its learned position table" if limit else "",
+                         inputs=for_hf_model(module) if config is not None else None)
 
 
 def resolve_model(model: str | nn.Module | ResolvedModel) -> ResolvedModel:
@@ -100,7 +104,8 @@ def resolve_model(model: str | nn.Module | ResolvedModel) -> ResolvedModel:
     if model.startswith(HF_PREFIX):
         built = build_hf_model(model[len(HF_PREFIX):])
         return ResolvedModel(built.module, model, None, built.max_seq_len, built.max_positions,
-                             "its config's max_position_embeddings: its learned position table")
+                             "its config's max_position_embeddings: its learned position table", built.positions_note,
+                             for_hf_model(built.module))
     if ":" in model and "[" not in model:
         try:
             module = load_factory(model, device="meta")
@@ -157,7 +162,8 @@ def _hf_from_plan(name: str, plan_file: Path | None) -> ResolvedModel:
                          f"(read relative to {'its folder' if plan_file is not None else 'the current directory'}, "
                          f"{folder}): {exc}; give the model to use another: `model` hf:PATH") from exc
     return ResolvedModel(built.module, name, None, built.max_seq_len, built.max_positions,
-                         "its config's max_position_embeddings: its learned position table")
+                         "its config's max_position_embeddings: its learned position table", built.positions_note,
+                         for_hf_model(built.module))
 
 
 def model_from_plan(name: str, config: dict | None, plan_file: Path | None = None) -> ResolvedModel:

@@ -28,9 +28,11 @@ from autoplan.models.bert import BertForMaskedLM
 from autoplan.models.config import ALIASES, PRESETS, ModelConfig, UnknownModelError, get_config, model_names
 from autoplan.models.gpt2 import GPT2
 from autoplan.models.llama import Llama
+from autoplan.models.moe import MoETransformer
 
 __all__ = [
-    "ALIASES", "PRESETS", "BertForMaskedLM", "GPT2", "Llama", "ModelConfig", "UnknownModelError", "build_model",
+    "ALIASES", "PRESETS", "BertForMaskedLM", "GPT2", "Llama", "MoETransformer", "ModelConfig", "UnknownModelError",
+    "build_model",
     "count_params", "get_config", "model_names",
 ]
 
@@ -39,6 +41,7 @@ FAMILY_CLASSES: dict[str, type[nn.Module]] = {
     "gpt2": GPT2,
     "llama": Llama,
     "bert": BertForMaskedLM,
+    "moe": MoETransformer,
 }
 
 

@@ -142,7 +142,7 @@ def baselines(tables: list[CostTable], mem_limit_bytes: int) -> list[Baseline]:
 def model_ref(request: PlanRequest) -> ModelRef:
     model = request.model
     return ModelRef(name=model.name, config=model.config, n_params=model.n_params, fingerprint=model.fingerprint,
-                    tracer=request.tables.tracer)
+                    tracer=request.tables.tracer, **model.notes)
 
 
 def training_spec(table: CostTable, request: PlanRequest) -> TrainingSpec:

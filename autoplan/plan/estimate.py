@@ -6,6 +6,7 @@ searched: the per-rank peak by category, the memory timeline and the step time.
 
 from __future__ import annotations
 
+from autoplan.plan.report import pricing_lines, sequence_text, throughput_text
 from autoplan.plan.schema import ClusterSpec, ModelRef, Prediction, TrainingSpec, UnitDecision, _Strict
 from autoplan.sizes import format_bytes
 from cost_models.memory import MemCategory
@@ -69,7 +70,8 @@ def format_estimate(est: Estimate, timeline: bool = False) -> str:
         f"strategy {est.strategy}: {est.description}",
         f"{c.nodes} node(s) x {c.gpus_per_node} GPU(s), profile {c.profile}; micro-batch {t.micro_batch_size} x "
         f"{t.grad_accum_steps} accumulation x {c.world_size} GPUs = {t.global_batch_size} samples per step; "
-        f"sequence length {t.seq_len}; {t.dtype}, {t.optimizer}",
+        f"{sequence_text(est.model, t.seq_len)}; {t.dtype}, {t.optimizer}",
+        *pricing_lines(est.model),
         "",
         f"per-GPU memory at the peak ({p.peak_point}):",
     ]
@@ -95,8 +97,8 @@ def format_estimate(est: Estimate, timeline: bool = False) -> str:
                      f"{format_bytes(p.host_mem_per_node_bytes)} per node"
                      + (f" of {format_bytes(c.host_mem_bytes)}" if c.host_mem_bytes else ""))
     lines += [
-        f"step time {p.step_time_s * 1e3:.1f} ms; throughput {p.throughput_samples_s:.1f} samples/s "
-        f"({p.throughput_tokens_s:,.0f} tokens/s)",
+        f"step time {p.step_time_s * 1e3:.1f} ms; "
+        + throughput_text(est.model, p.throughput_samples_s, p.throughput_tokens_s),
     ]
     if timeline:
         header = f"{'time point':<36} {'total':>11}" + "".join(f" {k.removesuffix('_bytes'):>11}" for k in CATEGORY_LABELS)

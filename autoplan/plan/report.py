@@ -12,7 +12,7 @@ from typing import Any
 
 from autoplan.sizes import format_bytes
 
-Plan = UnitDecision = Any  # autoplan.plan.schema's records, read by their fields
+Plan = UnitDecision = ModelRef = Any  # autoplan.plan.schema's records, read by their fields
 
 DEFAULT_CLUSTER_NOTE = "default cluster; set `gpus`, `nodes`, `gpus_per_node` or `profile` to change it"
 
@@ -58,6 +58,43 @@ def unit_rows(plan: Plan) -> list[tuple[str, int, UnitDecision]]:
     return [(_group_label(first, last, count), count, unit) for first, count, unit, last in rows]
 
 
+def _flops(count: int) -> str:
+    for unit, scale in (("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6), ("kFLOP", 1e3)):
+        if count >= scale:
+            return f"{count / scale:.3g} {unit}"
+    return f"{count} FLOP"
+
+
+def has_sequence(model: ModelRef) -> bool:
+    """Whether the model's inputs have a sequence (token ids do; named inputs where one names `seq`)."""
+    return model.inputs is None or any("seq" in re.split(r"[\[\],]", item) for item in model.inputs.split())
+
+
+def sequence_text(model: ModelRef, seq_len: int) -> str:
+    return f"sequence length {seq_len}" if has_sequence(model) else "no sequence"
+
+
+def throughput_text(model: ModelRef, samples_s: float, tokens_s: float) -> str:
+    return f"throughput {samples_s:.1f} samples/s" + (f" ({tokens_s:,.0f} tokens/s)" if has_sequence(model) else "")
+
+
+def pricing_lines(model: ModelRef) -> list[str]:
+    """How the model was priced: its inputs, each run of attention calls with its kernel, the ops no formula
+    prices."""
+    lines = [f"inputs: {model.inputs}"] if model.inputs else []
+    asked = f"{model.attention_request}, asked" if model.attention_request else "torch's pick on the profile's device"
+    if model.attention:
+        where = (lambda row: f" in {row.modules}") if len(model.attention) > 1 else (lambda row: f", {row.count} calls")
+        lines.append(f"attention ({asked}): " + "; ".join(f"{row.kernel} ({row.detail})" + where(row)
+                                                          for row in model.attention))
+    if model.capacity_factor != 1.0:
+        lines.append(f"mixture-of-experts expert matmuls priced at capacity factor {model.capacity_factor:g}")
+    for row in model.unpriced:
+        lines.append(f"unpriced: {row.op} in {row.modules} ({row.count} calls; about {_flops(row.flops_guess)} per "
+                     "sample by a guess) is not timed" + (" (`allow_unpriced`)" if model.allow_unpriced else ""))
+    return lines
+
+
 def format_plan(plan: Plan, cluster_is_default: bool = False) -> str:
     """The plan as the CLI prints it: the setting, the decisions, memory, time, baselines and the solver."""
     lines = _setting_lines(plan, cluster_is_default) + [""] + _unit_lines(plan) + [""] + _memory_lines(plan)
@@ -73,10 +110,11 @@ def _setting_lines(plan: Plan, cluster_is_default: bool) -> list[str]:
         f"{c.gpus_per_node} GPU(s), profile {c.profile}" + (f" ({DEFAULT_CLUSTER_NOTE})" if cluster_is_default else ""),
         f"memory limit {format_bytes(c.mem_limit_bytes)} per GPU"
         + (f" (above the device's {format_bytes(c.device_mem_bytes)}: `allow_over_device_mem`)"
-           if c.mem_limit_bytes > c.device_mem_bytes else "") + f"; sequence length {t.seq_len}; micro-batch "
+           if c.mem_limit_bytes > c.device_mem_bytes else "") + f"; {sequence_text(plan.model, t.seq_len)}; micro-batch "
         f"{t.micro_batch_size} x {t.grad_accum_steps} accumulation x "
         + (f"{c.world_size} GPUs" if c.tp_degree == 1 else f"{c.world_size // c.tp_degree} data-parallel ranks")
         + f" = {t.global_batch_size} samples per step; {t.dtype}, {t.optimizer}",
+        *pricing_lines(plan.model),
     ]
     if c.tp_degree > 1:
         lines.append(f"mesh {c.world_size // c.tp_degree} data-parallel x {c.tp_degree} tensor-parallel: the Megatron "
@@ -143,8 +181,8 @@ def _time_lines(plan: Plan) -> list[str]:
     """The predicted step time and throughput, and the speed-up over each baseline."""
     p = plan.predicted
     lines = [
-        f"predicted step time {p.step_time_s * 1e3:.1f} ms; throughput {p.throughput_samples_s:.1f} samples/s "
-        f"({p.throughput_tokens_s:,.0f} tokens/s)",
+        f"predicted step time {p.step_time_s * 1e3:.1f} ms; "
+        + throughput_text(plan.model, p.throughput_samples_s, p.throughput_tokens_s),
     ]
     for base in plan.baselines:
         if base.fits:

@@ -8,6 +8,7 @@ by a test; regenerate it with `python -m autoplan.plan.schema > autoplan/plan/pl
 from __future__ import annotations
 
 import json
+import operator
 import os
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
@@ -17,11 +18,9 @@ from pydantic_core import PydanticCustomError, core_schema
 
 from autoplan.errors import PlanFileError
 from autoplan.fileio import read_versioned_json, write_text_atomic
+from autoplan.plan.cluster_spec import ClusterSpec
 from autoplan.plan.report import format_plan
-from autoplan.solve.cluster import Cluster
-from autoplan.solve.request import Limits
 from autoplan.solve.solver import SolveStatus
-from cost_models.mesh import Mesh, MeshError
 from cost_models.options import (
     CHECKPOINT_MODES,
     OPTIMIZERS,
@@ -71,6 +70,24 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class AttentionRecord(_Strict):
+    """A run of alike attention calls and the kernel that prices (and runs) them (cost_models.attention)."""
+
+    modules: str  # "model.layers.0-31.self_attn": the calls' modules, alike but for block indices
+    count: int = Field(ge=1)
+    kernel: Literal["flash", "efficient", "math"]
+    detail: str  # what the call is: "causal, window 4096, K/V 8 of 32 heads"
+
+
+class UnpricedRecord(_Strict):
+    """An aten op no FLOP formula prices (autoplan.tracing.flops): its time is not in the plan."""
+
+    op: str  # "aten.foo", or a library's custom op
+    modules: str
+    count: int = Field(ge=1)
+    flops_guess: int  # 2 x output elements x the contracted size, at micro-batch 1, forward and backward
+
+
 class ModelRef(_Strict):
     """How to rebuild the model: a zoo name and config, or a user factory named on the command line."""
 
@@ -79,59 +96,15 @@ class ModelRef(_Strict):
     n_params: int
     fingerprint: str  # sha256 of the module tree and parameter shapes
     tracer: Tracer = "fx"  # what read the model: torch.fx, or the dispatch-level fallback
-
-
-class ClusterSpec(_Strict):
-    world_size: int = Field(ge=1)
-    nodes: int = Field(ge=1)
-    gpus_per_node: int = Field(ge=1)
-    profile: str
-    device_mem_bytes: int
-    mem_limit_bytes: int
-    mem_headroom: float = 0.0  # the plan fits mem_limit_bytes * (1 - mem_headroom)
-    host_mem_bytes: int | None = None  # per node, for offloaded state (None: offload was not offered)
-    # a (world / tp_degree) x tp_degree mesh: tensor parallelism inside each group of tp_degree GPUs of a node,
-    # FSDP over the data-parallel dimension (autoplan.run.tp); written only above 1, so older plans load
-    tp_degree: int = Field(default=1, ge=1, exclude_if=lambda value: value == 1)
-    sequence_parallel: bool = Field(default=False, exclude_if=lambda value: not value)  # norms split along the sequence
-    # CUDA profiles: the PYTORCH_CUDA_ALLOC_CONF the plan was made for (`autoplan apply` runs its ranks with it,
-    # and warns when a run's differs); None for other devices and in older plans
-    allocator_conf: str | None = Field(default=None, exclude_if=lambda value: value is None)
-    # what fits mem_limit_bytes (less the headroom): "needed", what torch's caching allocator needs to run the
-    # step under allocator_conf (cost_models.allocator_margin), or "allocated", the live bytes alone (older plans)
-    mem_fitted_to: Literal["allocated", "needed"] = Field(default="allocated",
-                                                          exclude_if=lambda value: value == "allocated")
-
-    @classmethod
-    def of(cls, cluster: Cluster, limits: Limits) -> ClusterSpec:
-        """The plan file's record of a cluster running its mesh (`cluster.mesh`), planned to `limits`."""
-        mesh = cluster.mesh
-        return cls(world_size=mesh.world_size, nodes=mesh.nodes, gpus_per_node=mesh.gpus_per_node,
-                   profile=cluster.profile_name, device_mem_bytes=cluster.profile.mem_bytes,
-                   mem_limit_bytes=limits.mem_limit_bytes, mem_headroom=limits.headroom,
-                   host_mem_bytes=cluster.host_mem_bytes if cluster.offload_allowed else None,
-                   tp_degree=mesh.tp, sequence_parallel=mesh.sequence_parallel, allocator_conf=limits.allocator_conf,
-                   mem_fitted_to="needed" if limits.fits_needed else "allocated")
-
-    @property
-    def planned_bytes(self) -> int:
-        """What the plan's live peak was made to fit: the limit less the headroom, less the caching allocator's
-        margin where the plan is fitted to what it needs."""
-        return Limits(self.mem_limit_bytes, self.mem_headroom, allocator_conf=self.allocator_conf,
-                      fit_to=self.mem_fitted_to).planned_bytes
-
-    @property
-    def mesh(self) -> Mesh:
-        """The mesh the plan runs on; PlanFileError where the file's counts do not make one."""
-        try:
-            mesh = Mesh(nodes=self.nodes, gpus_per_node=self.gpus_per_node, tp=self.tp_degree,
-                        sequence_parallel=self.sequence_parallel)
-        except MeshError as exc:
-            raise PlanFileError(f"the plan's cluster is not a mesh: {exc}") from None
-        if mesh.world_size != self.world_size:
-            raise PlanFileError(f"the plan's cluster has world_size {self.world_size}, but {self.nodes} node(s) x "
-                                f"{self.gpus_per_node} GPU(s) make {mesh.world_size}; make the plan again")
-        return mesh
+    # how it was priced: each attention's kernel, the kernel asked for (None: torch's pick on the profile's
+    # device), ops no formula prices (and whether that was allowed), the experts' capacity factor
+    attention: list[AttentionRecord] = Field(default_factory=list, exclude_if=operator.not_)
+    attention_request: Literal["flash", "efficient", "math"] | None = Field(default=None, exclude_if=operator.not_)
+    unpriced: list[UnpricedRecord] = Field(default_factory=list, exclude_if=operator.not_)
+    allow_unpriced: bool = Field(default=False, exclude_if=operator.not_)
+    capacity_factor: float = Field(default=1.0, ge=1.0, exclude_if=lambda value: value == 1.0)
+    # what the forward takes when not token ids [batch, seq] alone (autoplan.models.inputs' spec); None: token ids
+    inputs: str | None = Field(default=None, exclude_if=operator.not_)
 
 
 class TrainingSpec(_Strict):

@@ -105,6 +105,7 @@ def uniform_plan(traced, strategy: str, checkpoint: bool, world_size: int, micro
     dtype, optimizer, granularity = CALIBRATION_DTYPE, CALIBRATION_OPTIMIZER, "block"
     cluster = resolve_cluster(world_size, None, None, PLAN_PROFILE)
     limits = Limits(cluster.profile.mem_bytes, allocator_conf=allocator_conf(SearchSettings.create(), cluster))
+    traced.price_for(None, cluster.profile.device_type)  # as a search prices it
     tables = traced.cache(PRECISIONS[dtype].compute_dtype, granularity)
     table = tables.table(micro_batch, 1, cluster, traced.seq_len, dtype, optimizer)
     choices = uniform_choices(table, strategy, checkpoint, exact=True)
@@ -115,7 +116,8 @@ def uniform_plan(traced, strategy: str, checkpoint: bool, world_size: int, micro
     return Plan(
         autoplan_version=__version__,
         model=ModelRef(name=traced.name, config=traced.resolved.config, n_params=traced.n_params,
-                       fingerprint=model_fingerprint(traced.module), tracer=tables.tracer),
+                       fingerprint=model_fingerprint(traced.module), tracer=tables.tracer,
+                       **traced.notes(PRECISIONS[dtype].compute_dtype)),
         cluster=ClusterSpec.of(cluster, limits),
         training=TrainingSpec(micro_batch_size=micro_batch, grad_accum_steps=1,
                               global_batch_size=table.samples_per_step, seq_len=traced.seq_len, dtype=dtype,

@@ -42,6 +42,7 @@ from autoplan.plan.assemble import prediction
 from autoplan.plan.schema import Plan, Prediction, load_plan
 from autoplan.profile_store import load_profile
 from autoplan.run.apply import DEFAULT_LR, apply, materialise, resolve_plan_model
+from autoplan.run.attention import check_attention, planned_attention
 from autoplan.run.data import BatchShape, SyntheticTokens, vocab_size_of
 from autoplan.run.memtrack import RankMemory
 from autoplan.run.report import PHASES, predicted_phase_peaks
@@ -148,6 +149,7 @@ def run_fake_world(plan: Plan | str | os.PathLike, steps: int = 3, model: str | 
 
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
+    check_attention(plan, device)
     training = plan.training
     data_world = world // plan.cluster.mesh.tp  # rank 0's tensor-parallel group shares its rows, as in apply
     shape = BatchShape(training.micro_batch_size, training.grad_accum_steps, data_world, training.seq_len)
@@ -157,7 +159,7 @@ def run_fake_world(plan: Plan | str | os.PathLike, steps: int = 3, model: str | 
     try:
         memory = RankMemory(torch_device, mem_limit_bytes)
         result.mem_source = memory.source + f", rank 0 of a fake {world}-rank world"
-        with memory, training_context(plan):  # a vocabulary-parallel head's loss, as in apply
+        with memory, training_context(plan), planned_attention(plan, resolved.module, torch_device.type):  # as apply
             mesh = init_device_mesh(torch_device.type, (world,))
             module, optimizer = apply(resolved.module, plan, mesh, lr=lr)
             materialise(module, torch_device, seed)
@@ -169,7 +171,7 @@ def run_fake_world(plan: Plan | str | os.PathLike, steps: int = 3, model: str | 
                     log(f"{label}: {step_s:.3f} s (compute only)")
 
             train_measured(module, optimizer, data, 0, shape, memory, result, warmup, steps, step_done)
-        with training_context(plan):
+        with training_context(plan), planned_attention(plan, module, torch_device.type):
             train_untracked(module, optimizer, data, 0, shape, memory, result, warmup, steps, step_done)
         cuda_allocated = torch.cuda.max_memory_allocated(torch_device) if device == "cuda" else None
         cuda_reserved = torch.cuda.max_memory_reserved(torch_device) if device == "cuda" else None

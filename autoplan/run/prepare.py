@@ -24,6 +24,7 @@ from autoplan.fileio import check_writable
 from autoplan.models.resolve import check_seq_len
 from autoplan.plan.schema import Plan, load_plan
 from autoplan.run.apply import check_plan, check_world_size, model_label_note, resolve_plan_model
+from autoplan.run.attention import check_attention
 from autoplan.run.data import AlpacaTokens, BatchShape, vocab_size_of
 from autoplan.run.launch import Nodes
 from autoplan.run.report import profile_note
@@ -91,6 +92,7 @@ def prepare_run(plan_path: str, *, model: str | None = None, nproc: int | None =
                             "make the plan again (`autoplan search --seq-len`)") from None
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    check_attention(plan, device)  # the plan's attention kernels run here
     planned = plan.cluster.world_size
     if nproc is None:
         if planned % nodes.count:

@@ -72,13 +72,14 @@ def _check(plan: Plan, model: nn.Module, layout: TpLayout) -> None:
                                 "data-parallel dimension shards: shard, shard_keep; no offload)")
 
 
-def _block_plan(norms: list[str], sp: bool) -> dict:
+def _block_plan(path: str, layout: TpLayout, norms: list[str], sp: bool) -> dict:
+    """The block's column- and row-wise projections, as the layout names them (the zoo's, Hugging Face's)."""
     plan = {}
-    for child, columns, row in (ATTENTION, MLP):
-        for name in columns:
-            plan[f"{child}.{name}"] = ColwiseParallel()
-        plan[f"{child}.{row}"] = RowwiseParallel(output_layouts=Shard(1)) if sp else RowwiseParallel()
-    if sp:
+    for module, role in layout.roles.items():
+        if module.startswith(path + ".") and role in (TpRole.COLWISE, TpRole.ROWWISE):
+            plan[module[len(path) + 1:]] = ColwiseParallel() if role is TpRole.COLWISE else (
+                RowwiseParallel(output_layouts=Shard(1)) if sp else RowwiseParallel())
+    if sp:  # the zoo's block only (autoplan.models.tp_layout)
         for norm in norms:
             plan[norm] = SequenceParallel()
         # the attention's forward takes (x, cos, sin): only x is gathered along the sequence
@@ -110,10 +111,11 @@ def parallelize_tp(model: nn.Module, layout: TpLayout, tp_mesh: DeviceMesh) -> N
     for path in blocks:
         block = model.get_submodule(path)
         norms = [name for name, _ in block.named_children() if layout.roles.get(f"{path}.{name}") is TpRole.SEQUENCE]
-        parallelize_module(block, tp_mesh, _block_plan(norms, sp))
-        attention = getattr(block, ATTENTION[0])
-        attention.n_heads //= t  # the heads this rank holds: the projections' outputs are split by heads
-        attention.n_kv_heads //= t
+        parallelize_module(block, tp_mesh, _block_plan(path, layout, norms, sp))
+        attention = getattr(block, ATTENTION[0], None)
+        if hasattr(attention, "n_heads"):  # the zoo's: the heads this rank holds (Hugging Face's infer them)
+            attention.n_heads //= t
+            attention.n_kv_heads //= t
     top = {}
     if layout.embedding is not None:
         top[layout.embedding] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1) if sp else Replicate())

@@ -18,6 +18,7 @@ import signal
 if __name__ == "__main__":  # a rank (python -m autoplan.run.worker): see procs.rank_signals
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -36,6 +37,7 @@ import torch.nn.functional as F
 from autoplan.fileio import write_text_atomic
 from autoplan.plan.schema import load_plan
 from autoplan.run.apply import apply, materialise, model_for_plan
+from autoplan.run.attention import planned_attention
 from autoplan.run.data import AlpacaTokens, BatchShape, SyntheticTokens, rank_micro_batches, vocab_size_of
 from autoplan.run.fsdp import host_state_bytes, offloaded_params
 from autoplan.run.host_memory import keep_freed_memory
@@ -134,9 +136,10 @@ def train(spec: RunSpec, rank: int, world_size: int, result: RankResult, sender:
 
     memory = RankMemory(device, spec.mem_limit_bytes)
     result.mem_source = memory.source
-    with memory, training_context(plan):
+    with memory, training_context(plan), contextlib.ExitStack() as running:
         result.doing = "building and sharding the model"
         model = model_for_plan(plan, spec.model_factory, plan_file=spec.plan_path)
+        running.enter_context(planned_attention(plan, model, device.type))  # the kernels the plan priced
         data = (
             AlpacaTokens(spec.data_path, vocab_size_of(model)) if spec.data_path
             else SyntheticTokens(vocab_size_of(model), seed=spec.seed)
@@ -157,7 +160,7 @@ def train(spec: RunSpec, rank: int, world_size: int, result: RankResult, sender:
 
         train_measured(model, optimizer, data, data_rank_, shape, memory, result, spec.warmup_steps, spec.steps,
                        step_done)
-    with training_context(plan):
+    with training_context(plan), planned_attention(plan, model, device.type):
         train_untracked(model, optimizer, data, data_rank_, shape, memory, result, spec.warmup_steps, spec.steps,
                         step_done)
 

@@ -10,7 +10,7 @@ boundary, and a new setting is a field here rather than a keyword threaded throu
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch.nn as nn
@@ -38,6 +38,8 @@ class ModelInfo:
     fingerprint: str
     """sha256 of the module tree and parameter shapes (autoplan.models.fingerprint)"""
     module: nn.Module
+    notes: dict[str, Any] = field(default_factory=dict)
+    """how it was priced: the plan's ModelRef fields of that name (attention kernels, unpriced ops, inputs)"""
 
 
 @dataclass(frozen=True)

@@ -1,14 +1,17 @@
 """Counting what each op costs while a model runs on the meta device.
 
-`CostMode` is a TorchDispatchMode that charges every aten op's FLOPs (torch's FlopCounter formulas)
-and bytes moved to the op of the model that is running (an fx node, or a module call seen by the
-dispatch tracer), and follows the storages the backward allocates and frees; `saved_tensor_recorder`
-catches what autograd saves for backward, once per storage. Both tracers (`fx_tracer`,
-`dispatch_tracer`) run the model under these and differ only in how they name the running op.
+`CostMode` is a TorchDispatchMode that charges every aten op's FLOPs (torch's FlopCounter formulas, with
+the ones autoplan registers: see flops) and bytes moved to the op of the model that is running (an fx
+node, or a module call seen by the dispatch tracer), notes the aten ops no formula prices (unpriced,
+never silently free), and follows the storages the backward allocates and frees;
+`saved_tensor_recorder` catches what autograd saves for backward, once per storage. Both tracers
+(`fx_tracer`, `dispatch_tracer`) run the model under these and differ only in how they name the
+running op.
 
-Attention: on meta, F.scaled_dot_product_attention decomposes into the math path, which saves the
-S x S score matrix. Training runs use a fused (flash) kernel that saves only q, k, v, the output and
-the log-sum-exp, so the tracers run the fused CPU flash kernel in its place (`fused_sdpa`).
+Attention runs as the kernel that is priced (autoplan.tracing.attention), not as the math path a meta
+tensor would take; an attention kernel that visits only part of the score matrix (a sliding window)
+scales its FLOPs through `CostMode.scale_next`. Mixture-of-experts expert matmuls (aten._grouped_mm)
+take `expert_flop_scale`, the capacity factor.
 """
 
 from __future__ import annotations
@@ -21,38 +24,22 @@ from collections.abc import Callable
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
-from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
+from autoplan.models.loss import logits_of, training_loss
+from autoplan.tracing.flops import FLASH_CPU, FLASH_CPU_BWD, GROUPED_MM, MATMUL_OPS, aten_flops, unpriced_guess
 from cost_models.records import LOSS_NODE, OpRecord
 
 __all__ = [
-    "DTYPES", "CostMode", "saved_tensor_recorder", "fused_sdpa", "op_variant", "summed_grad_params", "default_inputs",
+    "DTYPES", "CostMode", "saved_tensor_recorder", "op_variant", "summed_grad_params", "default_inputs",
     "logits_of", "training_loss", "fill_forward_transients", "fill_backward_liveness", "clear_grads", "needs_copy",
     "storage_key", "tensor_bytes", "BackwardAttribution", "to_meta",
 ]
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
 _aten = torch.ops.aten
-
-
-_FLASH_CPU = _aten._scaled_dot_product_flash_attention_for_cpu.default
-
-
-_FLASH_CPU_BWD = _aten._scaled_dot_product_flash_attention_for_cpu_backward.default
-
-
-_MATMUL_OPS = {
-    _aten.mm, _aten.addmm, _aten.bmm, _aten.baddbmm, _aten.matmul, _aten.convolution,
-    _aten._scaled_dot_product_flash_attention_for_cpu, _aten._scaled_dot_product_flash_attention_for_cpu_backward,
-    _aten._scaled_dot_product_flash_attention, _aten._scaled_dot_product_efficient_attention,
-    _aten.convolution_backward,
-}
 
 
 def storage_key(tensor: torch.Tensor) -> int:
@@ -61,19 +48,6 @@ def storage_key(tensor: torch.Tensor) -> int:
 
 def tensor_bytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
-
-
-def _aten_flops(func, args, kwargs, out) -> int:
-    if func is _FLASH_CPU:
-        query, key, value = args[:3]
-        return sdpa_flop_count(query.shape, key.shape, value.shape)
-    if func is _FLASH_CPU_BWD:
-        grad_out, query, key, value = args[:4]
-        return sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape, value.shape)
-    counter = flop_registry.get(func._overloadpacket)
-    if counter is None:
-        return 0
-    return int(counter(*args, **(kwargs or {}), out_val=out))
 
 
 class CostMode(TorchDispatchMode):
@@ -103,6 +77,34 @@ class CostMode(TorchDispatchMode):
         self.bwd_events: list[tuple] = []
         self.bwd_live: dict[int, int] = {}  # storage key -> allocation id, while alive
         self._allocs = 0
+        self.expert_flop_scale = 1.0  # the capacity factor: expert matmuls priced for that many more rows
+        self._next_scale = 1.0  # for the next attention kernel (scale_next), and its backward by its output
+        self._attention_scales: dict[int, float] = {}
+
+    def scale_next(self, scale: float) -> None:
+        """The next flash-attention kernel (and its backward) does `scale` of torch's FLOP count."""
+        self._next_scale = scale
+
+    def _scaled(self, func, args, out, flops: int) -> int:
+        if func is FLASH_CPU:
+            scale, self._next_scale = self._next_scale, 1.0
+            if scale != 1.0:
+                self._attention_scales[storage_key(out[0])] = scale
+            return int(flops * scale)
+        if func is FLASH_CPU_BWD:
+            return int(flops * self._attention_scales.get(storage_key(args[4]), 1.0))
+        if func._overloadpacket is GROUPED_MM and self.expert_flop_scale != 1.0:
+            return int(flops * self.expert_flop_scale)
+        return flops
+
+    def _note_unpriced(self, record: OpRecord, func, args, kwargs, outputs) -> None:
+        guess = unpriced_guess(func, args, kwargs, outputs)
+        if guess is None:
+            return
+        name = f"{func._overloadpacket._qualified_op_name.replace('::', '.')}"
+        if name not in record.unpriced.split(","):
+            record.unpriced = ",".join(filter(None, (record.unpriced, name)))
+        record.unpriced_flops += guess
 
     @property
     def current(self) -> str:
@@ -143,12 +145,14 @@ class CostMode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         record = self.records[self.current]
-        flops = _aten_flops(func, args, kwargs, out)
+        flops = self._scaled(func, args, out, aten_flops(func, args, kwargs, out))
         moved = 0
         if not func.is_view and func._overloadpacket not in (_aten.detach, _aten.lift_fresh):
             inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
             outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
             moved = sum(map(tensor_bytes, inputs)) + sum(map(tensor_bytes, outputs))
+            if flops == 0:
+                self._note_unpriced(record, func, args, kwargs, outputs)
             if self.backward:
                 for tensor in outputs:
                     self._track_backward_alloc(tensor)
@@ -167,7 +171,7 @@ class CostMode(TorchDispatchMode):
         else:
             record.fwd_flops += flops
             record.fwd_bytes += moved
-        if func._overloadpacket in _MATMUL_OPS:
+        if func._overloadpacket in MATMUL_OPS:
             self.matmul_flops[self.current] = self.matmul_flops.get(self.current, 0) + flops
         return out
 
@@ -230,25 +234,6 @@ def saved_tensor_recorder(model: nn.Module, mode: CostMode):
     return saved, pack
 
 
-def fused_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-    """Stand-in for F.scaled_dot_product_attention that saves what a fused training kernel saves.
-
-    Fused GPU kernels take dropout (they keep the RNG state, not a mask) and grouped-query attention;
-    the CPU flash kernel's meta function accepts dropout, and GQA is run as repeated k/v heads."""
-    if enable_gqa and query.shape[-3] != key.shape[-3] and query.shape[-3] % key.shape[-3] == 0:
-        repeats = query.shape[-3] // key.shape[-3]
-        key, value = key.repeat_interleave(repeats, dim=-3), value.repeat_interleave(repeats, dim=-3)
-        enable_gqa = False
-    if attn_mask is not None or enable_gqa or query.shape[-3] != key.shape[-3] or (
-            dropout_p != 0.0 and query.device.type != "meta"):
-        return F.scaled_dot_product_attention(
-            query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-            enable_gqa=enable_gqa,
-        )
-    out, _logsumexp = _FLASH_CPU(query, key, value, dropout_p, is_causal, scale=scale)
-    return out
-
-
 _MAX_VARIANT_CHARS = 160
 
 
@@ -288,22 +273,6 @@ def summed_grad_params(uses: list[tuple[str, list[int]]]) -> dict[str, set[int]]
 def default_inputs(model: nn.Module, micro_batch_size: int, seq_len: int) -> tuple[torch.Tensor, ...]:
     """Token ids [micro_batch, seq_len], the input of every zoo model (and most language models)."""
     return (torch.zeros(micro_batch_size, seq_len, dtype=torch.long, device="meta"),)
-
-
-def logits_of(output) -> torch.Tensor:
-    """The logits in a model's output: the output itself, its first element, or (Hugging Face models)
-    the output object's `logits`."""
-    output = getattr(output, "logits", output)
-    return output[0] if isinstance(output, (tuple, list)) else output
-
-
-def training_loss(output) -> torch.Tensor:
-    """The training loss the run uses: next-token cross-entropy in fp32 over logits [B, S, V]."""
-    logits = logits_of(output)
-    if logits.dim() == 3:
-        labels = torch.zeros(logits.shape[:2], dtype=torch.long, device=logits.device)
-        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
-    return logits.float().sum()
 
 
 def fill_forward_transients(records: dict[str, OpRecord], mode: CostMode, saved: dict[int, tuple[int, str]],

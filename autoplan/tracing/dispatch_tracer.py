@@ -23,7 +23,11 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-from autoplan.errors import TraceError
+from autoplan.errors import TraceError, UsageError
+from autoplan.models.attention import attention_executor, dispatch
+from autoplan.models.hf_attention import hf_attention_hooks
+from autoplan.models.loss import logits_of, training_loss
+from autoplan.tracing.attention import AttentionPolicy
 from autoplan.tracing.counting import (
     BackwardAttribution,
     CostMode,
@@ -31,13 +35,10 @@ from autoplan.tracing.counting import (
     default_inputs,
     fill_backward_liveness,
     fill_forward_transients,
-    fused_sdpa,
-    logits_of,
     op_variant,
     saved_tensor_recorder,
     tensor_bytes,
     to_meta,
-    training_loss,
 )
 from cost_models.records import LOSS_NODE, ModelTrace, OpRecord
 
@@ -145,7 +146,7 @@ class _FunctionMode(TorchFunctionMode):
         kwargs = kwargs or {}
         kind, label = _function_kind(func), _call_label(func)
         if func is F.scaled_dot_product_attention:
-            func = fused_sdpa
+            func = dispatch  # the attention kernel that is priced (autoplan.tracing.attention)
         if self.recorder.leaf_depth:
             return func(*args, **kwargs)
         name = self.recorder.begin(kind, (args, kwargs), op_variant(None, args, kwargs), label)
@@ -155,10 +156,10 @@ class _FunctionMode(TorchFunctionMode):
 
 
 def _run(meta_model: nn.Module, args: tuple, kwargs: dict, mode: CostMode, recorder: _Recorder,
-         records: dict[str, OpRecord], pack) -> None:
+         records: dict[str, OpRecord], pack, attention: AttentionPolicy) -> None:
     """Forward, loss and backward; the graph's tensors are this frame's alone, gone when it returns."""
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), mode:
-        with _FunctionMode(recorder):
+        with _FunctionMode(recorder), attention_executor(attention.executor(mode)), hf_attention_hooks(meta_model):
             output = meta_model(*args, **kwargs)
         mode.current = LOSS_NODE
         recorder.last_call = "the loss (cross-entropy over the model's output)"
@@ -181,10 +182,13 @@ def trace_dispatch(
     args: tuple | None = None,
     kwargs: dict | None = None,
     progress=None,
+    attention: AttentionPolicy | None = None,
+    capacity_factor: float = 1.0,
 ) -> ModelTrace:
     """Trace `model` (any device; copied to meta in `dtype`) by running it eagerly on meta tensors.
     `args`/`kwargs` are the forward's inputs at this micro-batch (default: token ids); `progress` is
-    told of each op as it runs (see counting.CostMode)."""
+    told of each op as it runs (see counting.CostMode); `attention` picks each attention call's kernel
+    (default: torch's pick on CUDA); `capacity_factor` scales expert matmuls."""
     meta_model = to_meta(model, dtype)
     if args is None and not kwargs:
         args = default_inputs(meta_model, micro_batch_size, seq_len)
@@ -192,6 +196,7 @@ def trace_dispatch(
 
     records: dict[str, OpRecord] = {LOSS_NODE: OpRecord(LOSS_NODE, "cross_entropy", "", (), dtype)}
     mode = CostMode(records, progress)
+    mode.expert_flop_scale = capacity_factor
     recorder = _Recorder(meta_model, mode, records, dtype)
     saved, pack = saved_tensor_recorder(meta_model, mode)
 
@@ -201,7 +206,10 @@ def trace_dispatch(
         handles.append(module.register_forward_hook(recorder.post_forward, with_kwargs=True))
     failure = None
     try:
-        _run(meta_model, args, kwargs, mode, recorder, records, pack)
+        _run(meta_model, args, kwargs, mode, recorder, records, pack, attention or AttentionPolicy())
+    except UsageError as exc:  # an attention kernel asked for that cannot run a call: said as it is
+        failure = exc
+        raise
     except Exception as exc:
         failure = exc
         raise TraceError(f"running {type(model).__name__} on the meta device failed at {recorder.last_call}: "

@@ -20,7 +20,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils._pytree import tree_flatten
 
-from autoplan.errors import TraceError
+from autoplan.errors import TraceError, UsageError
+from autoplan.models.attention import attention_executor, dispatch
+from autoplan.models.loss import logits_of, training_loss
+from autoplan.tracing.attention import AttentionPolicy
 from autoplan.tracing.counting import (
     BackwardAttribution,
     CostMode,
@@ -28,14 +31,11 @@ from autoplan.tracing.counting import (
     default_inputs,
     fill_backward_liveness,
     fill_forward_transients,
-    fused_sdpa,
-    logits_of,
     op_variant,
     saved_tensor_recorder,
     summed_grad_params,
     tensor_bytes,
     to_meta,
-    training_loss,
 )
 from cost_models.records import LOSS_NODE, ModelTrace, OpRecord
 
@@ -127,9 +127,12 @@ def trace_model(
     inputs: tuple[torch.Tensor, ...] | None = None,
     graph_module: fx.GraphModule | None = None,
     progress=None,
+    attention: AttentionPolicy | None = None,
+    capacity_factor: float = 1.0,
 ) -> ModelTrace:
     """Trace `model` (any device; it is copied to meta in `dtype`) at one micro-batch size. `progress` is
-    told of each op as it runs (see counting.CostMode)."""
+    told of each op as it runs (see counting.CostMode); `attention` picks each attention call's kernel
+    (default: torch's pick on CUDA); `capacity_factor` scales expert matmuls."""
     meta_model = to_meta(model, dtype)
     gm = graph_module if graph_module is not None else symbolic_trace(meta_model)
     if graph_module is not None:
@@ -146,6 +149,7 @@ def trace_model(
     records[LOSS_NODE] = OpRecord(LOSS_NODE, "cross_entropy", "", (), dtype)
 
     mode = CostMode(records, progress)
+    mode.expert_flop_scale = capacity_factor
     saved, pack = saved_tensor_recorder(meta_model, mode)
     input_storages: dict[str, list[tuple[int, int]]] = {}
     attribution = BackwardAttribution(mode)
@@ -168,11 +172,12 @@ def trace_model(
 
         def call_function(self, target, args, kwargs):
             if target is F.scaled_dot_product_attention:
-                target = fused_sdpa
+                target = dispatch  # the attention kernel that is priced (autoplan.tracing.attention)
             return super().call_function(target, args, kwargs)
 
     def run() -> None:  # the graph's tensors are this frame's alone, gone when it returns
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), mode:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), mode, attention_executor(
+                (attention or AttentionPolicy()).executor(mode)):
             output = _Interpreter(gm).run(*inputs)
             mode.current = LOSS_NODE
             records[LOSS_NODE].input_shapes = (tuple(logits_of(output).shape),)
@@ -186,6 +191,9 @@ def trace_model(
     failure = None
     try:
         run()
+    except UsageError as exc:  # an attention kernel asked for that cannot run a call: said as it is
+        failure = exc
+        raise
     except Exception as exc:
         failure = exc
         failing = records.get(mode.current)

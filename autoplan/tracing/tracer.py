@@ -17,7 +17,9 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from autoplan.errors import TraceError, UsageError
-from autoplan.tracing.counting import to_meta
+from autoplan.models.inputs import ModelInputs
+from autoplan.tracing.attention import AttentionPolicy
+from autoplan.tracing.counting import DTYPES, to_meta
 from autoplan.tracing.dispatch_tracer import trace_dispatch
 from autoplan.tracing.expand import Mismatch, Repeats, expand
 from autoplan.tracing.fx_tracer import symbolic_trace, trace_model
@@ -36,16 +38,24 @@ TRACE_HINT = ("Tracing runs the model on meta tensors, which have shapes but no 
 @dataclass(frozen=True)
 class ExampleInputs:
     """What the model's forward takes, when token ids [batch, seq] are not it: positional and keyword
-    arguments whose tensors all have the batch in dim 0. Only shapes and dtypes are used."""
+    arguments whose tensors all have the batch in dim 0, or named inputs with named dimensions
+    (autoplan.models.inputs: the batch and the sequence set at each trace). Only shapes and dtypes are
+    used; floating inputs are made in the compute dtype, as FSDP2's mixed precision casts them."""
 
     args: tuple = ()
     kwargs: dict[str, Any] = field(default_factory=dict)
+    named: ModelInputs | None = None
 
     @classmethod
     def of(cls, example: Any) -> ExampleInputs:
-        """A tensor, a tuple/list of positional inputs, a dict of keyword inputs, or ExampleInputs."""
+        """A tensor, a tuple/list of positional inputs, a dict of keyword inputs, named inputs (ModelInputs,
+        or their spec or JSON file: see autoplan.models.inputs), or ExampleInputs."""
         if isinstance(example, ExampleInputs):
             return example
+        if isinstance(example, str):
+            example = ModelInputs.parse(example)
+        if isinstance(example, ModelInputs):
+            return cls(named=example)
         if isinstance(example, torch.Tensor):
             return cls((example,))
         if isinstance(example, (tuple, list)):
@@ -57,25 +67,48 @@ class ExampleInputs:
 
     @property
     def seq_len(self) -> int | None:
-        """Dim 1 of the first input with at least two dims (token ids [batch, seq])."""
+        """Dim 1 of the first input with at least two dims (token ids [batch, seq]); named inputs: none."""
         for tensor in _tensor_leaves((self.args, self.kwargs)):
             if tensor.dim() >= 2:
                 return int(tensor.shape[1])
         return None
 
-    def at_batch(self, micro_batch_size: int) -> tuple[tuple, dict[str, Any]]:
-        """Meta tensors of the same dtypes with the batch dim set to `micro_batch_size`."""
+    @property
+    def has_sequence(self) -> bool:
+        return self.named is None or self.named.has_sequence
+
+    def at_batch(self, micro_batch_size: int, seq_len: int = 1, dtype: str = "fp32") -> tuple[tuple, dict[str, Any]]:
+        """Meta tensors with the batch dim set to `micro_batch_size` (named inputs: and `seq` to `seq_len`),
+        floating ones in `dtype`."""
+        float_dtype = DTYPES[dtype]
+        if self.named is not None:
+            return (), self.named.at(micro_batch_size, seq_len, float_dtype)
+
         def resize(value):
             if not isinstance(value, torch.Tensor):
                 return value
             shape = (micro_batch_size, *value.shape[1:]) if value.dim() else ()
-            return torch.empty(shape, dtype=value.dtype, device="meta")
+            return torch.empty(shape, dtype=float_dtype if value.dtype.is_floating_point else value.dtype,
+                               device="meta")
 
         return tree_map(resize, self.args), tree_map(resize, self.kwargs)
 
 
 def _tensor_leaves(value) -> list[torch.Tensor]:
     return [leaf for leaf in tree_flatten(value)[0] if isinstance(leaf, torch.Tensor)]
+
+
+@dataclass(frozen=True)
+class Pricing:
+    """What a trace prices besides the model: the attention kernel asked for (None: torch's pick) on the
+    profile's device ("cuda" or "cpu"), and the capacity factor of mixture-of-experts expert matmuls."""
+
+    attention: str | None = None
+    device: str = "cuda"
+    capacity_factor: float = 1.0
+
+    def policy(self) -> AttentionPolicy:
+        return AttentionPolicy(self.attention, self.device)
 
 
 @dataclass
@@ -85,29 +118,42 @@ class TracePair:
     at_2: ModelTrace  # micro-batch 2
     # how the blocks were traced: "48 blocks of transformer.h from traces of 3 and 4", or why all were
     reuse: str = ""
+    pricing: Pricing = Pricing()
+    attention: AttentionPolicy | None = None  # the kernels' choices, with the attention calls seen
+
+    def prices_as(self, pricing: Pricing) -> bool:
+        """Whether these traces are what `pricing` would trace: the same but perhaps the device, where every
+        attention call takes the same kernel on both."""
+        if pricing == self.pricing:
+            return True
+        same = (pricing.attention, pricing.capacity_factor) == (self.pricing.attention, self.pricing.capacity_factor)
+        return same and self.attention is not None and self.attention.same_on(pricing.device)
 
 
 TraceFunction = Callable[[nn.Module, Any], list[ModelTrace]]  # (model on meta, progress) -> traces at 1 and 2
 
 
-def _trace_fx(model: nn.Module, seq_len: int, dtype: str, inputs: ExampleInputs | None, progress=None
-              ) -> list[ModelTrace]:
-    if inputs is not None and inputs.kwargs:
+def _trace_fx(model: nn.Module, seq_len: int, dtype: str, inputs: ExampleInputs | None, progress=None,
+              policy: AttentionPolicy | None = None, capacity_factor: float = 1.0) -> list[ModelTrace]:
+    if inputs is not None and (inputs.kwargs or inputs.named):
         raise TraceError("torch.fx passes positional inputs only; keyword example inputs need the dispatch tracer")
     graph_module = symbolic_trace(model)  # before copying the model: it fails at once where it fails
     meta = to_meta(model, dtype)
-    return [trace_model(meta, batch, seq_len, dtype, inputs=inputs.at_batch(batch)[0] if inputs else None,
-                        graph_module=graph_module, progress=progress and progress(batch))
+    return [trace_model(meta, batch, seq_len, dtype,
+                        inputs=inputs.at_batch(batch, seq_len, dtype)[0] if inputs else None,
+                        graph_module=graph_module, progress=progress and progress(batch), attention=policy,
+                        capacity_factor=capacity_factor)
             for batch in TRACED_BATCHES]
 
 
-def _trace_dispatch(model: nn.Module, seq_len: int, dtype: str, inputs: ExampleInputs | None, progress=None
-                    ) -> list[ModelTrace]:
+def _trace_dispatch(model: nn.Module, seq_len: int, dtype: str, inputs: ExampleInputs | None, progress=None,
+                    policy: AttentionPolicy | None = None, capacity_factor: float = 1.0) -> list[ModelTrace]:
     traces, meta = [], to_meta(model, dtype)
     for batch in TRACED_BATCHES:
-        args, kwargs = inputs.at_batch(batch) if inputs else (None, None)
+        args, kwargs = inputs.at_batch(batch, seq_len, dtype) if inputs else (None, None)
         traces.append(trace_dispatch(meta, batch, seq_len, dtype, args=args, kwargs=kwargs,
-                                     progress=progress and progress(batch)))
+                                     progress=progress and progress(batch), attention=policy,
+                                     capacity_factor=capacity_factor))
     names_1, names_2 = [op.name for op in traces[0].ops], [op.name for op in traces[1].ops]
     if names_1 != names_2:
         first = next((a, b) for a, b in zip(names_1 + [""], names_2 + [""]) if a != b)
@@ -134,9 +180,11 @@ def _by_blocks(model: nn.Module, repeats: Repeats, tracer: str, run: TraceFuncti
 
 
 def _traced(model: nn.Module, tracer: str, seq_len: int, dtype: str, inputs: ExampleInputs | None,
-            blocks_path: str | None, repeats: Repeats | None) -> TracePair:
+            blocks_path: str | None, repeats: Repeats | None, pricing: Pricing) -> TracePair:
+    policy = pricing.policy()
+
     def run(some_model: nn.Module, progress) -> list[ModelTrace]:
-        return _TRACE_FUNCTIONS[tracer](some_model, seq_len, dtype, inputs, progress)
+        return _TRACE_FUNCTIONS[tracer](some_model, seq_len, dtype, inputs, progress, policy, pricing.capacity_factor)
 
     blocks = len(model.get_submodule(blocks_path)) if blocks_path else 0
     reuse = ("no repeated blocks" if not blocks else f"blocks differ, or too few to reuse ({blocks} blocks)")
@@ -144,19 +192,23 @@ def _traced(model: nn.Module, tracer: str, seq_len: int, dtype: str, inputs: Exa
         try:
             traces = _by_blocks(model, repeats, tracer, run, dtype)
             traced = " and ".join(str(periods * repeats.period) for periods in TRACED_PERIODS)
-            return TracePair(tracer, *traces, reuse=f"{repeats.count} blocks of {repeats.path} from traces of {traced}")
+            return TracePair(tracer, *traces, reuse=f"{repeats.count} blocks of {repeats.path} from traces of {traced}",
+                             pricing=pricing, attention=policy)
+        except UsageError:
+            raise
         except Exception as exc:  # noqa: BLE001 - reuse only saves time: whatever stops it, trace every block
             reuse = f"traced every block: {exc}" if isinstance(exc, (Mismatch, TraceError)) else (
                 f"traced every block: {type(exc).__name__}: {exc}")
     progress = (lambda batch: BlockProgress(f"tracing {type(model).__name__} at micro-batch {batch}", blocks_path,
                                             blocks)) if blocks else None
-    return TracePair(tracer, *run(model, progress), reuse=reuse)
+    return TracePair(tracer, *run(model, progress), reuse=reuse, pricing=pricing, attention=policy)
 
 
 def trace_pair(model: nn.Module, seq_len: int, dtype: str = "bf16", inputs: ExampleInputs | None = None,
-               tracer: str | None = None) -> TracePair:
-    """Traces at micro-batch 1 and 2 by the first tracer that works (or the one named). Raises
-    TraceError naming every tracer tried and where each failed."""
+               tracer: str | None = None, pricing: Pricing | None = None) -> TracePair:
+    """Traces at micro-batch 1 and 2 by the first tracer that works (or the one named), priced as
+    `pricing` says (default: torch's attention kernels on CUDA). Raises TraceError naming every tracer
+    tried and where each failed, UsageError for an attention kernel that cannot run a call."""
     if tracer is not None and tracer not in TRACERS:
         raise UsageError(f"unknown tracer {tracer!r}; choose one of {', '.join(TRACERS)}")
     failures = []
@@ -164,11 +216,11 @@ def trace_pair(model: nn.Module, seq_len: int, dtype: str = "bf16", inputs: Exam
     repeats = find_repeats(model, blocks_path)
     for name in (tracer,) if tracer else TRACERS:
         try:
-            return _traced(model, name, seq_len, dtype, inputs, blocks_path, repeats)
+            return _traced(model, name, seq_len, dtype, inputs, blocks_path, repeats, pricing or Pricing())
         except TraceError as exc:
             failures.append(f"{name}: {exc}")
     raise TraceError(f"cannot trace {type(model).__name__}; tried " + ", ".join((tracer,) if tracer else TRACERS)
                      + ":\n  " + "\n  ".join(failures) + "\n" + TRACE_HINT)
 
 
-__all__ = ["ExampleInputs", "TRACERS", "TracePair", "trace_pair"]
+__all__ = ["ExampleInputs", "Pricing", "TRACERS", "TracePair", "trace_pair"]

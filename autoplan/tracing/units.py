@@ -2,7 +2,9 @@
 
 Granularities:
 - "block" (default): each block of the largest repeated ModuleList, plus large siblings along the
-  path to it (embeddings, head); what remains belongs to the root unit "".
+  path to it (embeddings, head); what remains belongs to the root unit "". A block's mixture-of-experts
+  weights (its experts' stacked matrices, most of a MoE block) are a unit of their own inside it, so that
+  they are gathered, offloaded and checkpointed apart from its attention.
 - "fine": as "block", but inside each block every child that owns parameters (attention, MLP)
   is a unit of its own; the block keeps what is left (its norms).
 - "leaf": every module that directly owns parameters is a unit (one per Linear, norm, ...).
@@ -17,7 +19,7 @@ from __future__ import annotations
 import torch.nn as nn
 
 from autoplan.errors import UsageError
-from autoplan.models.structure import largest_module_list, params_of
+from autoplan.models.structure import expert_stacks, largest_module_list, params_of
 from autoplan.settings import GRANULARITIES
 from cost_models.records import ModelTrace, ParamInfo, Unit
 
@@ -81,11 +83,13 @@ def candidate_paths(model: nn.Module, granularity: str = "block") -> list[str]:
     for index, block in enumerate(blocks):
         block_path = f"{blocks_path}.{index}"
         paths.append(block_path)
+        block_size = params_of(block)
         if granularity == "fine":
-            block_size = params_of(block)
             for child_name, child in block.named_children():
                 if params_of(child) >= MIN_CHILD_FRACTION * block_size:
                     paths.append(f"{block_path}.{child_name}")
+        paths += [f"{block_path}.{name}" for name in expert_stacks(block)
+                  if params_of(block.get_submodule(name)) >= MIN_CHILD_FRACTION * block_size]
     return paths
 
 

@@ -1,0 +1,82 @@
+"""Parity of tensor-parallel plans of Hugging Face models, run by test_hf_tp_parity.py under torchrun with 2
+gloo ranks: each family's plan (searched at degree 2 by the test) is applied to the model built on the CPU
+with the same seed on every rank, trained a few steps with the plan's attention kernels, and compared with one
+process training the same model on the same global batch. Rank 0 writes the results as JSON."""
+
+from __future__ import annotations
+
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from apply_parity_worker import finish
+from torch.distributed.tensor import DTensor
+
+from autoplan.models.hf import build_hf_model
+from autoplan.plan.schema import load_plan
+from autoplan.run.apply import apply
+from autoplan.run.attention import planned_attention
+from autoplan.run.data import BatchShape, SyntheticTokens, rank_micro_batches
+from autoplan.run.tp import training_context
+from autoplan.run.worker import next_token_loss
+
+STEPS, SEED = 3, 1234
+
+
+def cpu_model(folder: Path) -> torch.nn.Module:
+    meta = build_hf_model(folder).module
+    torch.manual_seed(SEED)
+    return type(meta)(meta.config).train()
+
+
+def train(model, optimizer, plan, shape: BatchShape, rank: int | None) -> list[float]:
+    data = SyntheticTokens(model.config.vocab_size, seed=SEED)
+    losses = []
+    with training_context(plan) if rank is not None else torch.enable_grad(), planned_attention(plan, model, "cpu"):
+        for step in range(STEPS):
+            tokens = data.global_batch(step, shape)
+            batches = rank_micro_batches(tokens, rank, shape) if rank is not None else [(tokens[:, :-1], tokens[:, 1:])]
+            loss_sum = torch.zeros(())
+            for input_ids, labels in batches:
+                loss = next_token_loss(model(input_ids), labels) / len(batches)
+                loss.backward()
+                loss_sum += loss.detach()
+            optimizer.step()
+            optimizer.zero_grad()
+            if rank is not None:
+                dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)
+            losses.append(loss_sum.item())
+    return losses
+
+
+def run_case(folder: Path) -> dict:
+    plan = load_plan(folder / "plan.json")
+    mesh, t = plan.cluster.mesh, plan.training
+    rank = mesh.data_rank(dist.get_rank())
+    shape = BatchShape(t.micro_batch_size, t.grad_accum_steps, dist.get_world_size() // mesh.tp, t.seq_len)
+    model, optimizer = apply(cpu_model(folder), plan)
+    losses = train(model, optimizer, plan, shape, rank)
+    reference = cpu_model(folder)
+    ref_losses = train(reference, torch.optim.AdamW(reference.parameters(), lr=1e-3), plan, shape, None)
+    params = {n: p.full_tensor() if isinstance(p, DTensor) else p.detach() for n, p in model.named_parameters()}
+    diff = max((params[n].float() - p.detach()).abs().max().item() for n, p in reference.named_parameters())
+    split = [n for n, p in model.named_parameters() if isinstance(p, DTensor) and "tp" in (p.device_mesh.mesh_dim_names or ())]
+    return {"losses": losses, "reference_losses": ref_losses, "max_param_diff": diff, "tp_split": len(split),
+            "units": {u.module: u.tp for u in plan.units}}
+
+
+def main(root: str, out_path: str) -> None:
+    dist.init_process_group("gloo")
+    results: dict = {}
+    for folder in sorted(Path(root).iterdir()):
+        try:
+            results[folder.name] = run_case(folder)
+        except Exception:  # noqa: BLE001 - recorded and asserted on by the test
+            results[folder.name] = {"error": traceback.format_exc()}
+    finish(results, out_path)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
