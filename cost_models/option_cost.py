@@ -131,7 +131,7 @@ class UnitPricer:
         self.profile, self.mesh, self.offload = profile, mesh, offload
         self.precision, self.optimizer = training.precision, training.optimizer_kind
         self.compute = ComputeModel(profile, self.precision.compute_dtype)
-        self.comm = CommModel(profile)
+        self.comm = CommModel(profile, mesh.gpus_per_node)
         # slowdowns apply only where compute and communication run at the same time
         overlap = profile.overlap
         self.slowdowns = (overlap.compute_slowdown, overlap.comm_slowdown) if overlap.enabled else (1.0, 1.0)
@@ -218,8 +218,9 @@ class UnitPricer:
         reduction_input = padded * precision.reduce_bytes
         reduce_scatter = comm.collective_s("reduce_scatter", reduction_input, shard, mesh.scope(shard))
         replicas_span_nodes = shard == 1 or option.kind.shard_group == ShardGroup.NODE
-        all_reduce = comm.collective_s("all_reduce", local * precision.reduce_bytes, replicas,
-                                       mesh.scope(replicas, replicas_span_nodes))
+        all_reduce = comm.collective_s("all_reduce", local * precision.reduce_bytes, replicas,  # HSDP: a rank per node
+                                       mesh.scope(replicas, replicas_span_nodes),
+                                       ranks_per_node=1 if option.kind.shard_group == ShardGroup.NODE else None)
         regathers = option.kind.reshard_after_forward  # the root too: apply sets the flag explicitly
         has_params = bool(unit.params)
         calls_fwd = int(has_params and shard > 1)

@@ -39,6 +39,7 @@ class CostTable:
     overlap_compute: float
     overlap_comm: float
     overlap_enabled: bool = True  # False: a unit's collectives and compute add up (CPU + gloo)
+    comm_sm_fraction: float = 0.0  # the SMs a running collective holds (see step.py)
     host_limit_bytes: int | None = None  # host memory per rank for offloaded state (node's / GPUs per node)
 
     @property
@@ -112,6 +113,7 @@ def build_cost_table(inputs: TableInputs, profile: DeviceProfile, mesh: Mesh, mi
         micro_batch_size=micro_batch.size, grad_accum_steps=micro_batch.grad_accum_steps, seq_len=training.seq_len,
         mesh=mesh, precision=precision, root=next(i for i, unit in enumerate(units) if unit.is_root),
         overlap_compute=cs, overlap_comm=ms, overlap_enabled=profile.overlap.enabled, host_limit_bytes=host_limit_bytes,
+        comm_sm_fraction=profile.overlap.comm_sm_fraction,
     )
 
 
