@@ -31,9 +31,14 @@ def ring_factor(collective: str, group_size: int) -> float:
 
 
 class CommModel:
-    def __init__(self, profile: DeviceProfile, gpus_per_node: int | None = None):
+    """Collectives on `profile`'s devices, in nodes of `gpus_per_node` GPUs of which a group spanning nodes
+    has `ranks_per_node` in each (the data-parallel ranks of a node: fewer than its GPUs beside tensor
+    parallelism, whose groups then share the node's NICs); None: the whole group in one node."""
+
+    def __init__(self, profile: DeviceProfile, gpus_per_node: int | None = None, ranks_per_node: int | None = None):
         self.profile = profile
         self.gpus_per_node = gpus_per_node
+        self.ranks_per_node = ranks_per_node or gpus_per_node
 
     def collective_s(self, collective: str, nbytes: float, group_size: int, scope: str,
                      ranks_per_node: int | None = None) -> float:
@@ -61,9 +66,9 @@ class CommModel:
     def _ranks_per_node(self, group_size: int, scope: str, ranks_per_node: int | None) -> int:
         if ranks_per_node is not None:
             return max(1, min(ranks_per_node, group_size))
-        if scope == "intra_node" or not self.gpus_per_node:
+        if scope == "intra_node" or not self.ranks_per_node:
             return group_size
-        return min(self.gpus_per_node, group_size)
+        return min(self.ranks_per_node, group_size)
 
 
 def topology_collective_s(topology: Topology, collective: str, nbytes: float, group_size: int,

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from cost_models.activations import saved_by_selective
+from cost_models.activations import kept_outputs
 from cost_models.choices import Option
 from cost_models.mesh import Mesh
 from cost_models.options import OptimizerKind, Precision, Recompute, ShardGroup
@@ -131,7 +131,7 @@ class UnitPricer:
         self.profile, self.mesh, self.offload = profile, mesh, offload
         self.precision, self.optimizer = training.precision, training.optimizer_kind
         self.compute = ComputeModel(profile, self.precision.compute_dtype)
-        self.comm = CommModel(profile, mesh.gpus_per_node)
+        self.comm = CommModel(profile, mesh.gpus_per_node, mesh.dp_per_node)
         # slowdowns apply only where compute and communication run at the same time
         overlap = profile.overlap
         self.slowdowns = (overlap.compute_slowdown, overlap.comm_slowdown) if overlap.enabled else (1.0, 1.0)
@@ -147,8 +147,9 @@ class UnitPricer:
         recompute_s = {
             Recompute.NOTHING: 0.0,
             Recompute.ALL: recompute_scale * sum(compute.op_time_s(op, "fwd") for op in unit_ops),
-            Recompute.CHEAP: recompute_scale * sum(compute.op_time_s(op, "fwd") for op in unit_ops
-                                                   if not saved_by_selective(op)),
+            **{mode: recompute_scale * sum(compute.op_time_s(op, "fwd") for op in unit_ops
+                                           if op.name not in kept_outputs(unit_ops, mode))
+               for mode in (Recompute.CHEAP, Recompute.ALTERNATE)},
         }
         return fwd_s, bwd_s, recompute_s, sum(op.saved_bytes for op in unit_ops)
 

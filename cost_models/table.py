@@ -96,7 +96,8 @@ def build_cost_table(inputs: TableInputs, profile: DeviceProfile, mesh: Mesh, mi
             all_options.append(list(all_options[alike]))
             all_costs.append([copy.copy(cost) for cost in all_costs[alike]])
             continue
-        options = options_for(unit.is_leaf, unit.is_root, mesh.nodes, offload, bool(unit.params))
+        options = [option for option in options_for(unit.is_leaf, unit.is_root, mesh.nodes, offload, bool(unit.params))
+                   if not option.mode.checkpoints or option.recompute in inputs.keep]  # modes the inputs price
         times = pricer.unit_times([by_name[name] for name in unit.ops])
         all_options.append(options)
         all_costs.append([pricer.option_cost(unit, option, times, inputs.keep, inputs.backward_keep, index)

@@ -218,5 +218,5 @@ def test_a_plan_naming_an_unknown_precision_is_refused_with_the_known_ones(tmp_p
     data["training"]["dtype"] = "fp8"
     path.write_text(json.dumps(data))
     with pytest.raises(PlanFileError, match=r"unknown dtype 'fp8' in the training settings; this autoplan knows: "
-                                            r"bf16-mixed, bf16, fp32; was the plan made by a newer autoplan\?"):
+                                            r"bf16-mixed, bf16-reduce, bf16, fp32; was the plan made by a newer autoplan\?"):
         autoplan.load_plan(path)
