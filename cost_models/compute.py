@@ -75,6 +75,11 @@ def attention_rate(rates: list[AttentionRate], head_dim: int, seq_len: int, caus
     return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
 
 
+def _launches(op: OpRecord, direction: str) -> bool:
+    """Whether the op runs a kernel in that direction (views and Python-level ops run none)."""
+    return bool(op.fwd_flops or op.fwd_bytes) if direction == "fwd" else bool(op.bwd_flops or op.bwd_bytes)
+
+
 def largest_alloc_bytes(op: OpRecord, direction: str) -> int:
     """The largest single tensor the op allocates in one direction. Traced for the forward. For the
     backward the trace keeps the most it holds at once (bwd_live_bytes over bwd_in_bytes, a sum) and its
@@ -97,7 +102,17 @@ class ComputeModel:
         self.fits = {(fit.family, fit.direction, fit.dtype): fit for fit in profile.op_fits if not fit.min_alloc_bytes}
         self.large_fits = {(fit.family, fit.direction, fit.dtype): fit for fit in profile.op_fits if fit.min_alloc_bytes}
 
-    def op_time_s(self, op: OpRecord, direction: str) -> float:
+    def ops_time_s(self, ops: list[OpRecord], direction: str, scale: float = 1.0) -> float:
+        """A unit's ops in one direction, scaled to how they run inside a step (FsdpOverhead). On a GPU the CPU
+        issues each op's kernels while earlier ones run: the ops take the longer of their kernels and the CPU's
+        issuing them (`op_overhead_s` an op), which is what small units are bound by. On the CPU they add."""
+        if self.profile.device_type != "cuda":
+            return scale * sum(self.op_time_s(op, direction) for op in ops)
+        kernels = sum(self.op_time_s(op, direction, launch=False) for op in ops)
+        launched = sum(1 for op in ops if _launches(op, direction))
+        return max(scale * kernels, launched * self.profile.op_overhead_s)
+
+    def op_time_s(self, op: OpRecord, direction: str, launch: bool = True) -> float:
         flops = op.fwd_flops if direction == "fwd" else op.bwd_flops
         moved = op.fwd_bytes if direction == "fwd" else op.bwd_bytes
         if flops == 0 and moved == 0:
@@ -117,7 +132,7 @@ class ComputeModel:
         if flop_s is None:
             flop_s = flops / (self.peak_flops * profile.matmul_efficiency * self._shape_factor(op, direction))
         byte_s = moved / (profile.mem_bandwidth_bytes_s * profile.mem_bandwidth_efficiency)
-        return max(flop_s, byte_s) + profile.op_overhead_s
+        return max(flop_s, byte_s) + (profile.op_overhead_s if launch else 0.0)
 
     def _shape_factor(self, op: OpRecord, direction: str) -> float:
         """A matmul's rate by shape over the flat `matmul_efficiency` (1 where the profile has no shape model).

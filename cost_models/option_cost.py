@@ -142,13 +142,13 @@ class UnitPricer:
         Ops as they run inside a training step, not one at a time (see FsdpOverhead)."""
         fsdp, compute = self.profile.fsdp, self.compute
         recompute_scale = fsdp.compute_recompute_scale or fsdp.compute_bwd_scale
-        fwd_s = fsdp.compute_fwd_scale * sum(compute.op_time_s(op, "fwd") for op in unit_ops)
-        bwd_s = fsdp.compute_bwd_scale * sum(compute.op_time_s(op, "bwd") for op in unit_ops)
+        fwd_s = compute.ops_time_s(unit_ops, "fwd", fsdp.compute_fwd_scale)
+        bwd_s = compute.ops_time_s(unit_ops, "bwd", fsdp.compute_bwd_scale)
         recompute_s = {
             Recompute.NOTHING: 0.0,
-            Recompute.ALL: recompute_scale * sum(compute.op_time_s(op, "fwd") for op in unit_ops),
-            **{mode: recompute_scale * sum(compute.op_time_s(op, "fwd") for op in unit_ops
-                                           if op.name not in kept_outputs(unit_ops, mode))
+            Recompute.ALL: compute.ops_time_s(unit_ops, "fwd", recompute_scale),
+            **{mode: compute.ops_time_s([op for op in unit_ops if op.name not in kept_outputs(unit_ops, mode)],
+                                        "fwd", recompute_scale)
                for mode in (Recompute.CHEAP, Recompute.ALTERNATE)},
         }
         return fwd_s, bwd_s, recompute_s, sum(op.saved_bytes for op in unit_ops)
@@ -248,7 +248,7 @@ class UnitPricer:
     def _overheads(self, unit: Unit, shard: int, replicas: int, comm: _Collectives, copy_fwd: float,
                    copy_bwd: float, regathers: bool) -> tuple[float, float]:
         """FSDP2's per-unit time beyond ops and collectives, forward and backward: its fixed cost, each
-        collective call's in-step cost, its own copies around the collectives (CPU profiles; large_buffers),
+        collective call's in-step cost, its own copies around the collectives (large_buffers: on the compute stream),
         and host copies that do not overlap compute."""
         profile, precision, fsdp, host = self.profile, self.precision, self.profile.fsdp, self.profile.host_link
         gather_copies = gather_copy_s(unit, shard, precision, profile)

@@ -40,6 +40,8 @@ class CostTable:
     overlap_comm: float
     overlap_enabled: bool = True  # False: a unit's collectives and compute add up (CPU + gloo)
     comm_sm_fraction: float = 0.0  # the SMs a running collective holds (see step.py)
+    model_flops: float = 0.0  # a rank's FLOPs of one micro-batch's forward and backward, no recompute (MFU's)
+    peak_flops: float = 0.0  # the profile's peak FLOP/s in the compute dtype
     host_limit_bytes: int | None = None  # host memory per rank for offloaded state (node's / GPUs per node)
 
     @property
@@ -115,6 +117,8 @@ def build_cost_table(inputs: TableInputs, profile: DeviceProfile, mesh: Mesh, mi
         mesh=mesh, precision=precision, root=next(i for i, unit in enumerate(units) if unit.is_root),
         overlap_compute=cs, overlap_comm=ms, overlap_enabled=profile.overlap.enabled, host_limit_bytes=host_limit_bytes,
         comm_sm_fraction=profile.overlap.comm_sm_fraction,
+        model_flops=float(sum(op.fwd_flops + op.bwd_flops for op in inputs.ops)),
+        peak_flops=pricer.compute.peak_flops,
     )
 
 
