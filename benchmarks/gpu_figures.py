@@ -16,6 +16,7 @@ their source says how (H100 PCIe and NVL from H100 SXM, H200 from H100 SXM, A100
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from cost_models.profile import MatmulShape  # noqa: E402
 
 GB, GiB, MiB = 1e9, 1 << 30, 1 << 20
 KEEP = object()  # a figure's value: keep the profile's (its source says why)
+FIT = Path(__file__).resolve().parent / "results" / "published_fit.json"  # benchmarks/published.py --fit
 
 DOCS = {
     "fa2-a100": "Dao-AILab/flash-attention, assets/flash2_a100_fwd_bwd_benchmark.png (commit 4f285b35, 2023-07-17): "
@@ -124,6 +126,27 @@ def _kernel_rows(sms: int, mamf, mamf_source: str, attention: str, attention_sou
                                           "(overlap.comm_sm_fraction)"),
         ("overlap.comm_slowdown", 1.0, "1: no published measurement of a collective slowed by concurrent compute"),
     ]
+
+
+def fitted_scale_rows(name: str) -> list[tuple[str, object, str]]:
+    """The in-step compute scale benchmarks/published.py --fit found for the profile's GPU family (none before a
+    fit): what the step takes beyond the model's sourced parts (FsdpOverhead.compute_*_scale)."""
+    fits = json.loads(FIT.read_text()) if FIT.exists() else {}
+    for family, fit in fits.items():
+        if name in fit["profiles"]:
+            fitted_on = fit["profiles"][0]
+            how = (f"fitted: `python benchmarks/published.py --fit` ({FIT.name}), least squares of log(predicted / "
+                   f"published tokens/s) over the {len(fit['runs'])} published {family} runs not held out "
+                   f"({', '.join(fit['runs'])}; benchmarks/published_runs.py), the held-out runs not used: how much "
+                   f"longer a step's ops take than their sourced kernel rates (sustained clocks, real shapes against "
+                   f"the best, the framework's own kernels and gaps)"
+                   + ("" if name == fitted_on else f"; {fitted_on}'s, the same architecture (no published run of "
+                                                   f"this part found)"))
+            return [(f"fsdp.{field}", fit["scale"], how) for field in ("compute_fwd_scale", "compute_bwd_scale")] + [
+                ("fsdp.compute_recompute_scale", None, "as the backward's (the fit has one scale)"),
+                ("fsdp.unit_fwd_s", KEEP, "no published measurement found; kept the earlier value ({old})"),
+                ("fsdp.unit_bwd_s", KEEP, "no published measurement found; kept the earlier value ({old})")]
+    return []
 
 
 def extra_figures() -> dict[str, list[tuple[str, object, str]]]:

@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from autoplan.profile_store import save_profile  # noqa: E402
-from gpu_figures import KEEP, extra_figures, new_profile_figures  # noqa: E402
+from gpu_figures import KEEP, extra_figures, fitted_scale_rows, new_profile_figures  # noqa: E402
 from autoplan.profiling.fit import fit_affine, relative_errors  # noqa: E402
 from cost_models.comm import ring_factor  # noqa: E402
 from cost_models.profile import DeviceProfile  # noqa: E402
@@ -299,8 +299,10 @@ def main() -> None:
     templates = {}
     for name, (template, device, rows) in new_profile_figures().items():  # the template's figures, then its own
         table[name], devices[name], templates[name] = list(table[template]) + rows, device, template
-    for name, rows in extra_figures().items():  # overlap's parts are sourced there: no "kept" overlap row
-        table[name] = [row for row in table[name] if row[0] != "overlap"] + rows
+    for name, rows in extra_figures().items():  # overlap's and fsdp's parts are sourced there: no "kept" rows
+        fitted = fitted_scale_rows(name)
+        table[name] = [row for row in table[name] if row[0] != "overlap" and not (fitted and row[0] == "fsdp")]
+        table[name] += rows + fitted
     print(f"{'profile':<16} {'figure':<40} {'old':>12} {'new':>12}  source")
     for name, rows in table.items():
         path = PROFILES / f"{name}.json"
@@ -320,6 +322,8 @@ def main() -> None:
             if value is not KEEP:
                 _set(profile, field, value)
             sources[field] = source
+            if "." in field:  # a part sourced on its own: the whole's old source no longer speaks for it
+                sources.pop(field.split(".")[0], None)
         if args.write:  # validated, and written as `autoplan profile` writes profiles
             save_profile(DeviceProfile.model_validate(profile), path)
     if args.write:
