@@ -98,3 +98,26 @@ def test_bf16_on_a_cpu_profile_only(another_cpu):
     assert bf16_note(load_profile("a100-sxm4-80gb"), "bf16-mixed") is None  # a GPU plan: not this CPU's business
     assert bf16_note(load_profile("cpu-gloo-2"), "fp32") is None
     assert "emulated" in bf16_note(load_profile("cpu-gloo-2"), "bf16")
+
+
+def test_profile_measures_fp32_alone_on_a_cpu_without_bf16_units(another_cpu, capsys):
+    import argparse
+
+    from autoplan.cli import profile as cli_profile
+
+    parser = argparse.ArgumentParser()
+    cli_profile.register(parser.add_subparsers(dest="command"))
+    settings = cli_profile.settings_from_args(parser.parse_args(["profile", "--no-cache"]))
+    assert settings.dtypes == ("fp32",) and "no bf16 matrix units" in capsys.readouterr().err
+    asked = cli_profile.settings_from_args(parser.parse_args(["profile", "--no-cache", "--dtype", "fp32", "bf16"]))
+    assert asked.dtypes == ("fp32", "bf16")  # named on the command line: measured as asked
+
+
+def test_profile_keeps_bf16_where_the_cpu_has_the_units(the_profiles_cpu):
+    import argparse
+
+    from autoplan.cli import profile as cli_profile
+
+    parser = argparse.ArgumentParser()
+    cli_profile.register(parser.add_subparsers(dest="command"))
+    assert cli_profile.settings_from_args(parser.parse_args(["profile", "--no-cache"])).dtypes == ("fp32", "bf16")
