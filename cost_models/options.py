@@ -143,6 +143,10 @@ class CheckpointMode:
     """The suffix reports and pins write after the sharding kind ("+ckpt"); "" for none."""
     description: str = ""
     """One line for help texts and reports."""
+    searched: bool = True
+    """Offered to the solver's search. False for a mode that exists to price and run a configuration as
+    others run it (torchtitan's policy): `--checkpoint`, pins and plan files still take it, and the search
+    keeps its problem (a block's options) as it was."""
 
     def __post_init__(self):
         object.__setattr__(self, "recompute", Recompute(self.recompute))
@@ -245,7 +249,7 @@ CHECKPOINT_MODES: dict[str, CheckpointMode] = {
                                    "recomputes the rest (torch.utils.checkpoint's selective policy)"),
         CheckpointMode("full", Recompute.ALL, "+ckpt",
                        description="full activation checkpointing: keeps the unit's inputs, recomputes its forward"),
-        CheckpointMode("selective_op", Recompute.ALTERNATE, "+selop",
+        CheckpointMode("selective_op", Recompute.ALTERNATE, "+selop", searched=False,
                        description="torchtitan's selective op policy: keeps attention and collective outputs and "
                                    "every other matmul's output (the 1st, 3rd, ... of the unit's forward), recomputes "
                                    "the rest (torch.utils.checkpoint's selective policy)"),
