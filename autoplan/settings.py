@@ -290,7 +290,8 @@ class SearchSettings(PlanningSettings):
 
     checkpoint: Annotated[str | None, Flag(kind="choice", bare="full")] = None
     """with `strategy`: this checkpoint mode on every unit but the root (none, selective: keep matmul and
-    attention outputs, full: keep inputs only; given without a mode: full)"""
+    attention outputs, selective_op: torchtitan's policy, every other matmul's output kept, full: keep inputs
+    only; given without a mode: full)"""
 
     offload: bool = False
     """with `strategy`: parameters, gradients and optimizer states of every unit in host memory (FSDP2
@@ -335,8 +336,9 @@ class EstimateSettings(PlanningSettings):
     """the option every unit takes (default shard)"""
 
     checkpoint: Annotated[str | None, Flag(kind="choice", bare="full")] = None
-    """checkpoint mode on every unit but the root (none, selective: keep matmul and attention outputs, full:
-    keep inputs only; given without a mode: full)"""
+    """checkpoint mode on every unit but the root (none, selective: keep matmul and attention outputs,
+    selective_op: torchtitan's policy, every other matmul's output kept, full: keep inputs only; given without a
+    mode: full)"""
 
     offload: bool = False
     """parameters, gradients and optimizer states of every unit in host memory (FSDP2 CPUOffloadPolicy)"""

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import tempfile
 import time
 from pathlib import Path
 
@@ -109,13 +110,17 @@ def kit_rows(folder: Path) -> list[dict]:
     from autoplan.run.allocator_fit import replay_plan
 
     results = json.loads((folder / "gpu_truth.json").read_text())
+    plans = json.loads((folder / "plans.json").read_text()) if (folder / "plans.json").is_file() else {}
     rows, mib = [], 2 ** 20
     for row in results.get("stages", {}).get("grid", {}).get("rows", []):
-        if not row.get("cuda_max_reserved_bytes") or not row.get("plan_file"):
+        if not row.get("cuda_max_reserved_bytes") or row.get("plan_key") not in plans:
             continue
         label = f"{row['model']} s{row['seq_len']} mb{row['micro_batch']} {row['plan']}"
         try:
-            replayed = replay_plan(load_plan(folder / row["plan_file"]))
+            with tempfile.TemporaryDirectory() as scratch:  # the kit keeps its plans in one file
+                path = Path(scratch) / "plan.json"
+                path.write_text(json.dumps(plans[row["plan_key"]]))
+                replayed = replay_plan(load_plan(path))
         except AutoplanError as exc:
             print(f"{label}: not replayed: {exc}")
             continue

@@ -1,10 +1,17 @@
-"""The GPU kit: on one GPU, in at most 20 minutes, everything a GPU can tell about autoplan's predictions,
-written to one results file (gpu_truth.json, and gpu_truth.txt to read).
+"""The GPU kit: on one GPU, in one call of at most 8 minutes, everything a GPU can tell about autoplan's
+predictions, written to one results file (gpu_truth.json, and gpu_truth.txt to read) after every stage.
 
 A GPU is only lent now and then, so the first run on one must not be the kit's first run: the same
 command runs here with `--device cpu` (a small grid; tests/test_gpu_truth.py runs it), and it copes with
 a GPU machine that has torch but neither ortools nor pydantic and no package index (wheels carried in
 benchmarks/wheels/, git-ignored, installed with `pip install --no-index`).
+
+The budget (`--budget-min`, default 8) is shared out: each stage, when it starts, gets its weight's share of
+what is left (profile 45, grid 35, compute 20: the profile 3.6 of 8 minutes, and what it leaves to the next),
+enforced by the timeouts of the commands it starts and by not starting a run its share cannot hold; work it
+cannot finish is recorded as skipped ("skipped: out of time", or the stage "out of time"), its allowance and
+wall time beside. Its files fit the device tool's return (at most 8): gpu_truth.json (with the grid's plans in
+plans.json), gpu_truth.txt, the measured profile; the measurement cache goes to --cache-dir (/tmp).
 
 Stages (`--stages`, default all three):
   profile  `autoplan profile --device cuda --nproc 1`: ops, host link, calibration steps, saved as a measured
@@ -20,15 +27,12 @@ Stages (`--stages`, default all three):
 On a machine with a GPU and a package index, or with the wheels installed:
     python benchmarks/gpu_truth.py --device cuda --out benchmarks/results/gpu_truth_cuda
     make gpu-truth
-On this project's `run` tool (one H100, no package index, 10 minutes a command, so two commands):
+On this project's `run` tool (one H100 or H200, no package index), one call:
     python benchmarks/gpu_truth.py --fetch-wheels        # here, once: wheels into benchmarks/wheels/
-    run(command="PYTHONUNBUFFERED=1 python3 benchmarks/gpu_truth.py --device cuda --stages profile --budget-min 9
-                 --out $OUT", carry=["benchmarks/wheels"], timeout_s=600)
-    # here: copy <files_at>/*-measured.json to profiles/ and <files_at>/gpu_truth.json to
-    # benchmarks/results/gpu_truth_cuda.json, then (within 30 s the machine stays warm, or on a fresh one):
-    run(command="PYTHONUNBUFFERED=1 python3 benchmarks/gpu_truth.py --device cuda --stages grid,compute
-                 --resume benchmarks/results/gpu_truth_cuda.json --budget-min 9 --out $OUT",
+    run(command="PYTHONUNBUFFERED=1 python3 benchmarks/gpu_truth.py --device cuda --budget-min 8 --out $OUT",
         carry=["benchmarks/wheels"], timeout_s=600)
+    # here: copy <files_at>/*-measured.json to profiles/ and <files_at>/gpu_truth.json, plans.json to
+    # benchmarks/results/gpu_truth_cuda/; a stage the budget cut short resumes with --resume and --stages
 On this machine: python benchmarks/gpu_truth.py --device cpu --quick --out /tmp/gpu-truth-cpu
 """
 
@@ -49,13 +53,15 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))  # gpu_truth_report, beside this file
 WHEELS = REPO / "benchmarks" / "wheels"
 SITE = Path("/tmp/autoplan-gpu-truth-site")
-# what the kit needs beyond the GPU image's packages (torch, numpy, networkx, tqdm, absl-py, pandas are
-# there): the versions this project's environment runs, for CPython 3.12 on x86-64 Linux
-WHEEL_PINS = ["pydantic==2.14.3", "pydantic-core==2.50.4", "annotated-types==0.8.0", "typing-inspection==0.4.5",
-              "typing-extensions==4.16.0", "ortools==9.15.6755", "immutabledict==4.3.1", "protobuf==6.33.6"]
+# what the kit needs beyond the GPU image's packages (torch, numpy, networkx, tqdm, absl-py, pandas, pyyaml are
+# there), at the versions this environment runs (--fetch-wheels pins them), for CPython 3.12 on x86-64 Linux
+WHEEL_PACKAGES = ("pydantic", "pydantic-core", "annotated-types", "typing-inspection", "typing-extensions", "ortools",
+                  "immutabledict", "protobuf")
 WHEEL_PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
                    "manylinux1_x86_64"]
 STAGES = ("profile", "grid", "compute")
+STAGE_WEIGHTS = {"profile": 45, "grid": 35, "compute": 20}  # each stage's share of what is left when it starts
+CACHE = Path("/tmp/autoplan-gpu-truth-cache")
 WORLD = 8  # the grid's plans are for 8 GPUs; one of them runs here
 TIGHT = 1.15  # the solver's limit: 15% above the leanest plan's (all-shard+checkpoint) predicted peak
 FIT_FRACTION = 0.92  # a plan predicted above this share of the GPU's memory is not run (it could not be measured)
@@ -73,12 +79,19 @@ COMPUTE = {  # single-GPU runs: (model, sequence, micro-batch)
 }
 
 
+def wheel_pins() -> list[str]:
+    """NAME==VERSION of each package the kit carries, at this environment's version."""
+    from importlib.metadata import version
+
+    return [f"{name}=={version(name)}" for name in WHEEL_PACKAGES]
+
+
 def fetch_wheels() -> int:
     """Download the wheels a GPU machine without a package index needs (here, where pip reaches an index)."""
     WHEELS.mkdir(parents=True, exist_ok=True)
     platforms = [arg for platform in WHEEL_PLATFORMS for arg in ("--platform", platform)]
     command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--python-version", "3.12",
-               "--implementation", "cp", *platforms, "-d", str(WHEELS), *WHEEL_PINS]
+               "--implementation", "cp", *platforms, "-d", str(WHEELS), *wheel_pins()]
     print(" ".join(command), flush=True)
     done = subprocess.run(command)
     if done.returncode == 0:
@@ -112,13 +125,21 @@ def ensure_packages() -> str:
 
 
 class Budget:
-    """The kit's time limit: what is left of it, and whether another item should start."""
+    """The kit's time limit and the current stage's share of it: what is left, and whether another item starts."""
 
     def __init__(self, minutes: float):
         self.end = time.monotonic() + minutes * 60
+        self.stage_end = self.end
+
+    def start_stage(self, stage: str, stages: list[str]) -> float:
+        """Give `stage` its weight's share of what is left against the stages still to run; its allowance, s."""
+        weights = [STAGE_WEIGHTS[s] for s in stages[stages.index(stage):]]
+        left = max(0.0, self.end - time.monotonic())
+        self.stage_end = time.monotonic() + left * weights[0] / sum(weights)
+        return self.stage_end - time.monotonic()
 
     def left_s(self) -> float:
-        return self.end - time.monotonic()
+        return min(self.end, self.stage_end) - time.monotonic()
 
     def allows(self, seconds: float) -> bool:
         return self.left_s() > seconds
@@ -151,7 +172,7 @@ def stage_profile(args, device_name: str, budget: Budget) -> dict:
     out = args.out / f"{name}.json"
     reference = links_reference(args.device, device_name)
     command = ["profile", "--device", args.device, "--nproc", "1", "--name", name, "-o", str(out), "--no-progress",
-               "--cache-dir", str(args.out / "cache")]
+               "--cache-dir", str(args.cache_dir)]
     command += ["--quick"] if args.quick else []
     command += ["--links-from", reference] if reference else []
     started = time.monotonic()
@@ -159,7 +180,7 @@ def stage_profile(args, device_name: str, budget: Budget) -> dict:
         done = cli(*command, timeout=budget.left_s())
     except subprocess.TimeoutExpired:
         return {"status": "out of time", "command": "autoplan " + " ".join(command),
-                "note": "the measurements finished are in the cache (--out/cache): the same command resumes"}
+                "note": f"the measurements finished are in the cache ({args.cache_dir}): the same command resumes"}
     record = {"status": "ok" if done.returncode == 0 else "failed", "command": "autoplan " + " ".join(command),
               "wall_s": time.monotonic() - started, "stdout_tail": done.stdout[-4000:],
               "stderr_tail": done.stderr[-4000:]}
@@ -186,7 +207,22 @@ def plan_profile(args, results: dict) -> str:
     for candidate in ([REPO / "profiles" / Path(measured["path"]).name] if measured.get("path") else []):
         if candidate.is_file():
             return str(candidate)
-    return "cpu-gloo-2" if args.device == "cpu" else "h100-sxm-80gb"
+    if args.device == "cpu":
+        return "cpu-gloo-2"
+    import torch
+
+    return links_reference("cuda", torch.cuda.get_device_name(0)) or _shipped_of(torch.cuda.get_device_name(0))
+
+
+def _shipped_of(device_name: str) -> str:
+    """The shipped datasheet profile of this GPU (by its identity's name), else H100 SXM's."""
+    from autoplan.profile_store import load_profile, profile_entries
+
+    for entry in profile_entries():
+        profile = load_profile(str(entry.path))
+        if profile.source == "datasheet" and profile.identity and profile.identity.name == device_name:
+            return entry.pick
+    return "h100-sxm-80gb"
 
 
 def _plan(model: str, seq_len: int, batch: int, kind: str, profile: str, lean: int | None = None):
@@ -204,6 +240,16 @@ def _decisions(plan) -> list[str]:
     """The plan's distinct unit decisions, e.g. "shard+full", "replicate+none+offload"."""
     return sorted({f"{u.sharding}+{u.checkpoint}" + ("+offload" if getattr(u, "offload", False) else "")
                    for u in plan.units})
+
+
+PLANS = "plans.json"
+
+
+def _save_plan(folder: Path, key: str, plan) -> None:
+    path = folder / PLANS
+    plans = json.loads(path.read_text()) if path.is_file() else {}
+    plans[key] = json.loads(plan.to_json())
+    path.write_text(json.dumps(plans) + "\n")
 
 
 def stage_grid(args, profile: str, budget: Budget) -> dict:
@@ -238,11 +284,10 @@ def stage_grid(args, profile: str, budget: Budget) -> dict:
                     continue
                 lean = lean or plan.predicted.peak_mem_bytes
                 # the plan itself, so that its allocations can be replayed later on any machine against what
-                # this GPU reserved (python benchmarks/allocator.py --kit OUT)
-                plan_file = Path("plans") / re.sub(r"[^A-Za-z0-9_.+-]+", "_", f"{model}-s{seq_len}-mb{batch}-{kind}.json")
-                (args.out / plan_file).parent.mkdir(parents=True, exist_ok=True)
-                plan.save(args.out / plan_file)
-                row.update(predicted=plan.predicted.model_dump(mode="json"), plan_file=str(plan_file),
+                # this GPU reserved (python benchmarks/allocator.py --kit OUT): all plans in one file, plans.json
+                key = re.sub(r"[^A-Za-z0-9_.+-]+", "_", f"{model}-s{seq_len}-mb{batch}-{kind}")
+                _save_plan(args.out, key, plan)
+                row.update(predicted=plan.predicted.model_dump(mode="json"), plan_key=key,
                            mem_limit_bytes=plan.cluster.mem_limit_bytes, decisions=_decisions(plan))
                 if gpu_mem and plan.predicted.peak_mem_bytes > FIT_FRACTION * gpu_mem:
                     row["status"] = f"skipped: predicted above {FIT_FRACTION:.0%} of the GPU's memory"
@@ -329,7 +374,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="folder of gpu_truth.json, gpu_truth.txt and the measured profile")
     parser.add_argument("--resume", type=Path, help="an earlier gpu_truth.json whose stages this run adds to")
     parser.add_argument("--profile", help="plan with this profile (default: the one measured, else the shipped one)")
-    parser.add_argument("--budget-min", type=float, default=20.0, help="stop starting work after this (default 20)")
+    parser.add_argument("--budget-min", type=float, default=8.0,
+                        help="the whole run's minutes, shared out among the stages (default 8)")
+    parser.add_argument("--cache-dir", type=Path, default=CACHE, help=f"the profile's measurement cache (default {CACHE})")
     parser.add_argument("--fetch-wheels", action="store_true", help="download the wheels into benchmarks/wheels, exit")
     args = parser.parse_args(argv)
     if args.fetch_wheels:
@@ -355,13 +402,15 @@ def main(argv: list[str] | None = None) -> int:
         "python": sys.version.split()[0], "quick": args.quick, "packages": packages,
         "date": datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0).isoformat()})
     for stage in stages:
-        print(f"gpu_truth: {stage} ({budget.left_s() / 60:.1f} min left)", flush=True)
+        allowance, started = budget.start_stage(stage, stages), time.monotonic()
+        print(f"gpu_truth: {stage} ({allowance / 60:.1f} of {(budget.end - started) / 60:.1f} min left)", flush=True)
         if stage == "profile":
             results["stages"]["profile"] = stage_profile(args, device_name, budget)
         else:
             profile = args.profile or plan_profile(args, results)
             run = stage_grid if stage == "grid" else stage_compute
             results["stages"][stage] = run(args, profile, budget)
+        results["stages"][stage].update(allowance_s=round(allowance, 1), stage_wall_s=round(time.monotonic() - started, 1))
         results["summary"] = summarize(results)
         (args.out / "gpu_truth.json").write_text(json.dumps(results, indent=2) + "\n")
         (args.out / "gpu_truth.txt").write_text(format_results(results) + "\n")

@@ -33,8 +33,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from autoplan.profile_store import save_profile  # noqa: E402
+from gpu_figures import KEEP, extra_figures, fitted_scale_rows, new_profile_figures  # noqa: E402
 from autoplan.profiling.fit import fit_affine, relative_errors  # noqa: E402
 from cost_models.comm import ring_factor  # noqa: E402
 from cost_models.profile import DeviceProfile  # noqa: E402
@@ -91,7 +93,6 @@ CPU_ADAMW_BYTES_S = 10946417501.368807  # profiles/cpu-gloo-2.json optimizer_byt
 NOT_FOUND = "no published measurement found; kept the earlier value ({old})"
 HALF_ALPHA = ("half the intra-node all-reduce fit's alpha (a ring all-reduce is a reduce-scatter followed by an "
               "all-gather; on H100 the all-reduce runs NVLink SHARP, so there it is an approximation)")
-KEEP = object()  # a figure's value: keep the profile's (its source says why)
 DESCRIPTION = ("{device} datasheet peaks (peak_flops, mem_bandwidth_bytes_s, mem_bytes) with achievable figures read "
                "from published measurements: efficiencies, NCCL bus bandwidths and collective fits, the host link; "
                "provenance.sources names the document and number behind each (benchmarks/sourced_profiles.py "
@@ -130,32 +131,9 @@ class Curve:
                 f"{fit['median_err']:.0%} median, {fit['max_err']:.0%} worst")
 
 
-def _inter_node_fits(curve: Curve, node_busbw: float, source: str) -> tuple[list[dict], str]:
-    """All-gather and reduce-scatter over whole nodes (2 nodes, 16 ranks; other sizes rescale by the ring
-    factor), at the node's aggregate bus bandwidth; alpha: half the intra-node all-reduce fit's."""
-    alpha = curve.fit()["alpha_s"] / 2
-    group = 2 * NODE_GPUS
-    fits = [{"collective": c, "group_size": group, "scope": "inter_node", "alpha_s": alpha,
-             "beta_s_per_byte": ring_factor(c, group) / node_busbw} for c in ("all_gather", "reduce_scatter")]
-    return fits, (f"{source}; alpha: no published multi-node curve found, taken as {HALF_ALPHA} "
-                  f"({alpha * 1e6:.1f} us); fitted at 16 ranks (2 nodes of 8), "
-                  f"other sizes rescaled by the ring factor; the inter-node all-reduce is priced by links.inter_node "
-                  f"(one NIC per group: HSDP's replica groups)")
-
-
 def figures() -> dict[str, list[tuple[str, object, str]]]:
     """profile -> [(field path, new value, source)]; a value of KEEP keeps the old one (source says why)."""
     a100_ar, h100_ar = Curve("azure-a100", "all_reduce", 8), Curve("azure-h100", "all_reduce", 8)
-    a100_node, h100_node = 192 * GB, min(NODE_GPUS * 46 * GB, 360 * GB)
-    a100_inter, a100_inter_src = _inter_node_fits(a100_ar, a100_node, (
-        f"node aggregate 192 GB/s: 'On an Nvidia DGX-A100 system we have 8x200Gbit/s IB cards and we measure "
-        f"192GB/s AllReduce BusBW' ({DOCS['nccl-812']}); a ring all-gather or reduce-scatter over the same NICs "
-        f"has the same bus bandwidth ({DOCS['busbw']}); no published multi-node all-gather/reduce-scatter "
-        f"measurement for DGX A100 was found"))
-    h100_inter, h100_inter_src = _inter_node_fits(h100_ar, h100_node, (
-        f"node aggregate 360 GB/s: 8 NDR NICs at 'For NDR @ 400Gbps you should see 46-48GB/s per NIC' "
-        f"({DOCS['nccl-tests-290']}) give 368 GB/s, capped at the NVLink ring's 360 GB/s the ring also crosses "
-        f"({DOCS['nccl-tests-326']}); derived, no published multi-node DGX H100 ring measurement was found"))
     keep = {field: (KEEP, NOT_FOUND) for field in ("op_overhead_s", "overlap", "fsdp", "optimizer_tensor_s")}
     return {
         "a100-sxm4-80gb": [
@@ -179,9 +157,9 @@ def figures() -> dict[str, list[tuple[str, object, str]]]:
             ("links.inter_node.latency_s", round(a100_ar.fit()["alpha_s"], 7),
              "no published multi-node curve found: the alpha of the intra-node all-reduce fit"),
             ("collectives", [{"collective": "all_reduce", "group_size": 8, "scope": "intra_node",
-                              "alpha_s": a100_ar.fit()["alpha_s"], "beta_s_per_byte": a100_ar.fit()["beta_s_per_byte"]},
-                             *a100_inter],
-             f"all_reduce intra_node 8: {a100_ar.source()}. all_gather/reduce_scatter inter_node 16: {a100_inter_src}"),
+                              "alpha_s": a100_ar.fit()["alpha_s"], "beta_s_per_byte": a100_ar.fit()["beta_s_per_byte"]}],
+             f"all_reduce intra_node 8: {a100_ar.source()}. Every other collective from the topology "
+             f"(benchmarks/gpu_figures.py)"),
             ("host_link.h2d_bytes_s", 26.28 * GB,
              f"{DOCS['azure-a100']}: nvbandwidth Host to Device 26.28 GB/s (PCIe Gen4 x16); "
              f"{DOCS['gpuinspector-a100']}: pinned host<->device 24.33 GiB/s (26.1 GB/s) in a DGX-A100"),
@@ -216,10 +194,9 @@ def figures() -> dict[str, list[tuple[str, object, str]]]:
             ("links.inter_node.latency_s", round(h100_ar.fit()["alpha_s"], 7),
              "no published multi-node curve found: the alpha of the intra-node all-reduce fit"),
             ("collectives", [{"collective": "all_reduce", "group_size": 8, "scope": "intra_node",
-                              "alpha_s": h100_ar.fit()["alpha_s"], "beta_s_per_byte": h100_ar.fit()["beta_s_per_byte"]},
-                             *h100_inter],
+                              "alpha_s": h100_ar.fit()["alpha_s"], "beta_s_per_byte": h100_ar.fit()["beta_s_per_byte"]}],
              f"all_reduce intra_node 8: {h100_ar.source()} (NVLink SHARP: 'On 8 GPUs, you should reach a peak busBw "
-             f"of ~480GB/s', {DOCS['nccl-tests-212']}). all_gather/reduce_scatter inter_node 16: {h100_inter_src}"),
+             f"of ~480GB/s', {DOCS['nccl-tests-212']}). Every other collective from the topology (benchmarks/gpu_figures.py)"),
             ("host_link.h2d_bytes_s", 51 * GB, f"{DOCS['azure-h100']}: nvbandwidth Host to Device 51 GB/s (PCIe Gen5 x16)"),
             ("host_link.d2h_bytes_s", 52 * GB, f"{DOCS['azure-h100']}: nvbandwidth Device to Host 52 GB/s"),
             ("host_link.overlaps_compute", True,
@@ -273,6 +250,16 @@ def cpu_host_link(profile: dict) -> list[tuple[str, object, str]]:
     ]
 
 
+def cpu_identity(profile: dict) -> list[tuple[str, object, str]]:
+    """The measured CPU profile's device as its provenance recorded it; its CPU features were not recorded
+    when it was measured (`autoplan profile` records them since)."""
+    return [("identity", {"name": profile["provenance"]["device_name"], "memory_bytes": None, "sm_count": None,
+                          "boost_clock_mhz": None, "power_limit_w": None,
+                          "cpu_model": profile["provenance"]["device_name"], "cpu_cores": None, "cpu_features": []},
+             "provenance.device_name of the measurement; its CPU features were not recorded then (issue 25: it had "
+             "bf16 matrix units); `autoplan profile` records them")]
+
+
 def _get(profile: dict, path: str):
     node = profile
     for part in path.split("."):
@@ -306,16 +293,27 @@ def main() -> None:
     args = parser.parse_args()
     table = figures()
     cpu = json.loads((PROFILES / "cpu-gloo-2.json").read_text())
-    table["cpu-gloo-2"] = cpu_host_link(cpu)
+    table["cpu-gloo-2"] = cpu_host_link(cpu) + cpu_identity(cpu)
     devices = {"a100-sxm4-80gb": "NVIDIA A100 SXM4 80GB", "h100-sxm-80gb": "NVIDIA H100 SXM5 80GB",
                "v100-sxm2-32gb": "NVIDIA V100 SXM2 32GB"}
+    templates = {}
+    for name, (template, device, rows) in new_profile_figures().items():  # the template's figures, then its own
+        table[name], devices[name], templates[name] = list(table[template]) + rows, device, template
+    for name, rows in extra_figures().items():  # overlap's and fsdp's parts are sourced there: no "kept" rows
+        fitted = fitted_scale_rows(name)
+        table[name] = [row for row in table[name] if row[0] != "overlap" and not (fitted and row[0] == "fsdp")]
+        table[name] += rows + fitted
     print(f"{'profile':<16} {'figure':<40} {'old':>12} {'new':>12}  source")
     for name, rows in table.items():
         path = PROFILES / f"{name}.json"
-        profile = json.loads(path.read_text())
+        profile = json.loads((path if path.exists() else PROFILES / f"{templates[name]}.json").read_text())
+        profile["name"] = name
         sources = profile["provenance"].setdefault("sources", {})
         if name in devices:
             profile["provenance"]["description"] = DESCRIPTION.format(device=devices[name])
+            identity = {field: value for field, value, _ in rows}.get("identity")
+            if identity:
+                profile["provenance"]["device_name"] = identity["name"]
         for field, value, source in rows:
             old = _get(profile, field)
             source = source.format(old=_short(old))
@@ -324,6 +322,8 @@ def main() -> None:
             if value is not KEEP:
                 _set(profile, field, value)
             sources[field] = source
+            if "." in field:  # a part sourced on its own: the whole's old source no longer speaks for it
+                sources.pop(field.split(".")[0], None)
         if args.write:  # validated, and written as `autoplan profile` writes profiles
             save_profile(DeviceProfile.model_validate(profile), path)
     if args.write:

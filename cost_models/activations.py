@@ -13,7 +13,7 @@ from cost_models.options import SAVED_BY_SELECTIVE_KINDS, Recompute
 from cost_models.records import LOSS_NODE, ModelTrace, OpRecord, Unit
 
 __all__ = ["BackwardPeak", "Segment", "activation_keep_bytes", "backward_keep_bytes", "kept_saved_bytes",
-           "backward_points", "backward_peak", "loss_kept_bytes", "loss_reads_key", "saved_by_selective"]
+           "backward_points", "backward_peak", "kept_outputs", "loss_kept_bytes", "loss_reads_key", "saved_by_selective"]
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,7 @@ class Segment:
     bwd_peak: BackwardPeak = BackwardPeak(0, 0)  # its unit not checkpointed
     bwd_peak_checkpointed: BackwardPeak = BackwardPeak(0, 0)  # fully checkpointed
     bwd_peak_selective: BackwardPeak = BackwardPeak(0, 0)  # selectively checkpointed
+    bwd_peak_alternate: BackwardPeak = BackwardPeak(0, 0)  # checkpointed keeping every other matmul's output
     # parameter gradients that the units around its unit have computed when its backward runs
     outer_grad_bytes: int = 0
     outside_model: bool = False  # the loss, computed on the model's output (it is the root's op)
@@ -49,6 +50,19 @@ def saved_by_selective(op: OpRecord) -> bool:
     """Whether selective checkpointing keeps this op's outputs (matmuls and attention; the rest is
     recomputed): the trace-side twin of the aten ops apply's policy saves (options.SAVED_BY_SELECTIVE_ATEN)."""
     return op.is_matmul or op.kind in SAVED_BY_SELECTIVE_KINDS
+
+
+def kept_outputs(ops: list[OpRecord], recompute: Recompute) -> set[str]:
+    """The names of a unit's ops (in forward order) whose outputs its checkpoint mode keeps: under CHEAP every
+    matmul's and attention's; under ALTERNATE attention's and every other matmul's, the 1st, 3rd, ... as
+    torchtitan's policy counts the region's matmuls (apply's run/ac.py counts the same, its aten matmuls);
+    none otherwise."""
+    if recompute is Recompute.CHEAP:
+        return {op.name for op in ops if saved_by_selective(op)}
+    if recompute is Recompute.ALTERNATE:
+        matmuls = [op.name for op in ops if op.is_matmul and op.kind not in SAVED_BY_SELECTIVE_KINDS]
+        return {op.name for op in ops if op.kind in SAVED_BY_SELECTIVE_KINDS} | set(matmuls[::2])
+    return set()
 
 
 def _storage_bytes(trace: ModelTrace) -> dict[int, int]:
@@ -63,8 +77,8 @@ def _storage_bytes(trace: ModelTrace) -> dict[int, int]:
 def _kept_inputs(trace: ModelTrace, unit: Unit, recompute: Recompute = Recompute.ALL,
                  sizes: dict[int, int] | None = None) -> dict[int, tuple[int, str | None]]:
     """What a checkpointed unit keeps: its inputs produced outside it, unless saved elsewhere already;
-    selectively checkpointed (Recompute.CHEAP), also the outputs of its matmul and attention ops that
-    another op reads or saves. Storage -> (bytes, the unit's op that saved it first, if one did)."""
+    selectively checkpointed (Recompute.CHEAP, ALTERNATE), also the outputs of the ops its mode keeps
+    (kept_outputs) that another op reads or saves. Storage -> (bytes, the unit's op that saved it first, if one did)."""
     owned = set(unit.ops)
     keep: dict[int, tuple[int, str | None]] = {}
     for name in unit.ops:
@@ -76,9 +90,9 @@ def _kept_inputs(trace: ModelTrace, unit: Unit, recompute: Recompute = Recompute
             if saver is not None and saver[1] not in owned:
                 continue  # already kept alive by an op outside this unit
             keep[storage] = (nbytes, saver[1] if saver is not None else None)
-    if recompute is Recompute.CHEAP:
+    if recompute.keeps_outputs:
         sizes = sizes if sizes is not None else _storage_bytes(trace)
-        kept_ops = {name for name in unit.ops if saved_by_selective(trace.op(name))}
+        kept_ops = kept_outputs([trace.op(name) for name in unit.ops], recompute)
         for storage, producer in trace.storage_producer.items():
             if producer in kept_ops and storage in sizes and storage not in keep:
                 saver = trace.saved_storages.get(storage)
@@ -90,7 +104,7 @@ def _kept_inputs(trace: ModelTrace, unit: Unit, recompute: Recompute = Recompute
 
 def activation_keep_bytes(trace: ModelTrace, units: list[Unit], recompute: Recompute = Recompute.ALL) -> list[int]:
     """Per unit, the bytes it keeps from its forward to its backward when checkpointed this way."""
-    sizes = _storage_bytes(trace) if recompute is Recompute.CHEAP else None
+    sizes = _storage_bytes(trace) if recompute.keeps_outputs else None
     return [sum(nbytes for nbytes, _ in _kept_inputs(trace, unit, recompute, sizes).values()) for unit in units]
 
 
@@ -105,7 +119,7 @@ def _kept_through_backward(trace: ModelTrace, unit: Unit, recompute: Recompute,
     runs, so the outputs of that op and the ops after it stay in the cache (a Llama block: its down
     projection's output; measured with autoplan.memtrack at 16k tokens, where q/k/v/o were freed)."""
     kept = _kept_inputs(trace, unit, recompute, sizes)
-    if recompute is not Recompute.CHEAP:
+    if not recompute.keeps_outputs:
         return kept
     owned = set(unit.ops)
     savers = {name for _, name in trace.saved_storages.values() if name in owned}
@@ -117,7 +131,7 @@ def _kept_through_backward(trace: ModelTrace, unit: Unit, recompute: Recompute,
 
 def backward_keep_bytes(trace: ModelTrace, units: list[Unit], recompute: Recompute = Recompute.ALL) -> list[int]:
     """Per unit, the kept bytes (activation_keep_bytes) still held after its backward's recomputation."""
-    sizes = _storage_bytes(trace) if recompute is Recompute.CHEAP else None
+    sizes = _storage_bytes(trace) if recompute.keeps_outputs else None
     return [sum(nbytes for nbytes, _ in _kept_through_backward(trace, unit, recompute, sizes).values())
             for unit in units]
 
@@ -136,7 +150,7 @@ def kept_saved_bytes(trace: ModelTrace, units: list[Unit], recompute: Recompute 
     its unsaved inputs among its transients (fwd_transient_bytes), and the unit's kept bytes count them
     already, so the cost table takes them off the loss's forward where that unit keeps them. They travel
     in this map, keyed by their producer, so that every caller extrapolating it carries them."""
-    sizes = _storage_bytes(trace) if recompute is Recompute.CHEAP else None
+    sizes = _storage_bytes(trace) if recompute.keeps_outputs else None
     kept: dict[str, int] = {}
     for unit in units:  # a selectively kept output the recomputation replays is saved (and counted) as recomputed
         for nbytes, saver in _kept_through_backward(trace, unit, recompute, sizes).values():

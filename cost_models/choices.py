@@ -19,7 +19,7 @@ from cost_models.options import (
     ShardingKind,
 )
 
-__all__ = ["Option", "options_for"]
+__all__ = ["Option", "options_for", "searched_options"]
 
 
 @dataclass(frozen=True)
@@ -66,3 +66,10 @@ def options_for(is_leaf: bool, is_root: bool, nodes: int, offload: bool = False,
             if offload and has_params:
                 options.append(Option(kind.name, mode.name, True))
     return options
+
+
+def searched_options(options: list[Option]) -> list[int]:
+    """The indices of `options` the solver's search considers: those whose checkpoint mode is searched, or all
+    of them where none is (a unit pinned to an unsearched mode keeps it)."""
+    searched = [i for i, option in enumerate(options) if option.mode.searched]
+    return searched or list(range(len(options)))

@@ -11,8 +11,11 @@ first pays a page fault per page (`DeviceProfile.first_touch_s_per_byte`): gpt2 
 project's machine. AdamW's single-tensor CPU step allocates two temporaries per parameter tensor,
 which pay the same for a large tensor.
 
-GPU profiles keep none of this (their copies run at HBM bandwidth, inside the calibrated per-unit
-costs, and the caching allocator reuses its blocks): every function returns 0 for them.
+On a GPU the caching allocator reuses its blocks (no first touch), and of the copies those on the compute
+stream count: the copy-out after each all-gather (torch 2.13, _fsdp_param_group.wait_for_unshard) and the
+copy of the unsharded gradients into the reduction input (_fsdp_collectives.foreach_reduce, before it hands
+the buffer to the reduce-scatter stream), each a read and a write at the profile's copy bandwidth; the
+all-gather's copy-in (a shard) runs on a stream of its own and is not priced.
 """
 
 from __future__ import annotations
@@ -34,6 +37,11 @@ def buffer_s(nbytes: int, profile: DeviceProfile) -> float:
     return 2 * nbytes / bandwidth + fresh
 
 
+def _hbm_s(nbytes: int, profile: DeviceProfile) -> float:
+    """Bytes read and written by a GPU copy kernel, at the profile's copy bandwidth."""
+    return nbytes / (profile.mem_bandwidth_bytes_s * profile.mem_bandwidth_efficiency)
+
+
 def _local_elements(unit: Unit, shard: int) -> list[int]:
     """Each parameter's elements on one rank (FSDP2 pads dim 0 to a multiple of the shard group)."""
     return [math.ceil((p.shape or (1,))[0] / shard) * math.prod((p.shape or (1,))[1:]) for p in unit.params]
@@ -53,6 +61,8 @@ def gather_copy_s(unit: Unit, shard: int, precision: Precision, profile: DeviceP
         return 0.0
     cb = precision.compute_bytes
     gathered = sum(local) * shard * cb
+    if profile.device_type == "cuda":  # the copy-out into each parameter's unsharded storage
+        return _hbm_s(2 * gathered, profile)
     copy_in = buffer_s(sum(local) * cb, profile) if shard > 1 else sum(buffer_s(n * cb, profile) for n in local)
     output = buffer_s(gathered, profile) if shard > 1 else 0.0
     gloo_output = output if shard > 1 and gathered >= profile.first_touch_min_bytes else 0.0
@@ -66,6 +76,8 @@ def reduce_copy_s(unit: Unit, shard: int, replicas: int, precision: Precision, p
     if not local or (shard == 1 and replicas == 1):
         return 0.0
     rb = precision.reduce_bytes
+    if profile.device_type == "cuda":  # the unsharded gradients read, the reduction input written
+        return _hbm_s(local * shard * (precision.compute_bytes + rb), profile)
     total = buffer_s(local * shard * rb, profile)
     if shard > 1:
         total += buffer_s(local * shard * rb, profile) + buffer_s(local * rb, profile)

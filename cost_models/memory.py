@@ -100,7 +100,7 @@ def _sum(terms: list) -> object:
 
 def _backward_peak(seg, recompute: Recompute):
     return {Recompute.NOTHING: seg.bwd_peak, Recompute.ALL: seg.bwd_peak_checkpointed,
-            Recompute.CHEAP: seg.bwd_peak_selective}[recompute]
+            Recompute.CHEAP: seg.bwd_peak_selective, Recompute.ALTERNATE: seg.bwd_peak_alternate}[recompute]
 
 
 def timeline(table: CostTable, alg: Algebra) -> list[MemoryPoint]:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from cost_models.activations import saved_by_selective
+from cost_models.activations import kept_outputs
 from cost_models.choices import Option
 from cost_models.mesh import Mesh
 from cost_models.options import OptimizerKind, Precision, Recompute, ShardGroup
@@ -131,7 +131,7 @@ class UnitPricer:
         self.profile, self.mesh, self.offload = profile, mesh, offload
         self.precision, self.optimizer = training.precision, training.optimizer_kind
         self.compute = ComputeModel(profile, self.precision.compute_dtype)
-        self.comm = CommModel(profile)
+        self.comm = CommModel(profile, mesh.gpus_per_node, mesh.dp_per_node)
         # slowdowns apply only where compute and communication run at the same time
         overlap = profile.overlap
         self.slowdowns = (overlap.compute_slowdown, overlap.comm_slowdown) if overlap.enabled else (1.0, 1.0)
@@ -142,13 +142,14 @@ class UnitPricer:
         Ops as they run inside a training step, not one at a time (see FsdpOverhead)."""
         fsdp, compute = self.profile.fsdp, self.compute
         recompute_scale = fsdp.compute_recompute_scale or fsdp.compute_bwd_scale
-        fwd_s = fsdp.compute_fwd_scale * sum(compute.op_time_s(op, "fwd") for op in unit_ops)
-        bwd_s = fsdp.compute_bwd_scale * sum(compute.op_time_s(op, "bwd") for op in unit_ops)
+        fwd_s = compute.ops_time_s(unit_ops, "fwd", fsdp.compute_fwd_scale)
+        bwd_s = compute.ops_time_s(unit_ops, "bwd", fsdp.compute_bwd_scale)
         recompute_s = {
             Recompute.NOTHING: 0.0,
-            Recompute.ALL: recompute_scale * sum(compute.op_time_s(op, "fwd") for op in unit_ops),
-            Recompute.CHEAP: recompute_scale * sum(compute.op_time_s(op, "fwd") for op in unit_ops
-                                                   if not saved_by_selective(op)),
+            Recompute.ALL: compute.ops_time_s(unit_ops, "fwd", recompute_scale),
+            **{mode: compute.ops_time_s([op for op in unit_ops if op.name not in kept_outputs(unit_ops, mode)],
+                                        "fwd", recompute_scale)
+               for mode in (Recompute.CHEAP, Recompute.ALTERNATE)},
         }
         return fwd_s, bwd_s, recompute_s, sum(op.saved_bytes for op in unit_ops)
 
@@ -218,8 +219,9 @@ class UnitPricer:
         reduction_input = padded * precision.reduce_bytes
         reduce_scatter = comm.collective_s("reduce_scatter", reduction_input, shard, mesh.scope(shard))
         replicas_span_nodes = shard == 1 or option.kind.shard_group == ShardGroup.NODE
-        all_reduce = comm.collective_s("all_reduce", local * precision.reduce_bytes, replicas,
-                                       mesh.scope(replicas, replicas_span_nodes))
+        all_reduce = comm.collective_s("all_reduce", local * precision.reduce_bytes, replicas,  # HSDP: a rank per node
+                                       mesh.scope(replicas, replicas_span_nodes),
+                                       ranks_per_node=1 if option.kind.shard_group == ShardGroup.NODE else None)
         regathers = option.kind.reshard_after_forward  # the root too: apply sets the flag explicitly
         has_params = bool(unit.params)
         calls_fwd = int(has_params and shard > 1)
@@ -246,7 +248,7 @@ class UnitPricer:
     def _overheads(self, unit: Unit, shard: int, replicas: int, comm: _Collectives, copy_fwd: float,
                    copy_bwd: float, regathers: bool) -> tuple[float, float]:
         """FSDP2's per-unit time beyond ops and collectives, forward and backward: its fixed cost, each
-        collective call's in-step cost, its own copies around the collectives (CPU profiles; large_buffers),
+        collective call's in-step cost, its own copies around the collectives (large_buffers: on the compute stream),
         and host copies that do not overlap compute."""
         profile, precision, fsdp, host = self.profile, self.precision, self.profile.fsdp, self.profile.host_link
         gather_copies = gather_copy_s(unit, shard, precision, profile)

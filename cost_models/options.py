@@ -112,7 +112,13 @@ class Recompute(_Category):
 
     NOTHING = "nothing"  # no checkpointing: every activation its ops save is kept
     CHEAP = "cheap"  # keeps its inputs and the outputs of matmuls, attention and collectives; re-runs the rest
+    ALTERNATE = "alternate"  # as CHEAP but keeps only every other matmul's output (the 1st, 3rd, ...)
     ALL = "all"  # keeps its inputs only; re-runs its whole forward
+
+    @property
+    def keeps_outputs(self) -> bool:
+        """An op-level (selective) policy: some of the unit's op outputs are kept from its forward."""
+        return self in (Recompute.CHEAP, Recompute.ALTERNATE)
 
 
 # The ops a selective checkpoint saves, by what the trace knows of an op (OpRecord.is_matmul, its kind) and,
@@ -137,6 +143,10 @@ class CheckpointMode:
     """The suffix reports and pins write after the sharding kind ("+ckpt"); "" for none."""
     description: str = ""
     """One line for help texts and reports."""
+    searched: bool = True
+    """Offered to the solver's search. False for a mode that exists to price and run a configuration as
+    others run it (torchtitan's policy): `--checkpoint`, pins and plan files still take it, and the search
+    keeps its problem (a block's options) as it was."""
 
     def __post_init__(self):
         object.__setattr__(self, "recompute", Recompute(self.recompute))
@@ -239,6 +249,10 @@ CHECKPOINT_MODES: dict[str, CheckpointMode] = {
                                    "recomputes the rest (torch.utils.checkpoint's selective policy)"),
         CheckpointMode("full", Recompute.ALL, "+ckpt",
                        description="full activation checkpointing: keeps the unit's inputs, recomputes its forward"),
+        CheckpointMode("selective_op", Recompute.ALTERNATE, "+selop", searched=False,
+                       description="torchtitan's selective op policy: keeps attention and collective outputs and "
+                                   "every other matmul's output (the 1st, 3rd, ... of the unit's forward), recomputes "
+                                   "the rest (torch.utils.checkpoint's selective policy)"),
     )
 }
 
@@ -248,6 +262,10 @@ PRECISIONS: dict[str, Precision] = {
         Precision("bf16-mixed", master_dtype=Dtype.FP32, compute_dtype=Dtype.BF16, reduce_dtype=Dtype.FP32,
                   description="FSDP2 MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32); fp32 master "
                               "weights and optimizer states"),
+        Precision("bf16-reduce", master_dtype=Dtype.FP32, compute_dtype=Dtype.BF16, reduce_dtype=Dtype.BF16,
+                  description="FSDP2 MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16); fp32 master "
+                              "weights and optimizer states, gradients reduced in bf16 (FSDP1's bf16 policies, "
+                              "Composer's PURE)"),
         Precision("bf16", master_dtype=Dtype.BF16, compute_dtype=Dtype.BF16, reduce_dtype=Dtype.BF16,
                   description="the model cast to bf16: weights, gradients and optimizer states"),
         Precision("fp32", master_dtype=Dtype.FP32, compute_dtype=Dtype.FP32, reduce_dtype=Dtype.FP32,

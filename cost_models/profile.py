@@ -12,8 +12,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 __all__ = [
-    "PROFILE_SCHEMA_VERSION", "Provenance", "Link", "CollectiveFit", "OpTiming", "OpFit", "Overlap", "FsdpOverhead",
-    "LossParallel", "TpDispatch", "HostLink", "DeviceProfile",
+    "PROFILE_SCHEMA_VERSION", "Provenance", "DeviceIdentity", "Link", "Topology", "CollectiveFit", "OpTiming", "OpFit",
+    "MatmulShape", "AttentionRate", "Overlap", "FsdpOverhead", "LossParallel", "TpDispatch", "HostLink", "DeviceProfile",
 ]
 
 PROFILE_SCHEMA_VERSION = 1
@@ -39,11 +39,53 @@ class Provenance(_Strict):
     from (document, table or figure, and the number there). `autoplan profiles` prints them."""
 
 
+class DeviceIdentity(_Strict):
+    """The device a profile was measured on (measured) or describes (datasheet): what `search` and `apply`
+    compare with the machine they run on, and what a reader checks before trusting the figures. GPU fields
+    are None for a CPU profile and the CPU ones describe its host; a CPU profile's `cpu_features` name the
+    matrix and vector units its op timings depend on (a bf16 matmul runs on AMX or AVX512-BF16 units where
+    the CPU has them, and is emulated, many times slower, where it has AVX2 only)."""
+
+    name: str
+    """The device as its driver names it: "NVIDIA A100-SXM4-80GB", or the CPU's model name."""
+    memory_bytes: int | None = Field(default=None, gt=0)
+    sm_count: int | None = Field(default=None, gt=0)
+    """Streaming multiprocessors (GPU): what a kernel's thread blocks are scheduled on, one wave at a time."""
+    boost_clock_mhz: float | None = Field(default=None, gt=0)
+    """The clock the datasheet's peak FLOP/s is quoted at (GPU)."""
+    power_limit_w: float | None = Field(default=None, gt=0)
+    cpu_model: str | None = None
+    cpu_cores: int | None = Field(default=None, gt=0)
+    cpu_features: list[str] = Field(default_factory=list)
+    """Of the host's matrix and vector features, those that decide op speed: amx_bf16, avx512_bf16, avx512f, avx2."""
+
+
 class Link(_Strict):
     """A ring collective's bus bandwidth and per-call latency over one kind of link."""
 
     bus_bandwidth_bytes_s: float = Field(gt=0)
     latency_s: float = Field(ge=0)
+
+
+class Topology(_Strict):
+    """How the GPUs of a node and the nodes are connected, for collectives no measured fit covers
+    (cost_models/comm.py): NCCL's ring (and, for all-reduce across nodes, its tree) over these links, with
+    NCCL's own latency model (src/graph/tuning.cc: a base latency per call, one per ring step inside a node
+    and one per step between nodes)."""
+
+    intra_node: Literal["nvswitch", "nvlink_pairs", "pcie"]
+    """nvswitch: every GPU reaches every other at full NVLink rate (SXM boards); nvlink_pairs: PCIe cards
+    with NVLink bridges between pairs (a ring across the node crosses PCIe); pcie: PCIe only."""
+    intra_bus_bytes_s: float = Field(gt=0)
+    """A ring across the node's GPUs: NCCL's bus bandwidth (nccl-tests' busbw) for large messages."""
+    pair_bus_bytes_s: float | None = Field(default=None, gt=0)
+    """nvlink_pairs: the bus bandwidth between the two GPUs of a bridged pair."""
+    nics_per_node: int = Field(ge=1)
+    nic_bytes_s: float = Field(gt=0)
+    """What one NIC delivers to NCCL (bytes/s, one direction), not its line rate."""
+    base_latency_s: float = Field(ge=0)
+    intra_hop_latency_s: float = Field(ge=0)
+    inter_hop_latency_s: float = Field(ge=0)
 
 
 class CollectiveFit(_Strict):
@@ -85,6 +127,28 @@ class OpFit(_Strict):
     per-byte rate of the small ones that dominate the family's fit."""
 
 
+class MatmulShape(_Strict):
+    """A GPU matmul's efficiency by shape (NVIDIA, "Matrix Multiplication Background User's Guide", tile and
+    wave quantization): cuBLAS covers the M x N output with thread-block tiles and runs them in waves of one
+    tile per SM, so a product whose tiles do not fill the last wave (or whose edges fill their tiles
+    partly) runs at the fraction of the full-wave rate its useful tiles make up. `full_wave_efficiency`:
+    the fraction of the peak a product reaches at full waves."""
+
+    sm_count: int = Field(gt=0)
+    tiles: list[tuple[int, int]] = Field(default_factory=lambda: [(256, 128), (128, 256), (128, 128)])
+    full_wave_efficiency: float = Field(gt=0, le=1)
+
+
+class AttentionRate(_Strict):
+    """A fused (flash) attention kernel's measured rate, forward and backward together, at one shape: FLOP/s
+    with a causal mask's FLOPs counted once (the half it computes), as flash-attention's benchmarks count."""
+
+    head_dim: int = Field(gt=0)
+    causal: bool
+    seq_len: int = Field(gt=0)
+    flops_s: float = Field(gt=0)
+
+
 class Overlap(_Strict):
     """Whether FSDP2 runs a unit's collectives concurrently with compute (CUDA: collectives on their
     own streams; CPU + gloo: no, the unit waits for its all-gather, and comm and compute add up), and
@@ -93,6 +157,9 @@ class Overlap(_Strict):
     enabled: bool = True
     compute_slowdown: float = Field(default=1.0, ge=1.0)
     comm_slowdown: float = Field(default=1.0, ge=1.0)
+    comm_sm_fraction: float = Field(default=0.0, ge=0.0, lt=1.0)
+    """The share of the GPU's SMs a running NCCL collective holds (its CTAs do not share an SM with compute
+    kernels): compute runs at 1 - this while a collective runs (cost_models/step.py)."""
 
 
 class FsdpOverhead(_Strict):
@@ -187,6 +254,7 @@ class DeviceProfile(_Strict):
     source: Literal["datasheet", "measured"]
     provenance: Provenance
     device_type: Literal["cuda", "cpu"]
+    identity: DeviceIdentity | None = None  # None: an older profile that did not record it
     mem_bytes: int = Field(gt=0)
     peak_flops: dict[str, float]  # dtype name ("bf16", "fp16", "fp32") -> FLOP/s
     matmul_efficiency: float = Field(gt=0, le=1)  # fraction of peak a large matmul reaches
@@ -194,7 +262,10 @@ class DeviceProfile(_Strict):
     mem_bandwidth_efficiency: float = Field(gt=0, le=1)
     op_overhead_s: float = Field(ge=0)  # per-op launch / dispatch cost
     links: dict[Scope, Link]
+    topology: Topology | None = None  # None: collectives without a fit go by `links`
     collectives: list[CollectiveFit] = Field(default_factory=list)
+    matmul: MatmulShape | None = None  # None: every matmul at `matmul_efficiency`
+    attention: list[AttentionRate] = Field(default_factory=list)  # empty: attention as a matmul
     overlap: Overlap = Field(default_factory=Overlap)
     optimizer_bytes_s: float | None = Field(default=None, gt=0)  # measured AdamW throughput, bytes of state touched
     # the optimizer step's fixed cost per parameter tensor (per-tensor kernels, DTensor dispatch)

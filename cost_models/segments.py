@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import heapq
 
-from cost_models.activations import Segment, backward_peak
+from cost_models.activations import BackwardPeak, Segment, backward_peak
 from cost_models.options import Recompute
 from cost_models.records import LOSS_NODE
 
@@ -44,8 +44,9 @@ def build_segments(inputs, owner: dict[str, int], classes: list[int]) -> list[Se
 
 def _backward_peaks(inputs, segments: list[Segment], owners: list[int], positions: dict[int, list[int]],
                     classes: list[int]) -> None:
-    """Each segment's backward peak unchecked, fully and selectively checkpointed, simulated once per class of
-    alike units and the segment's place among its unit's segments."""
+    """Each segment's backward peak unchecked, fully and selectively checkpointed (each selective policy where
+    the inputs say what it keeps), simulated once per class of alike units and the segment's place among its
+    unit's segments."""
     ops, kept_saved = inputs.ops, inputs.kept_saved
     simulated: dict[tuple[int, int], tuple] = {}
     ordinal: dict[int, int] = {}
@@ -57,12 +58,11 @@ def _backward_peaks(inputs, segments: list[Segment], owners: list[int], position
             where = positions[seg.unit]
             simulated[key] = (
                 backward_peak(ops, owners, seg, checkpointed=False, positions=where),
-                backward_peak(ops, owners, seg, checkpointed=True, kept_saved=kept_saved[Recompute.ALL],
-                              positions=where),
-                backward_peak(ops, owners, seg, checkpointed=True, kept_saved=kept_saved[Recompute.CHEAP],
-                              positions=where),
+                *(backward_peak(ops, owners, seg, checkpointed=True, kept_saved=kept_saved[mode], positions=where)
+                  if mode in kept_saved else BackwardPeak(0, 0)
+                  for mode in (Recompute.ALL, Recompute.CHEAP, Recompute.ALTERNATE)),
             )
-        seg.bwd_peak, seg.bwd_peak_checkpointed, seg.bwd_peak_selective = simulated[key]
+        seg.bwd_peak, seg.bwd_peak_checkpointed, seg.bwd_peak_selective, seg.bwd_peak_alternate = simulated[key]
 
 
 def _outer_gradients(inputs, segments: list[Segment], positions: dict[int, list[int]]) -> None:

@@ -39,6 +39,9 @@ class CostTable:
     overlap_compute: float
     overlap_comm: float
     overlap_enabled: bool = True  # False: a unit's collectives and compute add up (CPU + gloo)
+    comm_sm_fraction: float = 0.0  # the SMs a running collective holds (see step.py)
+    model_flops: float = 0.0  # a rank's FLOPs of one micro-batch's forward and backward, no recompute (MFU's)
+    peak_flops: float = 0.0  # the profile's peak FLOP/s in the compute dtype
     host_limit_bytes: int | None = None  # host memory per rank for offloaded state (node's / GPUs per node)
 
     @property
@@ -95,7 +98,8 @@ def build_cost_table(inputs: TableInputs, profile: DeviceProfile, mesh: Mesh, mi
             all_options.append(list(all_options[alike]))
             all_costs.append([copy.copy(cost) for cost in all_costs[alike]])
             continue
-        options = options_for(unit.is_leaf, unit.is_root, mesh.nodes, offload, bool(unit.params))
+        options = [option for option in options_for(unit.is_leaf, unit.is_root, mesh.nodes, offload, bool(unit.params))
+                   if not option.mode.checkpoints or option.recompute in inputs.keep]  # modes the inputs price
         times = pricer.unit_times([by_name[name] for name in unit.ops])
         all_options.append(options)
         all_costs.append([pricer.option_cost(unit, option, times, inputs.keep, inputs.backward_keep, index)
@@ -112,6 +116,9 @@ def build_cost_table(inputs: TableInputs, profile: DeviceProfile, mesh: Mesh, mi
         micro_batch_size=micro_batch.size, grad_accum_steps=micro_batch.grad_accum_steps, seq_len=training.seq_len,
         mesh=mesh, precision=precision, root=next(i for i, unit in enumerate(units) if unit.is_root),
         overlap_compute=cs, overlap_comm=ms, overlap_enabled=profile.overlap.enabled, host_limit_bytes=host_limit_bytes,
+        comm_sm_fraction=profile.overlap.comm_sm_fraction,
+        model_flops=float(sum(op.fwd_flops + op.bwd_flops for op in inputs.ops)),
+        peak_flops=pricer.compute.peak_flops,
     )
 
 

@@ -56,7 +56,8 @@ def predicted_keep(model_name: str, block: str) -> dict[Recompute, int]:
     units = build_units(model, trace)
     index = [unit.path for unit in units].index(block)
     unit = units[index]
-    predicted = {mode: activation_keep_bytes(trace, units, mode)[index] for mode in (Recompute.CHEAP, Recompute.ALL)}
+    predicted = {mode: activation_keep_bytes(trace, units, mode)[index]
+                 for mode in (Recompute.CHEAP, Recompute.ALTERNATE, Recompute.ALL)}
     # not checkpointed: every activation its ops saved (and the input, which its first norm saves)
     predicted[Recompute.NOTHING] = sum(trace.op(name).saved_bytes for name in unit.ops)
     return predicted
@@ -66,7 +67,7 @@ def predicted_keep(model_name: str, block: str) -> dict[Recompute, int]:
 def test_selective_keeps_less_than_none_and_more_than_full_as_the_cost_model_says(model_name, block):
     measured = {mode: kept_by_block(model_name, block, mode) for mode in CHECKPOINT_MODES}
     kept = {CHECKPOINT_MODES[mode].recompute: value for mode, (value, _) in measured.items()}
-    assert kept[Recompute.ALL] < kept[Recompute.CHEAP] < kept[Recompute.NOTHING]
+    assert kept[Recompute.ALL] < kept[Recompute.ALTERNATE] < kept[Recompute.CHEAP] < kept[Recompute.NOTHING]
     predicted = predicted_keep(model_name, block)
     for recompute, value in kept.items():
         assert value == pytest.approx(predicted[recompute], rel=0.02), recompute
@@ -88,6 +89,19 @@ def test_selective_keep_of_a_llama_block_counted_by_hand():
     )
     measured, _ = kept_by_block("llama-tiny", "layers.1", "selective")
     assert measured == by_hand == predicted_keep("llama-tiny", "layers.1")[Recompute.CHEAP]
+
+
+def test_torchtitans_selective_op_keep_of_a_llama_block_counted_by_hand():
+    # every other matmul's output, the 1st, 3rd, ...: wq, wv, w1, w2 kept; wk, wo, w3 recomputed
+    tokens, word = BATCH * SEQ, 4
+    by_hand = tokens * word * (
+        64  # the block's input
+        + 64 + 32  # wq, wv
+        + 64 + 4  # attention: its output and the log-sum-exp
+        + 176 + 64  # w1, w2
+    )
+    measured, _ = kept_by_block("llama-tiny", "layers.1", "selective_op")
+    assert measured == by_hand == predicted_keep("llama-tiny", "layers.1")[Recompute.ALTERNATE]
 
 
 def test_a_new_checkpoint_row_runs_by_its_recompute_property():

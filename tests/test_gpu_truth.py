@@ -42,6 +42,9 @@ def test_quick_cpu_kit_writes_every_stage_into_one_results_file(tmp_path):
     assert profile["status"] == "ok" and profile["links_from"] == "cpu-gloo-2"
     measured = json.loads(Path(profile["path"]).read_text())  # the kit's copy; a CPU run leaves profiles/ alone
     assert measured["source"] == "measured" and measured["host_link"]["overlaps_compute"] is False
+    from autoplan.machine import cpu_identity  # the device it was measured on, as search and apply compare it
+    assert measured["identity"]["name"] == cpu_identity().name
+    assert measured["identity"]["cpu_features"] == cpu_identity().cpu_features
     assert not (REPO / "profiles" / Path(profile["path"]).name).exists()
 
     grid = results["stages"]["grid"]
@@ -52,10 +55,14 @@ def test_quick_cpu_kit_writes_every_stage_into_one_results_file(tmp_path):
         assert abs(row["mem_error"]) < 0.25, row
         assert row["measured_compute_s"] > 0 and row["predicted_compute_s"] > 0
         assert row["cuda_max_allocated_bytes"] is None  # no CUDA here: the live-tensor peak only
-    for row in grid["rows"]:  # each plan kept beside the results, to replay its allocations later
+    plans = json.loads((out / "plans.json").read_text())
+    for row in grid["rows"]:  # each plan kept beside the results (one file), to replay its allocations later
         if "predicted" in row:
-            plan = json.loads((out / row["plan_file"]).read_text())
-            assert plan["predicted"]["peak_mem_bytes"] == row["predicted"]["peak_mem_bytes"]
+            assert plans[row["plan_key"]]["predicted"]["peak_mem_bytes"] == row["predicted"]["peak_mem_bytes"]
+    # every stage ran inside its share of the budget, and says so
+    for stage in ("profile", "grid", "compute"):
+        assert results["stages"][stage]["stage_wall_s"] <= results["stages"][stage]["allowance_s"] + 5
+    assert len([p for p in out.iterdir() if p.is_file()]) <= 8  # what the device tool returns of $OUT
 
     [run] = results["stages"]["compute"]["rows"]
     assert run["status"] == "ok" and run["measured_step_s"] > 0 and run["measured_peak_bytes"] > 0

@@ -1,9 +1,11 @@
 """FSDP2's copies and the CPU's freshly mapped memory in the step time (cost_models/large_buffers.py),
 and the profiler's measurements behind them (autoplan/profiling/device.py)."""
 
+import math
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from autoplan.profile_store import load_profile
@@ -30,9 +32,13 @@ def test_large_buffers_pay_their_first_touch_small_ones_only_bandwidth():
     assert 0 < below < threshold * CPU.first_touch_s_per_byte
 
 
-def test_gpu_profiles_charge_nothing():
+def test_gpu_profiles_charge_the_compute_streams_copies_at_hbm_bandwidth_and_no_first_touch():
+    bandwidth = GPU.mem_bandwidth_bytes_s * GPU.mem_bandwidth_efficiency
     for unit in (EMBEDDING, SMALL):
-        assert gather_copy_s(unit, 8, BF16, GPU) == reduce_copy_s(unit, 8, 1, BF16, GPU) == 0.0
+        padded = sum(math.ceil(p.shape[0] / 8) * 8 * math.prod(p.shape[1:]) for p in unit.params)
+        # the all-gather's copy-out (bf16, read and written); the gradients (bf16) into the fp32 reduction input
+        assert gather_copy_s(unit, 8, BF16, GPU) == pytest.approx(2 * 2 * padded / bandwidth)
+        assert reduce_copy_s(unit, 8, 1, BF16, GPU) == pytest.approx((2 + 4) * padded / bandwidth)
         assert optimizer_first_touch_s(unit, 8, BF16, OPTIMIZERS["adamw"], GPU) == 0.0
 
 

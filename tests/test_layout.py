@@ -23,7 +23,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("cost_models",),
     ("autoplan.version", "autoplan.errors", "autoplan.sizes", "autoplan.fileio"),
     ("autoplan.settings_flags",),
-    ("autoplan.settings", "autoplan.profile_store", "autoplan.pins"),
+    ("autoplan.settings", "autoplan.profile_store", "autoplan.pins", "autoplan.machine"),
     ("autoplan.models",),
     ("autoplan.tracing",),
     ("autoplan.solve",),

@@ -218,5 +218,16 @@ def test_a_plan_naming_an_unknown_precision_is_refused_with_the_known_ones(tmp_p
     data["training"]["dtype"] = "fp8"
     path.write_text(json.dumps(data))
     with pytest.raises(PlanFileError, match=r"unknown dtype 'fp8' in the training settings; this autoplan knows: "
-                                            r"bf16-mixed, bf16, fp32; was the plan made by a newer autoplan\?"):
+                                            r"bf16-mixed, bf16-reduce, bf16, fp32; was the plan made by a newer autoplan\?"):
         autoplan.load_plan(path)
+
+
+def test_an_unsearched_checkpoint_mode_is_left_out_of_the_search_but_taken_by_pins_and_estimates():
+    # torchtitan's selective op policy exists to price runs as published: the search keeps its problem
+    common = {"gpus": 2, "profile": "a100-sxm4-80gb", "seq_len": 64, "batch_size": 4, "tp": 1}
+    free = autoplan.search("llama-tiny", "8MB", **common)
+    assert all(unit.checkpoint != "selective_op" for unit in free.units)
+    pinned = autoplan.search("llama-tiny", "8MB", pin=["layers.*=checkpoint=selective_op"], **common)
+    assert [u.checkpoint for u in pinned.units if u.module.startswith("layers.")] == ["selective_op"] * 2
+    estimate = autoplan.estimate("llama-tiny", "shard", checkpoint="selective_op", gpus=2, seq_len=64, batch_size=4)
+    assert {u.checkpoint for u in estimate.units if u.module.startswith("layers.")} == {"selective_op"}

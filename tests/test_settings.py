@@ -70,7 +70,7 @@ def test_unknown_and_mistyped_settings_are_usage_errors():
         autoplan.search("gpt2-tiny", "1GB", gpu=2)
     with pytest.raises(UsageError, match=r"`gpus`: .*integer"):
         autoplan.search("gpt2-tiny", "1GB", gpus="two")
-    with pytest.raises(UsageError, match=r"unknown `dtype` 'fp8'; choose one of bf16-mixed, bf16, fp32"):
+    with pytest.raises(UsageError, match=r"unknown `dtype` 'fp8'; choose one of bf16-mixed, bf16-reduce, bf16, fp32"):
         SearchSettings.create(dtype="fp8")
     with pytest.raises(UsageError, match=r"`checkpoint` goes with `strategy`"):
         SearchSettings.create(checkpoint=True)

@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from autoplan.cli.flags import add_settings_flags, settings_fields
+from autoplan.cli.flags import add_settings_flags, settings_fields, to_flags
 from autoplan.cli.pins import add_pin_flag
+from autoplan.cli.warnings import device_warnings
 
 __all__ = ["register"]
 
@@ -44,6 +45,8 @@ def _run(args) -> int:
     from autoplan.sizes import format_bytes
 
     result = estimate(settings=EstimateSettings.create(**settings_fields(EstimateSettings, args)))
+    for warning in device_warnings(plan=result):
+        print(f"autoplan estimate: warning: {to_flags(warning, args.subparser)}", file=sys.stderr)
     if args.json:
         sys.stdout.write(result.model_dump_json(indent=2) + "\n")
     else:

@@ -59,7 +59,8 @@ def register(subparsers) -> None:
                         help="micro-batch sizes for --model (default 1 2: the sizes search traces at)")
     parser.add_argument("--seq-len", type=positive_int, help="sequence length (default: each model's context)")
     parser.add_argument("--dtype", nargs="+", choices=sorted(d.value for d in Dtype), metavar="DTYPE",
-                        help=f"compute dtypes to time ops in (default {' '.join(DEFAULT_DTYPES)})")
+                        help=f"compute dtypes to time ops in (default {' '.join(DEFAULT_DTYPES)}; fp32 alone on a CPU "
+                             "without bf16 matrix units)")
     parser.add_argument("--threads", type=positive_int,
                         help="CPU threads per rank (default: cores / nproc, what each rank of a run gets)")
     parser.add_argument("--backend", choices=("gloo", "nccl"), help="collective backend (default gloo on cpu, nccl on cuda)")
@@ -107,11 +108,25 @@ def settings_from_args(args: argparse.Namespace):
         settings.models = {name: tuple(args.micro_batch or (1, 2)) for name in args.model}
     if args.dtype:
         settings.dtypes = tuple(dict.fromkeys(args.dtype))
+    elif settings.device == "cpu":
+        settings.dtypes = _cpu_dtypes(settings.dtypes)
     settings.cache_dir = None if args.no_cache else (args.cache_dir or default_cache_dir())
     if args.quick:
         _make_quick(settings, keep_models=bool(args.model), keep_dtypes=bool(args.dtype))
     settings.name = args.name or _default_name(settings, explicit_out=bool(args.out))
     return settings
+
+
+def _cpu_dtypes(dtypes: tuple[str, ...]) -> tuple[str, ...]:
+    """The default dtypes on this CPU: without bf16 matrix units its bf16 ops are emulated, many times slower
+    to measure and to train with (`search` says so and offers fp32), so fp32 alone."""
+    from autoplan.machine import cpu_identity, has_bf16_matrix_units
+
+    if has_bf16_matrix_units(cpu_identity()):
+        return dtypes
+    print("autoplan profile: this CPU has no bf16 matrix units (AMX, AVX512-BF16): measuring fp32 ops only "
+          "(--dtype bf16 measures bf16 too, emulated and slow)", file=sys.stderr)
+    return tuple(d for d in dtypes if d != "bf16") or ("fp32",)
 
 
 def _make_quick(settings, keep_models: bool, keep_dtypes: bool) -> None:

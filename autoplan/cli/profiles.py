@@ -82,6 +82,9 @@ def _value(path: str, value) -> str:
         return "none"
     if isinstance(value, bool) or isinstance(value, str):
         return str(value)
+    if isinstance(value, list) and path == "attention":  # measured rates: the range over its shapes
+        rates = [rate["flops_s"] for rate in value]
+        return f"{len(value)} shapes, {min(rates) / 1e12:.0f}-{max(rates) / 1e12:.0f} TFLOP/s" if rates else "none"
     if isinstance(value, list):  # collective fits: alpha and the bus bandwidth their beta holds
         from cost_models.comm import ring_factor
 
@@ -91,7 +94,8 @@ def _value(path: str, value) -> str:
     if isinstance(value, dict):
         if path == "peak_flops":
             return ", ".join(f"{dtype} {flops / 1e12:.1f} TFLOP/s" for dtype, flops in value.items())
-        return ", ".join(f"{k} {_value(k, v)}" for k, v in value.items() if not isinstance(v, (dict, list)))
+        return ", ".join(f"{k} {_value(k, v)}" for k, v in value.items()
+                         if v is not None and not isinstance(v, (dict, list)))
     if path.endswith("bytes_s"):
         return f"{value / 1e9:.2f} GB/s"
     if path.endswith("_s"):

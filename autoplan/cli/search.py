@@ -15,6 +15,7 @@ from pathlib import Path
 
 from autoplan.cli.flags import add_settings_flags, settings_fields, to_flags
 from autoplan.cli.pins import add_pin_flag, emit_pins
+from autoplan.cli.warnings import device_warnings
 
 __all__ = ["register"]
 
@@ -115,6 +116,8 @@ def _run(args) -> int:
     if args.emit_pins:
         check_writable(args.emit_pins, "pins file", param="emit_pins", example="pins.yaml")
     found = _search(settings, args.fit_allocator)
+    for warning in device_warnings(plan=found):
+        print(f"autoplan search: warning: {to_flags(warning, args.subparser)}", file=sys.stderr)
     plan = _hf_relative_to(found, args.out)
     plan.save(args.out)
     if args.emit_pins:

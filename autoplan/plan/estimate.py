@@ -6,7 +6,7 @@ searched: the per-rank peak by category, the memory timeline and the step time.
 
 from __future__ import annotations
 
-from autoplan.plan.report import pricing_lines, sequence_text, throughput_text
+from autoplan.plan.report import mfu_text, pricing_lines, sequence_text, throughput_text
 from autoplan.plan.schema import ClusterSpec, ModelRef, Prediction, TrainingSpec, UnitDecision, _Strict
 from autoplan.sizes import format_bytes
 from cost_models.memory import MemCategory
@@ -98,7 +98,7 @@ def format_estimate(est: Estimate, timeline: bool = False) -> str:
                      + (f" of {format_bytes(c.host_mem_bytes)}" if c.host_mem_bytes else ""))
     lines += [
         f"step time {p.step_time_s * 1e3:.1f} ms; "
-        + throughput_text(est.model, p.throughput_samples_s, p.throughput_tokens_s),
+        + throughput_text(est.model, p.throughput_samples_s, p.throughput_tokens_s) + mfu_text(p),
     ]
     if timeline:
         header = f"{'time point':<36} {'total':>11}" + "".join(f" {k.removesuffix('_bytes'):>11}" for k in CATEGORY_LABELS)

@@ -177,12 +177,17 @@ def _allocator_lines(plan: Plan) -> list[str]:
     return lines
 
 
+def mfu_text(p) -> str:
+    """"; MFU 41%" for a prediction that has one (model FLOPs over the step time and the profile's peak)."""
+    return f"; MFU {p.mfu:.0%}" if getattr(p, "mfu", None) is not None else ""
+
+
 def _time_lines(plan: Plan) -> list[str]:
     """The predicted step time and throughput, and the speed-up over each baseline."""
     p = plan.predicted
     lines = [
         f"predicted step time {p.step_time_s * 1e3:.1f} ms; "
-        + throughput_text(plan.model, p.throughput_samples_s, p.throughput_tokens_s),
+        + throughput_text(plan.model, p.throughput_samples_s, p.throughput_tokens_s) + mfu_text(p),
     ]
     for base in plan.baselines:
         if base.fits:

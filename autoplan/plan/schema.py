@@ -185,6 +185,9 @@ class Prediction(_Strict):
     # `search --fit-allocator` only: the smallest limit this plan's step ran in when its allocations were
     # replayed through the caching allocator model (autoplan.run.allocator_fit); None when not replayed
     allocator_needed_bytes: int | None = Field(default=None, exclude_if=lambda value: value is None)
+    # the plan's model FLOPs utilisation: a rank's forward and backward FLOPs (torch's FlopCounter: attention
+    # counted whole, no recomputation) per step over the step time and the profile's peak in the compute dtype
+    mfu: float | None = Field(default=None, exclude_if=lambda value: value is None)
 
 
 class SweepEntry(_Strict):

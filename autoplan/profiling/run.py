@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from autoplan.errors import UsageError
+from autoplan.machine import machine_identity
 from autoplan.profiling import device as device_bench
 from autoplan.profiling.cache import MeasurementCache, default_cache_dir
 from autoplan.profiling.calibration import (
@@ -198,13 +199,13 @@ def measure_profile(settings: ProfileSettings) -> ProfileResult:
         source="measured",
         provenance=provenance,
         device_type=kind,
+        identity=machine_identity(kind),  # what `search` and `apply` compare the machine they run on with
         mem_bytes=device_bench.device_mem_bytes(device),
         peak_flops=peak_flops,
         matmul_efficiency=1.0,  # peak_flops is the best achieved, not a datasheet number
         mem_bandwidth_bytes_s=device_numbers["copy_bandwidth_bytes_s"],
         mem_bandwidth_efficiency=1.0,
-        # the zero-work time of ops as the model runs them (Python call, dispatch, kernel launch);
-        # the bare dispatch micro-benchmark only when no memory-op fit exists
+        # zero-work time of ops as models run them (call, dispatch, launch); the bare benchmark without a fit
         op_overhead_s=memory_fwd.intercept_s if memory_fwd else device_numbers["dispatch_overhead_s"],
         links=links,
         collectives=collectives,
@@ -275,8 +276,7 @@ def _links_reference(settings: ProfileSettings, device_name: str) -> DeviceProfi
 def _sources(host: dict, reference: DeviceProfile | None) -> dict[str, str]:
     """provenance.sources of what was not measured the usual way: the host link's figures, and with one
     process the links taken from another profile."""
-    copy = (f"measured here: one {host['copy_bytes'] >> 20} MiB copy (pinned host memory on CUDA, a memcpy on the "
-            "CPU)")
+    copy = f"measured here: one {host['copy_bytes'] >> 20} MiB copy (pinned host memory on CUDA, a memcpy on the CPU)"
     sources = {f"host_link.{field}": text for field, text in (
         ("h2d_bytes_s", copy), ("d2h_bytes_s", copy),
         ("overlaps_compute", f"measured here: a side-stream copy hid {host['overlap']['hidden_fraction']:.0%} of "

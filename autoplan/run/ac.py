@@ -7,6 +7,10 @@ row with a known `recompute` runs without a change here. No mode is named.
 - Recompute.NOTHING: the unit is left alone; its ops save what autograd saves.
 - Recompute.ALL: the unit's forward runs under torch.utils.checkpoint (non-reentrant): it keeps the
   unit's inputs only and is re-run in its backward.
+- Recompute.ALTERNATE (torchtitan's selective op policy): as CHEAP, but of the matmuls (the registry's aten
+  matmul names) only every other one's output is kept, the 1st, 3rd, ... of the region's forward, counted
+  apart in the forward and in the recompute (which replays the same ops in the same order): the trace side
+  counts the unit's matmul ops alike (activations.kept_outputs).
 - Recompute.CHEAP (selective checkpointing): the same, with torch's op-level policy
   (`torch.utils.checkpoint.create_selective_checkpoint_contexts`): the outputs of the ops that do the
   heavy work are kept from the forward (MUST_SAVE) and every other op is re-run (PREFER_RECOMPUTE). The
@@ -36,7 +40,8 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from cost_models.options import SAVED_BY_SELECTIVE_ATEN, CheckpointMode, Recompute
 
-__all__ = ["SAVED_COLLECTIVES", "apply_ac", "saved_by_selective_ops", "selective_context_fn", "selective_policy"]
+__all__ = ["SAVED_COLLECTIVES", "alternate_context_fn", "apply_ac", "saved_by_selective_ops", "selective_context_fn",
+           "selective_policy"]
 
 # The c10d functional collectives (torch.ops._c10d_functional) whose outputs a selective checkpoint keeps.
 SAVED_COLLECTIVES = (
@@ -50,10 +55,12 @@ def apply_ac(module: nn.Module, mode: CheckpointMode) -> None:
     Before or after `fully_shard` on the same module: its hooks stay outside the region either way."""
     if mode.recompute is Recompute.NOTHING:
         return
-    if mode.recompute not in (Recompute.ALL, Recompute.CHEAP):  # a Recompute value with no way to run it here
+    contexts = {Recompute.ALL: noop_context_fn, Recompute.CHEAP: selective_context_fn,
+                Recompute.ALTERNATE: alternate_context_fn}
+    if mode.recompute not in contexts:  # a Recompute value with no way to run it here
         raise NotImplementedError(f"checkpoint mode {mode.name!r}: apply has no way to run recompute="
                                   f"{mode.recompute.value!r}; known: {', '.join(r.value for r in Recompute)}")
-    context_fn = selective_context_fn if mode.recompute is Recompute.CHEAP else noop_context_fn
+    context_fn = contexts[mode.recompute]
     forward = module.forward
 
     @functools.wraps(forward)
@@ -84,3 +91,27 @@ def selective_policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
 def selective_context_fn():
     """The (forward, recompute) context pair of one selectively checkpointed forward (checkpoint's context_fn)."""
     return create_selective_checkpoint_contexts(selective_policy)
+
+
+@functools.lru_cache(maxsize=1)
+def _matmul_ops() -> frozenset:
+    """The matmul packets among the registry's aten names a selective checkpoint keeps (not the attention ones)."""
+    names = [name for name in SAVED_BY_SELECTIVE_ATEN if "attention" not in name]
+    return frozenset(getattr(torch.ops.aten, name) for name in names if hasattr(torch.ops.aten, name))
+
+
+def alternate_context_fn():
+    """The context pair of one forward under torchtitan's selective op policy: attention and collective outputs
+    kept, and every other matmul's (the 1st, 3rd, ...), counted afresh for each checkpointed call and apart in
+    its forward and its recompute."""
+    counts = {False: 0, True: 0}
+
+    def policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
+        packet = getattr(func, "overloadpacket", func)
+        if packet in _matmul_ops():
+            counts[ctx.is_recompute] += 1
+            keep = counts[ctx.is_recompute] % 2 == 1
+            return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+        return selective_policy(ctx, func, *args, **kwargs)
+
+    return create_selective_checkpoint_contexts(policy)

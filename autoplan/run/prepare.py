@@ -7,7 +7,9 @@ optimizer, sequence length against the model's positions); the world size, the G
 the memory limit. Then the user is told what will run: which model (named by what is built, and said so
 when the plan names it otherwise), the steps (warm-up, timed and, on the CPU, untracked) and about how
 long they take (an estimate from the plan's predicted step time), and warnings that do not stop the run:
-a plan costed for another kind of device, or a predicted peak larger than this machine's memory.
+a plan costed for another kind of device, a profile of another device of the same kind (another CPU,
+another GPU: the estimate then says it may not hold; autoplan/machine.py), a bf16 plan on a CPU without
+bf16 matrix units, or a predicted peak larger than this machine's memory.
 """
 
 from __future__ import annotations
@@ -21,8 +23,10 @@ import torch
 
 from autoplan.errors import PlanFileError, UsageError
 from autoplan.fileio import check_writable
+from autoplan.machine import bf16_note, device_mismatch
 from autoplan.models.resolve import check_seq_len
 from autoplan.plan.schema import Plan, load_plan
+from autoplan.profile_store import load_profile
 from autoplan.run.apply import check_plan, check_world_size, model_label_note, resolve_plan_model
 from autoplan.run.attention import check_attention
 from autoplan.run.data import AlpacaTokens, BatchShape, vocab_size_of
@@ -47,6 +51,7 @@ class PreparedRun:
     model: str  # the model that runs, named by what is built
     warnings: list[str] = field(default_factory=list)  # said before the run; none stops it
     model_note: str | None = None  # the plan names its model otherwise than what runs
+    device_note: str | None = None  # this machine is not the device the plan's profile describes
 
     @property
     def world_size(self) -> int:
@@ -130,10 +135,25 @@ def prepare_run(plan_path: str, *, model: str | None = None, nproc: int | None =
         prepared.warnings.append(f"{note}: the step-time comparison will be meaningless here. To compare time as "
                                  "well, plan with a profile of this machine (`autoplan profiles` lists them; "
                                  "`autoplan search ... --profile cpu-gloo-2` on a CPU)")
+    else:
+        prepared.device_note = _device_notes(plan, device, prepared.warnings)
     memory = _memory_warning(plan, shape, nproc, device)
     if memory:
         prepared.warnings.append(memory)
     return prepared
+
+
+def _device_notes(plan: Plan, device: str, warnings: list[str]) -> str | None:
+    """For a plan costed for this kind of device: warn where this machine is another device than the profile's
+    (returned: the time estimate says it may not hold), and where a bf16 plan would run emulated on this CPU."""
+    profile = load_profile(plan.cluster.profile)  # profile_note found it
+    mismatch = device_mismatch(profile)
+    if mismatch:
+        warnings.append(mismatch)
+    bf16 = bf16_note(profile, plan.training.dtype) if device == "cpu" else None
+    if bf16:
+        warnings.append(f"{bf16} (`autoplan search ... --dtype fp32 --profile {profile.name}` makes one)")
+    return mismatch
 
 
 def _memory_warning(plan: Plan, shape: BatchShape, nproc: int, device: str) -> str | None:
@@ -171,7 +191,9 @@ def run_outline(prepared: PreparedRun) -> list[str]:
         estimate = total * plan.predicted.step_time_s
         slower = "; steps measured for memory take longer on the CPU" if spec.device == "cpu" else ""
         lines.append(f"estimate: about {_duration(estimate)} of training ({total} steps x the plan's predicted "
-                     f"{plan.predicted.step_time_s * 1e3:.1f} ms per step{slower}), after the ranks start")
+                     f"{plan.predicted.step_time_s * 1e3:.1f} ms per step{slower}), after the ranks start"
+                     + ("; it may not hold: this machine is not the device the plan's profile describes (see the "
+                        "warning)" if prepared.device_note else ""))
     else:
         lines.append("no time estimate: the plan's predicted step time is for another kind of device")
     return lines

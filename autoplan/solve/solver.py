@@ -136,7 +136,8 @@ def _identical_runs(table: CostTable) -> tuple[list[list[int]], list[list[int]]]
 
     def signature(u: int):
         segments = segments_of.get(u, [])
-        peaks = tuple((seg.bwd_peak, seg.bwd_peak_checkpointed, seg.bwd_peak_selective, seg.saved_bytes,
+        peaks = tuple((seg.bwd_peak, seg.bwd_peak_checkpointed, seg.bwd_peak_selective, seg.bwd_peak_alternate,
+                       seg.saved_bytes,
                        seg.fwd_temp_bytes, seg.outer_grad_bytes) for seg in segments)
         # not the parent: what the units around a unit hold adds the same to each of its options
         return tuple(o.label for o in table.options[u]), tuple(map(repr, table.costs[u])), peaks

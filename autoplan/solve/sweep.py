@@ -10,7 +10,7 @@ turns it into a plan file.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from autoplan.errors import InfeasibleError, SolverTimeout, UsageError
 from autoplan.sizes import format_bytes
@@ -20,6 +20,7 @@ from autoplan.solve.request import Limits, PlanRequest, Uniform
 from autoplan.solve.solver import AffineModel, SolveResult, SolveStatus, solve_min_memory, solve_min_time
 from autoplan.solve.tables import TableSource
 from cost_models.allocator_margin import needed_bytes
+from cost_models.choices import searched_options
 from cost_models.evaluate import Evaluation, evaluate, uniform_choices
 from cost_models.step import lower_bound_step_s
 from cost_models.table import CostTable
@@ -60,6 +61,15 @@ class SweepOutcome:
     num_constraints: int = 0
 
 
+def _searched(table: CostTable) -> CostTable:
+    """`table` with each unit's options cut to those the search considers (choices.searched_options)."""
+    keep = [searched_options(options) for options in table.options]
+    if all(len(k) == len(options) for k, options in zip(keep, table.options)):
+        return table
+    return replace(table, options=[[opts[i] for i in k] for opts, k in zip(table.options, keep)],
+                   costs=[[costs[i] for i in k] for costs, k in zip(table.costs, keep)])
+
+
 def sweep(request: PlanRequest, source: TableSource, cluster: Cluster) -> SweepOutcome:
     """The fastest plan over the request's micro-batches whose predicted peak is at most its planned bytes, on
     `cluster` (one of the request's meshes) with `source`'s tables (the model's, or their tensor-parallel view).
@@ -81,6 +91,8 @@ def sweep(request: PlanRequest, source: TableSource, cluster: Cluster) -> SweepO
         unpinned.append(table)
         if pins is not None and uniform is None:
             table = pins.restrict(table)
+        if uniform is None:  # the modes the search offers (a unit pinned to another keeps it)
+            table = _searched(table)
         if best is not None and table.samples_per_step / lower_bound_step_s(table) <= best[0]:
             # even with no memory limit this micro-batch cannot beat the best plan: skip the solve
             steps.append(SweepStep(micro_batch_size, accum, SolveStatus.PRUNED, None, None))

@@ -40,7 +40,8 @@ __all__ = ["CHECKPOINTED", "MAX_MICRO_BATCH", "CostTables", "TableSource", "Tens
            "micro_batch_candidates"]
 
 MAX_MICRO_BATCH = 256
-CHECKPOINTED = (Recompute.ALL, Recompute.CHEAP)  # the ways of checkpointing that keep a subset of activations
+# the ways of checkpointing that keep a subset of activations (a tensor-parallel view prices ALL and CHEAP)
+CHECKPOINTED = (Recompute.ALL, Recompute.CHEAP, Recompute.ALTERNATE)
 
 
 def compute_dtype_of(dtype: str) -> str:
