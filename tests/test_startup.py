@@ -1,5 +1,5 @@
 """The command line answers before it imports what it does not need: `autoplan --help` imports neither
-torch nor the solver, `models` and `profiles` not the solver; `import autoplan` imports the API's
+torch nor the solver, `models` and `profiles` neither torch nor the solver; `import autoplan` imports the API's
 modules only when a name is first used, and every public name still resolves."""
 
 import json
@@ -34,7 +34,7 @@ def test_help_imports_neither_torch_nor_the_solver():
 def test_commands_that_solve_nothing_do_not_import_the_solver(argv):
     imported = _imported_after(_cli(*argv))
     assert not imported["ortools"]
-    if argv == ("profiles",):
+    if argv in (("profiles",), ("models",)):  # `models` counts parameters from the configs
         assert not imported["torch"]
 
 
