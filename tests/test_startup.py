@@ -63,7 +63,7 @@ def test_every_public_name_resolves_lazily():
 
 
 def test_a_command_that_exits_without_teardown_still_flushes_its_output_and_exit_code(tmp_path):
-    # search, estimate, models and profiles end with os._exit (the interpreter's teardown after torch
+    # search, estimate, models, profiles, explain and diff end with os._exit (the interpreter's teardown after torch
     # costs 0.6 s): what they print and write must all be there, and the exit code be theirs
     plan = tmp_path / "plan.json"
     args = ["--model", "gpt2-tiny", "--gpus", "2", "--seq-len", "32", "--fit-to", "allocated", "-o", str(plan)]
@@ -74,4 +74,4 @@ def test_a_command_that_exits_without_teardown_still_flushes_its_output_and_exit
     done = subprocess.run([sys.executable, "-m", "autoplan", "search", *args, "--mem", "100KB"],
                           capture_output=True, text=True)
     assert done.returncode == 3 and "autoplan search: error: no plan for gpt2-tiny fits" in done.stderr
-    assert cli_main.QUICK_EXIT == {"search", "estimate", "models", "profiles"}  # not apply or profile
+    assert cli_main.QUICK_EXIT == {"search", "estimate", "models", "profiles", "explain", "diff"}  # not apply, profile

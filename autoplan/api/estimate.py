@@ -14,6 +14,7 @@ from typing import Any
 from autoplan.api.prepare import load_plan_of, prepare
 from autoplan.errors import UsageError
 from autoplan.models.tp_layout import recognise
+from autoplan.pins import path_groups
 from autoplan.plan.assemble import model_ref, plan_choices, prediction, training_spec, unit_decisions
 from autoplan.plan.estimate import Estimate
 from autoplan.plan.schema import ClusterSpec, Plan
@@ -67,7 +68,8 @@ def estimate(model: Any = None, strategy: str | None = None, *, settings: Estima
     if pins is not None:  # the pinned units take their pins; the rest keep the strategy's or the plan's option
         choices = pins.overlay(table, choices)
         label += f" + {len(pins.pins)} pin{'s' if len(pins.pins) > 1 else ''}"
-        description += "; pinned: " + ", ".join(f"{p}: {d}" for p, d in pins.records())
+        # pins naming single blocks alike are written as one range ("layers.0-94/2: shard+ckpt")
+        description += "; pinned: " + ", ".join(f"{p}: {d}" for p, _, d in path_groups(pins.records()))
     cluster = request.cluster.with_mesh(request.meshes[0])
     return Estimate(
         model=model_ref(request), strategy=label, description=description,

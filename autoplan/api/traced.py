@@ -3,7 +3,7 @@
 Tracing is the slow part of a search (seconds for a large model), and its result does not depend on
 the cluster, the memory limit or the micro-batch; a TracedModel keeps the traces and the cost tables
 built from them, so that a sweep of limits (`autoplan.frontier`), other clusters and estimates trace
-a model once.
+a model once. Across commands, the traces are kept on disk (autoplan.tracing.cache).
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from autoplan.models.resolve import resolve_model
 from autoplan.models.zoo import count_params
 from autoplan.settings import check_choice, choices_of
 from autoplan.solve.tables import CostTables, compute_dtype_of
-from autoplan.tracing.tracer import ExampleInputs, TracePair, trace_pair
+from autoplan.tracing.cache import cached_trace_pair
+from autoplan.tracing.tracer import ExampleInputs, TracePair
 
 __all__ = ["TracedModel", "trace", "reuse_traced"]
 
@@ -67,8 +68,8 @@ class TracedModel:
 
     def traces(self, compute_dtype: str = "bf16") -> TracePair:
         if compute_dtype not in self._traces:
-            self._traces[compute_dtype] = trace_pair(self.resolved.module, self.seq_len, compute_dtype,
-                                                     self.example_inputs, self.forced_tracer)
+            self._traces[compute_dtype] = cached_trace_pair(self.resolved.module, self.seq_len, compute_dtype,
+                                                            self.example_inputs, self.forced_tracer)
         return self._traces[compute_dtype]
 
     def cache(self, compute_dtype: str, granularity: str, extra_units: tuple[str, ...] = ()) -> CostTables:

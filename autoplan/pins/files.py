@@ -137,14 +137,22 @@ def _load_yaml(text: str, name: str) -> Any:
 
 
 def range_text(indices: list[int]) -> str:
-    """[0, 1, 2, 5, 7, 8] -> "0-2,5,7-8"."""
-    runs: list[list[int]] = []
-    for index in sorted(set(indices)):
-        if runs and index == runs[-1][1] + 1:
-            runs[-1][1] = index
-        else:
-            runs.append([index, index])
-    return ",".join(f"{a}-{b}" if b > a else str(a) for a, b in runs)
+    """[0, 1, 2, 5, 7, 8] -> "0-2,5,7-8"; [0, 2, 4, ..., 94] -> "0-94/2" (every 2nd: alternating units)."""
+    values = sorted(set(indices))
+    parts, start = [], 0
+    while start < len(values):
+        end = start
+        if start + 1 < len(values):
+            step = values[start + 1] - values[start]
+            while end + 1 < len(values) and values[end + 1] - values[end] == step:
+                end += 1
+            if step > 1 and end - start < 2:  # two indices apart are not yet a stride
+                end = start
+        low, high = values[start], values[end]
+        parts.append(str(low) if end == start else f"{low}-{high}" if values[start + 1] - low == 1
+                     else f"{low}-{high}/{values[start + 1] - low}")
+        start = end + 1
+    return ",".join(parts)
 
 
 _INDEX = re.compile(r"(?<=\.)\d+(?=\.|$)")
