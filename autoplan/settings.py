@@ -343,11 +343,22 @@ class EstimateSettings(PlanningSettings):
     allow_over_device_mem: bool = False
     """accept a `mem` (or a plan's limit) above the profile's device memory"""
 
+    tp: int | None = None
+    """tensor-parallel degree inside a node (a divisor of `gpus_per_node`, at most 8; default 1: FSDP alone), for a
+    `strategy`; a plan's own degree otherwise"""
+
+    sequence_parallel: Annotated[str | None, Flag(kind="choice")] = None
+    """with `tp` above 1: norms and residual stream split along the sequence (on) or not (off, the default)"""
+
     @model_validator(mode="after")
     def _check_estimate(self):
         if self.plan is not None and (self.strategy is not None or self.checkpoint is not None or self.offload):
             raise UsageError("give either `strategy` (with or without `checkpoint` and `offload`) or `plan`, not both: "
                              "a plan says per unit how it shards, where it checkpoints and what it offloads")
+        if self.plan is not None and (self.tp is not None or self.sequence_parallel is not None):
+            raise UsageError("`tp` and `sequence_parallel` go with a `strategy`; a plan is estimated on its own mesh")
+        if self.sequence_parallel == "on" and (self.tp or 1) == 1:
+            raise UsageError("`sequence_parallel` on needs `tp` above 1")
         return self
 
 

@@ -90,9 +90,13 @@ def load_plan_of(plan: Plan | str | Path | None) -> tuple[Plan | None, Path | No
 def search_meshes_of(settings: PlanningSettings, mesh: Mesh) -> tuple[Mesh, ...]:
     """The meshes a search tries on the cluster's `mesh`: each tensor-parallel degree (`tp` itself when given,
     else every degree a node takes), above 1 with and without sequence parallelism (or as
-    `sequence_parallel` says). An estimate runs on the cluster's mesh alone."""
+    `sequence_parallel` says). An estimate runs on one mesh: the cluster's, at its `tp` (sequence parallelism
+    only where asked for)."""
     if not isinstance(settings, SearchSettings):
-        return (mesh,)
+        try:
+            return (mesh.with_tensor(settings.tp or 1, settings.sequence_parallel == "on"),)
+        except MeshError as exc:
+            raise UsageError(str(exc)) from None
     try:
         degrees = [mesh.with_tensor(settings.tp).tp] if settings.tp is not None else mesh.tensor_degrees()
     except MeshError as exc:

@@ -36,7 +36,8 @@ from cost_models.mesh import Mesh
 from cost_models.options import SHARDING_KINDS, MeshShape
 from cost_models.tensor_parallel import TpLayout
 
-__all__ = ["PARALLEL_MIN_UNITS", "PROGRESS_DELAY_S", "MeshResult", "MeshSearch", "best_result", "search_meshes"]
+__all__ = ["PARALLEL_MIN_UNITS", "PROGRESS_DELAY_S", "MeshResult", "MeshSearch", "best_result",
+           "check_beside_tensor_parallelism", "search_meshes"]
 
 PROGRESS_DELAY_S = 2.0  # a search that answers sooner prints nothing on stderr
 # worker processes only for models of this many units: forking a process that holds a traced model and sending
@@ -147,7 +148,7 @@ def _search(request: PlanRequest, mesh: Mesh, progress=None) -> MeshResult:
     start = time.perf_counter()
     try:
         if mesh.tp > 1:
-            _check_beside_tensor_parallelism(request.uniform)
+            check_beside_tensor_parallelism(request.uniform)
             result.layout = recognise(request.model.module, mesh.tp, mesh.sequence_parallel)
         result.source = request.tables.for_layout(result.layout)
         result.cluster = request.cluster.with_mesh(mesh)
@@ -166,7 +167,7 @@ def _search(request: PlanRequest, mesh: Mesh, progress=None) -> MeshResult:
     return result
 
 
-def _check_beside_tensor_parallelism(uniform: Uniform | None) -> None:
+def check_beside_tensor_parallelism(uniform: Uniform | None) -> None:
     """TpRefusal for a uniform strategy that does not run beside tensor parallelism."""
     if uniform is None:
         return
