@@ -114,7 +114,8 @@ def _model_signature(model: nn.Module) -> list:
         rows.append([path, type(module).__module__, type(module).__qualname__, module.training, attributes,
                      len(module._forward_hooks), len(module._forward_pre_hooks), _config(module)])
     for name, tensor in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
-        rows.append([name, list(tensor.shape), str(tensor.dtype), tensor.requires_grad, isinstance(tensor, nn.Parameter)])
+        rows.append([name, list(tensor.shape), str(tensor.dtype), tensor.requires_grad,
+                     isinstance(tensor, nn.Parameter)])
     return rows
 
 
