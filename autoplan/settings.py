@@ -19,7 +19,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
 from autoplan.errors import UsageError
-from autoplan.sizes import format_bytes, parse_mem_bytes
+from autoplan.sizes import check_mem_limit, parse_mem_bytes
 from cost_models.allocator_margin import is_expandable
 from cost_models.mesh import Mesh, MeshError
 from cost_models.options import (
@@ -46,7 +46,7 @@ DEFAULT_PROFILE = "a100-sxm4-80gb"
 DEFAULT_HEADROOM = 0.02
 MAX_HEADROOM = 0.5
 DEFAULT_TIME_LIMIT_S = 10.0
-GRANULARITIES = ("block", "fine", "leaf")
+GRANULARITIES = ("block", "fine", "leaf", "root")
 FIT_TO = ("needed", "allocated")  # what a CUDA plan is fitted to: what the caching allocator needs, or live bytes
 
 
@@ -72,16 +72,6 @@ def mesh_of(gpus: int | None, nodes: int | None, gpus_per_node: int | None) -> M
         return Mesh.of(gpus, nodes, gpus_per_node)
     except MeshError as exc:
         raise UsageError(str(exc)) from None
-
-
-def check_mem_limit(mem_limit_bytes: int, device_mem_bytes: int, profile: str, allowed: bool,
-                    source: str = "`mem`") -> None:
-    """UsageError for a limit above the device's memory (a plan to it could not run), unless `allowed`."""
-    if mem_limit_bytes > device_mem_bytes and not allowed:
-        raise UsageError(f"{source} {format_bytes(mem_limit_bytes)} is more than the {format_bytes(device_mem_bytes)} "
-                         f"of memory a device of profile {profile} has, so a plan to it could not run there. Give "
-                         f"`mem` at most {format_bytes(device_mem_bytes)}, the `profile` of the device you will run "
-                         "on, or `allow_over_device_mem` to plan above the device's memory anyway")
 
 
 def choices_of(field: str) -> tuple[str, ...] | None:
@@ -198,7 +188,11 @@ class PlanningSettings(_Settings):
     """optimizer (default adamw, or the plan's)"""
 
     granularity: Annotated[str | None, Flag(kind="choice")] = None
-    """unit size: one per block (default), attention/MLP apart (fine), every module (leaf)"""
+    """unit size: one per block (default), attention/MLP apart (fine), every module (leaf), the root alone (root)"""
+
+    wrap_policy: Annotated[Any, Flag()] = None
+    """an FSDP auto-wrap policy whose modules (and the root) are the units: size:N (size_based_auto_wrap_policy's
+    min_num_params) or class:NAME[,NAME] (transformer_auto_wrap_policy's layer classes)"""
 
     host_mem: Annotated[int | None, Flag(kind="mem")] = None
     """host memory per node that offloaded parameters, gradients and optimizer states may use (default: the
@@ -207,6 +201,14 @@ class PlanningSettings(_Settings):
     allocator_conf: str | None = None
     """the PYTORCH_CUDA_ALLOC_CONF a CUDA run uses, which decides what torch's caching allocator needs beyond the
     live bytes (default: the environment's, else expandable_segments:True, which `autoplan apply` sets)"""
+
+    tp: int | None = None
+    """tensor-parallel degree inside a node (a divisor of `gpus_per_node`, at most 8; 1: FSDP alone); default: a
+    search tries 1, 2, 4, 8 on 8-GPU nodes where the model's blocks take the Megatron layout, an estimate 1"""
+
+    sequence_parallel: Annotated[str | None, Flag(kind="choice")] = None
+    """with tensor parallelism: norms and residual stream split along the sequence (on) or not (off); default: a
+    search tries both, an estimate off"""
 
     example_inputs: Annotated[Any, Flag(api_only=True)] = None
     """inputs of a model whose forward does not take token ids [batch, seq] (a tensor, a tuple or a dict;
@@ -220,12 +222,13 @@ class PlanningSettings(_Settings):
     """a pin PATTERN=DECISION, repeatable: `*` one path component, `**` any depth, 0-11 a range, <root> the
     root; the decision an option's label (shard+ckpt) or fields (checkpoint=full)"""
 
-    @field_validator("pins", mode="before")
+    @field_validator("pins", "wrap_policy", mode="before")
     @classmethod
-    def _pins_file(cls, value):
+    def _pins_file(cls, value, info):
         from autoplan.pins import PinSet
+        from autoplan.pins.wrap import WrapPolicy
 
-        return None if value is None else PinSet.of(value)
+        return None if value is None else PinSet.of(value) if info.field_name == "pins" else WrapPolicy.of(value)
 
     @field_validator("pin", mode="before")
     @classmethod
@@ -260,8 +263,8 @@ class PlanningSettings(_Settings):
         return self.optimizer or DEFAULT_OPTIMIZER
 
     @property
-    def granularity_or_default(self) -> str:
-        return self.granularity or "block"
+    def granularity_or_default(self) -> str:  # a wrap policy's units are the root and the modules it wraps
+        return self.granularity or ("root" if self.wrap_policy or getattr(self.pins, "wrap", None) else "block")
 
 
 class SearchSettings(PlanningSettings):
@@ -292,15 +295,6 @@ class SearchSettings(PlanningSettings):
     allow_over_device_mem: bool = False
     """accept a `mem` above the profile's device memory (a plan that could not run on that device; the report
     says so)"""
-
-    tp: int | None = None
-    """tensor-parallel degree inside a node (a divisor of `gpus_per_node`, at most 8; 1: FSDP alone); default:
-    searched (1, 2, 4, 8 on 8-GPU nodes, each with and without sequence parallelism) where the model's blocks
-    take the Megatron layout"""
-
-    sequence_parallel: Annotated[str | None, Flag(kind="choice")] = None
-    """with tensor parallelism: norms and residual stream split along the sequence (on) or not (off); default:
-    both searched"""
 
     fit_to: Annotated[str, Flag(kind="choice")] = "needed"
     """on a CUDA profile, what the plan fits in `mem`: what torch's caching allocator needs to run the step
@@ -342,13 +336,6 @@ class EstimateSettings(PlanningSettings):
 
     allow_over_device_mem: bool = False
     """accept a `mem` (or a plan's limit) above the profile's device memory"""
-
-    tp: int | None = None
-    """tensor-parallel degree inside a node (a divisor of `gpus_per_node`, at most 8; default 1: FSDP alone), for a
-    `strategy`; a plan's own degree otherwise"""
-
-    sequence_parallel: Annotated[str | None, Flag(kind="choice")] = None
-    """with `tp` above 1: norms and residual stream split along the sequence (on) or not (off, the default)"""
 
     @model_validator(mode="after")
     def _check_estimate(self):

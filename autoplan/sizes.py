@@ -5,7 +5,7 @@ import re
 
 from autoplan.errors import UsageError
 
-__all__ = ["ACCEPTED_FORMS", "format_bytes", "parse_mem_bytes"]
+__all__ = ["ACCEPTED_FORMS", "check_mem_limit", "format_bytes", "parse_mem_bytes"]
 
 _UNIT_BYTES = {
     "": 1, "b": 1,
@@ -50,3 +50,13 @@ def format_bytes(num_bytes: float) -> str:
         if abs(num_bytes) >= scale:
             return f"{num_bytes / scale:.2f} {unit}"
     return f"{num_bytes:.0f} B"
+
+
+def check_mem_limit(mem_limit_bytes: int, device_mem_bytes: int, profile: str, allowed: bool,
+                    source: str = "`mem`") -> None:
+    """UsageError for a limit above the device's memory (a plan to it could not run), unless `allowed`."""
+    if mem_limit_bytes > device_mem_bytes and not allowed:
+        raise UsageError(f"{source} {format_bytes(mem_limit_bytes)} is more than the {format_bytes(device_mem_bytes)} "
+                         f"of memory a device of profile {profile} has, so a plan to it could not run there. Give "
+                         f"`mem` at most {format_bytes(device_mem_bytes)}, the `profile` of the device you will run "
+                         "on, or `allow_over_device_mem` to plan above the device's memory anyway")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from autoplan.api.prepare import load_plan_of, prepare
+from autoplan.api.prepare import load_plan_of, prepare, wrap_policy_of
 from autoplan.errors import UsageError
 from autoplan.models.tp_layout import TpRefusal, recognise
 from autoplan.pins import path_groups
@@ -61,6 +61,8 @@ def estimate(model: Any = None, strategy: str | None = None, *, settings: Estima
         description = (SHARDING_KINDS[uniform.strategy].description + "; " + mode.description
                        + (" on every unit but the root" if mode.checkpoints else "")
                        + ("; parameters, gradients and optimizer states offloaded to the host" if uniform.offload else ""))
+    if wrap_policy_of(s) is not None and plan is None:
+        description += f"; the units those the FSDP wrap policy {wrap_policy_of(s).text()} wraps"
     pins = request.pins
     if pins is not None:  # the pinned units take their pins; the rest keep the strategy's or the plan's option
         choices = pins.overlay(table, choices)
