@@ -50,7 +50,8 @@ def _torch_wraps(model: nn.Module, min_params: int) -> list[str]:
 
 @pytest.mark.parametrize("min_params", [100, 5_000, 20_000, 40_000, 200_000])
 def test_a_size_policy_wraps_what_fsdp1_wraps(min_params):
-    model = build_model(get_config("llama-tiny", n_layers=4))  # untied: FSDP1's recursion alone counts shared weights twice
+    # untied: FSDP1's recursion run alone (nothing flattened) counts a shared weight twice
+    model = build_model(get_config("llama-tiny", n_layers=4))
     paths, refused = wrap_paths(model, WrapPolicy(min_num_params=min_params))
     assert sorted(paths) == sorted(_torch_wraps(model, min_params)) and not refused
 

@@ -162,7 +162,8 @@ def _wrapped(session: TracedModel, policy) -> tuple[str, ...]:
     """The modules `policy` wraps; those that cannot be units (tied weights) are said on stderr and left out."""
     paths, refused = wrap_paths(session.module, policy)
     for why in refused:
-        print(f"autoplan: note: the wrap policy {policy.text()} wraps {why}; left to its parent unit", file=sys.stderr)
+        print(f"autoplan: note: the wrap policy {policy.text()} wraps {why}; left to its parent unit",
+              file=sys.stderr)
     if not paths:
         raise UsageError(f"the wrap policy {policy.text()} wraps no module of {session.name} that can be a unit "
                          "(a smaller min_num_params, or other layer classes, would)")

@@ -176,7 +176,8 @@ class Pattern:
                         if high < low:
                             raise UsageError(f"pattern {self.text!r}: range {low}-{high} runs backwards")
                         if step < 1:
-                            raise UsageError(f"pattern {self.text!r}: range {low}-{high}/{step}: the step is at least 1")
+                            raise UsageError(f"pattern {self.text!r}: range {low}-{high}/{step}: the step is at "
+                                             "least 1")
         else:
             parts = ()
         object.__setattr__(self, "text", text)

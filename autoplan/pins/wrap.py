@@ -80,7 +80,8 @@ class WrapPolicy:
             if count != int(count):
                 raise UsageError(f"{source}: min_num_params {value!r} is not a whole number")
             return cls(min_num_params=int(count))
-        names = value.split(",") if isinstance(value, str) else list(value) if isinstance(value, (list, tuple)) else None
+        names = value.split(",") if isinstance(value, str) else list(value) if isinstance(value, (list, tuple)) \
+            else None
         if not names:
             raise UsageError(f"{source}: transformer_layer_cls takes class names, e.g. [LlamaDecoderLayer]")
         return cls(layer_classes=tuple(str(name).strip() for name in names))

@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch.nn as nn
 
 from autoplan.errors import UsageError
-from autoplan.pins.wrap import WrapPolicy
 from autoplan.models.structure import largest_module_list, params_of
+from autoplan.pins.wrap import WrapPolicy
 from autoplan.settings import GRANULARITIES
 from cost_models.records import ModelTrace, ParamInfo, Unit
 
