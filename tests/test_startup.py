@@ -75,3 +75,11 @@ def test_a_command_that_exits_without_teardown_still_flushes_its_output_and_exit
                           capture_output=True, text=True)
     assert done.returncode == 3 and "autoplan search: error: no plan for gpt2-tiny fits" in done.stderr
     assert cli_main.QUICK_EXIT == {"search", "estimate", "models", "profiles", "explain", "diff"}  # not apply, profile
+
+
+def test_explaining_and_comparing_plans_imports_no_solver(tmp_path):
+    # explain, diff and estimate --plan cost plans without solving: ortools (and the pandas it imports) stay out
+    plan = tmp_path / "plan.json"
+    autoplan.search("gpt2-tiny", "40MB", gpus=2, seq_len=32).save(plan)
+    for argv in (("explain", str(plan)), ("diff", str(plan), str(plan)), ("estimate", "--plan", str(plan))):
+        assert not _imported_after(_cli(*argv))["ortools"], argv

@@ -30,6 +30,7 @@ from autoplan.errors import InfeasibleError, SolverTimeout, UsageError
 from autoplan.models.tp_layout import TpRefusal, recognise
 from autoplan.solve.cluster import Cluster
 from autoplan.solve.request import PlanRequest, Uniform
+from autoplan.solve.solver import cp_sat
 from autoplan.solve.sweep import SweepOutcome, sweep
 from autoplan.solve.tables import TableSource
 from cost_models.mesh import Mesh
@@ -111,6 +112,7 @@ def search_meshes(request: PlanRequest) -> MeshSearch:
         return MeshSearch(results, best_result(results))
     global _REQUEST
     _REQUEST = request  # inherited by the workers forked now, never pickled
+    cp_sat()  # imported once, before the fork, not by every worker
     try:
         with multiprocessing.get_context("fork").Pool(workers) as pool:
             pending = pool.imap(_search_in_worker, rest)  # under way while this process searches the first
