@@ -3,9 +3,9 @@ under others, beside a run that never stopped (issue 27).
 
     python benchmarks/resume_curve.py              # about 2 minutes here: 5 runs of 2 (or 1) gloo ranks
 
-Plans for llama-tiny at 64 tokens, searched on this machine's profile: A (2 ranks, the search's own), B (2
-ranks, every block pinned shard_keep+ckpt, the root replicated), C (1 rank, 2 micro-batches accumulated: the
-same 8 samples per step). The uninterrupted run trains 6 steps under A; the interrupted one trains 3 under A
+Plans for llama-tiny at 64 tokens, searched on this machine's profile: A (2 ranks, the root and blocks pinned
+to shard, the blocks with selective checkpointing), B (2 ranks, the root replicated, the blocks shard_keep with
+full checkpointing), C (1 rank, the search's own, 2 micro-batches accumulated: the same 8 samples per step). The uninterrupted run trains 6 steps under A; the interrupted one trains 3 under A
 and saves, then 3 more under B, and again under C, each from the step-3 checkpoint (resharded by DCP for its
 plan). Text in an Alpaca file (byte tokens), which the model learns from, so that a resumed run that started
 afresh would show. Prints the losses and the largest relative difference from the uninterrupted run.
@@ -39,7 +39,7 @@ def main() -> None:
                                      "output": " ".join([w] * (i % 7 + 1))}
                                     for i, w in enumerate(["sharding", "plan", "memory", "checkpoint"] * 20)]))
         plans = {
-            "A": autoplan.search("llama-tiny", "40MB", tp=1, **COMMON),
+            "A": autoplan.search("llama-tiny", "40MB", tp=1, pin=["layers.*=shard+sel", "<root>=shard"], **COMMON),
             "B": autoplan.search("llama-tiny", "40MB", tp=1, pin=["layers.*=shard_keep+ckpt", "<root>=replicate"],
                                  **COMMON),
             "C": autoplan.search("llama-tiny", "40MB", **{**COMMON, "gpus": 1}, batch_size=4),
