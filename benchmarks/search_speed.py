@@ -24,7 +24,9 @@ Inspecting cases (issue 27): `autoplan models` under 1 s, and `explain`, `diff` 
 gpt2-1.5b plan (a second plan pins its first 24 blocks to shard+ckpt) at most 3 s with the trace cache warm,
 beside the same commands with the cache off ("cold", what each command cost before the cache) and a
 repeated search. Each tree gets a trace cache of its own in the scratch folder and makes its own plans (a
-reference revision's schema may differ); a "(warm)" case runs once untimed first.
+reference revision's schema may differ); a "(warm)" case runs once untimed first. Beside each wall time, the
+command's CPU seconds (user + system, the fastest run's): on a machine other work shares, the wall time
+stretches with the load and the CPU time much less.
 
 Pin cases (issue 14): a search with 10 `--pin`s against the same search free, fastest of --repeat runs
 each; the target is pinned within 20% of free (solver and whole command). The pins fix blocks to
@@ -36,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -137,7 +140,7 @@ def time_command(argv: list[str] | None, tree: Path, repeat: int, timeout_s: flo
                  warm: bool = False) -> dict:
     """The fastest of `repeat` runs of `autoplan ARGV` (a search writes its plan to a scratch file), or of the
     bare import for None; with `warm`, one untimed run first."""
-    best = None
+    best, best_cpu = None, None
     with tempfile.TemporaryDirectory() as scratch:
         for run in range(repeat + warm):
             if argv is None:
@@ -145,20 +148,28 @@ def time_command(argv: list[str] | None, tree: Path, repeat: int, timeout_s: flo
             else:
                 args = argv + (["-o", str(Path(scratch) / "plan.json")] if argv[0] == "search" else [])
                 command = [sys.executable, "-m", "autoplan", *args]
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), _children_cpu_s()
             try:
                 proc = subprocess.run(command, cwd=tree, env=env or _env(tree),
                                       capture_output=True, text=True, timeout=timeout_s)
                 code = proc.returncode
             except subprocess.TimeoutExpired:
                 code = "timeout"
-            wall = time.perf_counter() - start
+            wall, cpu = time.perf_counter() - start, _children_cpu_s() - cpu_start
             if code != 0:
-                return {"wall_s": wall, "exit": code}
+                return {"wall_s": wall, "cpu_s": cpu, "exit": code}
             if warm and run == 0:
                 continue
             best = wall if best is None else min(best, wall)
-    return {"wall_s": best, "exit": 0}
+            best_cpu = cpu if best_cpu is None else min(best_cpu, cpu)
+    return {"wall_s": best, "cpu_s": best_cpu, "exit": 0}
+
+
+def _children_cpu_s() -> float:
+    """User + system CPU seconds of this process's finished children: what a command costs whatever else the
+    machine runs (its wall time on a quiet machine, for a command that keeps one core busy)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _figure(result: dict | None) -> str:
@@ -178,7 +189,8 @@ def run_commands(ref: Path | None, ref_name: str | None, only: str | None, repea
     inspecting = any("{plan" in " ".join(argv or []) for _, _, argv in wanted)
     plans = {tree: make_plans(tree, scratch / f"plans-{index}") if inspecting and tree is not None else {}
              for index, tree in enumerate((REPO, ref))}
-    print(f"\n{'command':<46} {'target':>8} {'wall s':>8} {'x bare':>7} {ref_name or 'reference':>20}")
+    print(f"\n{'command':<46} {'target':>8} {'wall s':>8} {'cpu s':>6} {'x bare':>7} {ref_name or 'reference':>20} "
+          f"{'cpu s':>6}")
     for name, target, argv in wanted:
         runs = 1 if argv is not None and "{deep}" in " ".join(argv) else repeat
         now = _timed(name, argv, REPO, plans[REPO], scratch / "cache-0", deep, runs, timeout_s)
@@ -189,15 +201,16 @@ def run_commands(ref: Path | None, ref_name: str | None, only: str | None, repea
         target_s = float(target[:-1]) * bare_s if isinstance(target, str) else target
         met = None if target_s is None else (now["exit"] == 0 and now["wall_s"] <= target_s)
         row = {"command": name, "argv": ["python", *BARE_ARGV] if argv is None else ["autoplan", *argv],
-               "target": target, "target_s": target_s, "wall_s": now["wall_s"], "times_bare": times_bare,
-               "exit": now["exit"], "met": met, "runs": runs}
+               "target": target, "target_s": target_s, "wall_s": now["wall_s"], "cpu_s": now.get("cpu_s"),
+               "times_bare": times_bare, "exit": now["exit"], "met": met, "runs": runs}
         if before is not None:
-            row.update(ref=ref_name, ref_wall_s=before["wall_s"], ref_exit=before["exit"],
-                       ref_times_bare=before["wall_s"] / bare_s if bare_s else None)
+            row.update(ref=ref_name, ref_wall_s=before["wall_s"], ref_cpu_s=before.get("cpu_s"),
+                       ref_exit=before["exit"], ref_times_bare=before["wall_s"] / bare_s if bare_s else None)
         rows.append(row)
         shown = "-" if target is None else target if isinstance(target, str) else f"{target:.1f} s"
-        print(f"{name:<46} {shown:>8} {_figure(now):>8} {times_bare or 0:>6.1f}x {_figure(before):>20}"
-              f"{'  MISSED' if met is False else ''}", flush=True)
+        print(f"{name:<46} {shown:>8} {_figure(now):>8} {now.get('cpu_s') or 0:>6.2f} {times_bare or 0:>6.1f}x "
+              f"{_figure(before):>20} {(before or {}).get('cpu_s') or 0:>6.2f}{'  MISSED' if met is False else ''}",
+              flush=True)
     return rows
 
 
