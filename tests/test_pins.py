@@ -202,7 +202,7 @@ def test_a_plan_of_96_alternating_units_prints_grouped_in_every_table(tmp_path):
     """Alternating decisions group as strides, in the plan's table, explain, diff, the emitted pins."""
     from autoplan.api.inspect import diff, explain
 
-    model, common = "llama-tiny[n_layers=96]", dict(gpus=2, seq_len=32, tp=1, batch_size=8)
+    model, common = "llama-tiny[n_layers=96]", dict(gpus=2, seq_len=32, tp=1, batch_size=8, profile="cpu-gloo-2")
     alternating = autoplan.search(model, "200MB", pin=["layers.0-94/2=shard+ckpt", "layers.1-95/2=shard"], **common)
     uniform = autoplan.search(model, "200MB", pin=["layers.*=shard"], **common)
     report = alternating.table()
