@@ -25,8 +25,10 @@ True
 True
 
 In a training script under torchrun, `model, optimizer = autoplan.apply(model, plan)` wraps a
-meta-device model with one FSDP2 `fully_shard` per unit (see `autoplan apply --help` for a measured
-run). `print(plan)` shows the decision table; `plan.to_dict()`, `plan.unit_table()` and
+meta-device model with one FSDP2 `fully_shard` per unit (`mesh=`, `optimizer=` and `scheduler=` fit it
+into a team's own loop: examples/train.py); `autoplan.materialise` allocates and initialises it, and
+`autoplan.save_checkpoint` / `autoplan.load_checkpoint` save and resume it sharded, under any plan of the
+same model (see `autoplan apply --help` for a measured run). `print(plan)` shows the decision table; `plan.to_dict()`, `plan.unit_table()` and
 `plan.timeline_table()` give plain data.
 """
 
@@ -35,7 +37,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from autoplan.errors import AutoplanError, InfeasibleError, PlanFileError, TraceError, UsageError
+from autoplan.errors import AutoplanError, CheckpointError, InfeasibleError, PlanFileError, TraceError, UsageError
 from autoplan.version import __version__
 
 if TYPE_CHECKING:  # what the lazy names below resolve to, for readers and type checkers
@@ -48,6 +50,8 @@ if TYPE_CHECKING:  # what the lazy names below resolve to, for readers and type 
     from autoplan.plan.schema import Plan, load_plan
     from autoplan.profile_store import available_profiles, load_profile
     from autoplan.run.apply import apply
+    from autoplan.run.checkpoint import load_checkpoint, save_checkpoint
+    from autoplan.run.fsdp import materialise
     from autoplan.settings import EstimateSettings, SearchSettings
     from autoplan.sizes import parse_mem_bytes
     from autoplan.tracing.tracer import TRACERS, ExampleInputs
@@ -66,6 +70,8 @@ _LAZY = {
     "Plan": "autoplan.plan.schema", "load_plan": "autoplan.plan.schema",
     "available_profiles": "autoplan.profile_store", "load_profile": "autoplan.profile_store",
     "apply": "autoplan.run.apply",  # torch.distributed.fsdp: only in training scripts
+    "load_checkpoint": "autoplan.run.checkpoint", "save_checkpoint": "autoplan.run.checkpoint",
+    "materialise": "autoplan.run.fsdp",
     "EstimateSettings": "autoplan.settings", "SearchSettings": "autoplan.settings",
     "parse_mem_bytes": "autoplan.sizes",
     "TRACERS": "autoplan.tracing.tracer", "ExampleInputs": "autoplan.tracing.tracer",
@@ -73,10 +79,10 @@ _LAZY = {
 }
 
 __all__ = [
-    "AutoplanError", "DeviceProfile", "apply", "Estimate", "EstimateSettings", "ExampleInputs", "FrontierPoint",
+    "AutoplanError", "CheckpointError", "DeviceProfile", "apply", "Estimate", "EstimateSettings", "ExampleInputs", "FrontierPoint",
     "InfeasibleError", "Plan", "PlanFileError", "SearchSettings", "TRACERS", "TraceError", "TracedModel", "UsageError",
-    "__version__", "available_profiles", "estimate", "frontier", "load_plan", "load_profile", "parse_mem_bytes",
-    "plots", "search", "trace",
+    "__version__", "available_profiles", "estimate", "frontier", "load_checkpoint", "load_plan", "load_profile",
+    "materialise", "parse_mem_bytes", "plots", "save_checkpoint", "search", "trace",
 ]
 
 

@@ -41,6 +41,12 @@ class PlanFileError(AutoplanError):
     exit_code = 2
 
 
+class CheckpointError(AutoplanError):
+    """A checkpoint folder that cannot be loaded: none there, unfinished, corrupt, or of another model."""
+
+    exit_code = 2
+
+
 class TraceError(AutoplanError):
     """The model could not be traced; the message names the failing module or op."""
 

@@ -18,25 +18,17 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
 from autoplan.errors import UsageError
-from autoplan.settings_flags import Flag
+from autoplan.settings_flags import FIT_TO, GRANULARITIES, Flag, check_choice, choices_of
 from autoplan.sizes import check_mem_limit, parse_mem_bytes
 from cost_models.allocator_margin import is_expandable
-from cost_models.attention import KERNEL_ALIASES, AttentionKernel
+from cost_models.attention import KERNEL_ALIASES
 from cost_models.mesh import Mesh, MeshError
-from cost_models.options import (
-    CHECKPOINT_MODES,
-    DEFAULT_OPTIMIZER,
-    DEFAULT_PRECISION,
-    OPTIMIZERS,
-    PRECISIONS,
-    SHARDING_KINDS,
-    checkpoint_of_bool,
-)
+from cost_models.options import DEFAULT_OPTIMIZER, DEFAULT_PRECISION, checkpoint_of_bool
 
 __all__ = [
-    "DEFAULT_HEADROOM", "DEFAULT_MODEL", "DEFAULT_PROFILE", "DEFAULT_TIME_LIMIT_S", "FIT_TO", "GRANULARITIES", "MAX_HEADROOM",
-    "EstimateSettings", "Flag", "PlanningSettings", "SearchSettings", "check_choice", "check_mem_limit", "mesh_of",
-    "settings_error",
+    "DEFAULT_HEADROOM", "DEFAULT_MODEL", "DEFAULT_PROFILE", "DEFAULT_TIME_LIMIT_S", "FIT_TO", "GRANULARITIES",
+    "MAX_HEADROOM", "EstimateSettings", "Flag", "PlanningSettings", "SearchSettings", "check_choice",
+    "check_mem_limit", "choices_of", "mesh_of", "settings_error",
 ]
 
 DEFAULT_MODEL = "gpt2-1.5b"
@@ -47,14 +39,6 @@ DEFAULT_PROFILE = "a100-sxm4-80gb"
 DEFAULT_HEADROOM = 0.02
 MAX_HEADROOM = 0.5
 DEFAULT_TIME_LIMIT_S = 10.0
-GRANULARITIES = ("block", "fine", "leaf")
-FIT_TO = ("needed", "allocated")  # what a CUDA plan is fitted to: what the caching allocator needs, or live bytes
-
-
-def check_choice(param: str, value: str, choices) -> None:
-    """UsageError naming the parameter, the bad value and the accepted ones."""
-    if value not in choices:
-        raise UsageError(f"unknown `{param}` {value!r}; choose one of {', '.join(choices)}")
 
 
 def mesh_of(gpus: int | None, nodes: int | None, gpus_per_node: int | None) -> Mesh:
@@ -63,20 +47,6 @@ def mesh_of(gpus: int | None, nodes: int | None, gpus_per_node: int | None) -> M
         return Mesh.of(gpus, nodes, gpus_per_node)
     except MeshError as exc:
         raise UsageError(str(exc)) from None
-
-
-def choices_of(field: str) -> tuple[str, ...] | None:
-    """The values a field takes, read from the registry now (None: any value of its type)."""
-    return {
-        "dtype": lambda: tuple(PRECISIONS),
-        "optimizer": lambda: tuple(OPTIMIZERS),
-        "strategy": lambda: tuple(SHARDING_KINDS),
-        "checkpoint": lambda: tuple(CHECKPOINT_MODES),
-        "granularity": lambda: GRANULARITIES,
-        "sequence_parallel": lambda: ("on", "off"),
-        "fit_to": lambda: FIT_TO,
-        "attention": lambda: tuple(AttentionKernel) + tuple(KERNEL_ALIASES),
-    }.get(field, lambda: None)()
 
 
 class _Settings(BaseModel):
@@ -192,7 +162,11 @@ class PlanningSettings(_Settings):
     """optimizer (default adamw, or the plan's)"""
 
     granularity: Annotated[str | None, Flag(kind="choice")] = None
-    """unit size: one per block (default), attention/MLP apart (fine), every module (leaf)"""
+    """unit size: one per block (default), attention/MLP apart (fine), every module (leaf), the root alone (root)"""
+
+    wrap_policy: Annotated[Any, Flag()] = None
+    """an FSDP auto-wrap policy whose modules (and the root) are the units: size:N (size_based_auto_wrap_policy's
+    min_num_params) or class:NAME[,NAME] (transformer_auto_wrap_policy's layer classes)"""
 
     host_mem: Annotated[int | None, Flag(kind="mem")] = None
     """host memory per node that offloaded parameters, gradients and optimizer states may use (default: the
@@ -215,6 +189,14 @@ class PlanningSettings(_Settings):
     inputs: Annotated[str | None, Flag()] = None
     """forward inputs other than token ids: `name=dtype[dims] ...` (batch, seq named) or a JSON file of them"""
 
+    tp: int | None = None
+    """tensor-parallel degree inside a node (a divisor of `gpus_per_node`, at most 8; 1: FSDP alone); default: a
+    search tries 1, 2, 4, 8 on 8-GPU nodes where the model's blocks take the Megatron layout, an estimate 1"""
+
+    sequence_parallel: Annotated[str | None, Flag(kind="choice")] = None
+    """with tensor parallelism: norms and residual stream split along the sequence (on) or not (off); default: a
+    search tries both, an estimate off"""
+
     example_inputs: Annotated[Any, Flag(api_only=True)] = None
     """inputs of a model whose forward does not take token ids [batch, seq] (a tensor, a tuple or a dict;
     batch in dim 0, sequence in dim 1; only shapes and dtypes matter)"""
@@ -227,12 +209,13 @@ class PlanningSettings(_Settings):
     """a pin PATTERN=DECISION, repeatable: `*` one path component, `**` any depth, 0-11 a range, <root> the
     root; the decision an option's label (shard+ckpt) or fields (checkpoint=full)"""
 
-    @field_validator("pins", mode="before")
+    @field_validator("pins", "wrap_policy", mode="before")
     @classmethod
-    def _pins_file(cls, value):
+    def _pins_file(cls, value, info):
         from autoplan.pins import PinSet
+        from autoplan.pins.wrap import WrapPolicy
 
-        return None if value is None else PinSet.of(value)
+        return None if value is None else PinSet.of(value) if info.field_name == "pins" else WrapPolicy.of(value)
 
     @field_validator("pin", mode="before")
     @classmethod
@@ -267,8 +250,8 @@ class PlanningSettings(_Settings):
         return self.optimizer or DEFAULT_OPTIMIZER
 
     @property
-    def granularity_or_default(self) -> str:
-        return self.granularity or "block"
+    def granularity_or_default(self) -> str:  # a wrap policy's units are the root and the modules it wraps
+        return self.granularity or ("root" if self.wrap_policy or getattr(self.pins, "wrap", None) else "block")
 
 
 class SearchSettings(PlanningSettings):
@@ -300,15 +283,6 @@ class SearchSettings(PlanningSettings):
     allow_over_device_mem: bool = False
     """accept a `mem` above the profile's device memory (a plan that could not run on that device; the report
     says so)"""
-
-    tp: int | None = None
-    """tensor-parallel degree inside a node (a divisor of `gpus_per_node`, at most 8; 1: FSDP alone); default:
-    searched (1, 2, 4, 8 on 8-GPU nodes, each with and without sequence parallelism) where the model's blocks
-    take the Megatron layout"""
-
-    sequence_parallel: Annotated[str | None, Flag(kind="choice")] = None
-    """with tensor parallelism: norms and residual stream split along the sequence (on) or not (off); default:
-    both searched"""
 
     fit_to: Annotated[str, Flag(kind="choice")] = "needed"
     """on a CUDA profile, what the plan fits in `mem`: what torch's caching allocator needs to run the step
@@ -357,4 +331,8 @@ class EstimateSettings(PlanningSettings):
         if self.plan is not None and (self.strategy is not None or self.checkpoint is not None or self.offload):
             raise UsageError("give either `strategy` (with or without `checkpoint` and `offload`) or `plan`, not both: "
                              "a plan says per unit how it shards, where it checkpoints and what it offloads")
+        if self.plan is not None and (self.tp is not None or self.sequence_parallel is not None):
+            raise UsageError("`tp` and `sequence_parallel` go with a `strategy`; a plan is estimated on its own mesh")
+        if self.sequence_parallel == "on" and (self.tp or 1) == 1:
+            raise UsageError("`sequence_parallel` on needs `tp` above 1")
         return self

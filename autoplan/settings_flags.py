@@ -1,5 +1,6 @@
 """How a settings field appears on the command line, where its name or type alone does not say: the metadata
-`autoplan.settings` annotates its fields with, read by `autoplan.cli.flags` to build each command's flags."""
+`autoplan.settings` annotates its fields with, read by `autoplan.cli.flags` to build each command's flags, and
+the values a choice field takes, read from the one registry (`cost_models.options`) when asked."""
 
 from __future__ import annotations
 
@@ -7,7 +8,14 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel
 
-__all__ = ["Flag", "field_flag", "flag_name"]
+from autoplan.errors import UsageError
+from cost_models.attention import KERNEL_ALIASES, AttentionKernel
+from cost_models.options import CHECKPOINT_MODES, OPTIMIZERS, PRECISIONS, SHARDING_KINDS
+
+__all__ = ["FIT_TO", "GRANULARITIES", "Flag", "check_choice", "choices_of", "field_flag", "flag_name"]
+
+GRANULARITIES = ("block", "fine", "leaf", "root")
+FIT_TO = ("needed", "allocated")  # what a CUDA plan is fitted to: what the caching allocator needs, or live bytes
 
 
 @dataclass(frozen=True)
@@ -15,7 +23,7 @@ class Flag:
     """How a field appears on the command line, where its name or type alone does not say."""
 
     name: str | None = None  # the flag, when not `--` + the field name with dashes
-    kind: str | None = None  # "mem" (a size such as 8GB), "choice" (from the registry, see _choices)
+    kind: str | None = None  # "mem" (a size such as 8GB), "choice" (from the registry: choices_of)
     api_only: bool = False  # a Python object (a module, example inputs): no flag
     bare: str | None = None  # a "choice" flag given without a value means this one (`--checkpoint`: full)
 
@@ -27,3 +35,23 @@ def field_flag(cls: type[BaseModel], name: str) -> Flag:
 
 def flag_name(cls: type[BaseModel], name: str) -> str:
     return field_flag(cls, name).name or "--" + name.replace("_", "-")
+
+
+def check_choice(param: str, value: str, choices) -> None:
+    """UsageError naming the parameter, the bad value and the accepted ones."""
+    if value not in choices:
+        raise UsageError(f"unknown `{param}` {value!r}; choose one of {', '.join(choices)}")
+
+
+def choices_of(field: str) -> tuple[str, ...] | None:
+    """The values a field takes, read from the registry now (None: any value of its type)."""
+    return {
+        "dtype": lambda: tuple(PRECISIONS),
+        "optimizer": lambda: tuple(OPTIMIZERS),
+        "strategy": lambda: tuple(SHARDING_KINDS),
+        "checkpoint": lambda: tuple(CHECKPOINT_MODES),
+        "granularity": lambda: GRANULARITIES,
+        "sequence_parallel": lambda: ("on", "off"),
+        "fit_to": lambda: FIT_TO,
+        "attention": lambda: tuple(AttentionKernel) + tuple(KERNEL_ALIASES),
+    }.get(field, lambda: None)()

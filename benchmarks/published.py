@@ -134,7 +134,7 @@ def fit_scales(runs: list[PublishedRun], out: Path) -> dict:
     """Per GPU family, the in-step compute scale (FsdpOverhead.compute_*_scale) that best fits the family's
     runs not held out: least squares of log(predicted / published), golden-section search over [1, 2]. The
     model's physical parts stay as the profiles source them; the scale holds what none of them prices (see
-    benchmarks/RESULTS.md section 14). Written to `out`, which benchmarks/sourced_profiles.py reads."""
+    benchmarks/RESULTS.md section 15). Written to `out`, which benchmarks/sourced_profiles.py reads."""
     import autoplan
 
     cache, results = {}, {}

@@ -4,6 +4,7 @@ time against its targets, beside a reference revision's in the same run.
     python benchmarks/search_speed.py                  # this tree; writes benchmarks/results/search_speed.json
     python benchmarks/search_speed.py --ref HEAD~3     # and the same commands on that revision, in the same run
     python benchmarks/search_speed.py --only gpt2      # a subset (substring of the case)
+    python benchmarks/search_speed.py --no-solver-cases --only models,explain,diff,estimate,again --ref main
     python benchmarks/search_speed.py --pins-only      # only the searches with 10 pins beside the same free
 
 Solver cases: `autoplan search` as a subprocess; the solver's wall time from the plan file against the
@@ -19,6 +20,14 @@ temporary folder); `autoplan --help` under 1 s); `autoplan models` and `autoplan
 solver, for the record. Each is run --repeat times (default 3) and its fastest run kept: on a shared
 machine a burst of load from a neighbour only ever slows a run down. The 2000-layer case runs once.
 
+Inspecting cases (issue 27): `autoplan models` under 1 s, and `explain`, `diff` and `estimate --plan` of a
+gpt2-1.5b plan (a second plan pins its first 24 blocks to shard+ckpt) at most 3 s with the trace cache warm,
+beside the same commands with the cache off ("cold", what each command cost before the cache) and a
+repeated search. Each tree gets a trace cache of its own in the scratch folder and makes its own plans (a
+reference revision's schema may differ); a "(warm)" case runs once untimed first. Beside each wall time, the
+command's CPU seconds (user + system, the fastest run's): on a machine other work shares, the wall time
+stretches with the load and the CPU time much less.
+
 Pin cases (issue 14): a search with 10 `--pin`s against the same search free, fastest of --repeat runs
 each; the target is pinned within 20% of free (solver and whole command). The pins fix blocks to
 shard+ckpt, spread over the stack (every few blocks) or in one stretch.
@@ -29,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -67,13 +77,22 @@ BARE_ARGV = ["-c", "import torch; from ortools.sat.python import cp_model"]
 COMMANDS = [
     (BARE, None, None),
     ("autoplan --help", 1.0, ["--help"]),
-    ("autoplan models", None, ["models"]),
+    ("autoplan models", 1.0, ["models"]),  # counts from the configs (issue 27)
     ("autoplan profiles", None, ["profiles"]),
     ("search gpt2-1.5b --mem 8GB", "2x", ["search", "--model", "gpt2-1.5b", "--mem", "8GB"]),
     ("search llama3-8b --mem 80GB", 3.0, ["search", "--model", "llama3-8b", "--mem", "80GB"]),
     ("search llama3-405b, 256 H100s, seq 2048", "3x", ["search", *CASES[2][2]]),
     (f"search hf: Llama, {DEEP_LAYERS} layers, --mem 1GB", 10.0, ["search", "--model", "hf:{deep}", "--mem", "1GB"]),
+    ("explain gpt2-1.5b plan (warm)", 3.0, ["explain", "{plan}"]),
+    ("explain gpt2-1.5b plan (cold)", None, ["explain", "{plan}"]),
+    ("diff gpt2-1.5b plans (warm)", 3.0, ["diff", "{plan}", "{plan2}"]),
+    ("diff gpt2-1.5b plans (cold)", None, ["diff", "{plan}", "{plan2}"]),
+    ("estimate --plan gpt2-1.5b (warm)", 3.0, ["estimate", "--plan", "{plan}"]),
+    ("estimate --plan gpt2-1.5b (cold)", None, ["estimate", "--plan", "{plan}"]),
+    ("search gpt2-1.5b --mem 8GB again (warm)", None, ["search", "--model", "gpt2-1.5b", "--mem", "8GB"]),
 ]
+INSPECTED = ["--model", "gpt2-1.5b", "--mem", "8GB"]  # the plans explain and diff read: this search, and pinned
+PINNED = ["--pin", "transformer.h.0-23=shard+ckpt"]
 
 
 def run_case(args: list[str], tree: Path = REPO) -> dict:
@@ -107,29 +126,50 @@ def write_deep_config(folder: Path, layers: int = DEEP_LAYERS) -> Path:
     return folder
 
 
-def time_command(argv: list[str] | None, tree: Path, repeat: int, timeout_s: float) -> dict:
+def make_plans(tree: Path, folder: Path) -> dict[str, str]:
+    """The gpt2-1.5b plans the inspecting cases read, made by `tree` into `folder`."""
+    folder.mkdir(parents=True, exist_ok=True)
+    plans = {"plan": folder / "gpt2-1.5b.json", "plan2": folder / "gpt2-1.5b-pinned.json"}
+    for name, extra in (("plan", []), ("plan2", PINNED)):
+        subprocess.run([sys.executable, "-m", "autoplan", "search", *INSPECTED, *extra, "-o", str(plans[name])],
+                       cwd=tree, env=_env(tree), capture_output=True, text=True, check=True)
+    return {name: str(path) for name, path in plans.items()}
+
+
+def time_command(argv: list[str] | None, tree: Path, repeat: int, timeout_s: float, env: dict | None = None,
+                 warm: bool = False) -> dict:
     """The fastest of `repeat` runs of `autoplan ARGV` (a search writes its plan to a scratch file), or of the
-    bare import for None."""
-    best = None
+    bare import for None; with `warm`, one untimed run first."""
+    best, best_cpu = None, None
     with tempfile.TemporaryDirectory() as scratch:
-        for _ in range(repeat):
+        for run in range(repeat + warm):
             if argv is None:
                 command = [sys.executable, *BARE_ARGV]
             else:
                 args = argv + (["-o", str(Path(scratch) / "plan.json")] if argv[0] == "search" else [])
                 command = [sys.executable, "-m", "autoplan", *args]
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), _children_cpu_s()
             try:
-                proc = subprocess.run(command, cwd=tree, env=_env(tree),
+                proc = subprocess.run(command, cwd=tree, env=env or _env(tree),
                                       capture_output=True, text=True, timeout=timeout_s)
                 code = proc.returncode
             except subprocess.TimeoutExpired:
                 code = "timeout"
-            wall = time.perf_counter() - start
+            wall, cpu = time.perf_counter() - start, _children_cpu_s() - cpu_start
             if code != 0:
-                return {"wall_s": wall, "exit": code}
+                return {"wall_s": wall, "cpu_s": cpu, "exit": code}
+            if warm and run == 0:
+                continue
             best = wall if best is None else min(best, wall)
-    return {"wall_s": best, "exit": 0}
+            best_cpu = cpu if best_cpu is None else min(best_cpu, cpu)
+    return {"wall_s": best, "cpu_s": best_cpu, "exit": 0}
+
+
+def _children_cpu_s() -> float:
+    """User + system CPU seconds of this process's finished children: what a command costs whatever else the
+    machine runs (its wall time on a quiet machine, for a command that keeps one core busy)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _figure(result: dict | None) -> str:
@@ -145,29 +185,49 @@ def run_commands(ref: Path | None, ref_name: str | None, only: str | None, repea
     deep = write_deep_config(scratch / f"llama-{DEEP_LAYERS}")
     rows = []
     bare_s = None
-    print(f"\n{'command':<46} {'target':>8} {'wall s':>8} {'x bare':>7} {ref_name or 'reference':>20}")
-    for name, target, argv in COMMANDS:
-        if only and only not in name and name != BARE:
-            continue
-        argv = None if argv is None else [arg.replace("{deep}", str(deep)) for arg in argv]
-        runs = 1 if argv is not None and str(deep) in " ".join(argv) else repeat
-        now = time_command(argv, REPO, runs, timeout_s)
-        before = time_command(argv, ref, runs, timeout_s) if ref is not None and argv is not None else None
+    wanted = [(name, target, argv) for name, target, argv in COMMANDS if _wanted(name, only) or name == BARE]
+    inspecting = any("{plan" in " ".join(argv or []) for _, _, argv in wanted)
+    plans = {tree: make_plans(tree, scratch / f"plans-{index}") if inspecting and tree is not None else {}
+             for index, tree in enumerate((REPO, ref))}
+    print(f"\n{'command':<46} {'target':>8} {'wall s':>8} {'cpu s':>6} {'x bare':>7} {ref_name or 'reference':>20} "
+          f"{'cpu s':>6}")
+    for name, target, argv in wanted:
+        runs = 1 if argv is not None and "{deep}" in " ".join(argv) else repeat
+        now = _timed(name, argv, REPO, plans[REPO], scratch / "cache-0", deep, runs, timeout_s)
+        before = (_timed(name, argv, ref, plans[ref], scratch / "cache-1", deep, runs, timeout_s)
+                  if ref is not None and argv is not None else None)
         bare_s = now["wall_s"] if name == BARE else bare_s
         times_bare = now["wall_s"] / bare_s if bare_s else None
         target_s = float(target[:-1]) * bare_s if isinstance(target, str) else target
         met = None if target_s is None else (now["exit"] == 0 and now["wall_s"] <= target_s)
         row = {"command": name, "argv": ["python", *BARE_ARGV] if argv is None else ["autoplan", *argv],
-               "target": target, "target_s": target_s, "wall_s": now["wall_s"], "times_bare": times_bare,
-               "exit": now["exit"], "met": met, "runs": runs}
+               "target": target, "target_s": target_s, "wall_s": now["wall_s"], "cpu_s": now.get("cpu_s"),
+               "times_bare": times_bare, "exit": now["exit"], "met": met, "runs": runs}
         if before is not None:
-            row.update(ref=ref_name, ref_wall_s=before["wall_s"], ref_exit=before["exit"],
-                       ref_times_bare=before["wall_s"] / bare_s if bare_s else None)
+            row.update(ref=ref_name, ref_wall_s=before["wall_s"], ref_cpu_s=before.get("cpu_s"),
+                       ref_exit=before["exit"], ref_times_bare=before["wall_s"] / bare_s if bare_s else None)
         rows.append(row)
         shown = "-" if target is None else target if isinstance(target, str) else f"{target:.1f} s"
-        print(f"{name:<46} {shown:>8} {_figure(now):>8} {times_bare or 0:>6.1f}x {_figure(before):>20}"
-              f"{'  MISSED' if met is False else ''}", flush=True)
+        print(f"{name:<46} {shown:>8} {_figure(now):>8} {now.get('cpu_s') or 0:>6.2f} {times_bare or 0:>6.1f}x "
+              f"{_figure(before):>20} {(before or {}).get('cpu_s') or 0:>6.2f}{'  MISSED' if met is False else ''}",
+              flush=True)
     return rows
+
+
+def _wanted(name: str, only: str | None) -> bool:
+    """`only` is one or more substrings, comma-separated."""
+    return only is None or any(part and part in name for part in only.split(","))
+
+
+def _timed(name: str, argv: list[str] | None, tree: Path, plans: dict, cache: Path, deep: Path, runs: int,
+           timeout_s: float) -> dict:
+    """A command case on `tree`: its placeholders filled, the tree's own trace cache, on for a "(warm)" case only
+    (every other case traces, as every command did before the cache)."""
+    if argv is not None:
+        argv = [arg.replace("{deep}", str(deep)).replace("{plan2}", plans.get("plan2", "")).replace(
+            "{plan}", plans.get("plan", "")) for arg in argv]
+    env = dict(_env(tree), AUTOPLAN_CACHE_DIR=str(cache), AUTOPLAN_TRACE_CACHE="on" if "(warm)" in name else "off")
+    return time_command(argv, tree, runs, timeout_s, env, warm="(warm)" in name)
 
 
 def _name(row: dict) -> str:
@@ -185,7 +245,7 @@ def run_pin_cases(only: str | None, repeat: int) -> list[dict]:
     print(f"\n{'10 pins':<56} {'free solver s':>13} {'pinned':>8} {'free cmd s':>10} {'pinned':>8}  ratio (target "
           f"<= {PIN_TARGET:g})")
     for name, args, pins in PIN_CASES:
-        if only and only not in name:
+        if not _wanted(name, only):
             continue
         free = _fastest(args, repeat)
         pinned = _fastest(args + [flag for pin in pins for flag in ("--pin", pin)], repeat)
@@ -202,7 +262,8 @@ def run_pin_cases(only: str | None, repeat: int) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ref", help="also time the commands on this revision (checked out in a temporary worktree)")
-    parser.add_argument("--only", help="run only the cases whose name contains this")
+    parser.add_argument("--only", help="run only the cases whose name contains this (or one of these, "
+                                       "comma-separated)")
     parser.add_argument("--repeat", type=int, default=3, help="runs per command case, the fastest kept (default 3)")
     parser.add_argument("--timeout", type=float, default=900, help="seconds before a command is given up (default 900)")
     parser.add_argument("--no-solver-cases", action="store_true", help="only the whole-command cases")
@@ -219,7 +280,7 @@ def main() -> None:
     if not args.no_solver_cases:
         print(f"{'case':<70} {'units':>5} {'solver s':>9} {'target':>7} {'command s':>10} {'status':>9} {'gap':>8}")
         for name, target_s, case_args in CASES:
-            if args.only and args.only not in name:
+            if not _wanted(name, args.only):
                 continue
             result = run_case(case_args)
             result.update(case=name, target_solver_s=target_s, met=result["solver_s"] <= target_s)

@@ -35,8 +35,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from autoplan.profile_store import save_profile  # noqa: E402
 from gpu_figures import KEEP, extra_figures, fitted_scale_rows, new_profile_figures  # noqa: E402
+
+from autoplan.profile_store import save_profile  # noqa: E402
 from autoplan.profiling.fit import fit_affine, relative_errors  # noqa: E402
 from cost_models.comm import ring_factor  # noqa: E402
 from cost_models.profile import DeviceProfile  # noqa: E402

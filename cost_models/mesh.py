@@ -165,9 +165,15 @@ class Mesh:
         if kind_mesh == MeshShape.WORLD:
             return dp_mesh
         from torch._subclasses.fake_tensor import unset_fake_temporarily
+        from torch.distributed import get_world_size
         from torch.distributed.device_mesh import DeviceMesh
 
         shape = self.fsdp_shape(kind_mesh, dp_mesh.size())
+        if dp_mesh.size() < get_world_size():
+            # the data-parallel ranks are one slice of a larger mesh (a training script's pipeline or context
+            # dimension around them): DeviceMesh's own unflatten makes every slice's groups, on every rank
+            # together, where a DeviceMesh of this slice's ranks alone would leave the other ranks' groups unmade
+            return dp_mesh._unflatten(0, shape, FSDP_DIM_NAMES)
         # a mesh's ranks are real integers, also when the model is applied under a FakeTensorMode (a rank
         # of a big world on fake tensors: autoplan.run.allocator_fit); torch would make them fake there
         with unset_fake_temporarily():

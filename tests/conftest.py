@@ -6,6 +6,9 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+# Tests trace afresh: a trace served from disk would hide what a test of tracing checks (the cache's own tests
+# turn it on, in a folder of their own); subprocesses inherit this
+os.environ["AUTOPLAN_TRACE_CACHE"] = "off"
 
 
 @pytest.fixture

@@ -29,7 +29,7 @@ def test_the_api_is_exported():
 def test_a_traced_model_is_traced_once_and_searches_as_search_does(traced, monkeypatch):
     calls = []
     original = autoplan.tracing.tracer.trace_pair
-    traced_module = sys.modules["autoplan.api.traced"]
+    traced_module = sys.modules["autoplan.tracing.cache"]  # what TracedModel traces with (the disk cache is off)
     monkeypatch.setattr(traced_module, "trace_pair", lambda *a, **k: calls.append(a) or original(*a, **k))
     fresh = autoplan.search("gpt2-tiny", "20MB", gpus=2, seq_len=64, fit_to="allocated").model_dump(mode="json")
     assert len(calls) == 1

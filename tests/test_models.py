@@ -32,6 +32,7 @@ PUBLISHED_COUNTS = {
     "llama2-13b": 13_015_864_320,
     "llama2-70b": 68_976_648_192,
     "llama3-8b": 8_030_261_248,
+    "llama3-70b": 70_553_706_496,  # Meta-Llama-3-70B
     "llama-1b": 1_235_814_400,  # Llama-3.2-1B
     "bert-large": 335_174_458,  # HF BertForMaskedLM, bert-large-uncased
 }
@@ -438,3 +439,12 @@ def test_count_params_counts_tied_once():
     model = build_model("gpt2-tiny")
     total_with_duplicates = sum(p.numel() for _, p in model.named_parameters(remove_duplicate=False))
     assert total_with_duplicates - count_params(model) == model.transformer.wte.weight.numel()
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_a_configs_parameter_count_is_its_models(name):
+    # `autoplan models` lists ModelConfig.n_params without building a module; the built model must agree
+    config = get_config(name)
+    assert config.n_params == count_params(build_model(config))
+    flipped = dataclasses.replace(config, tie_embeddings=not config.tie_embeddings, n_layers=3)
+    assert flipped.n_params == count_params(build_model(flipped))

@@ -9,7 +9,7 @@ import autoplan
 from autoplan.cli.main import main
 from autoplan.errors import UsageError
 from autoplan.models.resolve import resolve_model
-from autoplan.pins import Pattern, PinsInfeasibleError, load_pins, parse_decision
+from autoplan.pins import Pattern, PinsInfeasibleError, load_pins, parse_decision, pins_of_plan, range_text
 
 TINY = ["--model", "gpt2-tiny", "--gpus", "2", "--seq-len", "64", "--mem", "20MB",  # a mixed plan: see below
         "--fit-to", "allocated"]  # live bytes alone: 20 MB is below what a GPU's caching allocator needs
@@ -48,6 +48,8 @@ def test_decisions_as_labels_fields_and_mappings():
     ("gpt2", "transformer.h.*", [f"transformer.h.{i}" for i in range(12)]),
     ("gpt2", "transformer.h.0-11", [f"transformer.h.{i}" for i in range(12)]),
     ("gpt2", "transformer.h.3-5,9", ["transformer.h.3", "transformer.h.4", "transformer.h.5", "transformer.h.9"]),
+    ("gpt2", "transformer.h.1-9/4", ["transformer.h.1", "transformer.h.5", "transformer.h.9"]),  # every 4th
+    ("gpt2", "transformer.h.0-11/2.mlp", [f"transformer.h.{i}.mlp" for i in range(0, 12, 2)]),
     ("gpt2", "**.mlp", [f"transformer.h.{i}.mlp" for i in range(12)]),
     ("gpt2", "transformer.h.1*.attn", ["transformer.h.1.attn", "transformer.h.10.attn", "transformer.h.11.attn"]),
     ("gpt2", "<root>", [""]),
@@ -130,6 +132,7 @@ BAD = [
     (["--pin", "transformer.wte=shard"], "tied weights"),
     (["--pin", "transformer..h=shard"], "empty path component"),
     (["--pin", "transformer.h.5-2=shard"], "runs backwards"),
+    (["--pin", "transformer.h.0-1/0=shard"], "the step is at least 1"),
     (["--pins", "missing.yaml"], "missing.yaml does not exist"),
 ]
 FILES = [
@@ -184,3 +187,30 @@ def test_plans_record_their_pins_and_older_plans_still_load(gpt2_tiny, tmp_path)
     del data["pins"]
     (tmp_path / "old.json").write_text(json.dumps(data))
     assert autoplan.load_plan(tmp_path / "old.json").pins == []
+
+
+@pytest.mark.parametrize("indices,text", [
+    ([0, 1, 2, 5, 7, 8], "0-2,5,7-8"), (list(range(0, 96, 2)), "0-94/2"), (list(range(1, 96, 2)), "1-95/2"),
+    ([0, 2], "0,2"), ([0, 3, 6, 7, 8], "0-6/3,7-8"), ([4], "4"),
+])
+def test_range_text_writes_runs_and_strides_that_match_exactly_those_indices(indices, text):
+    assert range_text(indices) == text
+    assert [i for i in range(100) if Pattern(f"layers.{text}").matches(f"layers.{i}")] == sorted(indices)
+
+
+def test_a_plan_of_96_alternating_units_prints_grouped_in_every_table(tmp_path):
+    """Alternating decisions group as strides, in the plan's table, explain, diff, the emitted pins."""
+    from autoplan.api.inspect import diff, explain
+
+    model, common = "llama-tiny[n_layers=96]", dict(gpus=2, seq_len=32, tp=1, batch_size=8, profile="cpu-gloo-2")
+    alternating = autoplan.search(model, "200MB", pin=["layers.0-94/2=shard+ckpt", "layers.1-95/2=shard"], **common)
+    uniform = autoplan.search(model, "200MB", pin=["layers.*=shard"], **common)
+    report = alternating.table()
+    rows = report[report.index("-----"):report.index("peak memory")].splitlines()[1:-1]
+    assert len(rows) <= 5 and any(row.startswith("layers.0-94/2 ") for row in rows), report
+    assert any(row.startswith("layers.1-95/2 ") for row in rows)
+    why = explain(alternating)
+    assert [g.pattern for g in why.groups if g.pattern.startswith("layers")] == ["layers.0-94/2", "layers.1-95/2"]
+    changed = diff(alternating, uniform)
+    assert len(changed.table().splitlines()) < 10 and "layers.0-94/2" in changed.table()
+    assert [pin.pattern.text for pin in pins_of_plan(alternating)][2:4] == ["layers.0-94/2", "layers.1-95/2"]

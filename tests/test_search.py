@@ -149,3 +149,19 @@ def test_a_refusal_in_a_worker_process_is_reported_as_one_mesh_by_mesh(monkeypat
     notes = [entry.note for entry in forked.solver.tp_degrees if entry.degree > 1]
     assert notes and all(note.startswith("not with the pins") for note in notes)
     assert _without_wall_times(forked.to_dict()) == _without_wall_times(one_by_one.to_dict())
+
+
+def test_a_search_longer_than_its_progress_delay_says_how_it_goes(monkeypatch, capsys):
+    """Past PROGRESS_DELAY_S a line on stderr per micro-batch (the mesh and its shape, what it gave, the best so
+    far) and per mesh; a search of one mesh shows its micro-batches too."""
+    import autoplan.solve.mesh_search as mesh_search
+
+    monkeypatch.setattr(mesh_search, "PROGRESS_DELAY_S", 0.0)
+    search(model="llama-tiny", mem="30MB", gpus=2, seq_len=64, profile="cpu-gloo-2", tp=1, global_batch=16)
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("autoplan: mesh")]  # not tracing's
+    assert lines and all(line.startswith("autoplan: mesh 1 of 1 (2 data-parallel), micro-batch ") for line in lines)
+    assert {line.split("micro-batch ")[1].split(" x")[0] for line in lines} >= {"1", "2"}
+    assert all("best so far" in line for line in lines[1:]) and "samples/s" in lines[0]
+    search(model="llama-tiny", mem="30MB", gpus=2, seq_len=64, profile="cpu-gloo-2")
+    err = capsys.readouterr().err
+    assert "(1 data-parallel x 2 tensor-parallel +sp), micro-batch" in err and "mesh 3 of 3 (tp 2)" in err

@@ -1,5 +1,5 @@
 """The command line answers before it imports what it does not need: `autoplan --help` imports neither
-torch nor the solver, `models` and `profiles` not the solver; `import autoplan` imports the API's
+torch nor the solver, `models` and `profiles` neither torch nor the solver; `import autoplan` imports the API's
 modules only when a name is first used, and every public name still resolves."""
 
 import json
@@ -34,7 +34,7 @@ def test_help_imports_neither_torch_nor_the_solver():
 def test_commands_that_solve_nothing_do_not_import_the_solver(argv):
     imported = _imported_after(_cli(*argv))
     assert not imported["ortools"]
-    if argv == ("profiles",):
+    if argv in (("profiles",), ("models",)):  # `models` counts parameters from the configs
         assert not imported["torch"]
 
 
@@ -63,7 +63,7 @@ def test_every_public_name_resolves_lazily():
 
 
 def test_a_command_that_exits_without_teardown_still_flushes_its_output_and_exit_code(tmp_path):
-    # search, estimate, models and profiles end with os._exit (the interpreter's teardown after torch
+    # search, estimate, models, profiles, explain and diff end with os._exit (the interpreter's teardown after torch
     # costs 0.6 s): what they print and write must all be there, and the exit code be theirs
     plan = tmp_path / "plan.json"
     args = ["--model", "gpt2-tiny", "--gpus", "2", "--seq-len", "32", "--fit-to", "allocated", "-o", str(plan)]
@@ -74,4 +74,12 @@ def test_a_command_that_exits_without_teardown_still_flushes_its_output_and_exit
     done = subprocess.run([sys.executable, "-m", "autoplan", "search", *args, "--mem", "100KB"],
                           capture_output=True, text=True)
     assert done.returncode == 3 and "autoplan search: error: no plan for gpt2-tiny fits" in done.stderr
-    assert cli_main.QUICK_EXIT == {"search", "estimate", "models", "profiles"}  # not apply or profile
+    assert cli_main.QUICK_EXIT == {"search", "estimate", "models", "profiles", "explain", "diff"}  # not apply, profile
+
+
+def test_explaining_and_comparing_plans_imports_no_solver(tmp_path):
+    # explain, diff and estimate --plan cost plans without solving: ortools (and the pandas it imports) stay out
+    plan = tmp_path / "plan.json"
+    autoplan.search("gpt2-tiny", "40MB", gpus=2, seq_len=32, profile="cpu-gloo-2").save(plan)
+    for argv in (("explain", str(plan)), ("diff", str(plan), str(plan)), ("estimate", "--plan", str(plan))):
+        assert not _imported_after(_cli(*argv))["ortools"], argv

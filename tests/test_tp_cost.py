@@ -317,6 +317,22 @@ def test_sequence_parallelism_can_be_fixed(llama):
         autoplan.search(llama, "30MB", gpus=2, tp=2, sequence_parallel="maybe")
 
 
-def test_estimate_refuses_a_tensor_parallel_plan_rather_than_misprice_it(tp_plan):
-    with pytest.raises(UsageError, match="tensor-parallel \\(degree 2\\), which estimate does not cost yet"):
-        autoplan.estimate(plan=tp_plan)
+def test_estimate_of_a_tensor_parallel_plan_is_the_plans_prediction(tp_plan):
+    est = autoplan.estimate(plan=tp_plan)
+    assert est.cluster.tp_degree == tp_plan.cluster.tp_degree == 2
+    assert est.predicted.step_time_s == pytest.approx(tp_plan.predicted.step_time_s, rel=1e-9)
+    assert est.predicted.peak_mem_bytes == tp_plan.predicted.peak_mem_bytes
+    assert "data-parallel ranks (tensor-parallel degree 2" in est.table()
+
+
+def test_estimate_costs_a_strategy_beside_tensor_parallelism(llama):
+    flat = autoplan.estimate(llama, "shard", gpus=4, gpus_per_node=4, profile="h100-sxm-80gb", batch_size=2)
+    split = autoplan.estimate(llama, "shard", gpus=4, gpus_per_node=4, profile="h100-sxm-80gb", batch_size=2, tp=2)
+    assert split.cluster.tp_degree == 2 and split.training.global_batch_size == flat.training.global_batch_size // 2
+    # parameters split over 4 ranks either way (the norms kept whole by each TP rank), activations split by TP
+    assert split.predicted.breakdown.params_bytes == pytest.approx(flat.predicted.breakdown.params_bytes, rel=0.01)
+    assert split.predicted.breakdown.activations_bytes < flat.predicted.breakdown.activations_bytes
+    with pytest.raises(UsageError, match="`strategy` replicate is not offered beside tensor parallelism"):
+        autoplan.estimate(llama, "replicate", gpus=4, tp=2)
+    with pytest.raises(UsageError, match="`sequence_parallel` on needs `tp` above 1"):
+        autoplan.estimate(llama, "shard", gpus=4, sequence_parallel="on")

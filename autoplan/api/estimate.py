@@ -11,14 +11,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from autoplan.api.prepare import load_plan_of, prepare
+from autoplan.api.prepare import load_plan_of, prepare, wrap_policy_of
 from autoplan.errors import UsageError
-from autoplan.models.tp_layout import recognise
+from autoplan.models.tp_layout import TpRefusal, recognise
+from autoplan.pins import path_groups
 from autoplan.plan.assemble import model_ref, plan_choices, prediction, training_spec, unit_decisions
 from autoplan.plan.estimate import Estimate
 from autoplan.plan.schema import ClusterSpec, Plan
 from autoplan.settings import EstimateSettings
 from autoplan.sizes import format_bytes
+from autoplan.solve.mesh_search import check_beside_tensor_parallelism
 from autoplan.solve.request import PlanRequest
 from cost_models.evaluate import evaluate, uniform_choices
 from cost_models.options import CHECKPOINT_MODES, SHARDING_KINDS
@@ -47,10 +49,6 @@ def estimate(model: Any = None, strategy: str | None = None, *, settings: Estima
     """
     s = EstimateSettings.create(settings, model=model, strategy=strategy, **fields)
     plan, plan_file = load_plan_of(s.plan)
-    if plan is not None and plan.cluster.tp_degree > 1:
-        raise UsageError(f"the plan is tensor-parallel (degree {plan.cluster.tp_degree}), which estimate does not "
-                         "cost yet; the plan's own predictions are its estimate (`autoplan search --tp` makes "
-                         "them again)")
     request = prepare(s, plan, plan_file)
     table, choices = request_table(request, plan)
     if plan is not None:
@@ -63,11 +61,14 @@ def estimate(model: Any = None, strategy: str | None = None, *, settings: Estima
         description = (SHARDING_KINDS[uniform.strategy].description + "; " + mode.description
                        + (" on every unit but the root" if mode.checkpoints else "")
                        + ("; parameters, gradients and optimizer states offloaded to the host" if uniform.offload else ""))
+    if wrap_policy_of(s) is not None and plan is None:
+        description += f"; the units those the FSDP wrap policy {wrap_policy_of(s).text()} wraps"
     pins = request.pins
     if pins is not None:  # the pinned units take their pins; the rest keep the strategy's or the plan's option
         choices = pins.overlay(table, choices)
         label += f" + {len(pins.pins)} pin{'s' if len(pins.pins) > 1 else ''}"
-        description += "; pinned: " + ", ".join(f"{p}: {d}" for p, d in pins.records())
+        # pins naming single blocks alike are written as one range ("layers.0-94/2: shard+ckpt")
+        description += "; pinned: " + ", ".join(f"{p}: {d}" for p, _, d in path_groups(pins.records()))
     cluster = request.cluster.with_mesh(request.meshes[0])
     return Estimate(
         model=model_ref(request), strategy=label, description=description,
@@ -82,7 +83,13 @@ def request_table(request: PlanRequest, plan: Plan | None = None) -> tuple[CostT
     decisions, or the uniform strategy's. Offload is priced where the strategy or the plan asks for it."""
     [mesh] = request.meshes
     [micro_batch] = request.batch.candidates(mesh.dp)
-    layout = recognise(request.model.module, mesh.tp, mesh.sequence_parallel) if mesh.tp > 1 else None
+    layout = None
+    if mesh.tp > 1:
+        try:
+            check_beside_tensor_parallelism(request.uniform)
+            layout = recognise(request.model.module, mesh.tp, mesh.sequence_parallel)
+        except TpRefusal as exc:
+            raise UsageError(f"tensor-parallel degree {mesh.tp}: {exc}") from None
     cluster, uniform, t = request.cluster.with_mesh(mesh), request.uniform, request.training
     offloads = (uniform is not None and uniform.offload) or (plan is not None and any(u.offload for u in plan.units))
     table = request.tables.for_layout(layout).table(micro_batch.size, micro_batch.grad_accum_steps, cluster, t.seq_len,

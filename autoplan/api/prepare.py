@@ -11,6 +11,7 @@ left out from the plan, and its model from the plan's data only (never code the 
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 from autoplan.api.traced import TracedModel, reuse_traced
@@ -24,13 +25,14 @@ from autoplan.solve.cluster import Cluster, resolve_cluster
 from autoplan.solve.pins import PinResolution, resolve_pins
 from autoplan.solve.request import Batch, Limits, ModelInfo, PlanRequest, Uniform
 from autoplan.solve.tables import CostTables
+from autoplan.tracing.units import wrap_paths
 from cost_models.allocator_margin import ALLOC_CONF_ENV, DEFAULT_ALLOC_CONF, is_expandable
 from cost_models.evaluate import checkpoint_name
 from cost_models.mesh import Mesh, MeshError
 from cost_models.options import DEFAULT_SHARDING, SHARDING_KINDS
 from cost_models.training import Training
 
-__all__ = ["allocator_conf", "load_plan_of", "prepare", "search_meshes_of"]
+__all__ = ["allocator_conf", "load_plan_of", "prepare", "search_meshes_of", "wrap_policy_of"]
 
 
 def prepare(settings: PlanningSettings, plan: Plan | None = None, plan_file: Path | None = None) -> PlanRequest:
@@ -52,6 +54,7 @@ def prepare(settings: PlanningSettings, plan: Plan | None = None, plan_file: Pat
     session.price_for(settings, cluster.profile.device_type, plan)  # attention kernels, capacity factor, unpriced ops
     meshes = search_meshes_of(settings, cluster.mesh) if plan is None else (_plan_mesh(plan, cluster.mesh),)
     uniform = _uniform(settings, cluster)
+    wrap_policy_of(settings)  # refused before tracing
     mem = settings.mem if settings.mem is not None else cluster.profile.mem_bytes
     check_mem_limit(mem, cluster.profile.mem_bytes, cluster.profile_name, settings.allow_over_device_mem, mem_source)
     searching = isinstance(settings, SearchSettings)
@@ -92,9 +95,13 @@ def load_plan_of(plan: Plan | str | Path | None) -> tuple[Plan | None, Path | No
 def search_meshes_of(settings: PlanningSettings, mesh: Mesh) -> tuple[Mesh, ...]:
     """The meshes a search tries on the cluster's `mesh`: each tensor-parallel degree (`tp` itself when given,
     else every degree a node takes), above 1 with and without sequence parallelism (or as
-    `sequence_parallel` says). An estimate runs on the cluster's mesh alone."""
+    `sequence_parallel` says). An estimate runs on one mesh: the cluster's, at its `tp` (sequence parallelism
+    only where asked for)."""
     if not isinstance(settings, SearchSettings):
-        return (mesh,)
+        try:
+            return (mesh.with_tensor(settings.tp or 1, settings.sequence_parallel == "on"),)
+        except MeshError as exc:
+            raise UsageError(str(exc)) from None
     try:
         degrees = [mesh.with_tensor(settings.tp).tp] if settings.tp is not None else mesh.tensor_degrees()
     except MeshError as exc:
@@ -142,12 +149,37 @@ def _uniform(settings: PlanningSettings, cluster: Cluster) -> Uniform | None:
     return Uniform(strategy, checkpoint_name(settings.checkpoint), settings.offload)
 
 
+def wrap_policy_of(settings: PlanningSettings):
+    """The FSDP wrap policy given as `wrap_policy` or in the pins file (`wrap:`), or None; UsageError for both, or
+    with a `granularity` (the policy says what the units are)."""
+    policy = settings.wrap_policy or getattr(settings.pins, "wrap", None)
+    if settings.wrap_policy is not None and getattr(settings.pins, "wrap", None) is not None:
+        raise UsageError("give the wrap policy once: `wrap_policy`, or the `pins` file's wrap:")
+    if policy is not None and settings.granularity not in (None, "root"):
+        raise UsageError(f"`wrap_policy` says what the units are, in place of `granularity` {settings.granularity}")
+    return policy
+
+
+def _wrapped(session: TracedModel, policy) -> tuple[str, ...]:
+    """The modules `policy` wraps; those that cannot be units (tied weights) are said on stderr and left out."""
+    paths, refused = wrap_paths(session.module, policy)
+    for why in refused:
+        print(f"autoplan: note: the wrap policy {policy.text()} wraps {why}; left to its parent unit",
+              file=sys.stderr)
+    if not paths:
+        raise UsageError(f"the wrap policy {policy.text()} wraps no module of {session.name} that can be a unit "
+                         "(a smaller min_num_params, or other layer classes, would)")
+    return tuple(paths)
+
+
 def _tables(session: TracedModel, training: Training, settings: PlanningSettings,
             plan: Plan | None) -> tuple[CostTables, PinResolution | None]:
     """The model's cost tables at the granularity (traced here), with the units a plan's or the pins'
     modules make, and the pins resolved against them."""
     granularity, compute = settings.granularity_or_default, training.compute_dtype
     extra = tuple(unit.module for unit in plan.units) if plan is not None else ()
+    if plan is None and wrap_policy_of(settings) is not None:  # a team's FSDP wrap policy: its units
+        extra += _wrapped(session, wrap_policy_of(settings))
     pins = None
     if settings.pin_set is not None:  # matched once against the granularity's units; modules they name become units
         base = session.cache(compute, granularity, extra)

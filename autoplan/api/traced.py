@@ -3,7 +3,7 @@
 Tracing is the slow part of a search (seconds for a large model), and its result does not depend on
 the cluster, the memory limit or the micro-batch; a TracedModel keeps the traces and the cost tables
 built from them, so that a sweep of limits (`autoplan.frontier`), other clusters and estimates trace
-a model once.
+a model once. Across commands, the traces are kept on disk (autoplan.tracing.cache).
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ from autoplan.models.resolve import resolve_model
 from autoplan.models.zoo import count_params
 from autoplan.settings import check_choice, choices_of
 from autoplan.solve.tables import CostTables, compute_dtype_of
+from autoplan.tracing.cache import cached_trace_pair
 from autoplan.tracing.pricing_notes import refuse_unpriced, trace_notes
-from autoplan.tracing.tracer import ExampleInputs, Pricing, TracePair, trace_pair
+from autoplan.tracing.tracer import ExampleInputs, Pricing, TracePair
 
 __all__ = ["TracedModel", "trace", "reuse_traced"]
 
@@ -96,8 +97,8 @@ class TracedModel:
         every attention call takes the same kernel on both)."""
         key = self._trace_key(compute_dtype)
         if key not in self._traces:
-            self._traces[key] = trace_pair(self.resolved.module, self.seq_len, compute_dtype, self.example_inputs,
-                                           self.forced_tracer, self.pricing)
+            self._traces[key] = cached_trace_pair(self.resolved.module, self.seq_len, compute_dtype,
+                                                  self.example_inputs, self.forced_tracer, self.pricing)
         return self._traces[key]
 
     def _trace_key(self, compute_dtype: str) -> tuple:

@@ -20,6 +20,7 @@ from autoplan.run.memtrack import allocation_failure
 from autoplan.run.prepare import PreparedRun, prepare_run, run_outline
 from autoplan.run.procs import exit_status
 from autoplan.run.report import build_report, format_report
+from autoplan.run.resume import CheckpointFlags
 from autoplan.sizes import parse_mem_bytes
 
 __all__ = ["register", "run_apply"]
@@ -35,6 +36,8 @@ examples:
   autoplan apply plan.json --model mypkg.models:build   # a plan made from your own model factory
   autoplan apply plan.json --mem-limit plan         # fail like an out-of-memory error above the plan's limit
   autoplan apply plan64.json --fake-world           # this process as rank 0 of the plan's world (no torchrun)
+  autoplan apply plan.json --save ckpt --save-every 100   # sharded checkpoints in ckpt/step-<N>
+  autoplan apply other-plan.json --resume ckpt      # carry on from ckpt's latest step, under another plan
   # two nodes: the same line on each, with its own --node-rank; the report is printed on node 0
   autoplan apply plan.json --nnodes 2 --node-rank 0 --rdzv-endpoint node0.cluster:29500
 
@@ -89,6 +92,16 @@ def register(subparsers) -> argparse.ArgumentParser:
                              "group: real per-rank memory, collectives free (step time is compute only)")
     parser.add_argument("--lr", type=float, default=DEFAULT_LR, help=f"learning rate (default {DEFAULT_LR})")
     parser.add_argument("--seed", type=int, default=0, help="seed for initial weights and synthetic data")
+    saving = parser.add_argument_group("checkpoints", "sharded with torch.distributed.checkpoint: a checkpoint saved "
+                                       "under one plan resumes under any plan of the same model (other units, "
+                                       "sharding, checkpointing or world size)")
+    saving.add_argument("--save", default=None, metavar="DIR",
+                        help="save the model, optimizer, step and data position in DIR/step-<N> at the end of the run "
+                             "(and every --save-every steps)")
+    saving.add_argument("--save-every", type=int, default=None, metavar="N",
+                        help="with --save: also every N steps (counted across resumed runs)")
+    saving.add_argument("--resume", default=None, metavar="DIR",
+                        help="start from a checkpoint: a step-<N> folder, or a --save DIR (its latest finished step)")
     parser.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
                         help="longest a rank waits for its peers in a collective, or a node for the others to "
                              "join (default 300)")
@@ -118,7 +131,7 @@ def run_apply(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         prepared = prepare_run(
             args.plan, model=args.model, nproc=args.nproc, nodes=nodes, steps=args.steps, warmup=args.warmup,
             data=args.data, report=args.report, mem_limit=args.mem_limit, lr=args.lr, seed=args.seed,
-            timeout=args.timeout,
+            timeout=args.timeout, checkpoints=CheckpointFlags(args.save, args.save_every, args.resume),
         )
     except UsageError as exc:
         parser.error(to_flags(str(exc), parser))  # other AutoplanErrors (a bad plan file) are reported by cli.main
@@ -155,7 +168,9 @@ def run_apply(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 def _run_fake_world(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """`--fake-world`: rank 0 of the plan's world in this process (autoplan.run.fake_world)."""
     clashing = [flag for flag, given in (("--nproc", args.nproc is not None), ("--data", args.data is not None),
-                                         ("--nnodes", args.nnodes != 1), ("--rdzv-endpoint", args.rdzv_endpoint))
+                                         ("--nnodes", args.nnodes != 1), ("--rdzv-endpoint", args.rdzv_endpoint),
+                                         ("--save", args.save), ("--save-every", args.save_every),
+                                         ("--resume", args.resume))
                 if given]
     if clashing:
         parser.error(f"--fake-world runs one process on synthetic tokens; it does not take {', '.join(clashing)}")

@@ -7,6 +7,7 @@ import sys
 
 from autoplan.cli.flags import add_settings_flags, settings_fields, to_flags
 from autoplan.cli.pins import add_pin_flag
+from autoplan.cli.torchtitan import add_torchtitan_flag, job_header, torchtitan_job
 from autoplan.cli.warnings import device_warnings
 
 __all__ = ["register"]
@@ -18,6 +19,7 @@ EXAMPLES = """examples:
   autoplan estimate --model mypkg.models:build --seq-len 512 --strategy shard_keep
   autoplan estimate --plan plan.json            # the plan's decisions, model and settings
   autoplan estimate --plan plan.json --pin 'transformer.h.*=shard+ckpt'   # the plan with those units changed
+  autoplan estimate --torchtitan llama3_8b.toml --nodes 8 --gpus-per-node 8   # a torchtitan job config
 """
 
 
@@ -34,6 +36,8 @@ def register(subparsers) -> None:
     )
     add_settings_flags(parser, EstimateSettings, skip=("pin",))
     add_pin_flag(parser, EstimateSettings)
+    add_torchtitan_flag(parser, " and its layout (FSDP/HSDP/DDP, tensor parallelism, activation checkpointing, "
+                                "offload)")
     parser.add_argument("--timeline", action="store_true", help="also print memory at every time point of the step")
     parser.add_argument("--json", action="store_true", help="print the estimate as JSON")
     parser.set_defaults(handler=_run, subparser=parser)
@@ -44,13 +48,19 @@ def _run(args) -> int:
     from autoplan.settings import EstimateSettings
     from autoplan.sizes import format_bytes
 
-    result = estimate(settings=EstimateSettings.create(**settings_fields(EstimateSettings, args)))
+    fields = settings_fields(EstimateSettings, args)
+    header = []
+    if args.torchtitan:
+        job = torchtitan_job(args, fields, estimate=True)
+        fields.update(job.estimate_fields())
+        header = job_header(job)
+    result = estimate(settings=EstimateSettings.create(**fields))
     for warning in device_warnings(plan=result):
         print(f"autoplan estimate: warning: {to_flags(warning, args.subparser)}", file=sys.stderr)
     if args.json:
         sys.stdout.write(result.model_dump_json(indent=2) + "\n")
     else:
-        print(result.table(timeline=args.timeline))
+        print("\n".join(header + [result.table(timeline=args.timeline)]))
         c = result.cluster
         if c.mem_limit_bytes > c.device_mem_bytes:
             print(f"note: the limit {format_bytes(c.mem_limit_bytes)} is above the {format_bytes(c.device_mem_bytes)} "

@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
 # the interpreter's teardown: once torch is imported, freeing its modules at exit takes 0.6 s here, a
 # fifth of a search. Nothing of theirs waits for exit (files are written and closed, no child processes);
 # `apply` and `profile` run other processes and exit normally.
-QUICK_EXIT = frozenset({"search", "estimate", "models", "profiles"})
+QUICK_EXIT = frozenset({"search", "estimate", "models", "profiles", "explain", "diff"})
 
 
 def _run(argv: list[str]) -> tuple[int, str]:

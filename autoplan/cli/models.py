@@ -1,4 +1,9 @@
-"""`autoplan models`: the model zoo with parameter counts."""
+"""`autoplan models`: the model zoo with parameter counts.
+
+The counts come from the configs (`ModelConfig.n_params`), not from building the modules: building 13
+models on the meta device imports torch and initialises every layer (seconds), for numbers that the
+shapes give exactly. tests/test_models.py checks each count against the built model.
+"""
 
 from __future__ import annotations
 
@@ -11,20 +16,16 @@ def register(subparsers) -> None:
 
 
 def _run(args) -> int:
-    from autoplan.models.zoo import ALIASES, PRESETS, build_model, count_params
+    from autoplan.models.config import ALIASES, FAMILY_FOLLOWS, PRESETS
 
     aliases: dict[str, list[str]] = {}
     for alias, target in ALIASES.items():
         aliases.setdefault(target, []).append(alias)
     print(f"{'name':<16} {'parameters':>18}  aliases")
-    follows: dict[str, str] = {}  # model class -> the implementation whose saved activations it matches
-    for name in PRESETS:
-        model = build_model(name, device="meta")
-        follows.setdefault(type(model).__name__, getattr(model, "follows", ""))
-        print(f"{name:<16} {count_params(model):>18,}  {', '.join(aliases.get(name, []))}")
+    for name, config in PRESETS.items():
+        print(f"{name:<16} {config.n_params:>18,}  {', '.join(aliases.get(name, []))}")
     print("\nwhat each family saves for backward:")
-    for family, implementation in follows.items():
-        if implementation:
-            print(f"  {family}: {implementation}")
+    for family in dict.fromkeys(config.family for config in PRESETS.values()):
+        print(f"  {family}: {FAMILY_FOLLOWS[family]}")
     print("\nor a factory of your own: --model package.module:factory (returns an nn.Module)")
     return 0

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from autoplan.cli.flags import add_settings_flags, settings_fields, to_flags
 from autoplan.cli.pins import add_pin_flag, emit_pins
+from autoplan.cli.torchtitan import add_torchtitan_flag, beside, job_header, torchtitan_job
 from autoplan.cli.warnings import device_warnings
 
 __all__ = ["register"]
@@ -27,6 +28,7 @@ EXAMPLES = """examples:
   autoplan search --model gpt2-1.5b --mem 8GB --emit-pins pins.yaml      # the plan's decisions as pins
   autoplan search --model gpt2-1.5b --mem 8GB --pins pins.yaml --pin 'lm_head=replicate'
   autoplan search --model llama2-7b --mem 24GB --gpus 8 --profile h100-sxm-80gb --fit-allocator
+  autoplan search --torchtitan llama3_8b.toml --nodes 8 --gpus-per-node 8   # beside a torchtitan job config
 """
 
 
@@ -46,6 +48,7 @@ def register(subparsers) -> None:
                         "JSON if FILE ends in .json), units that agree grouped by ranges: edit it and search again "
                         "with --pins FILE")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON instead of the table")
+    add_torchtitan_flag(parser, " (its samples per step kept), its layout estimated and printed beside the plan")
     parser.add_argument("--fit-allocator", nargs="?", const="on", default="auto", choices=("auto", "on", "off"),
                         help="CUDA profiles: check the plan by replaying its step (rank 0, fake tensors) through a model "
                              "of torch's caching allocator. auto (the default): when the replay takes less time than "
@@ -68,6 +71,16 @@ def _hf_relative_to(plan, out: str):
         return plan
     relative = HF_PREFIX + os.path.relpath(given.resolve(), folder)
     return plan.model_copy(update={"model": plan.model.model_copy(update={"name": relative})})
+
+
+def _estimate_of(job, fields: dict):
+    """The torchtitan config's own layout, estimated on the search's cluster and limit."""
+    from autoplan.api.estimate import estimate
+    from autoplan.settings import EstimateSettings
+
+    cluster = {name: fields.get(name) for name in ("gpus", "nodes", "gpus_per_node", "profile", "host_mem", "mem",
+                                                   "allow_over_device_mem")}
+    return estimate(settings=EstimateSettings.create(**cluster, **job.estimate_fields()))
 
 
 def _search(settings, fit_allocator: str):
@@ -111,13 +124,19 @@ def _run(args) -> int:
     from autoplan.settings import SearchSettings
 
     start = time.perf_counter()
-    settings = SearchSettings.create(**settings_fields(SearchSettings, args))
+    fields = settings_fields(SearchSettings, args)
+    job = None
+    if args.torchtitan:
+        job = torchtitan_job(args, fields, estimate=False)
+        fields.update(job.search_fields())
+    settings = SearchSettings.create(**fields)
     check_writable(args.out, "plan file", param="out", example="plan.json")
     if args.emit_pins:
         check_writable(args.emit_pins, "pins file", param="emit_pins", example="pins.yaml")
     found = _search(settings, args.fit_allocator)
     for warning in device_warnings(plan=found):
         print(f"autoplan search: warning: {to_flags(warning, args.subparser)}", file=sys.stderr)
+    theirs = None if job is None else _estimate_of(job, fields)
     plan = _hf_relative_to(found, args.out)
     plan.save(args.out)
     if args.emit_pins:
@@ -128,6 +147,8 @@ def _run(args) -> int:
         print(to_flags(format_plan(plan, cluster_is_default=settings.cluster_is_default), args.subparser))
         if plan.pins:
             print(f"pins: {', '.join(f'{p.pattern}: {p.decision}' for p in plan.pins)}")
+        if job is not None:
+            print("\n".join(["", *job_header(job), beside(job, theirs, plan)]))
         print(f"plan written to {args.out} ({time.perf_counter() - start:.1f} s)"
               + (f"; its decisions as pins to {args.emit_pins}" if args.emit_pins else ""))
     return 0

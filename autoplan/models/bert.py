@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from autoplan.models.common import init_parameters, merge_heads, split_heads
-from autoplan.models.config import ModelConfig
+from autoplan.models.config import FAMILY_FOLLOWS, ModelConfig
 
 __all__ = ["BertForMaskedLM"]
 
@@ -103,7 +103,7 @@ class BertForMaskedLM(nn.Module):
     """
 
     block_list_path = "encoder.layer"
-    follows = "BERT's layout with torch's fused GELU and no dropout (not compared with Hugging Face's)"
+    follows = FAMILY_FOLLOWS["bert"]  # what it saves for backward, said by `autoplan models`
 
     def __init__(self, config: ModelConfig):
         super().__init__()

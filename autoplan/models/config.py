@@ -11,7 +11,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ALIASES", "FAMILIES", "PRESETS", "ModelConfig", "UnknownModelError", "get_config", "model_names"]
+__all__ = ["ALIASES", "FAMILIES", "FAMILY_FOLLOWS", "PRESETS", "ModelConfig", "UnknownModelError", "get_config",
+           "model_names"]
 
 FACTORY_FORM = "package.module:factory"
 
@@ -21,6 +22,14 @@ ROPE_FAMILIES = ("llama", "moe")  # rotary positions: precomputed tables of max_
 # Family defaults, applied by ModelConfig.__post_init__ when a field is None.
 _DEFAULT_TIE_EMBEDDINGS = {"gpt2": True, "llama": False, "bert": True, "moe": False}
 _DEFAULT_NORM_EPS = {"gpt2": 1e-5, "llama": 1e-5, "bert": 1e-12, "moe": 1e-5}
+# what each family's model saves for backward, said by `autoplan models` (the model classes' `follows`)
+FAMILY_FOLLOWS = {
+    # Hugging Face's GPT2LMHeadModel saves twice as much per block (a Python GELU, dropout masks)
+    "gpt2": "nanoGPT / torchtitan style: torch's fused GELU, no dropout",
+    "llama": "saves what Hugging Face's LlamaForCausalLM saves (its RMSNorm and RoPE)",
+    "bert": "BERT's layout with torch's fused GELU and no dropout (not compared with Hugging Face's)",
+    "moe": "the zoo Llama with a mixture of experts in place of its MLP (router, top-k experts, grouped matmuls)",
+}
 
 
 # --------------------------------------------------------------------------- #
@@ -117,6 +126,24 @@ class ModelConfig:
             hidden = int(self.ffn_dim_multiplier * hidden)
         return self.multiple_of * math.ceil(hidden / self.multiple_of)
 
+    @property
+    def n_params(self) -> int:
+        """Parameters of the model this config builds (a tied weight once), from the config alone: what
+        `autoplan models` lists without building a module (tests/test_models.py checks it against the modules)."""
+        d, vocab = self.d_model, self.vocab_size
+        head = 0 if self.tie_embeddings else d * vocab
+        if self.family == "llama":  # no biases; RMSNorm weights; GQA's narrower k and v
+            kv = self.kv_heads * self.head_dim
+            block = 2 * d + 2 * d * d + 2 * d * kv + 3 * d * self.ffn_dim
+            return vocab * d + self.n_layers * block + d + head
+        # gpt2 and bert: biases and LayerNorms (weight and bias); fused qkv
+        block = 2 * 2 * d + (3 * d * d + 3 * d) + (d * d + d) + (2 * d * self.ffn_dim + self.ffn_dim + d)
+        if self.family == "gpt2":
+            return vocab * d + self.max_seq_len * d + self.n_layers * block + 2 * d + head
+        embeddings = (vocab + self.max_seq_len + self.type_vocab_size) * d + 2 * d
+        mlm_head = d * d + d + 2 * d + vocab + head  # dense, its norm, the decoder's bias (and weight, untied)
+        return embeddings + self.n_layers * block + mlm_head
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -161,6 +188,10 @@ PRESETS: dict[str, ModelConfig] = {
     "llama3-8b": ModelConfig(  # 8,030,261,248
         "llama", 32, 32, 4096, vocab_size=128256, max_seq_len=8192, n_kv_heads=8,
         ffn_hidden=14336, rope_theta=500000.0,
+    ),
+    "llama3-70b": ModelConfig(  # 70,553,706,496
+        "llama", 80, 64, 8192, vocab_size=128256, max_seq_len=8192, n_kv_heads=8,
+        ffn_hidden=28672, rope_theta=500000.0,
     ),
     "llama3-405b": ModelConfig(  # 405,853,388,800
         "llama", 126, 128, 16384, vocab_size=128256, max_seq_len=8192, n_kv_heads=8,

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from autoplan.models.common import init_parameters, merge_heads, split_heads
-from autoplan.models.config import ModelConfig
+from autoplan.models.config import FAMILY_FOLLOWS, ModelConfig
 
 __all__ = ["GPT2"]
 
@@ -55,8 +55,7 @@ class GPT2(nn.Module):
     """GPT-2: learned positions, pre-LN, GELU MLP, biases, tied LM head."""
 
     block_list_path = "transformer.h"
-    # Hugging Face's GPT2LMHeadModel saves twice as much per block (a Python GELU, dropout masks)
-    follows = "nanoGPT / torchtitan style: torch's fused GELU, no dropout"
+    follows = FAMILY_FOLLOWS["gpt2"]  # what it saves for backward, said by `autoplan models`
 
     def __init__(self, config: ModelConfig):
         super().__init__()

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from autoplan.models.common import init_parameters, merge_heads, split_heads
-from autoplan.models.config import ModelConfig
+from autoplan.models.config import FAMILY_FOLLOWS, ModelConfig
 
 __all__ = ["Llama", "RMSNorm"]
 
@@ -100,8 +100,7 @@ class Llama(nn.Module):
     """Llama 2/3: RMSNorm, RoPE, SwiGLU, no biases, GQA, untied head by default."""
 
     block_list_path = "layers"
-    # what it saves for backward, said by `autoplan models` (checked in tests/test_models.py)
-    follows = "saves what Hugging Face's LlamaForCausalLM saves (its RMSNorm and RoPE)"
+    follows = FAMILY_FOLLOWS["llama"]  # what it saves for backward, said by `autoplan models`
 
     def __init__(self, config: ModelConfig):
         super().__init__()

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from autoplan.models.bert import BertForMaskedLM
+from autoplan.models.common import buffers_to_meta, meta_init
 from autoplan.models.config import ALIASES, PRESETS, ModelConfig, UnknownModelError, get_config, model_names
 from autoplan.models.gpt2 import GPT2
 from autoplan.models.llama import Llama
@@ -56,8 +57,13 @@ def build_model(config_or_name: ModelConfig | str, device: str | torch.device = 
     if not isinstance(config, ModelConfig):
         raise TypeError(f"expected a ModelConfig or a model name, got {type(config_or_name).__name__}")
     device = torch.device(device)
-    with torch.device(device):
-        model = FAMILY_CLASSES[config.family](config)
+    if device.type == "meta":  # shapes only: nothing initialised, nothing of torch's compiler imported
+        with torch.device(device), meta_init():
+            model = FAMILY_CLASSES[config.family](config)
+        buffers_to_meta(model)
+    else:
+        with torch.device(device):
+            model = FAMILY_CLASSES[config.family](config)
     if device.type != "meta":
         model.init_weights()
     return model

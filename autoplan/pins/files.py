@@ -12,15 +12,18 @@ from typing import Any
 
 from autoplan.errors import InfeasibleError, UsageError
 from autoplan.pins.syntax import ROOT, Decision, Pattern, Pin, parse_decision
+from autoplan.pins.wrap import WrapPolicy
 
 __all__ = ["PinSet", "PinsInfeasibleError", "load_pins", "path_groups", "pins_of_plan", "pins_of_units", "range_text"]
 
 
 class PinSet:
-    """Pins in the order given (a file's first, then `pin`'s)."""
+    """Pins in the order given (a file's first, then `pin`'s), and a pins file's FSDP wrap policy (`wrap:`,
+    autoplan.pins.wrap), which says what the units are."""
 
-    def __init__(self, pins: Iterable[Pin] = ()):
+    def __init__(self, pins: Iterable[Pin] = (), wrap: WrapPolicy | None = None):
         self.pins: list[Pin] = list(pins)
+        self.wrap = wrap
 
     def __len__(self) -> int:
         return len(self.pins)
@@ -29,10 +32,10 @@ class PinSet:
         return iter(self.pins)
 
     def __add__(self, other: PinSet) -> PinSet:
-        return PinSet(self.pins + other.pins)
+        return PinSet(self.pins + other.pins, self.wrap or other.wrap)
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, PinSet) and self.pins == other.pins
+        return isinstance(other, PinSet) and self.pins == other.pins and self.wrap == other.wrap
 
     def __repr__(self) -> str:
         return f"PinSet({', '.join(str(p) for p in self.pins)})"
@@ -54,11 +57,14 @@ class PinSet:
         from_file = source != "`pins`"
         if not data and from_file:
             return cls()
-        entries = data["pins"] if set(data) == {"pins"} else data
-        if from_file and set(data) != {"pins"}:
-            unknown = sorted(set(data) - {"pins"})
+        top = {"pins", "wrap"}
+        wrap = WrapPolicy.of(data["wrap"], f"{source}: wrap") if "wrap" in data and set(data) <= top else None
+        entries = data.get("pins") if set(data) <= top and data.keys() & top else data
+        if from_file and not set(data) <= top:
+            unknown = sorted(set(data) - top)
             raise UsageError(f"{source}: unknown key(s) {', '.join(map(repr, unknown))} at the top; a pins file "
-                             "holds one key, `pins:`, mapping module-path patterns to decisions")
+                             "holds `pins:`, mapping module-path patterns to decisions, and may hold `wrap:`, an FSDP "
+                             "auto-wrap policy ({min_num_params: N} or {transformer_layer_cls: [NAME]})")
         if entries is None:
             entries = {}
         if not isinstance(entries, Mapping):
@@ -70,10 +76,14 @@ class PinSet:
                 pins.append(Pin(Pattern(str(pattern)), parse_decision(decision), source))
             except UsageError as exc:
                 raise UsageError(f"{source}: pin {pattern!r}: {exc}") from None
-        return cls(pins)
+        return cls(pins, wrap)
 
     def to_data(self) -> dict[str, Any]:
-        return {"pins": {pin.pattern.text: pin.decision.text() for pin in self.pins}}
+        wrap = {}
+        if self.wrap is not None:
+            wrap = {"wrap": {"min_num_params": self.wrap.min_num_params} if self.wrap.min_num_params is not None
+                    else {"transformer_layer_cls": list(self.wrap.layer_classes)}}
+        return {**wrap, "pins": {pin.pattern.text: pin.decision.text() for pin in self.pins}}
 
     def dump(self, json_format: bool = False, header: str = "") -> str:
         """A pins file's text (YAML, or JSON), with `header` as YAML comment lines."""
@@ -137,14 +147,22 @@ def _load_yaml(text: str, name: str) -> Any:
 
 
 def range_text(indices: list[int]) -> str:
-    """[0, 1, 2, 5, 7, 8] -> "0-2,5,7-8"."""
-    runs: list[list[int]] = []
-    for index in sorted(set(indices)):
-        if runs and index == runs[-1][1] + 1:
-            runs[-1][1] = index
-        else:
-            runs.append([index, index])
-    return ",".join(f"{a}-{b}" if b > a else str(a) for a, b in runs)
+    """[0, 1, 2, 5, 7, 8] -> "0-2,5,7-8"; [0, 2, 4, ..., 94] -> "0-94/2" (every 2nd: alternating units)."""
+    values = sorted(set(indices))
+    parts, start = [], 0
+    while start < len(values):
+        end = start
+        if start + 1 < len(values):
+            step = values[start + 1] - values[start]
+            while end + 1 < len(values) and values[end + 1] - values[end] == step:
+                end += 1
+            if step > 1 and end - start < 2:  # two indices apart are not yet a stride
+                end = start
+        low, high = values[start], values[end]
+        parts.append(str(low) if end == start else f"{low}-{high}" if values[start + 1] - low == 1
+                     else f"{low}-{high}/{values[start + 1] - low}")
+        start = end + 1
+    return ",".join(parts)
 
 
 _INDEX = re.compile(r"(?<=\.)\d+(?=\.|$)")

@@ -21,7 +21,7 @@ __all__ = ["Decision", "FIELDS", "Pattern", "Pin", "ROOT", "parse_decision", "pa
 
 ROOT = "<root>"
 FIELDS = ("sharding", "checkpoint", "offload")
-_RANGE = re.compile(r"^\d+(-\d+)?(,\d+(-\d+)?)*$")
+_RANGE = re.compile(r"^\d+(-\d+(/\d+)?)?(,\d+(-\d+(/\d+)?)?)*$")  # 0-11, 0-3,8, 0-94/2 (every 2nd)
 _TRUE, _FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
 
 
@@ -172,9 +172,12 @@ class Pattern:
                 if "**" in part and part != "**":
                     raise UsageError(f"pattern {self.text!r}: `**` stands alone between dots (a.**.b)")
                 if _RANGE.match(part):
-                    for low, _, high in (r.partition("-") for r in part.split(",")):
-                        if high and int(high) < int(low):
+                    for low, high, step in map(_range_item, part.split(",")):
+                        if high < low:
                             raise UsageError(f"pattern {self.text!r}: range {low}-{high} runs backwards")
+                        if step < 1:
+                            raise UsageError(f"pattern {self.text!r}: range {low}-{high}/{step}: the step is at "
+                                             "least 1")
         else:
             parts = ()
         object.__setattr__(self, "text", text)
@@ -191,15 +194,20 @@ class Pattern:
         return _match(self.parts, tuple(path.split(".")))
 
 
+def _range_item(item: str) -> tuple[int, int, int]:
+    """"3" -> (3, 3, 1); "0-11" -> (0, 11, 1); "0-94/2" -> (0, 94, 2): every 2nd index from 0 to 94."""
+    low, _, rest = item.partition("-")
+    high, _, step = rest.partition("/")
+    return int(low), int(high or low), int(step or 1)
+
+
 def _component(pattern: str, name: str) -> bool:
     if _RANGE.match(pattern):
         if not name.isdigit():
             return False
         index = int(name)
-        for low, _, high in (r.partition("-") for r in pattern.split(",")):
-            if int(low) <= index <= int(high or low):
-                return True
-        return False
+        return any(low <= index <= high and (index - low) % step == 0
+                   for low, high, step in map(_range_item, pattern.split(",")))
     return fnmatch.fnmatchcase(name, pattern)
 
 

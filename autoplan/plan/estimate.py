@@ -69,8 +69,12 @@ def format_estimate(est: Estimate, timeline: bool = False) -> str:
         f"autoplan estimate: {est.model.name} ({est.model.n_params:,} parameters, traced by {est.model.tracer})",
         f"strategy {est.strategy}: {est.description}",
         f"{c.nodes} node(s) x {c.gpus_per_node} GPU(s), profile {c.profile}; micro-batch {t.micro_batch_size} x "
-        f"{t.grad_accum_steps} accumulation x {c.world_size} GPUs = {t.global_batch_size} samples per step; "
-        f"{sequence_text(est.model, t.seq_len)}; {t.dtype}, {t.optimizer}",
+        f"{t.grad_accum_steps} accumulation x "
+        + (f"{c.world_size} GPUs" if c.tp_degree == 1 else
+           f"{c.world_size // c.tp_degree} data-parallel ranks (tensor-parallel degree {c.tp_degree}"
+           + (", sequence parallel" if c.sequence_parallel else "") + ")")
+        + f" = {t.global_batch_size} samples per step; {sequence_text(est.model, t.seq_len)}; "
+        f"{t.dtype}, {t.optimizer}",
         *pricing_lines(est.model),
         "",
         f"per-GPU memory at the peak ({p.peak_point}):",

@@ -1,4 +1,4 @@
-"""Readable text for a plan: the decision table (consecutive identical units grouped), the memory
+"""Readable text for a plan: the decision table (alike units grouped, as pins group them), the memory
 breakdown at the peak, the predicted step time, and the speedup over each baseline.
 
 A schema.Plan prints itself with this module (`Plan.table()`), so this module reads plans and their units
@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from autoplan.pins import path_groups
 from autoplan.sizes import format_bytes
 
 Plan = UnitDecision = ModelRef = Any  # autoplan.plan.schema's records, read by their fields
@@ -28,34 +29,17 @@ def _decision(unit: UnitDecision) -> str:
     return unit.label + (f" [{unit.tp}]" if unit.tp else "")  # the unit's tensor-parallel layout
 
 
-def _same_row(a: UnitDecision, b: UnitDecision) -> bool:
-    return (_decision(a) == _decision(b) and a.params == b.params
-            and _indexless(a.module) == _indexless(b.module))
-
-
-def _indexless(path: str) -> str:
-    return re.sub(r"\.\d+(\.|$)", r".#\1", path)
-
-
-def _group_label(first: str, last: str, count: int) -> str:
-    if count == 1:
-        return first or "<root>"
-    match_first, match_last = re.search(r"\.(\d+)(\.|$)", first), re.search(r"\.(\d+)(\.|$)", last)
-    if match_first and match_last:
-        return f"{first[:match_first.start()]}.{match_first.group(1)}-{match_last.group(1)}{first[match_first.end(1):]}"
-    return f"{first} .. {last}"
-
-
 def unit_rows(plan: Plan) -> list[tuple[str, int, UnitDecision]]:
-    """(label, count, first unit) for runs of consecutive units with the same decision and shape."""
-    rows: list[list] = []
+    """(label, count, first unit) for the units with the same decision and size whose paths differ only in a block
+    index, wherever they stand (alternating decisions make two rows, `layers.0-94/2` and `layers.1-95/2`), in the
+    order of each group's first unit; the label is the group as a pins pattern."""
+    first_of = {}
+    keyed = []
     for unit in plan.units:
-        if rows and _same_row(rows[-1][2], unit):
-            rows[-1][1] += 1
-            rows[-1][3] = unit.module
-        else:
-            rows.append([unit.module, 1, unit, unit.module])
-    return [(_group_label(first, last, count), count, unit) for first, count, unit, last in rows]
+        key = (_decision(unit), unit.params)
+        keyed.append((unit.module, key))
+        first_of.setdefault((unit.module, key), unit)
+    return [(label, len(paths), first_of[(paths[0], key)]) for label, paths, key in path_groups(keyed)]
 
 
 def _flops(count: int) -> str:

@@ -61,7 +61,7 @@ Sharding = Annotated[str, RegisteredName("sharding", SHARDING_KINDS)]
 CheckpointName = Annotated[str, BeforeValidator(checkpoint_of_bool), RegisteredName("checkpoint", CHECKPOINT_MODES)]
 TrainDtype = Annotated[str, RegisteredName("dtype", PRECISIONS)]
 OptimizerName = Annotated[str, RegisteredName("optimizer", OPTIMIZERS)]
-Granularity = Literal["block", "fine", "leaf"]
+Granularity = Literal["block", "fine", "leaf", "root"]
 TpLayoutName = Literal["megatron", "megatron_sp", "vocab", "sequence"]  # cost_models.tensor_parallel.UnitLayout
 Tracer = Literal["fx", "dispatch"]
 

@@ -91,12 +91,12 @@ def uniform_plan(traced, strategy: str, checkpoint: bool, world_size: int, micro
     """The plan `autoplan search --strategy S [--checkpoint] --batch-size MB` writes for `traced` (a
     TracedModel), built directly: the same decisions, micro-batch and predictions, with nothing searched
     (no sweep, no baselines; the solver's record says FIXED)."""
+    from autoplan.api.prepare import allocator_conf
     from autoplan.models.fingerprint import model_fingerprint
     from autoplan.plan.assemble import prediction, unit_decisions
     from autoplan.plan.schema import ClusterSpec, ModelRef, Plan, SolverInfo, SweepEntry, TrainingSpec
-    from autoplan.solve.cluster import resolve_cluster
-    from autoplan.api.prepare import allocator_conf
     from autoplan.settings import SearchSettings
+    from autoplan.solve.cluster import resolve_cluster
     from autoplan.solve.request import Limits
     from autoplan.solve.solver import SolveStatus
     from autoplan.version import __version__

@@ -58,10 +58,10 @@ def _build(variant: str, mesh):
     from torch.distributed.fsdp import fully_shard
 
     from autoplan.models.config import get_config
+    from autoplan.models.tp_layout import recognise
     from autoplan.models.zoo import build_model
     from autoplan.run.apply import mixed_precision_policy
     from autoplan.run.tp import parallelize_tp
-    from autoplan.models.tp_layout import recognise
 
     torch.manual_seed(0)
     model = build_model(get_config("llama-tiny", **DISPATCH_MODEL), device="cpu")

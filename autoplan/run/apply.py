@@ -4,6 +4,11 @@
     model, optimizer = autoplan.apply(model, plan)  # inside torchrun, after init_process_group
     model.to_empty(device="cuda"); model.init_weights()
 
+In a team's own loop (examples/train.py): `mesh=` the script's DeviceMesh (the plan's "dp" and "tp"
+dimensions by name, others its own: autoplan.run.meshes) or the plan's Mesh record; `optimizer=` any
+factory of the parameters (`functools.partial(torch.optim.AdamW, lr=3e-4, weight_decay=0.1)`; the plan's
+optimizer by default) and `scheduler=` a factory of the optimizer (an LR scheduler, `applied.scheduler`).
+
 Per unit, the plan's decision maps to one FSDP2 call, as its sharding kind's row in the registry
 (cost_models.options.SHARDING_KINDS) declares it; no kind is named here:
 - the row's mesh: WORLD, a 1-D mesh over the world (shard, shard_keep); REPLICATE, an (N, 1) mesh
@@ -26,13 +31,14 @@ resets its shards in place), so the optimizer stays valid; it puts offloaded uni
 from __future__ import annotations
 
 import os
+import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from autoplan.errors import PlanFileError, UsageError
@@ -42,8 +48,9 @@ from autoplan.models.resolve import ResolvedModel, model_from_plan, resolve_mode
 from autoplan.plan.schema import Plan, UnitDecision
 from autoplan.run.ac import apply_ac
 from autoplan.run.fsdp import apply_fsdp, materialise, param_groups  # noqa: F401 - materialise: re-exported
+from autoplan.run.meshes import plan_meshes
 from autoplan.run.tp import apply_tp
-from cost_models.mesh import MeshError
+from cost_models.mesh import Mesh
 from cost_models.options import (
     CHECKPOINT_MODES,
     OPTIMIZERS,
@@ -62,52 +69,87 @@ from cost_models.options import (
 DEFAULT_LR = 1e-3
 
 
-class Applied(NamedTuple):
-    model: nn.Module
-    optimizer: torch.optim.Optimizer
+class Applied(tuple):
+    """What `apply` returns: `model, optimizer = apply(...)` unpacks it; `.scheduler` is the LR scheduler
+    its `scheduler` factory made (None without one)."""
+
+    def __new__(cls, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any = None):
+        applied = super().__new__(cls, (model, optimizer))
+        applied.scheduler = scheduler
+        return applied
+
+    @property
+    def model(self) -> nn.Module:
+        return self[0]
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self[1]
+
+
+OptimizerFactory = Callable[..., torch.optim.Optimizer]  # the parameters (or their groups) -> an optimizer
 
 
 def apply(
     model: nn.Module,
     plan: Plan,
-    mesh: DeviceMesh | None = None,
+    mesh: DeviceMesh | Mesh | None = None,
     *,
-    lr: float = DEFAULT_LR,
+    lr: float | None = None,
     dry_run: bool = False,
+    optimizer: OptimizerFactory | None = None,
+    scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
 ) -> Applied:
-    """Shard `model` as `plan` says and build its optimizer; returns (model, optimizer).
+    """Shard `model` as `plan` says and build its optimizer; returns (model, optimizer), and `.scheduler`.
 
     `model` may be on the meta device (then materialise it afterwards with `to_empty` and its
-    initialisation) or on the CPU/GPU with the same weights on every rank. `mesh` is a 1-D mesh
-    over the ranks that run the plan; by default the whole world of the initialised process group.
-    `dry_run=True` accepts a smaller world than the plan's, and applies its decisions there.
+    initialisation) or on the CPU/GPU with the same weights on every rank. `mesh`: by default the whole
+    world of the initialised process group; a 1-D DeviceMesh over the ranks that run the plan; a DeviceMesh
+    whose dimensions are named, the plan running on its "dp" (and, tensor-parallel, "tp") dimension and any
+    other being the caller's (a pipeline or context dimension); or the plan's `Mesh` record
+    (plan.cluster.mesh). `optimizer`: a factory called with the parameters (one group per device they live
+    on), e.g. `functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)`; by default the plan's optimizer
+    with `lr`. `scheduler`: a factory called with the optimizer, e.g.
+    `lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1, (step + 1) / 100))`.
+    `dry_run=True` accepts fewer data-parallel ranks than the plan's, and applies its decisions there.
     Refuses a plan made for another model or world size with a PlanFileError naming the difference.
     """
     units, precision, optimizer_kind = check_plan(model, plan)
-    world_mesh = mesh if mesh is not None else _default_world_mesh()
-    if world_mesh.ndim != 1:
-        raise UsageError(f"apply() takes a 1-D mesh over the plan's ranks, got a {world_mesh.ndim}-D mesh")
-    check_world_size(world_mesh.size(), plan, dry_run=dry_run)
-    planned = plan.cluster.mesh
-    try:
-        dp_mesh, tp_mesh = planned.split(world_mesh)
-    except MeshError as exc:
-        raise PlanFileError(str(exc)) from None
-    if tp_mesh is not None:  # tensor parallelism first (autoplan.run.tp); FSDP shards over the "dp" sub-mesh
-        apply_tp(model, plan, tp_mesh)
+    if optimizer is not None and lr is not None:
+        raise UsageError("`lr` is the plan's optimizer's; with an `optimizer` factory give the learning rate to it "
+                         "(functools.partial(torch.optim.AdamW, lr=...))")
+    meshes = plan_meshes(plan, mesh)
+    check_world_size(meshes.ranks, plan, dry_run=dry_run)
+    if meshes.tp is not None:  # tensor parallelism first (autoplan.run.tp); FSDP shards over the "dp" sub-mesh
+        apply_tp(model, plan, meshes.tp)
     fsdp_meshes: dict[MeshShape, DeviceMesh] = {}  # each made once, only when a unit's kind asks for it
 
     master = torch_dtype(precision.master_dtype)
     if master != torch.float32:  # models are built in fp32
         model.to(master)
     mp_policy = mixed_precision_policy(precision)
-    pin_memory = dp_mesh.device_type != "cpu"  # pinned host memory needs an accelerator
+    pin_memory = meshes.dp.device_type != "cpu"  # pinned host memory needs an accelerator
     for decision, kind, module in units:
         apply_ac(module, _plan_row(CHECKPOINT_MODES, decision.checkpoint))
         if kind.mesh not in fsdp_meshes:
-            fsdp_meshes[kind.mesh] = planned.fsdp_mesh(dp_mesh, kind.mesh)
+            fsdp_meshes[kind.mesh] = meshes.record.fsdp_mesh(meshes.dp, kind.mesh)
         apply_fsdp(module, fsdp_meshes[kind.mesh], kind, mp_policy, offload=decision.offload, pin_memory=pin_memory)
-    return Applied(model, build_optimizer(param_groups(model), optimizer_kind, lr))
+    built = (build_optimizer(param_groups(model), optimizer_kind, DEFAULT_LR if lr is None else lr)
+             if optimizer is None else _from_factory(optimizer, param_groups(model), optimizer_kind))
+    return Applied(model, built, None if scheduler is None else scheduler(built))
+
+
+def _from_factory(factory: OptimizerFactory, params, planned: OptimizerKind) -> torch.optim.Optimizer:
+    """The caller's optimizer; a warning where it keeps other state than the plan's optimizer was costed with."""
+    built = factory(params)
+    if not isinstance(built, torch.optim.Optimizer):
+        raise UsageError(f"the `optimizer` factory returned {type(built).__name__}, not a torch.optim.Optimizer; "
+                         "give a torch.optim class or a function of the parameters that returns an optimizer")
+    if type(built).__name__ != planned.torch_class:
+        warnings.warn(f"the plan's memory and time were costed for {planned.name} ({planned.torch_class}); the "
+                      f"optimizer is {type(built).__name__}, whose state may differ (search again with "
+                      "`--optimizer` for a plan that counts it)", stacklevel=3)
+    return built
 
 
 def torch_dtype(dtype: Dtype | str) -> torch.dtype:
@@ -240,21 +282,6 @@ def _unit_module(model: nn.Module, decision: UnitDecision) -> nn.Module:
 def _leaves_first(units: list[UnitDecision]) -> list[UnitDecision]:
     """Deepest module paths first, the root ("") last: FSDP2 wraps children before parents."""
     return sorted(units, key=lambda unit: -1 if unit.module == "" else unit.module.count("."), reverse=True)
-
-
-# --------------------------------------------------------------------------- #
-# Meshes
-# --------------------------------------------------------------------------- #
-
-
-def _default_world_mesh() -> DeviceMesh:
-    if not (dist.is_available() and dist.is_initialized()):
-        raise UsageError(
-            "apply() needs torch.distributed initialised (run under torchrun and call "
-            "init_process_group first), or a mesh"
-        )
-    device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    return init_device_mesh(device_type, (dist.get_world_size(),))
 
 
 # --------------------------------------------------------------------------- #

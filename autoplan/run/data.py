@@ -50,6 +50,7 @@ class AlpacaTokens:
 
     def __init__(self, path: str | os.PathLike, vocab_size: int):
         self.path = Path(path)
+        self.first_row = 0  # the row step 0 starts at (a resumed run's position: autoplan.run.resume)
         self.stream = torch.tensor(_alpaca_token_ids(self.path), dtype=torch.long) % vocab_size
 
     def global_batch(self, step: int, shape: BatchShape) -> torch.Tensor:
@@ -61,7 +62,7 @@ class AlpacaTokens:
             )
         rows = shape.global_batch_size
         # Windows follow each other through the stream and wrap around at its end.
-        starts = (torch.arange(rows) + step * rows) * window % (len(self.stream) - window + 1)
+        starts = (torch.arange(rows) + step * rows + self.first_row) * window % (len(self.stream) - window + 1)
         return torch.stack([self.stream[start:start + window] for start in starts.tolist()])
 
 

@@ -32,6 +32,7 @@ from autoplan.run.attention import check_attention
 from autoplan.run.data import AlpacaTokens, BatchShape, vocab_size_of
 from autoplan.run.launch import Nodes
 from autoplan.run.report import profile_note
+from autoplan.run.resume import CheckpointFlags
 from autoplan.run.worker import RunSpec
 from autoplan.sizes import format_bytes, parse_mem_bytes
 
@@ -52,6 +53,7 @@ class PreparedRun:
     warnings: list[str] = field(default_factory=list)  # said before the run; none stops it
     model_note: str | None = None  # the plan names its model otherwise than what runs
     device_note: str | None = None  # this machine is not the device the plan's profile describes
+    said: list[str] = field(default_factory=list)  # what else the run does (checkpoints), said before it
 
     @property
     def world_size(self) -> int:
@@ -81,7 +83,8 @@ def check_nodes(nodes: Nodes) -> None:
 
 def prepare_run(plan_path: str, *, model: str | None = None, nproc: int | None = None, nodes: Nodes | None = None,
                 steps: int = 5, warmup: int = 2, data: str | None = None, report: str | None = None,
-                mem_limit: str | None = None, lr: float = 1e-3, seed: int = 0, timeout: float = 300.0) -> PreparedRun:
+                mem_limit: str | None = None, lr: float = 1e-3, seed: int = 0, timeout: float = 300.0,
+                checkpoints: CheckpointFlags | None = None) -> PreparedRun:
     """Everything checked before any rank starts; the arguments are `autoplan apply`'s flags."""
     nodes = nodes or Nodes()
     check_nodes(nodes)
@@ -118,6 +121,8 @@ def prepare_run(plan_path: str, *, model: str | None = None, nproc: int | None =
     shape = BatchShape(plan.training.micro_batch_size, plan.training.grad_accum_steps, world, plan.training.seq_len)
     if data is not None:
         AlpacaTokens(data, vocab_size_of(resolved.module)).global_batch(0, shape)  # UsageError when unusable
+    checkpoints = checkpoints or CheckpointFlags()
+    said = checkpoints.check(plan, resolved.module)
     mem_limit_bytes = None
     if mem_limit is not None:
         mem_limit_bytes = plan.cluster.mem_limit_bytes if mem_limit == "plan" else parse_mem_bytes(mem_limit)
@@ -126,8 +131,11 @@ def prepare_run(plan_path: str, *, model: str | None = None, nproc: int | None =
         plan_path=str(Path(plan_path).resolve()), run_dir="", device=device, steps=steps, warmup_steps=warmup,
         dry_run=world < planned, seed=seed, lr=lr, data_path=data and str(Path(data).resolve()), model_factory=model,
         mem_limit_bytes=mem_limit_bytes, timeout_s=timeout,
+        save_dir=checkpoints.save_dir and str(Path(checkpoints.save_dir).resolve()), save_every=checkpoints.save_every,
+        resume=checkpoints.resume and str(Path(checkpoints.resume).resolve()),
     )
-    prepared = PreparedRun(plan, spec, nproc, nodes, resolved.name, model_note=model_label_note(plan, resolved))
+    prepared = PreparedRun(plan, spec, nproc, nodes, resolved.name, model_note=model_label_note(plan, resolved),
+                           said=said)
     if prepared.model_note:
         prepared.warnings.append(prepared.model_note)
     note = profile_note(plan, device)
@@ -186,7 +194,7 @@ def run_outline(prepared: PreparedRun) -> list[str]:
                  f"slows them), then {spec.steps} untracked step(s) timed with the tracker off (the step time is "
                  "their median)")
         total = spec.warmup_steps + 2 * spec.steps
-    lines = [f"runs {steps}: {total} steps in all"]
+    lines = [f"runs {steps}: {total} steps in all", *prepared.said]
     if profile_note(plan, spec.device) is None:
         estimate = total * plan.predicted.step_time_s
         slower = "; steps measured for memory take longer on the CPU" if spec.device == "cpu" else ""

@@ -32,8 +32,8 @@ from torch.distributed.tensor.parallel import (
 )
 
 from autoplan.errors import PlanFileError
-from autoplan.plan.schema import Plan
 from autoplan.models.tp_layout import ATTENTION, MLP, TpRefusal, recognise
+from autoplan.plan.schema import Plan
 from cost_models.options import SHARDING_KINDS, MeshShape
 from cost_models.records import ParamInfo, Unit
 from cost_models.tensor_parallel import TpLayout, TpRole, unit_layouts

@@ -43,6 +43,7 @@ from autoplan.run.fsdp import host_state_bytes, offloaded_params
 from autoplan.run.host_memory import keep_freed_memory
 from autoplan.run.memtrack import RankMemory, allocation_failure
 from autoplan.run.procs import die_with_parent, rank_signals
+from autoplan.run.resume import Checkpoints
 from autoplan.run.tp import local_loss, training_context
 
 __all__ = ["RankResult", "RunSpec", "main", "next_token_loss", "train", "train_measured", "train_untracked"]
@@ -64,6 +65,9 @@ class RunSpec:
     model_factory: str | None = None
     mem_limit_bytes: int | None = None
     timeout_s: float = 300.0
+    save_dir: str | None = None  # --save: checkpoints in step-<N> folders under it
+    save_every: int | None = None  # --save-every: steps between checkpoints (None: at the end only)
+    resume: str | None = None  # --resume: a checkpoint (or a --save folder) to start from
 
     def save(self, path: Path) -> None:
         write_text_atomic(path, json.dumps(dataclasses.asdict(self), indent=2))
@@ -83,6 +87,7 @@ class RankResult:
     error: str | None = None
     steps_done: int = 0
     losses: list[float] = field(default_factory=list)  # per step: this rank's mean loss
+    first_step: int = 0  # steps taken before this run (resumed from a checkpoint)
     step_times_s: list[float] = field(default_factory=list)  # per step, warm-up included
     # CPU: steps after those above, timed with the live-tensor tracker off (see train)
     untracked_step_times_s: list[float] = field(default_factory=list)
@@ -147,16 +152,26 @@ def train(spec: RunSpec, rank: int, world_size: int, result: RankResult, sender:
         model, optimizer = apply(model, plan, lr=spec.lr, dry_run=spec.dry_run)
         result.doing = "materialising the model (to_empty, init_weights)"
         materialise(model, device, spec.seed)
+        untracked = spec.steps if memory.tracker is not None else 0
+        checkpoints = Checkpoints(spec.save_dir, spec.save_every, spec.warmup_steps + spec.steps + untracked - 1,
+                                  data_label=spec.data_path or f"synthetic tokens, seed {spec.seed}")
+        result.doing = f"loading the checkpoint {spec.resume}"
+        data = checkpoints.resume(spec.resume, model, optimizer, data, shape)
+        result.first_step = checkpoints.first
         result.peak_mem_bytes = memory.peak_and_reset()
         result.phase = "training"
         result.save(spec.run_dir)
 
         def step_done(step: int, label: str, step_s: float, step_loss: float) -> None:
+            result.doing = "saving a checkpoint"
+            saved = checkpoints.after_step(step, model, optimizer, plan, shape)
+            if saved is not None:
+                memory.peak_and_reset()  # what saving held is no step's
             result.save(spec.run_dir)
             sender.send(result)
             if rank == 0:
-                print(f"[autoplan apply] {label}, rank 0: loss {step_loss:.4f} on its micro-batches, {step_s:.3f} s",
-                      flush=True)
+                print(f"[autoplan apply] {label}, rank 0: loss {step_loss:.4f} on its micro-batches, {step_s:.3f} s"
+                      + (f"; checkpoint {saved}" if saved else ""), flush=True)
 
         train_measured(model, optimizer, data, data_rank_, shape, memory, result, spec.warmup_steps, spec.steps,
                        step_done)

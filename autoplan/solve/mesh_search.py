@@ -30,13 +30,15 @@ from autoplan.errors import InfeasibleError, SolverTimeout, UsageError
 from autoplan.models.tp_layout import TpRefusal, recognise
 from autoplan.solve.cluster import Cluster
 from autoplan.solve.request import PlanRequest, Uniform
+from autoplan.solve.solver import cp_sat
 from autoplan.solve.sweep import SweepOutcome, sweep
 from autoplan.solve.tables import TableSource
 from cost_models.mesh import Mesh
 from cost_models.options import SHARDING_KINDS, MeshShape
 from cost_models.tensor_parallel import TpLayout
 
-__all__ = ["PARALLEL_MIN_UNITS", "PROGRESS_DELAY_S", "MeshResult", "MeshSearch", "best_result", "search_meshes"]
+__all__ = ["PARALLEL_MIN_UNITS", "PROGRESS_DELAY_S", "MeshResult", "MeshSearch", "best_result",
+           "check_beside_tensor_parallelism", "search_meshes"]
 
 PROGRESS_DELAY_S = 2.0  # a search that answers sooner prints nothing on stderr
 # worker processes only for models of this many units: forking a process that holds a traced model and sending
@@ -105,15 +107,16 @@ def search_meshes(request: PlanRequest) -> MeshSearch:
     if not workers:
         results = []
         for mesh in request.meshes:
-            results.append(_search(request, mesh))
+            results.append(_search(request, mesh, progress.sweeping(len(results), mesh)))
             progress.done(results)
         return MeshSearch(results, best_result(results))
     global _REQUEST
     _REQUEST = request  # inherited by the workers forked now, never pickled
+    cp_sat()  # imported once, before the fork, not by every worker
     try:
         with multiprocessing.get_context("fork").Pool(workers) as pool:
             pending = pool.imap(_search_in_worker, rest)  # under way while this process searches the first
-            results = [_search(request, first)]
+            results = [_search(request, first, progress.sweeping(0, first))]
             progress.done(results)
             for result in pending:
                 # the worker sent its result without its tables and cluster: made again here, the model's
@@ -142,16 +145,16 @@ def _search_in_worker(mesh: Mesh) -> MeshResult:
     return replace(_search(_REQUEST, mesh), source=None, cluster=None)
 
 
-def _search(request: PlanRequest, mesh: Mesh) -> MeshResult:
+def _search(request: PlanRequest, mesh: Mesh, progress=None) -> MeshResult:
     result = MeshResult(mesh)
     start = time.perf_counter()
     try:
         if mesh.tp > 1:
-            _check_beside_tensor_parallelism(request.uniform)
+            check_beside_tensor_parallelism(request.uniform)
             result.layout = recognise(request.model.module, mesh.tp, mesh.sequence_parallel)
         result.source = request.tables.for_layout(result.layout)
         result.cluster = request.cluster.with_mesh(mesh)
-        result.outcome = sweep(request, result.source, result.cluster)
+        result.outcome = sweep(request, result.source, result.cluster, progress)
     except TpRefusal as exc:
         result.refused = str(exc)
     except UsageError as exc:  # pins asking for options that do not run beside tensor parallelism
@@ -166,7 +169,7 @@ def _search(request: PlanRequest, mesh: Mesh) -> MeshResult:
     return result
 
 
-def _check_beside_tensor_parallelism(uniform: Uniform | None) -> None:
+def check_beside_tensor_parallelism(uniform: Uniform | None) -> None:
     """TpRefusal for a uniform strategy that does not run beside tensor parallelism."""
     if uniform is None:
         return
@@ -199,11 +202,29 @@ def best_result(results: list[MeshResult]) -> MeshResult:
 
 
 class _Progress:
-    """A line on stderr per mesh searched, once the search has taken PROGRESS_DELAY_S: which mesh, its best
-    micro-batch, and the best plan so far."""
+    """Lines on stderr once the search has taken PROGRESS_DELAY_S: per micro-batch this process searches (which
+    mesh and its shape, the micro-batch, what it gave, the best so far), and per mesh searched (its best
+    micro-batch, the best plan so far). A search of one mesh shows its micro-batches too."""
 
     def __init__(self, meshes: int):
         self.meshes, self.start = meshes, time.perf_counter()
+
+    def sweeping(self, index: int, mesh: Mesh):
+        """The sweep's progress hook for the `index`-th mesh (autoplan.solve.sweep)."""
+        shape = f"{mesh.dp} data-parallel" + (f" x {mesh.tp} tensor-parallel" if mesh.tp > 1 else "") + \
+            (" +sp" if mesh.sequence_parallel else "")
+
+        def step_done(step, best: float | None) -> None:
+            elapsed = time.perf_counter() - self.start
+            if elapsed < PROGRESS_DELAY_S:
+                return
+            found = (f"{step.throughput_samples_s:,.1f} samples/s" if step.throughput_samples_s is not None
+                     else step.status.lower().replace("_", " "))
+            so_far = f"; best so far {best:,.1f} samples/s" if best is not None else ""
+            print(f"autoplan: mesh {index + 1} of {self.meshes} ({shape}), micro-batch {step.micro_batch_size} x "
+                  f"{step.grad_accum_steps} accumulation: {found}{so_far} ({elapsed:.1f} s)", file=sys.stderr,
+                  flush=True)
+        return step_done
 
     def done(self, results: list[MeshResult]) -> None:
         elapsed = time.perf_counter() - self.start

@@ -22,7 +22,6 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 import torch.nn as nn
-from ortools.sat.python import cp_model
 
 from autoplan.errors import UsageError
 from autoplan.pins import Decision, Pin, PinSet, PinsInfeasibleError
@@ -208,6 +207,8 @@ def _core(affine: AffineModel, table: CostTable, resolution: PinResolution, inde
     offsets = affine.algebra.offsets
     points = set(np.argsort(-affine.memory(affine.leanest_each()), kind="stable")[:2].tolist())
     while time.perf_counter() < deadline:
+        from ortools.sat.python import cp_model  # only where pins make a search infeasible
+
         model = cp_model.CpModel()
         x = [model.new_bool_var(f"x_{l}") for l in range(affine.algebra.size)]
         for u in range(len(offsets) - 1):

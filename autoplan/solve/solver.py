@@ -28,7 +28,6 @@ from dataclasses import dataclass
 from enum import Enum
 
 import numpy as np
-from ortools.sat.python import cp_model
 
 from autoplan.settings import DEFAULT_TIME_LIMIT_S
 from cost_models.algebra import AffineAlgebra
@@ -46,7 +45,8 @@ POINTS_ADDED_PER_ROUND = 4
 # as an orbitope it cannot break). The gap (objective - bound) is reported with every plan.
 RELATIVE_GAP_LIMIT = 1e-3
 
-__all__ = ["SolveStatus", "SolveResult", "AffineModel", "solve_min_time", "solve_min_memory", "DEFAULT_TIME_LIMIT_S"]
+__all__ = ["SolveStatus", "SolveResult", "AffineModel", "solve_min_time", "solve_min_memory", "DEFAULT_TIME_LIMIT_S",
+           "cp_sat"]
 
 
 # A str Enum: a status equals, hashes, prints and is written to plan files as its value ("OPTIMAL", ...:
@@ -158,6 +158,20 @@ def _identical_runs(table: CostTable) -> tuple[list[list[int]], list[list[int]]]
     return [group for group in groups.values() if len(group) > 1], order
 
 
+cp_model = None  # ortools' CP-SAT, imported at the first solve (`cp_sat`)
+
+
+def cp_sat():
+    """CP-SAT, imported when a model is first built: explain, diff and estimate cost plans without solving, and
+    ortools (with the pandas it imports) is a fifth of their start-up."""
+    global cp_model
+    if cp_model is None:
+        from ortools.sat.python import cp_model as imported
+
+        cp_model = imported
+    return cp_model
+
+
 def _top_points(memory: np.ndarray, count: int) -> list[int]:
     return [int(p) for p in np.argsort(-memory, kind="stable")[:count]]
 
@@ -165,7 +179,7 @@ def _top_points(memory: np.ndarray, count: int) -> list[int]:
 class _Model:
     def __init__(self, affine: AffineModel):
         self.affine = affine
-        self.model = cp_model.CpModel()
+        self.model = cp_sat().CpModel()
         offsets = affine.algebra.offsets
         # [Variables] x[l] = 1 iff the option of literal l is chosen for its unit
         self.x = [self.model.new_bool_var(f"x_{l}") for l in range(affine.algebra.size)]
@@ -222,7 +236,7 @@ def _solve_lazily(affine: AffineModel, build, check, time_limit_s: float, seeds:
         model, objective_scale = build(sorted(active))
         if hint is not None:  # start from the last round's plan (it violates only the new points) or the given one
             model.hint(hint)
-        solver = cp_model.CpSolver()
+        solver = cp_sat().CpSolver()
         solver.parameters.max_time_in_seconds = max(0.01, time_limit_s - (time.perf_counter() - start))
         if work_limit is not None:
             solver.parameters.max_deterministic_time = max(0.001, work_limit - work)

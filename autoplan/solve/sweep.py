@@ -10,6 +10,7 @@ turns it into a plan file.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from autoplan.errors import InfeasibleError, SolverTimeout, UsageError
@@ -70,16 +71,15 @@ def _searched(table: CostTable) -> CostTable:
                    costs=[[costs[i] for i in k] for costs, k in zip(table.costs, keep)])
 
 
-def sweep(request: PlanRequest, source: TableSource, cluster: Cluster) -> SweepOutcome:
+def sweep(request: PlanRequest, source: TableSource, cluster: Cluster,
+          progress: Callable[[SweepStep, float | None], None] | None = None) -> SweepOutcome:
     """The fastest plan over the request's micro-batches whose predicted peak is at most its planned bytes, on
     `cluster` (one of the request's meshes) with `source`'s tables (the model's, or their tensor-parallel view).
-
     A uniform strategy (`request.uniform`) replaces the solve by that plan. The pins restrict the options of
     the units they name (with a strategy: those units take their pins). Raises InfeasibleError (with the
     smallest limit that would fit) when nothing fits, SolverTimeout when the solver's time ran out before
-    any verdict."""
-    limits, uniform, pins = request.limits, request.uniform, request.pins
-    training = request.training
+    any verdict. `progress(step, best)` is told each micro-batch's outcome and the best throughput so far."""
+    limits, uniform, pins, training = request.limits, request.uniform, request.pins, request.training
     steps: list[SweepStep] = []
     seen: list[CostTable] = []
     unpinned: list[CostTable] = []  # the tables with every option: for the baselines, and to explain pins
@@ -97,6 +97,7 @@ def sweep(request: PlanRequest, source: TableSource, cluster: Cluster) -> SweepO
             # even with no memory limit this micro-batch cannot beat the best plan: skip the solve
             steps.append(SweepStep(micro_batch_size, accum, SolveStatus.PRUNED, None, None))
             seen.append(table)
+            _tell(progress, steps, best)
             continue
         affine = AffineModel.of(table)
         if uniform is None:
@@ -107,18 +108,19 @@ def sweep(request: PlanRequest, source: TableSource, cluster: Cluster) -> SweepO
         num_vars, num_cons = result.num_variables, result.num_constraints
         if result.choices is None:
             steps.append(SweepStep(micro_batch_size, accum, result.status, None, None))
+            _tell(progress, steps, best)
             if result.status != SolveStatus.INFEASIBLE:
                 seen.append(table)
                 continue  # the time limit ran out: no verdict on this size, try the next
-            if seen:
-                break  # a larger micro-batch needs more memory still
-            seen.append(table)
-            break
+            if not seen:
+                seen.append(table)
+            break  # a larger micro-batch needs more memory still
         seen.append(table)
         throughput = table.samples_per_step / result.objective
         steps.append(SweepStep(micro_batch_size, accum, result.status, result.objective, throughput))
         if best is None or throughput > best[0] * (1 + 1e-9):
             best = (throughput, table, result, affine)
+        _tell(progress, steps, best)
     if best is None:
         raise _nothing_found(request, cluster, steps, unpinned[0])
     _, table, result, affine = best
@@ -131,6 +133,11 @@ def sweep(request: PlanRequest, source: TableSource, cluster: Cluster) -> SweepO
     return SweepOutcome(table=table, choices=choices, evaluation=evaluate(table, choices), result=result,
                         steps=steps, tables=fitting or unpinned, wall_time_s=wall_s, num_variables=num_vars,
                         num_constraints=num_cons)
+
+
+def _tell(progress, steps: list[SweepStep], best) -> None:
+    if progress is not None:
+        progress(steps[-1], None if best is None else best[0])
 
 
 def _leanest(table: CostTable, affine: AffineModel, fastest: SolveResult, limits: Limits) -> SolveResult:

@@ -18,6 +18,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from autoplan.errors import TraceError, UsageError
 from autoplan.models.inputs import ModelInputs
+from autoplan.models.structure import largest_module_list
 from autoplan.tracing.attention import AttentionPolicy
 from autoplan.tracing.counting import DTYPES, to_meta
 from autoplan.tracing.dispatch_tracer import trace_dispatch
@@ -25,7 +26,6 @@ from autoplan.tracing.expand import Mismatch, Repeats, expand
 from autoplan.tracing.fx_tracer import symbolic_trace, trace_model
 from autoplan.tracing.progress import BlockProgress
 from autoplan.tracing.reuse import TRACED_PERIODS, block_tensors, find_repeats, predict_and_check, truncated
-from autoplan.models.structure import largest_module_list
 from cost_models.records import ModelTrace
 
 TRACERS = ("fx", "dispatch")

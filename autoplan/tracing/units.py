@@ -8,6 +8,8 @@ Granularities:
 - "fine": as "block", but inside each block every child that owns parameters (attention, MLP)
   is a unit of its own; the block keeps what is left (its norms).
 - "leaf": every module that directly owns parameters is a unit (one per Linear, norm, ...).
+- "root": the root alone; the modules that pins or an FSDP auto-wrap policy name are the other units
+  (`wrap_paths`: the modules a team's size- or class-based policy wraps, found as FSDP1 finds them).
 
 A module whose parameter is shared with a module outside its subtree (tied embeddings) cannot be
 a unit of its own: FSDP would reshard the parameter while the other user still needs it. Its
@@ -20,11 +22,12 @@ import torch.nn as nn
 
 from autoplan.errors import UsageError
 from autoplan.models.structure import expert_stacks, largest_module_list, params_of
+from autoplan.pins.wrap import WrapPolicy
 from autoplan.settings import GRANULARITIES
 from cost_models.records import ModelTrace, ParamInfo, Unit
 
 __all__ = [
-    "MIN_CHILD_FRACTION", "MIN_SIBLING_FRACTION", "build_units", "candidate_paths", "unit_refusal",
+    "MIN_CHILD_FRACTION", "MIN_SIBLING_FRACTION", "build_units", "candidate_paths", "unit_refusal", "wrap_paths",
 ]
 
 # A sibling module along the path to the blocks becomes a unit only if it is at least this
@@ -57,6 +60,8 @@ def candidate_paths(model: nn.Module, granularity: str = "block") -> list[str]:
     """Module paths that become units (the root "" always is one), before tie exclusion."""
     if granularity not in GRANULARITIES:
         raise UsageError(f"unknown `granularity` {granularity!r}; choose one of {', '.join(GRANULARITIES)}")
+    if granularity == "root":
+        return [""]
     if granularity == "leaf":
         return [""] + [
             name for name, module in model.named_modules()
@@ -110,6 +115,43 @@ def unit_refusal(model: nn.Module, path: str, registrations: dict[int, list[str]
             return (f"{path} shares a parameter with {outside[0] or '<root>'} outside it (tied weights), so it "
                     "cannot be a unit of its own: FSDP would reshard the parameter while the other still needs it")
     return None
+
+
+def wrap_paths(model: nn.Module, policy: WrapPolicy) -> tuple[list[str], list[str]]:
+    """The modules an FSDP1 auto-wrap policy wraps (autoplan.pins.wrap), as units can take them: (paths, why
+    each of the others cannot be a unit). UsageError for layer classes the model has no module of."""
+    if policy.layer_classes:
+        wanted = set(policy.layer_classes)
+        found = [name for name, module in model.named_modules()
+                 if name and any(cls.__name__ in wanted for cls in type(module).__mro__)]
+        if not found:
+            classes = sorted({type(module).__name__ for module in model.modules()})
+            raise UsageError(f"the wrap policy's layer classes {', '.join(sorted(wanted))} match no module of "
+                             f"{type(model).__name__}; its module classes: {', '.join(classes)}")
+    else:
+        found = []
+        _size_wrap(model, "", policy.min_num_params, found, set(), only_children=True)
+    registrations = _registrations(model)
+    refused = [(path, unit_refusal(model, path, registrations)) for path in found]
+    return [p for p, why in refused if why is None], [why for _, why in refused if why is not None]
+
+
+def _size_wrap(module: nn.Module, path: str, min_params: int, found: list[str], wrapped: set[int],
+               only_children: bool = False) -> int:
+    """FSDP1's _recursive_wrap under size_based_auto_wrap_policy: the parameters it wraps at or below `module`.
+    A module is gone into when its unwrapped parameters reach `min_params` (not an nn.MultiheadAttention), and
+    wrapped when those its children left do (not a ModuleList or ModuleDict; the root by FSDP itself)."""
+    params = [p for p in module.parameters() if id(p) not in wrapped]
+    numel = sum(p.numel() for p in params)
+    if numel < min_params or isinstance(module, nn.MultiheadAttention):
+        return 0
+    below = sum(_size_wrap(child, f"{path}.{name}" if path else name, min_params, found, wrapped)
+                for name, child in module.named_children())
+    if only_children or numel - below < min_params or isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+        return below
+    found.append(path)
+    wrapped.update(id(p) for p in params)
+    return numel
 
 
 def build_units(model: nn.Module, trace: ModelTrace, granularity: str = "block",
