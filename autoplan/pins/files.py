@@ -109,6 +109,9 @@ def load_pins(path: str | os.PathLike) -> PinSet:
             data = json.loads(text, object_pairs_hook=lambda pairs: _refuse_duplicates(pairs, name))
         except json.JSONDecodeError as exc:
             raise UsageError(f"`pins` file {name} is not valid JSON: {exc}") from None
+        except RecursionError:
+            raise UsageError(f"`pins` file {name} nests too deeply to read; a pins file is one mapping, `pins:`, "
+                             "of pattern: decision") from None
     else:
         data = _load_yaml(text, name)
     if data is None:
@@ -134,6 +137,9 @@ def _load_yaml(text: str, name: str) -> Any:
         return yaml.load(text, Loader=Loader)  # noqa: S506 - a SafeLoader with one constructor replaced
     except yaml.YAMLError as exc:
         raise UsageError(f"`pins` file {name} is not valid YAML: {exc}") from None
+    except RecursionError:
+        raise UsageError(f"`pins` file {name} nests too deeply to read; a pins file is one mapping, `pins:`, "
+                         "of pattern: decision") from None
 
 
 def range_text(indices: list[int]) -> str:
