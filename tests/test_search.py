@@ -76,7 +76,7 @@ def test_identical_inputs_give_identical_plans():
     first = search(mem="60MB", **TINY).model_dump(mode="json")
     second = search(mem="60MB", **TINY).model_dump(mode="json")
     for plan in (first, second):
-        plan["solver"]["wall_time_s"] = 0
+        assert plan.pop("timing")["solver_s"] > 0  # wall-clock times, kept apart from the rest
     assert json.dumps(first, sort_keys=True) == json.dumps(second, sort_keys=True)
 
 
