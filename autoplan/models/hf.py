@@ -26,6 +26,7 @@ import torch
 import torch.nn as nn
 
 from autoplan.errors import UsageError
+from autoplan.fileio import loads_strict
 
 HF_PREFIX = "hf:"
 CONFIG_FILE = "config.json"
@@ -69,11 +70,15 @@ def load_hf_config(path: str | Path):
 
     file = config_file(path)
     try:
-        data = json.loads(file.read_text())
+        data = loads_strict(file.read_text())
     except OSError as exc:
         raise UsageError(f"cannot read {file}: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"{file} is not UTF-8 text ({exc})") from exc
     except json.JSONDecodeError as exc:
         raise UsageError(f"{file} is not valid JSON: {exc}") from exc
+    except ValueError as exc:  # a key given twice, nesting too deep
+        raise UsageError(f"{file} is not a config this reads: {exc}") from exc
     if not isinstance(data, dict):
         raise UsageError(f"{file} holds a JSON {type(data).__name__}, not an object of config fields")
     model_type = data.get("model_type")
@@ -83,6 +88,7 @@ def load_hf_config(path: str | Path):
         raise UsageError(f"{file}: field 'model_type' is {model_type!r}, a model type transformers "
                          f"{transformers.__version__} does not know")
     _check_sizes_given(CONFIG_MAPPING[model_type], data, file)
+    _check_sizes_valid(CONFIG_MAPPING[model_type], data, file)
     try:
         return CONFIG_MAPPING[model_type].from_dict(data)
     except Exception as exc:  # transformers raises several types for a bad field value
@@ -110,6 +116,20 @@ def _check_sizes_given(config_class, data: dict, file: Path) -> None:
                          f"would take its {data['model_type']!r} defaults ("
                          + ", ".join(f"{n}={d!r}" for n, d in missing) + "), the size of some other model. Add "
                          "them to the config (a model's config.json on the Hugging Face Hub has them)")
+
+
+def _check_sizes_valid(config_class, data: dict, file: Path) -> None:
+    """UsageError naming a size field the file gives as something else than a whole number of at least 1
+    (`num_hidden_layers: -3`), before transformers builds a model that fails somewhere less clear."""
+    aliases = getattr(config_class, "attribute_map", None) or {}
+    for field in (*SIZE_FIELDS, "num_key_value_heads"):
+        for name in dict.fromkeys((field, aliases.get(field, field))):
+            value = data.get(name)
+            if value is None:
+                continue  # not given (or null: the family's derived default)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise UsageError(f"{file}: field {name!r} is {json.dumps(value)}; a model's sizes are whole numbers "
+                                 "of at least 1")
 
 
 def _position_table(module: nn.Module, config) -> int | None:
