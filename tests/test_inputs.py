@@ -248,3 +248,58 @@ def test_the_console_script_finds_a_factory_module_in_the_current_directory(tmp_
                             check=False)
     assert result.returncode == 0, result.stderr
     assert json.loads((tmp_path / "plan.json").read_text())["model"]["name"] == "mymodels:build"
+
+
+CHATTY = textwrap.dedent("""
+    import torch.nn as nn
+
+    print("chatty: imported")
+
+    class Chatty(nn.Sequential):
+        def forward(self, ids):
+            print("chatty: forward")
+            return super().forward(ids)
+
+    def build():
+        print("chatty: building")
+        return Chatty(nn.Embedding(64, 16), nn.Linear(16, 64))
+""")
+
+
+@pytest.mark.parametrize("command", [
+    ["search", "-o", "plan.json"], ["estimate", "--strategy", "shard", "--batch-size", "2"],
+])
+def test_what_a_factory_prints_goes_to_stderr_not_into_json_output(run_cli, tmp_path, command):
+    (tmp_path / "chatty.py").write_text(CHATTY)
+    result = run_cli(*command, "--model", "chatty:build", "--seq-len", "16", "--gpus", "2", "--mem", "1GB", "--json")
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)  # the JSON alone
+    assert data["model"]["name"] == "chatty:build"
+    assert all(f"chatty: {what}" in result.stderr for what in ("imported", "building", "forward"))
+    if command[0] == "search":  # explain and diff rebuild the factory's model too
+        for argv in (["explain", "plan.json"], ["diff", "plan.json", "plan.json"]):
+            again = run_cli(*argv, "--model", "chatty:build", "--json")
+            assert again.returncode == 0, again.stderr
+            json.loads(again.stdout)
+            assert "chatty: building" in again.stderr
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--gpus", "1000000"], "1,000,000 GPUs on one node is more than a node holds (at most 128): --gpus is the whole "
+                            "cluster, spread over --nodes; give the node count too, e.g. --nodes 125000"),
+    (["--gpus", "1001"], "1,001 GPUs on one node is more than a node holds"),
+    (["--gpus-per-node", "4096"], "4,096 GPUs on one node"),
+    (["--nodes", "2", "--gpus", "512"], "256 GPUs on one node"),
+    (["--nodes", "500000", "--gpus-per-node", "8"], "a cluster of 4,000,000 GPUs is more than the 1,048,576"),
+])
+def test_a_cluster_too_large_to_be_meant_is_refused(tmp_path, monkeypatch, capsys, argv, says):
+    monkeypatch.chdir(tmp_path)
+    assert main(["search", "--model", "gpt2-tiny", "--seq-len", "64", "--mem", "1GB", *argv]) == 2
+    assert says in capsys.readouterr().err
+    assert not (tmp_path / "plan.json").exists()
+
+
+def test_a_large_cluster_given_by_its_nodes_is_planned():
+    settings = autoplan.SearchSettings.create(model="gpt2-tiny", gpus=1_000_000, nodes=125_000)
+    assert (settings.gpus, settings.nodes) == (1_000_000, 125_000)
+    assert autoplan.SearchSettings.create(model="gpt2-tiny", gpus=128).gpus == 128

@@ -40,12 +40,14 @@ def register(subparsers) -> None:
 
 def _run(args) -> int:
     from autoplan.api.estimate import estimate
+    from autoplan.cli.args import user_prints_to_stderr
     from autoplan.settings import EstimateSettings
     from autoplan.sizes import format_bytes
 
-    result = estimate(settings=EstimateSettings.create(**settings_fields(EstimateSettings, args)))
+    with user_prints_to_stderr(args.json) as stdout:
+        result = estimate(settings=EstimateSettings.create(**settings_fields(EstimateSettings, args)))
     if args.json:
-        sys.stdout.write(result.model_dump_json(indent=2) + "\n")
+        stdout.write(result.model_dump_json(indent=2) + "\n")
     else:
         print(result.table(timeline=args.timeline))
         c = result.cluster

@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+from autoplan.cli.args import user_prints_to_stderr
 from autoplan.cli.flags import add_settings_flags, settings_fields, to_flags
 from autoplan.cli.pins import add_pin_flag, emit_pins
 
@@ -53,18 +54,24 @@ def register(subparsers) -> None:
 
 
 def _hf_relative_to(plan, out: str):
-    """The plan with an "hf:PATH" model named relative to the folder of `out` (unchanged where it already is)."""
+    """The plan with an "hf:PATH" model named relative to the folder of `out` (unchanged where it already is),
+    and a note when that folder does not hold the config: a plan's config is read only inside its folder."""
     from autoplan.models.hf import HF_PREFIX
 
     name = plan.model.name
     if not name.startswith(HF_PREFIX):
-        return plan
+        return plan, None
     given = Path(name[len(HF_PREFIX):]).expanduser()
     folder = Path(out).expanduser().absolute().parent
+    note = None
+    if not given.resolve().is_relative_to(folder.resolve()):
+        note = (f"note: the config {given} is outside the plan's folder ({folder}); `autoplan estimate --plan` and "
+                f"`apply` read a plan's config only inside its folder, so give them --model {name} (or keep the "
+                "config beside the plan)")
     if not given.is_absolute() and (folder / given).resolve() == given.resolve():
-        return plan
+        return plan, note
     relative = HF_PREFIX + os.path.relpath(given.resolve(), folder)
-    return plan.model_copy(update={"model": plan.model.model_copy(update={"name": relative})})
+    return plan.model_copy(update={"model": plan.model.model_copy(update={"name": relative})}), note
 
 
 def _run(args) -> int:
@@ -78,18 +85,22 @@ def _run(args) -> int:
     check_writable(args.out, "plan file", param="out", example="plan.json")
     if args.emit_pins:
         check_writable(args.emit_pins, "pins file", param="emit_pins", example="pins.yaml")
-    if args.fit_allocator:
-        from autoplan.run.allocator_fit import search_fitting_allocator
+    with user_prints_to_stderr(args.json) as stdout:
+        if args.fit_allocator:
+            from autoplan.run.allocator_fit import search_fitting_allocator
 
-        found, _ = search_fitting_allocator(settings, say=lambda line: print(f"autoplan search: {line}", file=sys.stderr))
-    else:
-        found = search(settings=settings)
-    plan = _hf_relative_to(found, args.out)
+            found, _ = search_fitting_allocator(settings,
+                                                say=lambda line: print(f"autoplan search: {line}", file=sys.stderr))
+        else:
+            found = search(settings=settings)
+    plan, note = _hf_relative_to(found, args.out)
     plan.save(args.out)
+    if note:
+        print(f"autoplan search: {note}", file=sys.stderr)
     if args.emit_pins:
         emit_pins(plan, args.emit_pins, args.out)
     if args.json:
-        sys.stdout.write(plan.to_json())
+        stdout.write(plan.to_json())
     else:
         print(to_flags(format_plan(plan, cluster_is_default=settings.cluster_is_default), args.subparser))
         if plan.pins:
