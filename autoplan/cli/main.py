@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import signal
 import sys
 
 from autoplan.errors import AutoplanError
@@ -73,7 +74,19 @@ def main(argv: list[str] | None = None) -> int:
 QUICK_EXIT = frozenset({"search", "estimate", "models", "profiles"})
 
 
+def _interruptible() -> None:
+    """A command a non-interactive shell starts in the background (`autoplan profile &` in a script) inherits
+    SIGINT ignored, so Python raises no KeyboardInterrupt and `kill -INT` did nothing; SIGINT stops it as
+    Ctrl-C does (each command's own handling, exit 130). Child processes then start with SIGINT's default."""
+    try:
+        if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+    except ValueError:  # not the main thread (main() called from a thread): leave it
+        pass
+
+
 def _run(argv: list[str]) -> tuple[int, str]:
+    _interruptible()
     parser = build_parser(_command_in(argv) or "")
     args = parser.parse_args(argv)
     try:
