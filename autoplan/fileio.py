@@ -18,6 +18,7 @@ Each refusal is a UsageError (exit 2) naming the path and what would help.
 """
 
 import json
+import errno
 import os
 import stat
 import tempfile
@@ -25,7 +26,12 @@ from pathlib import Path
 
 from autoplan.errors import AutoplanError, UsageError
 
-__all__ = ["check_writable", "loads_strict", "output_target", "read_versioned_json", "write_text_atomic"]
+__all__ = ["MAX_RECORD_BYTES", "check_writable", "loads_strict", "output_target", "read_input", "read_versioned_json",
+           "same_file", "write_text_atomic"]
+
+# the most a record file (a plan, a profile, a pins file, a model config) is read of: a plan of thousands of
+# units is a few MB; a larger file is not one (and /dev/zero would be read until memory ran out)
+MAX_RECORD_BYTES = 256 * 2**20
 
 _KINDS = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
           (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory"))
@@ -54,6 +60,9 @@ def output_target(path: str | os.PathLike, name: str | None = None) -> Path:
     how messages call the path (default: the path)."""
     given = Path(path).expanduser()
     name = name or str(path)
+    if str(path).endswith(("/", os.sep)):  # Path() drops it, and would write a file named as the folder
+        raise UsageError(f"cannot write {name}: it ends in {os.sep}, so it names a directory; give a file name, e.g. "
+                         f"{Path(path) / 'out.json'}")
     target = Path(os.path.realpath(given)) if given.is_symlink() else given
     via = f" (a symlink to {target})" if target != given else ""
     try:
@@ -94,15 +103,45 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> None:
         raise
 
 
+def same_file(a: str | os.PathLike, b: str | os.PathLike) -> bool:
+    """Whether two paths name one file (through symlinks and hard links; for paths not there yet, by name)."""
+    a, b = Path(a).expanduser(), Path(b).expanduser()
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return os.path.realpath(a) == os.path.realpath(b)
+
+
+def read_input(path: str | os.PathLike, max_bytes: int = MAX_RECORD_BYTES) -> str:
+    """The text of an input file (a regular file, or a pipe such as `<(...)`), UTF-8. An OSError whose strerror
+    says why for a directory, a device (/dev/zero would never end), a socket, or more than `max_bytes`; a
+    UnicodeDecodeError for text that is not UTF-8."""
+    info = os.stat(Path(path).expanduser())
+    if stat.S_ISDIR(info.st_mode):
+        raise IsADirectoryError(errno.EISDIR, "it is a directory, not a file")
+    if not (stat.S_ISREG(info.st_mode) or stat.S_ISFIFO(info.st_mode)):
+        raise OSError(errno.EINVAL, f"it is {_kind(info.st_mode)}, not a file")
+    with open(Path(path).expanduser(), "rb") as handle:
+        data = handle.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        raise OSError(errno.EFBIG, f"it is larger than {max_bytes // 2**20} MiB, more than such a file ever holds")
+    return data.decode("utf-8")
+
+
 def check_writable(path: str | os.PathLike, what: str = "output file", param: str | None = None,
-                   example: str = "out.json") -> None:
+                   example: str = "out.json", inputs: tuple[tuple[str, str | os.PathLike | None], ...] = ()) -> None:
     """UsageError unless `path` can be written as a file: not a directory, not what `output_target` refuses
     (a FIFO, a device, a read-only file), and its nearest existing folder
     (the folders below it are created) a directory that takes a new file. Tried with a temporary file,
     removed at once: permission bits alone do not tell (root ignores them; a read-only mount does not).
     `param` names the API parameter (the CLI shows its flag) that gave the path; `example` is a file name
-    to suggest when the path is a directory."""
+    to suggest when the path is a directory. `inputs`: (how to call it, path) of files the command reads or
+    writes besides, which the path must not be (a report written over its plan)."""
     name = f"`{param}` {path}" if param else f"the {what} {path}"
+    for other_name, other in inputs:
+        if other is not None and same_file(path, other):
+            raise UsageError(f"{name} is {other_name} ({other}), which this command reads or writes too; writing it "
+                             "would replace that: give another path")
     target = output_target(path, name)
     if target.is_dir():
         raise UsageError(f"{name} is a directory; give a file name, e.g. {target / example}")
@@ -145,7 +184,7 @@ def read_versioned_json(path: str | os.PathLike, kind: str, newest_version: int,
     corrupt or newer file (e.g. "make the plan again"). Validating the fields is the caller's."""
     path = Path(path)
     try:
-        text = path.read_text()
+        text = read_input(path)
     except (OSError, UnicodeDecodeError) as exc:
         raise error(f"cannot read {kind} {path}: {getattr(exc, 'strerror', None) or exc}") from exc
     try:

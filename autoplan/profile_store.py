@@ -21,7 +21,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from autoplan.errors import UsageError
-from autoplan.fileio import loads_strict, write_text_atomic
+from autoplan.fileio import loads_strict, read_input, write_text_atomic
 from cost_models.profile import PROFILE_SCHEMA_VERSION, DeviceProfile
 
 __all__ = [
@@ -117,7 +117,7 @@ def sourced_figures(profile: DeviceProfile) -> list[tuple[str, object, str]]:
 
 def _read_profile(path: Path) -> DeviceProfile:
     try:
-        data = loads_strict(path.read_text())
+        data = loads_strict(read_input(path))
     except (OSError, UnicodeDecodeError, ValueError) as exc:  # ValueError: bad JSON, a key twice, too deep
         raise UsageError(f"cannot read profile {path}: {exc}") from exc
     version = data.get("schema_version") if isinstance(data, dict) else None
@@ -148,7 +148,7 @@ def load_profile(name_or_path: str) -> DeviceProfile:
                          f"(`autoplan profiles` lists them; set ${LOCAL_PROFILE_DIR_ENV} for another folder)")
     path = Path(name_or_path).expanduser()
     if path.suffix == ".json" or path.exists():
-        if not path.is_file():
+        if not path.exists():
             raise UsageError(f"profile file {path} does not exist")
         return _read_profile(path)
     raise UsageError(

@@ -167,7 +167,8 @@ def _run_fake_world(args: argparse.Namespace, parser: argparse.ArgumentParser) -
         parser.error(f"--fake-world runs one process on synthetic tokens; it does not take {', '.join(clashing)}")
     try:
         if args.report:
-            check_writable(args.report, "report", param="report", example="report.json")
+            check_writable(args.report, "report", param="report", example="report.json",
+                           inputs=(("the plan file", args.plan),))
         plan = load_plan(args.plan)
         limit = None if args.mem_limit is None else (plan.cluster.mem_limit_bytes if args.mem_limit == "plan"
                                                      else parse_mem_bytes(args.mem_limit))

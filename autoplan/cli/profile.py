@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import signal
 import sys
 from pathlib import Path
@@ -82,7 +83,7 @@ def settings_from_args(args: argparse.Namespace):
     """ProfileSettings for the parsed command line; UsageError for combinations that make no sense."""
     from autoplan.models.zoo import UnknownModelError, get_config
     from autoplan.profiling import ProfileSettings
-    from autoplan.profiling.cache import default_cache_dir
+    from autoplan.profiling.cache import CACHE_DIR_ENV, default_cache_dir
 
     if args.micro_batch and not args.model:
         raise UsageError("--micro-batch applies to --model; name the models too")
@@ -108,6 +109,10 @@ def settings_from_args(args: argparse.Namespace):
     if args.dtype:
         settings.dtypes = tuple(dict.fromkeys(args.dtype))
     settings.cache_dir = None if args.no_cache else (args.cache_dir or default_cache_dir())
+    if settings.cache_dir is not None and settings.cache_dir.exists() and not settings.cache_dir.is_dir():
+        source = "--cache-dir" if args.cache_dir else f"${CACHE_DIR_ENV}" if os.environ.get(CACHE_DIR_ENV) else "the default"
+        raise UsageError(f"the measurement cache folder {settings.cache_dir} ({source}) is a file, not a folder: give a "
+                         "folder (it is created), or --no-cache")
     if args.quick:
         _make_quick(settings, keep_models=bool(args.model), keep_dtypes=bool(args.dtype))
     settings.name = args.name or _default_name(settings, explicit_out=bool(args.out))

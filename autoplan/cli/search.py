@@ -82,7 +82,8 @@ def _run(args) -> int:
 
     start = time.perf_counter()
     settings = SearchSettings.create(**settings_fields(SearchSettings, args))
-    check_writable(args.out, "plan file", param="out", example="plan.json")
+    check_writable(args.out, "plan file", param="out", example="plan.json",
+                   inputs=(("the `pins` file", getattr(args, "pins", None)), ("the `emit_pins` file", args.emit_pins)))
     if args.emit_pins:
         check_writable(args.emit_pins, "pins file", param="emit_pins", example="pins.yaml")
     with user_prints_to_stderr(args.json) as stdout:

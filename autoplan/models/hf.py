@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 
 from autoplan.errors import UsageError
-from autoplan.fileio import loads_strict
+from autoplan.fileio import loads_strict, read_input
 
 HF_PREFIX = "hf:"
 CONFIG_FILE = "config.json"
@@ -70,7 +70,7 @@ def load_hf_config(path: str | Path):
 
     file = config_file(path)
     try:
-        data = loads_strict(file.read_text())
+        data = loads_strict(read_input(file))
     except OSError as exc:
         raise UsageError(f"cannot read {file}: {exc.strerror or exc}") from exc
     except UnicodeDecodeError as exc:

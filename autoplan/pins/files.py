@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from autoplan.errors import InfeasibleError, UsageError
+from autoplan.fileio import read_input
 from autoplan.pins.syntax import ROOT, Decision, Pattern, Pin, parse_decision
 
 __all__ = ["PinSet", "PinsInfeasibleError", "load_pins", "path_groups", "pins_of_plan", "pins_of_units", "range_text"]
@@ -99,11 +100,11 @@ def load_pins(path: str | os.PathLike) -> PinSet:
     file = Path(path).expanduser()
     name = str(path)
     try:
-        text = file.read_text()
+        text = read_input(file)
     except FileNotFoundError:
         raise UsageError(f"`pins` file {name} does not exist; write one (see `autoplan search --emit-pins`)") from None
     except (OSError, UnicodeDecodeError) as exc:
-        raise UsageError(f"`pins` file {name} cannot be read: {exc}") from None
+        raise UsageError(f"`pins` file {name} cannot be read: {getattr(exc, 'strerror', None) or exc}") from None
     if file.suffix.lower() == ".json" or text.lstrip().startswith("{"):
         try:
             data = json.loads(text, object_pairs_hook=lambda pairs: _refuse_duplicates(pairs, name))

@@ -15,9 +15,10 @@ import torch
 import torch.nn as nn
 
 from autoplan.errors import UsageError
-from autoplan.fileio import loads_strict
+from autoplan.fileio import loads_strict, read_input
 
 ALPACA_FIELDS = ("instruction", "input", "output")
+MAX_DATA_BYTES = 4 * 2**30  # read into memory whole; Alpaca itself is 22 MB
 _SEPARATOR = 0  # token between records
 
 
@@ -77,7 +78,7 @@ def rank_micro_batches(global_tokens: torch.Tensor, rank: int, shape: BatchShape
 
 def _alpaca_token_ids(path: Path) -> list[int]:
     try:
-        records = loads_strict(path.read_text(encoding="utf-8"))
+        records = loads_strict(read_input(path, max_bytes=MAX_DATA_BYTES))
     except OSError as exc:
         raise UsageError(f"cannot read data file {path}: {exc.strerror or exc}") from exc
     except (ValueError, UnicodeDecodeError) as exc:  # bad JSON, a key twice, nested too deeply, not UTF-8
