@@ -142,9 +142,12 @@ def _default_name(settings, explicit_out: bool) -> str:
 
 @contextlib.contextmanager
 def _terminate_as_interrupt():
-    """SIGTERM ends the measurement as Ctrl-C does: the ranks are stopped, what finished stays cached."""
+    """SIGTERM ends the measurement as Ctrl-C does: the ranks are stopped, what finished stays cached. The
+    KeyboardInterrupt carries the signal's number (`signum`) for the exit status."""
     def interrupt(signum, frame):
-        raise KeyboardInterrupt
+        stop = KeyboardInterrupt(signal.Signals(signum).name)
+        stop.signum = signum
+        raise stop
 
     try:
         previous = signal.signal(signal.SIGTERM, interrupt)
@@ -177,11 +180,12 @@ def run_profile(args: argparse.Namespace) -> int:
     try:
         with _terminate_as_interrupt():
             result = measure_profile(settings)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         where = f"cached in {settings.cache_dir}" if settings.cache_dir else "lost (--no-cache)"
-        print(f"\ninterrupted: the measurements finished so far are {where}; run the same command again to "
-              "resume", file=sys.stderr)
-        return 130
+        signum = getattr(exc, "signum", signal.SIGINT)
+        print(f"\ninterrupted by {signal.Signals(signum).name}: the measurements finished so far are {where}; run the "
+              "same command again to resume", file=sys.stderr)
+        return 128 + int(signum)
     save_profile(result.profile, out)
     print(format_profile_summary(result))
     print(f"\nprofile {result.profile.name!r} written to {out} in {result.wall_s:.1f} s "
