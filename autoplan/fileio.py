@@ -17,8 +17,8 @@ Only regular files are written (`output_target`), because a rename replaces what
 Each refusal is a UsageError (exit 2) naming the path and what would help.
 """
 
-import json
 import errno
+import json
 import os
 import stat
 import tempfile

@@ -33,9 +33,8 @@ from cost_models.options import (
 
 __all__ = [
     "DEFAULT_HEADROOM", "DEFAULT_MODEL", "DEFAULT_PROFILE", "DEFAULT_TIME_LIMIT_S", "GRANULARITIES", "MAX_GPUS",
-    "MAX_GPUS_PER_NODE", "MAX_HEADROOM",
-    "EstimateSettings", "Flag", "PlanningSettings", "SearchSettings", "check_choice", "check_mem_limit", "mesh_of",
-    "settings_error",
+    "MAX_GPUS_PER_NODE", "MAX_HEADROOM", "EstimateSettings", "Flag", "PlanningSettings", "SearchSettings",
+    "check_choice", "check_mem_limit", "mesh_of", "settings_error",
 ]
 
 DEFAULT_MODEL = "gpt2-1.5b"
@@ -46,8 +45,7 @@ DEFAULT_PROFILE = "a100-sxm4-80gb"
 DEFAULT_HEADROOM = 0.02
 MAX_HEADROOM = 0.5
 DEFAULT_TIME_LIMIT_S = 10.0
-# the largest cluster planned: a node of more GPUs than this is a typo or a missing `nodes` (the biggest
-# machines put 8 to 16 GPUs in a node, 72 in one NVLink domain), and a world beyond 2^20 GPUs is not built
+# the largest cluster planned: more GPUs in a node is a missing `nodes` (nodes hold 8 to 16; NVLink domains 72)
 MAX_GPUS_PER_NODE = 128
 MAX_GPUS = 2 ** 20
 GRANULARITIES = ("block", "fine", "leaf")
@@ -146,22 +144,19 @@ class _Settings(BaseModel):
             if value is not None:
                 check_choice(name, value, choices_of(name))
         if any(getattr(self, name, None) is not None for name in ("gpus", "nodes", "gpus_per_node")):
-            mesh = mesh_of(self.gpus, self.nodes, self.gpus_per_node)  # the counts agree (checked where the mesh is made)
+            mesh = mesh_of(self.gpus, self.nodes, self.gpus_per_node)  # the counts agree (checked in the mesh)
             self._check_cluster_size(mesh.nodes, mesh.gpus_per_node, self.gpus if self.nodes is None and
                                      self.gpus_per_node is None else None)
         return self
 
     @staticmethod
     def _check_cluster_size(nodes: int, per_node: int, gpus_alone: int | None) -> None:
-        """UsageError for a cluster too large to be meant: a node of more than MAX_GPUS_PER_NODE GPUs (`gpus` given
-        without `nodes`, most likely: then `gpus_alone`), or more than MAX_GPUS in all."""
+        """UsageError for more than MAX_GPUS GPUs, or a node of more than MAX_GPUS_PER_NODE (`gpus` given alone)."""
         if nodes * per_node > MAX_GPUS:
-            raise UsageError(f"a cluster of {nodes * per_node:,} GPUs is more than the {MAX_GPUS:,} autoplan plans for; "
-                             "give `gpus` (or `nodes` x `gpus_per_node`) of at most that")
+            raise UsageError(f"a cluster of {nodes * per_node:,} GPUs is more than the {MAX_GPUS:,} autoplan plans for")
         if per_node > MAX_GPUS_PER_NODE:
-            hint = (f"; give the node count too, e.g. `nodes` {gpus_alone // DEFAULT_GPUS_PER_NODE} for "
-                    f"{DEFAULT_GPUS_PER_NODE} GPUs a node" if gpus_alone and gpus_alone % DEFAULT_GPUS_PER_NODE == 0
-                    else "")
+            even = gpus_alone and not gpus_alone % DEFAULT_GPUS_PER_NODE
+            hint = f"; give the node count too, e.g. `nodes` {gpus_alone // DEFAULT_GPUS_PER_NODE}" if even else ""
             raise UsageError(f"{per_node:,} GPUs on one node is more than a node holds (at most {MAX_GPUS_PER_NODE}): "
                              f"`gpus` is the whole cluster, spread over `nodes`{hint}")
 

@@ -99,7 +99,7 @@ def test_the_run_directory_of_a_killed_apply_is_removed_by_the_next_run(tmp_path
     try:
         assert training.wait(timeout=240), "".join(lines)
         run = descendants(apply.pid)
-        apply.kill()  # SIGKILL: apply cannot clean up; its launcher and ranks are stopped by the kernel's parent-death signal
+        apply.kill()  # SIGKILL: apply cannot clean up; the kernel's parent-death signal stops its launcher and ranks
         apply.wait()
         deadline = time.monotonic() + 60
         while any(alive(pid) for pid in run) and time.monotonic() < deadline:
@@ -113,7 +113,8 @@ def test_the_run_directory_of_a_killed_apply_is_removed_by_the_next_run(tmp_path
     assert not any(p.name.startswith("torchelastic_") for p in tmpdir.iterdir())
 
     again = subprocess.run([sys.executable, "-m", "autoplan", "apply", str(plan_path), "--nproc", "1", "--steps", "1",
-                            "--warmup", "0"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+                            "--warmup", "0"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900,
+                           check=False)
     assert again.returncode == 0, again.stderr[-3000:]
     assert left_in(tmpdir) == []  # the stale directory went, and this run's own
 
@@ -128,7 +129,8 @@ def test_a_node_whose_peers_never_come_says_it_waits_and_gives_up_after_the_time
     result = subprocess.run([sys.executable, "-m", "autoplan", "apply", str(plan_path), "--nnodes", "2", "--node-rank",
                              "0", "--rdzv-endpoint", endpoint, "--rdzv-timeout", str(2 * RDZV_NOTICE_S + 2),
                              "--report", "r.json"],
-                            cwd=tmp_path, env=env_with_tmpdir(tmpdir), capture_output=True, text=True, timeout=240)
+                            cwd=tmp_path, env=env_with_tmpdir(tmpdir), capture_output=True, text=True, timeout=900,
+                            check=False)
     assert result.returncode == 1, result.stderr[-3000:]
     # said once no rank had started RDZV_NOTICE_S after the launch, well before it gives up
     assert f"waiting for the other nodes to join at {endpoint}" in result.stdout, result.stdout

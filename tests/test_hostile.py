@@ -176,7 +176,7 @@ def _stopped_while_tracing(tmp_path, command, sig, background=False) -> subproce
     started = subprocess.Popen(
         [sys.executable, "-m", "autoplan", *command, "--model", "sleepy:build", "--seq-len", "16", "--gpus", "2",
          "--mem", "1GB"], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if background else None)
+        preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if background else None)  # noqa: PLW1509
     try:
         lines = []
         for line in started.stderr:

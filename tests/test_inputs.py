@@ -285,8 +285,8 @@ def test_what_a_factory_prints_goes_to_stderr_not_into_json_output(run_cli, tmp_
 
 
 @pytest.mark.parametrize("argv, says", [
-    (["--gpus", "1000000"], "1,000,000 GPUs on one node is more than a node holds (at most 128): --gpus is the whole "
-                            "cluster, spread over --nodes; give the node count too, e.g. --nodes 125000"),
+    (["--gpus", "1000000"], ("1,000,000 GPUs on one node is more than a node holds (at most 128): --gpus is the whole "
+                             "cluster, spread over --nodes; give the node count too, e.g. --nodes 125000")),
     (["--gpus", "1001"], "1,001 GPUs on one node is more than a node holds"),
     (["--gpus-per-node", "4096"], "4,096 GPUs on one node"),
     (["--nodes", "2", "--gpus", "512"], "256 GPUs on one node"),

@@ -65,7 +65,7 @@ def test_search_refuses_to_replace_a_fifo_or_a_device_node(tmp_path, capsys, no_
     mode = target.lstat().st_mode
     for flag in ("-o", "--emit-pins"):
         argv = [flag, target] if flag == "-o" else ["-o", tmp_path / "plan.json", flag, target]
-        code, out, err = cli(capsys, "search", *TINY, *argv)
+        code, _, err = cli(capsys, "search", *TINY, *argv)
         assert code == 2, err
         assert f"it is {kind}, and autoplan writes only regular files" in err and str(target) in err
         assert target.lstat().st_mode == mode  # still the FIFO / the device, not a plain file
@@ -80,7 +80,7 @@ def test_search_writes_through_a_symlink_and_keeps_the_link(tmp_path, capsys):
     link.symlink_to(real)
     dangling = tmp_path / "pins.yaml"
     dangling.symlink_to(tmp_path / "plans" / "pins.yaml")  # points to a file not there yet: it is made
-    code, out, err = cli(capsys, "search", *TINY, "-o", link, "--emit-pins", dangling)
+    code, _, err = cli(capsys, "search", *TINY, "-o", link, "--emit-pins", dangling)
     assert code == 0, err
     assert link.is_symlink() and os.readlink(link) == str(real)
     assert json.loads(real.read_text())["schema_version"] == 1
@@ -129,7 +129,7 @@ def test_apply_refuses_a_read_only_report_before_launching(plan_path, tmp_path, 
     target = tmp_path / "r.json"
     target.write_text("{}")
     target.chmod(0o400)
-    code, out, err = cli(capsys, "apply", plan_path, "--report", target)
+    code, _, err = cli(capsys, "apply", plan_path, "--report", target)
     assert code == 2 and "the file is read-only" in err and target.read_text() == "{}"
 
 

@@ -93,8 +93,8 @@ def test_two_identical_searches_write_the_same_bytes_above_their_timing(tmp_path
         assert cli(capsys, "search", *TINY, "--profile", "cpu-gloo-2", "-o", tmp_path / name)[0] == 0
     a, b = ((tmp_path / name).read_text() for name in ("a.json", "b.json"))
     assert a != b  # the timings differ ...
-    head_a, _, tail_a = a.rpartition('  "timing": {')
-    head_b, _, tail_b = b.rpartition('  "timing": {')
+    head_a = a.rpartition('  "timing": {')[0]
+    head_b = b.rpartition('  "timing": {')[0]
     assert head_a == head_b and "wall_time_s" not in head_a  # ... and nothing else does
     assert list(json.loads(a))[-1] == "timing" and json.loads(a)["timing"]["solver_s"] > 0
     plan = load_plan(tmp_path / "a.json")

@@ -195,7 +195,7 @@ def test_interrupted_profile_keeps_what_the_ranks_finished_and_resumes(quick, tm
     for sig, background in ((signal.SIGINT, False), (signal.SIGTERM, False), (signal.SIGINT, True)):
         before = {k for k in _entries(cache) if k.startswith("calibration:")}
         run = subprocess.Popen(command, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True, preexec_fn=as_background_job if background else None)
+                               text=True, preexec_fn=as_background_job if background else None)  # noqa: PLW1509
         deadline = time.monotonic() + 300  # a guard against a hang, not a measure of speed
         while not {k for k in _entries(cache) if k.startswith("calibration:")} - before:
             assert run.poll() is None and time.monotonic() < deadline, run.communicate()

@@ -128,7 +128,8 @@ def run_apply(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error(to_flags(str(exc), parser))  # other AutoplanErrors (a bad plan file) are reported by cli.main
 
     _say_before(prepared, args, parser)
-    launched = launch(prepared.spec, prepared.nproc, nodes, say=lambda line: print(f"autoplan apply: {line}", flush=True))
+    launched = launch(prepared.spec, prepared.nproc, nodes,
+                      say=lambda line: print(f"autoplan apply: {line}", flush=True))
     if launched.rendezvous_error is not None and launched.interrupted is None:
         return _rendezvous_failed(launched, nodes, args)
     if nodes.rank != 0:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
 from autoplan.cli.flags import add_settings_flags, settings_fields
 from autoplan.cli.pins import add_pin_flag

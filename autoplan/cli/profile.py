@@ -110,9 +110,10 @@ def settings_from_args(args: argparse.Namespace):
         settings.dtypes = tuple(dict.fromkeys(args.dtype))
     settings.cache_dir = None if args.no_cache else (args.cache_dir or default_cache_dir())
     if settings.cache_dir is not None and settings.cache_dir.exists() and not settings.cache_dir.is_dir():
-        source = "--cache-dir" if args.cache_dir else f"${CACHE_DIR_ENV}" if os.environ.get(CACHE_DIR_ENV) else "the default"
-        raise UsageError(f"the measurement cache folder {settings.cache_dir} ({source}) is a file, not a folder: give a "
-                         "folder (it is created), or --no-cache")
+        source = ("--cache-dir" if args.cache_dir else f"${CACHE_DIR_ENV}" if os.environ.get(CACHE_DIR_ENV)
+                  else "the default")
+        raise UsageError(f"the measurement cache folder {settings.cache_dir} ({source}) is a file, not a folder: "
+                         "give a folder (it is created), or --no-cache")
     if args.quick:
         _make_quick(settings, keep_models=bool(args.model), keep_dtypes=bool(args.dtype))
     settings.name = args.name or _default_name(settings, explicit_out=bool(args.out))

@@ -238,10 +238,8 @@ class SolverInfo(_Strict):
 
 
 class SearchTiming(_Strict):
-    """How long the search took, in wall-clock seconds: the one part of a plan that two runs of the same search
-    do not reproduce. It is kept apart, last in the file, so everything above it (the decisions, predictions
-    and solver record) is the same bytes from identical searches. A plan from before this section has its
-    times in `solver.wall_time_s` and each `solver.tp_degrees[].wall_time_s`; both are read."""
+    """How long the search took (wall-clock seconds): the one part identical searches do not reproduce, kept
+    last in the file so all above it is the same bytes. Older plans: `solver.wall_time_s`, `tp_degrees[]`'s."""
 
     solver_s: Seconds  # the micro-batch sweep of the plan's tensor-parallel degree
     tp_degrees_s: list[Seconds] = Field(default_factory=list, exclude_if=lambda value: not value)  # per tp_degrees
