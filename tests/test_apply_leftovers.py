@@ -84,7 +84,8 @@ def test_the_run_directory_of_a_killed_apply_is_removed_by_the_next_run(tmp_path
     env = env_with_tmpdir(tmpdir)
     plan_path = tmp_path / "plan.json"
     make_plan("gpt2-tiny", {"transformer.h.0": "shard", "transformer.h.1": "shard"}).save(plan_path)
-    apply = subprocess.Popen([sys.executable, "-m", "autoplan", "apply", str(plan_path), "--steps", "100000"],
+    apply = subprocess.Popen([sys.executable, "-m", "autoplan", "apply", str(plan_path), "--nproc", "1", "--steps",
+                              "100000"],
                              cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     training, lines = threading.Event(), []
 
