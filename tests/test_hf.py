@@ -92,7 +92,8 @@ def test_a_config_outside_the_plans_folder_is_named_again(configs, tmp_path, cap
     assert name == "hf:" + os.path.relpath(configs["llama"], tmp_path / "plans")
     assert main(["estimate", "--plan", str(tmp_path / "plans" / "hf-plan.json")]) == 2
     assert "leads out of the plan's folder" in capsys.readouterr().err
-    assert main(["estimate", "--plan", str(tmp_path / "plans" / "hf-plan.json"), "--model", f"hf:{configs['llama']}"]) == 0
+    plan = str(tmp_path / "plans" / "hf-plan.json")
+    assert main(["estimate", "--plan", plan, "--model", f"hf:{configs['llama']}"]) == 0
 
 
 def test_a_plans_hf_path_is_read_from_its_folder_and_never_absolute(configs, tmp_path, monkeypatch):
@@ -182,7 +183,8 @@ def test_a_size_that_is_not_a_positive_whole_number_is_blamed_on_its_field(tmp_p
     monkeypatch.chdir(tmp_path)
     assert main(["search", "--model", "hf:bad", "--mem", "1GB", "--seq-len", "16"]) == 2
     err = capsys.readouterr().err
-    assert f"config.json: field {field!r} is {json.dumps(value)}; a model's sizes are whole numbers of at least 1" in err
+    said = f"config.json: field {field!r} is {json.dumps(value)}; a model's sizes are whole numbers of at least 1"
+    assert said in err
     assert "trac" not in err and not (tmp_path / "plan.json").exists()
 
 
