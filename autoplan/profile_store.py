@@ -13,7 +13,6 @@ never imports or runs anything.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from importlib import resources
@@ -22,7 +21,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from autoplan.errors import UsageError
-from autoplan.fileio import write_text_atomic
+from autoplan.fileio import loads_strict, read_input, write_text_atomic
 from cost_models.profile import PROFILE_SCHEMA_VERSION, DeviceProfile
 
 __all__ = [
@@ -59,7 +58,17 @@ def shipped_profile_dir() -> Path:
 
 
 def local_profile_dir() -> Path:
-    return Path(os.environ.get(LOCAL_PROFILE_DIR_ENV, Path.home() / ".autoplan" / "profiles"))
+    """The folder of local profiles: $AUTOPLAN_PROFILE_DIR (unset or empty: ~/.autoplan/profiles). UsageError
+    when what it names exists and is not a folder: profiles would be neither found nor written there."""
+    given = os.environ.get(LOCAL_PROFILE_DIR_ENV)
+    if not given:
+        return Path.home() / ".autoplan" / "profiles"
+    folder = Path(given).expanduser()
+    if folder.exists() and not folder.is_dir():
+        raise UsageError(f"${LOCAL_PROFILE_DIR_ENV} is {given}, which is a file, not a folder; it names the folder "
+                         "local profiles are read from and written to: point it at a folder (it is created when "
+                         "a profile is written), or unset it for ~/.autoplan/profiles")
+    return folder
 
 
 def _files(folder: Path) -> dict[str, Path]:
@@ -108,8 +117,8 @@ def sourced_figures(profile: DeviceProfile) -> list[tuple[str, object, str]]:
 
 def _read_profile(path: Path) -> DeviceProfile:
     try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
+        data = loads_strict(read_input(path))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:  # ValueError: bad JSON, a key twice, too deep
         raise UsageError(f"cannot read profile {path}: {exc}") from exc
     version = data.get("schema_version") if isinstance(data, dict) else None
     if version != PROFILE_SCHEMA_VERSION:
@@ -139,7 +148,7 @@ def load_profile(name_or_path: str) -> DeviceProfile:
                          f"(`autoplan profiles` lists them; set ${LOCAL_PROFILE_DIR_ENV} for another folder)")
     path = Path(name_or_path).expanduser()
     if path.suffix == ".json" or path.exists():
-        if not path.is_file():
+        if not path.exists():
             raise UsageError(f"profile file {path} does not exist")
         return _read_profile(path)
     raise UsageError(

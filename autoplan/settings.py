@@ -22,13 +22,13 @@ from autoplan.settings_flags import FIT_TO, GRANULARITIES, Flag, check_choice, c
 from autoplan.sizes import check_mem_limit, parse_mem_bytes
 from cost_models.allocator_margin import is_expandable
 from cost_models.attention import KERNEL_ALIASES
-from cost_models.mesh import Mesh, MeshError
+from cost_models.mesh import DEFAULT_GPUS_PER_NODE, Mesh, MeshError
 from cost_models.options import DEFAULT_OPTIMIZER, DEFAULT_PRECISION, checkpoint_of_bool
 
 __all__ = [
     "DEFAULT_HEADROOM", "DEFAULT_MODEL", "DEFAULT_PROFILE", "DEFAULT_TIME_LIMIT_S", "FIT_TO", "GRANULARITIES",
-    "MAX_HEADROOM", "EstimateSettings", "Flag", "PlanningSettings", "SearchSettings", "check_choice",
-    "check_mem_limit", "choices_of", "mesh_of", "settings_error",
+    "MAX_GPUS", "MAX_GPUS_PER_NODE", "MAX_HEADROOM", "EstimateSettings", "Flag", "PlanningSettings",
+    "SearchSettings", "check_choice", "check_mem_limit", "choices_of", "mesh_of", "settings_error",
 ]
 
 DEFAULT_MODEL = "gpt2-1.5b"
@@ -39,6 +39,9 @@ DEFAULT_PROFILE = "a100-sxm4-80gb"
 DEFAULT_HEADROOM = 0.02
 MAX_HEADROOM = 0.5
 DEFAULT_TIME_LIMIT_S = 10.0
+# the largest cluster planned: more GPUs in a node is a missing `nodes` (nodes hold 8 to 16; NVLink domains 72)
+MAX_GPUS_PER_NODE = 128
+MAX_GPUS = 2 ** 20
 
 
 def mesh_of(gpus: int | None, nodes: int | None, gpus_per_node: int | None) -> Mesh:
@@ -108,12 +111,25 @@ class _Settings(BaseModel):
             if value is not None:
                 check_choice(name, value, choices_of(name))
         if any(getattr(self, name, None) is not None for name in ("gpus", "nodes", "gpus_per_node")):
-            mesh_of(self.gpus, self.nodes, self.gpus_per_node)  # the counts agree (checked where the mesh is made)
+            mesh = mesh_of(self.gpus, self.nodes, self.gpus_per_node)  # the counts agree (checked in the mesh)
+            self._check_cluster_size(mesh.nodes, mesh.gpus_per_node, self.gpus if self.nodes is None and
+                                     self.gpus_per_node is None else None)
         try:
             is_expandable(self.allocator_conf or "")
         except ValueError as exc:
             raise UsageError(f"`allocator_conf` {self.allocator_conf!r}: {exc}") from None
         return self
+
+    @staticmethod
+    def _check_cluster_size(nodes: int, per_node: int, gpus_alone: int | None) -> None:
+        """UsageError for more than MAX_GPUS GPUs, or a node of more than MAX_GPUS_PER_NODE (`gpus` given alone)."""
+        if nodes * per_node > MAX_GPUS:
+            raise UsageError(f"a cluster of {nodes * per_node:,} GPUs is more than the {MAX_GPUS:,} autoplan plans for")
+        if per_node > MAX_GPUS_PER_NODE:
+            even = gpus_alone and not gpus_alone % DEFAULT_GPUS_PER_NODE
+            hint = f"; give the node count too, e.g. `nodes` {gpus_alone // DEFAULT_GPUS_PER_NODE}" if even else ""
+            raise UsageError(f"{per_node:,} GPUs on one node is more than a node holds (at most {MAX_GPUS_PER_NODE}): "
+                             f"`gpus` is the whole cluster, spread over `nodes`{hint}")
 
 
 def settings_error(cls: type[BaseModel], exc: ValidationError) -> UsageError:

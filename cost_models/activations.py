@@ -65,17 +65,29 @@ def kept_outputs(ops: list[OpRecord], recompute: Recompute) -> set[str]:
     return set()
 
 
-def _storage_bytes(trace: ModelTrace) -> dict[int, int]:
-    """Bytes of every storage an op read or saved."""
+@dataclass
+class _TraceIndex:
+    """What the per-unit functions below look up in the whole trace, indexed once per call over all units: a
+    scan of every storage per unit made them quadratic in the number of blocks (1000 layers: 47 s)."""
+
+    sizes: dict[int, int]  # bytes of every storage an op read or saved
+    produced: dict[str, list[int]]  # op -> the storages it produced
+    savers: set[str]  # ops that saved a storage first
+
+
+def _index(trace: ModelTrace) -> _TraceIndex:
     sizes = {storage: nbytes for storage, (nbytes, _) in trace.saved_storages.items()}
     for storages in trace.input_storages.values():
         for storage, nbytes in storages:
             sizes.setdefault(storage, nbytes)
-    return sizes
+    produced: dict[str, list[int]] = {}
+    for storage, producer in trace.storage_producer.items():
+        produced.setdefault(producer, []).append(storage)
+    return _TraceIndex(sizes, produced, {name for _, name in trace.saved_storages.values()})
 
 
 def _kept_inputs(trace: ModelTrace, unit: Unit, recompute: Recompute = Recompute.ALL,
-                 sizes: dict[int, int] | None = None) -> dict[int, tuple[int, str | None]]:
+                 index: _TraceIndex | None = None) -> dict[int, tuple[int, str | None]]:
     """What a checkpointed unit keeps: its inputs produced outside it, unless saved elsewhere already;
     selectively checkpointed (Recompute.CHEAP, ALTERNATE), also the outputs of the ops its mode keeps
     (kept_outputs) that another op reads or saves. Storage -> (bytes, the unit's op that saved it first, if one did)."""
@@ -91,25 +103,28 @@ def _kept_inputs(trace: ModelTrace, unit: Unit, recompute: Recompute = Recompute
                 continue  # already kept alive by an op outside this unit
             keep[storage] = (nbytes, saver[1] if saver is not None else None)
     if recompute.keeps_outputs:
-        sizes = sizes if sizes is not None else _storage_bytes(trace)
+        index = index if index is not None else _index(trace)
         kept_ops = kept_outputs([trace.op(name) for name in unit.ops], recompute)
-        for storage, producer in trace.storage_producer.items():
-            if producer in kept_ops and storage in sizes and storage not in keep:
-                saver = trace.saved_storages.get(storage)
-                if saver is not None and saver[1] not in owned:
-                    continue
-                keep[storage] = (sizes[storage], saver[1] if saver is not None else None)
+        for name in unit.ops:
+            if name not in kept_ops:
+                continue
+            for storage in index.produced.get(name, ()):
+                if storage in index.sizes and storage not in keep:
+                    saver = trace.saved_storages.get(storage)
+                    if saver is not None and saver[1] not in owned:
+                        continue
+                    keep[storage] = (index.sizes[storage], saver[1] if saver is not None else None)
     return keep
 
 
 def activation_keep_bytes(trace: ModelTrace, units: list[Unit], recompute: Recompute = Recompute.ALL) -> list[int]:
     """Per unit, the bytes it keeps from its forward to its backward when checkpointed this way."""
-    sizes = _storage_bytes(trace) if recompute.keeps_outputs else None
-    return [sum(nbytes for nbytes, _ in _kept_inputs(trace, unit, recompute, sizes).values()) for unit in units]
+    index = _index(trace) if recompute.keeps_outputs else None
+    return [sum(nbytes for nbytes, _ in _kept_inputs(trace, unit, recompute, index).values()) for unit in units]
 
 
 def _kept_through_backward(trace: ModelTrace, unit: Unit, recompute: Recompute,
-                           sizes: dict[int, int] | None) -> dict[int, tuple[int, str | None]]:
+                           index: _TraceIndex | None) -> dict[int, tuple[int, str | None]]:
     """Of what the checkpointed unit keeps, what is still held once its backward has recomputed its forward.
     Fully checkpointed: all of it (its inputs). Selectively: its inputs, and the kept matmul and attention
     outputs the recomputation never reaches. torch's selective checkpoint holds those outputs in a cache
@@ -118,11 +133,11 @@ def _kept_through_backward(trace: ModelTrace, unit: Unit, recompute: Recompute,
     replay stops at the unit's last op that saves a tensor for backward, which saves its inputs before it
     runs, so the outputs of that op and the ops after it stay in the cache (a Llama block: its down
     projection's output; measured with autoplan.memtrack at 16k tokens, where q/k/v/o were freed)."""
-    kept = _kept_inputs(trace, unit, recompute, sizes)
+    kept = _kept_inputs(trace, unit, recompute, index)
     if not recompute.keeps_outputs:
         return kept
     owned = set(unit.ops)
-    savers = {name for _, name in trace.saved_storages.values() if name in owned}
+    savers = (index.savers if index is not None else _index(trace).savers) & owned
     order = {name: position for position, name in enumerate(unit.ops)}
     last_saver = max((order[name] for name in savers), default=-1)
     return {storage: entry for storage, entry in kept.items()
@@ -131,8 +146,8 @@ def _kept_through_backward(trace: ModelTrace, unit: Unit, recompute: Recompute,
 
 def backward_keep_bytes(trace: ModelTrace, units: list[Unit], recompute: Recompute = Recompute.ALL) -> list[int]:
     """Per unit, the kept bytes (activation_keep_bytes) still held after its backward's recomputation."""
-    sizes = _storage_bytes(trace) if recompute.keeps_outputs else None
-    return [sum(nbytes for nbytes, _ in _kept_through_backward(trace, unit, recompute, sizes).values())
+    index = _index(trace) if recompute.keeps_outputs else None
+    return [sum(nbytes for nbytes, _ in _kept_through_backward(trace, unit, recompute, index).values())
             for unit in units]
 
 
@@ -150,10 +165,10 @@ def kept_saved_bytes(trace: ModelTrace, units: list[Unit], recompute: Recompute 
     its unsaved inputs among its transients (fwd_transient_bytes), and the unit's kept bytes count them
     already, so the cost table takes them off the loss's forward where that unit keeps them. They travel
     in this map, keyed by their producer, so that every caller extrapolating it carries them."""
-    sizes = _storage_bytes(trace) if recompute.keeps_outputs else None
+    index = _index(trace) if recompute.keeps_outputs else None
     kept: dict[str, int] = {}
     for unit in units:  # a selectively kept output the recomputation replays is saved (and counted) as recomputed
-        for nbytes, saver in _kept_through_backward(trace, unit, recompute, sizes).values():
+        for nbytes, saver in _kept_through_backward(trace, unit, recompute, index).values():
             if saver is not None:
                 kept[saver] = kept.get(saver, 0) + nbytes
     loss_inputs = [storage for storage, _ in trace.input_storages.get(LOSS_NODE, [])
@@ -161,7 +176,7 @@ def kept_saved_bytes(trace: ModelTrace, units: list[Unit], recompute: Recompute 
     if loss_inputs:
         for unit in units:
             owned = set(unit.ops)
-            keep = _kept_inputs(trace, unit, recompute, sizes)
+            keep = _kept_inputs(trace, unit, recompute, index)
             for storage in loss_inputs:
                 producer = trace.storage_producer.get(storage)
                 if storage in keep and producer in owned:

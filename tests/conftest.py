@@ -15,7 +15,7 @@ os.environ["AUTOPLAN_TRACE_CACHE"] = "off"
 def run_cli(tmp_path):
     """Run the `autoplan` CLI in a subprocess (as a user would) from a scratch directory."""
 
-    def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    def run(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:  # a guard against a hang, not speed
         env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
         return subprocess.run([sys.executable, "-m", "autoplan", *args], cwd=tmp_path, env=env,
                               capture_output=True, text=True, timeout=timeout)

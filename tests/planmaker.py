@@ -89,7 +89,7 @@ def make_plan(
                              breakdown=_ZERO_BREAKDOWN, step_time_s=predicted_step_time_s,
                              throughput_samples_s=global_batch / predicted_step_time_s,
                              throughput_tokens_s=global_batch * seq_len / predicted_step_time_s, timeline=[]),
-        solver=SolverInfo(status="FIXED", objective_s=0.0, bound_s=0.0, wall_time_s=0.0,
+        solver=SolverInfo(status="FIXED", objective_s=0.0, bound_s=0.0,
                           num_variables=0, num_constraints=0, micro_batch_sweep=[]),
         baselines=[],
     )

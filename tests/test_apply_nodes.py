@@ -42,7 +42,7 @@ def test_two_nodes_of_one_rank_each_report_on_node_0(tmp_path):
         for node in (0, 1)
     ]
     try:
-        outputs = [node.communicate(timeout=300) for node in nodes]
+        outputs = [node.communicate(timeout=900) for node in nodes]
     finally:
         for node in nodes:
             if node.poll() is None:

@@ -46,7 +46,7 @@ def results(tmp_path_factory):
     completed = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=0",
          str(TESTS_DIR / "apply_parity_worker.py"), str(out)],
-        env=env, capture_output=True, text=True, timeout=300,
+        env=env, capture_output=True, text=True, timeout=900,
     )
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
     return json.loads(out.read_text())

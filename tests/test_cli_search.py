@@ -7,7 +7,7 @@ import pytest
 from autoplan.plan.schema import plan_json_schema
 
 REQUIRED = [("predicted", "peak_mem_bytes"), ("predicted", "step_time_s"), ("predicted", "throughput_samples_s"),
-            ("solver", "status"), ("solver", "wall_time_s"), ("cluster", "world_size"),
+            ("solver", "status"), ("timing", "solver_s"), ("cluster", "world_size"),
             ("training", "micro_batch_size")]
 
 

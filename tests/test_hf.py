@@ -2,10 +2,12 @@
 
 import json
 import os
+import re
 
 import pytest
 
 import autoplan
+import autoplan.models.hf
 from autoplan.cli.main import main
 from autoplan.errors import UsageError
 
@@ -70,14 +72,28 @@ def test_estimate_on_an_hf_config(configs):
 def test_cli_estimate_takes_a_plan_for_an_hf_config(run_cli, configs, tmp_path, monkeypatch):
     """`search -o` writes the config's path relative to the plan's folder, where `estimate --plan` reads it."""
     monkeypatch.chdir(tmp_path)
-    assert main(["search", "--model", f"hf:{configs['llama']}", "--mem", "40MB", "--gpus", "2", "--seq-len", "32",
+    write_config(tmp_path / "plans" / "llama", "llama")
+    assert main(["search", "--model", "hf:plans/llama", "--mem", "40MB", "--gpus", "2", "--seq-len", "32",
                  "-o", "plans/hf-plan.json", "--fit-to", "allocated"]) == 0
     name = json.loads((tmp_path / "plans" / "hf-plan.json").read_text())["model"]["name"]
-    assert name == "hf:" + os.path.relpath(configs["llama"], tmp_path / "plans")
+    assert name == "hf:llama"
     result = run_cli("estimate", "--plan", "plans/hf-plan.json", "--timeline")  # the plan names its hf: model
     assert result.returncode == 0, result.stderr
     assert name in result.stdout and "traced by dispatch" in result.stdout
     assert "strategy plan" in result.stdout and "bwd model.layers.1" in result.stdout
+
+
+def test_a_config_outside_the_plans_folder_is_named_again(configs, tmp_path, capsys):
+    """A plan's config is read only inside the plan's folder: search says so when it writes one outside."""
+    assert main(["search", "--model", f"hf:{configs['llama']}", "--mem", "40MB", "--gpus", "2", "--seq-len", "32",
+                 "-o", str(tmp_path / "plans" / "hf-plan.json")]) == 0
+    assert "is outside the plan's folder" in capsys.readouterr().err
+    name = json.loads((tmp_path / "plans" / "hf-plan.json").read_text())["model"]["name"]
+    assert name == "hf:" + os.path.relpath(configs["llama"], tmp_path / "plans")
+    assert main(["estimate", "--plan", str(tmp_path / "plans" / "hf-plan.json")]) == 2
+    assert "leads out of the plan's folder" in capsys.readouterr().err
+    plan = str(tmp_path / "plans" / "hf-plan.json")
+    assert main(["estimate", "--plan", plan, "--model", f"hf:{configs['llama']}"]) == 0
 
 
 def test_a_plans_hf_path_is_read_from_its_folder_and_never_absolute(configs, tmp_path, monkeypatch):
@@ -88,9 +104,9 @@ def test_a_plans_hf_path_is_read_from_its_folder_and_never_absolute(configs, tmp
         autoplan.estimate(plan=tmp_path / "absolute.json")
     assert autoplan.estimate(f"hf:{configs['llama']}", plan=tmp_path / "absolute.json").fits  # named again: fine
 
+    write_config(tmp_path / "a" / "configs" / "llama", "llama")
     (tmp_path / "a" / "b").mkdir(parents=True)
-    relative = "hf:" + os.path.relpath(configs["llama"], tmp_path / "a")
-    moved = plan.model_copy(update={"model": plan.model.model_copy(update={"name": relative})})
+    moved = plan.model_copy(update={"model": plan.model.model_copy(update={"name": "hf:configs/llama"})})
     moved.save(tmp_path / "a" / "plan.json")
     monkeypatch.chdir(tmp_path / "a" / "b")  # not the plan's folder: the path is still read from there
     assert autoplan.estimate(plan=tmp_path / "a" / "plan.json").predicted == plan.predicted
@@ -98,6 +114,24 @@ def test_a_plans_hf_path_is_read_from_its_folder_and_never_absolute(configs, tmp
     with pytest.raises(UsageError, match=r"the Hugging Face config .* came from the plan file .*b/plan.json \(read "
                                          r"relative to its folder, .*\): no Hugging Face config at"):
         autoplan.estimate(plan=tmp_path / "a" / "b" / "plan.json")
+
+
+@pytest.mark.parametrize("name", ["../../../../etc/passwd", "../configs/llama", "link/config.json"])
+def test_a_plans_hf_path_cannot_leave_the_plans_folder(configs, tmp_path, monkeypatch, name):
+    """`..` or a symlink out of the plan's folder is refused before anything is opened, whatever it points at."""
+    plan = autoplan.search(f"hf:{configs['llama']}", "40MB", gpus=2, seq_len=32)
+    write_config(tmp_path / "configs" / "llama", "llama")
+    (tmp_path / "plans").mkdir()
+    (tmp_path / "plans" / "link").symlink_to(tmp_path / "configs" / "llama")
+    escaping = plan.model_copy(update={"model": plan.model.model_copy(update={"name": f"hf:{name}"})})
+    escaping.save(tmp_path / "plans" / "plan.json")
+    opened = []
+    monkeypatch.setattr(autoplan.models.hf, "config_file", lambda path: opened.append(path) or pytest.fail("opened"))
+    with pytest.raises(UsageError, match=rf"names its Hugging Face config '{re.escape(name)}', which leads out of the "
+                                         r"plan's folder \(.*plans\); .*Keep the config beside the plan, or give "
+                                         r"the model: `model` hf:PATH"):
+        autoplan.estimate(plan=tmp_path / "plans" / "plan.json")
+    assert not opened
 
 
 @pytest.mark.parametrize("name, missing", [
@@ -136,6 +170,33 @@ def test_bad_configs_name_the_file_and_the_field(tmp_path, changes, expected):
         autoplan.search(f"hf:{directory}", "1GB", seq_len=16)
     assert str(directory / "config.json") in str(info.value)
     assert expected in str(info.value)
+
+
+@pytest.mark.parametrize("name, field, value", [
+    ("llama", "num_hidden_layers", -3), ("llama", "hidden_size", 0), ("llama", "num_key_value_heads", -1),
+    ("llama", "intermediate_size", 2.5), ("llama", "vocab_size", True), ("gpt2", "n_layer", -3),
+])
+def test_a_size_that_is_not_a_positive_whole_number_is_blamed_on_its_field(tmp_path, capsys, monkeypatch, name,
+                                                                          field, value):
+    """Before transformers builds a model that fails somewhere less clear (tracing, for -3 layers)."""
+    write_config(tmp_path / "bad", name, **{field: value})
+    monkeypatch.chdir(tmp_path)
+    assert main(["search", "--model", "hf:bad", "--mem", "1GB", "--seq-len", "16"]) == 2
+    err = capsys.readouterr().err
+    said = f"config.json: field {field!r} is {json.dumps(value)}; a model's sizes are whole numbers of at least 1"
+    assert said in err
+    assert "trac" not in err and not (tmp_path / "plan.json").exists()
+
+
+def test_a_config_with_a_key_twice_or_nested_too_deeply_is_refused(tmp_path):
+    (tmp_path / "twice").mkdir()
+    (tmp_path / "twice" / "config.json").write_text(json.dumps(CONFIGS["llama"])[:-1] + ', "hidden_size": 128}')
+    with pytest.raises(UsageError, match="config.json is not a config this reads: the key 'hidden_size' appears twice"):
+        autoplan.trace(f"hf:{tmp_path / 'twice'}")
+    (tmp_path / "deep").mkdir()
+    (tmp_path / "deep" / "config.json").write_text('{"model_type": ' + "[" * 50_000 + "]" * 50_000 + "}")
+    with pytest.raises(UsageError, match="nests arrays or objects too deeply"):
+        autoplan.trace(f"hf:{tmp_path / 'deep'}")
 
 
 def test_unreadable_configs_name_the_file(tmp_path):

@@ -25,7 +25,7 @@ _LOOP = textwrap.dedent("""
 
 
 def _later_faults(mode: str) -> tuple[str, int]:
-    done = subprocess.run([sys.executable, "-c", _LOOP, mode], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-c", _LOOP, mode], capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr
     kept, faults = done.stdout.split()
     return kept, int(faults)

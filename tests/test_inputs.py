@@ -65,7 +65,7 @@ def test_the_zen_of_python_stays_unimported_in_a_fresh_process(plan_data, tmp_pa
     plan = _edited(plan_data, tmp_path, name="this:s", config=None)
     script = ("import sys; from autoplan.cli.main import main; code = main(['estimate', '--plan', sys.argv[1]]); "
               "assert 'this' not in sys.modules; sys.exit(code)")
-    result = subprocess.run([sys.executable, "-c", script, str(plan)], capture_output=True, text=True, timeout=120,
+    result = subprocess.run([sys.executable, "-c", script, str(plan)], capture_output=True, text=True, timeout=900,
                             env=dict(os.environ, PYTHONPATH=str(REPO)), check=False)
     assert result.returncode == 2, result.stderr
     assert "Beautiful is better than ugly" not in result.stdout + result.stderr
@@ -104,7 +104,7 @@ def test_a_limit_within_the_device_writes_the_plan_as_before(tmp_path, monkeypat
     assert main(["search", *TINY, "--mem", "40MB", "-o", "a.json", "--fit-to", "allocated"]) == 0
     assert main(["search", *TINY, "--mem", "40MB", "--allow-over-device-mem", "-o", "b.json", "--fit-to", "allocated"]) == 0
     a, b = (json.loads((tmp_path / name).read_text()) for name in ("a.json", "b.json"))
-    assert {**a, "solver": None} == {**b, "solver": None}  # the solver's wall time differs
+    assert {**a, "timing": None} == {**b, "timing": None}  # the searches' wall times differ
     assert "allow" not in json.dumps(b)
 
 
@@ -248,3 +248,60 @@ def test_the_console_script_finds_a_factory_module_in_the_current_directory(tmp_
                             check=False)
     assert result.returncode == 0, result.stderr
     assert json.loads((tmp_path / "plan.json").read_text())["model"]["name"] == "mymodels:build"
+
+
+CHATTY = textwrap.dedent("""
+    import torch.nn as nn
+
+    print("chatty: imported")
+
+    class Chatty(nn.Sequential):
+        def forward(self, ids):
+            print("chatty: forward")
+            return super().forward(ids)
+
+    def build():
+        print("chatty: building")
+        return Chatty(nn.Embedding(64, 16), nn.Linear(16, 64))
+""")
+
+
+@pytest.mark.parametrize("command", [
+    ["search", "-o", "plan.json"], ["estimate", "--strategy", "shard", "--batch-size", "2"],
+])
+def test_what_a_factory_prints_goes_to_stderr_not_into_json_output(run_cli, tmp_path, monkeypatch, capsys, command):
+    (tmp_path / "chatty.py").write_text(CHATTY)
+    result = run_cli(*command, "--model", "chatty:build", "--seq-len", "16", "--gpus", "2", "--mem", "1GB", "--json")
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)  # the JSON alone
+    assert data["model"]["name"] == "chatty:build"
+    assert all(f"chatty: {what}" in result.stderr for what in ("imported", "building", "forward"))
+    if command[0] == "search":  # explain and diff rebuild the factory's model too (here, in this process)
+        monkeypatch.chdir(tmp_path)
+        monkeypatch.syspath_prepend(str(tmp_path))
+        for argv in (["explain", "plan.json"], ["diff", "plan.json", "plan.json"]):
+            assert main([*argv, "--model", "chatty:build", "--json"]) == 0
+            out, err = capsys.readouterr()
+            json.loads(out)
+            assert "chatty: building" in err and "chatty: " not in out
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--gpus", "1000000"], ("1,000,000 GPUs on one node is more than a node holds (at most 128): --gpus is the whole "
+                             "cluster, spread over --nodes; give the node count too, e.g. --nodes 125000")),
+    (["--gpus", "1001"], "1,001 GPUs on one node is more than a node holds"),
+    (["--gpus-per-node", "4096"], "4,096 GPUs on one node"),
+    (["--nodes", "2", "--gpus", "512"], "256 GPUs on one node"),
+    (["--nodes", "500000", "--gpus-per-node", "8"], "a cluster of 4,000,000 GPUs is more than the 1,048,576"),
+])
+def test_a_cluster_too_large_to_be_meant_is_refused(tmp_path, monkeypatch, capsys, argv, says):
+    monkeypatch.chdir(tmp_path)
+    assert main(["search", "--model", "gpt2-tiny", "--seq-len", "64", "--mem", "1GB", *argv]) == 2
+    assert says in capsys.readouterr().err
+    assert not (tmp_path / "plan.json").exists()
+
+
+def test_a_large_cluster_given_by_its_nodes_is_planned():
+    settings = autoplan.SearchSettings.create(model="gpt2-tiny", gpus=1_000_000, nodes=125_000)
+    assert (settings.gpus, settings.nodes) == (1_000_000, 125_000)
+    assert autoplan.SearchSettings.create(model="gpt2-tiny", gpus=128).gpus == 128

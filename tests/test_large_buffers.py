@@ -62,7 +62,7 @@ def _first_touch_in_a_child(kept: bool) -> float:
             "from autoplan.run.host_memory import keep_freed_memory; "
             f"{'keep_freed_memory(); ' if kept else ''}"
             "print(device.first_touch_s_per_byte(torch.device('cpu'), Repeats(1, 3, 3, 0.0)))")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr
     return float(done.stdout)
 

@@ -27,7 +27,7 @@ def test_notebook_runs_top_to_bottom(tmp_path, monkeypatch):
     repo = str(NOTEBOOK.parents[1])
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")])))
     notebook = nbformat.read(NOTEBOOK, as_version=4)
-    client = nbclient.NotebookClient(notebook, timeout=300, kernel_name="python3",
+    client = nbclient.NotebookClient(notebook, timeout=900, kernel_name="python3",
                                      resources={"metadata": {"path": str(tmp_path)}})
     client.execute()  # raises CellExecutionError, with the cell and traceback, if a cell fails
 

@@ -25,7 +25,7 @@ def _launch(tmp_path_factory, nproc: int) -> dict:
     completed = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
          "--max-restarts=0", str(TESTS_DIR / "tp_parity_worker.py"), str(out)],
-        env=env, capture_output=True, text=True, timeout=300,
+        env=env, capture_output=True, text=True, timeout=900,
     )
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
     return json.loads(out.read_text())

@@ -12,10 +12,11 @@ from pathlib import Path
 
 from autoplan.cli.flags import to_flags
 from autoplan.errors import AutoplanError, UsageError
+from autoplan.fileio import check_writable
 from autoplan.plan.schema import load_plan
 from autoplan.run.apply import DEFAULT_LR
 from autoplan.run.fake_world import format_fake_world, run_fake_world
-from autoplan.run.launch import LaunchResult, Nodes, launch, torchrun_args
+from autoplan.run.launch import DEFAULT_RDZV_TIMEOUT_S, LaunchResult, Nodes, launch, torchrun_args
 from autoplan.run.memtrack import allocation_failure
 from autoplan.run.prepare import PreparedRun, prepare_run, run_outline
 from autoplan.run.procs import exit_status
@@ -103,14 +104,16 @@ def register(subparsers) -> argparse.ArgumentParser:
     saving.add_argument("--resume", default=None, metavar="DIR",
                         help="start from a checkpoint: a step-<N> folder, or a --save DIR (its latest finished step)")
     parser.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
-                        help="longest a rank waits for its peers in a collective, or a node for the others to "
-                             "join (default 300)")
+                        help="longest a rank waits for its peers in a collective (default 300)")
     nodes = parser.add_argument_group("several nodes", "torchrun's static rendezvous: run the same command on "
                                       "every node, each with its --node-rank; node 0 prints the report")
     nodes.add_argument("--nnodes", type=int, default=1, help="nodes the run spans (default 1)")
     nodes.add_argument("--node-rank", type=int, default=0, help="this node's rank, 0 to nnodes-1 (default 0)")
     nodes.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
                        help="an address of node 0 and a free port on it, the same on every node")
+    nodes.add_argument("--rdzv-timeout", type=float, default=DEFAULT_RDZV_TIMEOUT_S, metavar="SECONDS",
+                       help="longest a node waits for the others to join before giving up (default "
+                            f"{DEFAULT_RDZV_TIMEOUT_S:.0f}); while it waits it says so")
     parser.set_defaults(handler=lambda args: run_apply(args, parser), subparser=parser)
     return parser
 
@@ -122,11 +125,12 @@ def run_apply(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error(f"--warmup must be 0 or more, got {args.warmup}")
     if args.nproc is not None and args.nproc < 1:
         parser.error(f"--nproc must be at least 1, got {args.nproc}")
-    if args.timeout <= 0:
-        parser.error(f"--timeout must be positive, got {args.timeout}")
+    for flag, value in (("--timeout", args.timeout), ("--rdzv-timeout", args.rdzv_timeout)):
+        if not 0 < value < float("inf"):
+            parser.error(f"{flag} must be a positive number of seconds, got {value}")
     if args.fake_world:
         return _run_fake_world(args, parser)
-    nodes = Nodes(args.nnodes, args.node_rank, args.rdzv_endpoint)
+    nodes = Nodes(args.nnodes, args.node_rank, args.rdzv_endpoint, args.rdzv_timeout)
     try:
         prepared = prepare_run(
             args.plan, model=args.model, nproc=args.nproc, nodes=nodes, steps=args.steps, warmup=args.warmup,
@@ -137,7 +141,10 @@ def run_apply(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error(to_flags(str(exc), parser))  # other AutoplanErrors (a bad plan file) are reported by cli.main
 
     _say_before(prepared, args, parser)
-    launched = launch(prepared.spec, prepared.nproc, nodes)
+    launched = launch(prepared.spec, prepared.nproc, nodes,
+                      say=lambda line: print(f"autoplan apply: {line}", flush=True))
+    if launched.rendezvous_error is not None and launched.interrupted is None:
+        return _rendezvous_failed(launched, nodes, args)
     if nodes.rank != 0:
         return _node_summary(prepared, launched)
     report = build_report(prepared.plan, args.plan, prepared.spec, prepared.world_size, launched,
@@ -175,6 +182,9 @@ def _run_fake_world(args: argparse.Namespace, parser: argparse.ArgumentParser) -
     if clashing:
         parser.error(f"--fake-world runs one process on synthetic tokens; it does not take {', '.join(clashing)}")
     try:
+        if args.report:
+            check_writable(args.report, "report", param="report", example="report.json",
+                           inputs=(("the plan file", args.plan),))
         plan = load_plan(args.plan)
         limit = None if args.mem_limit is None else (plan.cluster.mem_limit_bytes if args.mem_limit == "plan"
                                                      else parse_mem_bytes(args.mem_limit))
@@ -196,6 +206,16 @@ def _run_fake_world(args: argparse.Namespace, parser: argparse.ArgumentParser) -
         _save_report(result, args.report)
         print(f"autoplan apply: report written to {args.report}")
     return 0
+
+
+def _rendezvous_failed(launched: LaunchResult, nodes: Nodes, args: argparse.Namespace) -> int:
+    """The nodes did not all meet, so nothing ran: one sentence saying so and what would help, no report."""
+    print(f"autoplan apply: the {nodes.count} nodes did not all join the rendezvous at {nodes.rdzv_endpoint} within "
+          f"{nodes.rdzv_timeout_s:.0f} s (--rdzv-timeout), so nothing ran ({launched.rendezvous_error}). Start "
+          "`autoplan apply` with the same plan, --nnodes and --rdzv-endpoint on every node, each with its own "
+          "--node-rank (node 0 at that address), or give --rdzv-timeout more seconds"
+          + (f"; no report written to {args.report}" if args.report and nodes.rank == 0 else ""), file=sys.stderr)
+    return RUN_FAILED_EXIT_CODE
 
 
 def _save_report(report, path: str) -> None:

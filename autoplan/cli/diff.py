@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
 __all__ = ["register"]
 
@@ -30,7 +29,9 @@ def register(subparsers) -> None:
 
 def _run(args) -> int:
     from autoplan.api.inspect import diff
+    from autoplan.cli.args import user_prints_to_stderr
 
-    result = diff(args.a, args.b, args.model)
-    sys.stdout.write(result.model_dump_json(indent=2) + "\n" if args.json else result.table() + "\n")
+    with user_prints_to_stderr(args.json) as stdout:
+        result = diff(args.a, args.b, args.model)
+    stdout.write(result.model_dump_json(indent=2) + "\n" if args.json else result.table() + "\n")
     return 0

@@ -45,6 +45,7 @@ def register(subparsers) -> None:
 
 def _run(args) -> int:
     from autoplan.api.estimate import estimate
+    from autoplan.cli.args import user_prints_to_stderr
     from autoplan.settings import EstimateSettings
     from autoplan.sizes import format_bytes
 
@@ -54,11 +55,12 @@ def _run(args) -> int:
         job = torchtitan_job(args, fields, estimate=True)
         fields.update(job.estimate_fields())
         header = job_header(job)
-    result = estimate(settings=EstimateSettings.create(**fields))
+    with user_prints_to_stderr(args.json) as stdout:
+        result = estimate(settings=EstimateSettings.create(**fields))
     for warning in device_warnings(plan=result):
         print(f"autoplan estimate: warning: {to_flags(warning, args.subparser)}", file=sys.stderr)
     if args.json:
-        sys.stdout.write(result.model_dump_json(indent=2) + "\n")
+        stdout.write(result.model_dump_json(indent=2) + "\n")
     else:
         print("\n".join(header + [result.table(timeline=args.timeline)]))
         c = result.cluster

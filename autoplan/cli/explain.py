@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
 __all__ = ["register"]
 
@@ -31,7 +30,9 @@ def register(subparsers) -> None:
 
 def _run(args) -> int:
     from autoplan.api.inspect import explain
+    from autoplan.cli.args import user_prints_to_stderr
 
-    result = explain(args.plan, args.model)
-    sys.stdout.write(result.model_dump_json(indent=2) + "\n" if args.json else result.table() + "\n")
+    with user_prints_to_stderr(args.json) as stdout:
+        result = explain(args.plan, args.model)
+    stdout.write(result.model_dump_json(indent=2) + "\n" if args.json else result.table() + "\n")
     return 0

@@ -11,8 +11,10 @@ one-line help for the overview (tests/test_trace_reuse.py checks it against the 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
+import signal
 import sys
 
 from autoplan.errors import AutoplanError
@@ -73,22 +75,61 @@ def main(argv: list[str] | None = None) -> int:
 QUICK_EXIT = frozenset({"search", "estimate", "models", "profiles", "explain", "diff"})
 
 
-def _run(argv: list[str]) -> tuple[int, str]:
-    parser = build_parser(_command_in(argv) or "")
-    args = parser.parse_args(argv)
-    try:
-        return args.handler(args), args.command
-    except AutoplanError as exc:
-        from autoplan.cli.flags import to_flags
+class _Stopped(KeyboardInterrupt):
+    """SIGTERM or SIGHUP, raised where the command is, as Ctrl-C raises KeyboardInterrupt."""
 
-        print(f"autoplan {args.command}: error: {to_flags(str(exc), args.subparser)}", file=sys.stderr)
-        return exc.exit_code, args.command
-    except BrokenPipeError:  # output piped into `head` and closed early
-        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - stays open: the process is ending
-        return 0, args.command
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130, args.command
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _raise_stopped(signum: int, _frame) -> None:
+    raise _Stopped(signum)
+
+
+@contextlib.contextmanager
+def _signals():
+    """While a command runs: SIGTERM and SIGHUP stop it as Ctrl-C does (the exception unwinds, so a file being
+    written is removed, not left half-written or as a temporary; exit 128 + the signal's number), where they
+    would have ended the process on the spot; and a command a non-interactive shell starts in the background
+    (`autoplan profile &` in a script), which inherits SIGINT ignored, takes `kill -INT` as Ctrl-C (it did
+    nothing), its child processes then starting with SIGINT's default. A command that handles a signal itself
+    (apply forwards them to its ranks) sets its own handler meanwhile. The previous handlers come back after."""
+    previous = {}
+    try:
+        if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+            previous[signal.SIGINT] = signal.signal(signal.SIGINT, signal.default_int_handler)
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            if signal.getsignal(sig) is signal.SIG_DFL:
+                previous[sig] = signal.signal(sig, _raise_stopped)
+    except ValueError:  # not the main thread (main() called from a thread): signals are not ours to set
+        pass
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _run(argv: list[str]) -> tuple[int, str]:
+    with _signals():
+        parser = build_parser(_command_in(argv) or "")
+        args = parser.parse_args(argv)
+        try:
+            return args.handler(args), args.command
+        except AutoplanError as exc:
+            from autoplan.cli.flags import to_flags
+
+            print(f"autoplan {args.command}: error: {to_flags(str(exc), args.subparser)}", file=sys.stderr)
+            return exc.exit_code, args.command
+        except BrokenPipeError:  # output piped into `head` and closed early
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - stays open: the process is ending
+            return 0, args.command
+        except KeyboardInterrupt as exc:
+            signum = getattr(exc, "signum", signal.SIGINT)
+            print("interrupted" + (f" by {signal.Signals(signum).name}" if signum != signal.SIGINT else ""),
+                  file=sys.stderr)
+            return 128 + int(signum), args.command
 
 
 def _exit_now(code: int) -> None:

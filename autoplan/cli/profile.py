@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import signal
 import sys
 from pathlib import Path
@@ -83,7 +84,7 @@ def settings_from_args(args: argparse.Namespace):
     """ProfileSettings for the parsed command line; UsageError for combinations that make no sense."""
     from autoplan.models.zoo import UnknownModelError, get_config
     from autoplan.profiling import ProfileSettings
-    from autoplan.profiling.cache import default_cache_dir
+    from autoplan.profiling.cache import CACHE_DIR_ENV, default_cache_dir
 
     if args.micro_batch and not args.model:
         raise UsageError("--micro-batch applies to --model; name the models too")
@@ -111,6 +112,11 @@ def settings_from_args(args: argparse.Namespace):
     elif settings.device == "cpu":
         settings.dtypes = _cpu_dtypes(settings.dtypes)
     settings.cache_dir = None if args.no_cache else (args.cache_dir or default_cache_dir())
+    if settings.cache_dir is not None and settings.cache_dir.exists() and not settings.cache_dir.is_dir():
+        source = ("--cache-dir" if args.cache_dir else f"${CACHE_DIR_ENV}" if os.environ.get(CACHE_DIR_ENV)
+                  else "the default")
+        raise UsageError(f"the measurement cache folder {settings.cache_dir} ({source}) is a file, not a folder: "
+                         "give a folder (it is created), or --no-cache")
     if args.quick:
         _make_quick(settings, keep_models=bool(args.model), keep_dtypes=bool(args.dtype))
     settings.name = args.name or _default_name(settings, explicit_out=bool(args.out))
@@ -152,9 +158,12 @@ def _default_name(settings, explicit_out: bool) -> str:
 
 @contextlib.contextmanager
 def _terminate_as_interrupt():
-    """SIGTERM ends the measurement as Ctrl-C does: the ranks are stopped, what finished stays cached."""
+    """SIGTERM ends the measurement as Ctrl-C does: the ranks are stopped, what finished stays cached. The
+    KeyboardInterrupt carries the signal's number (`signum`) for the exit status."""
     def interrupt(signum, frame):
-        raise KeyboardInterrupt
+        stop = KeyboardInterrupt(signal.Signals(signum).name)
+        stop.signum = signum
+        raise stop
 
     try:
         previous = signal.signal(signal.SIGTERM, interrupt)
@@ -187,11 +196,12 @@ def run_profile(args: argparse.Namespace) -> int:
     try:
         with _terminate_as_interrupt():
             result = measure_profile(settings)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         where = f"cached in {settings.cache_dir}" if settings.cache_dir else "lost (--no-cache)"
-        print(f"\ninterrupted: the measurements finished so far are {where}; run the same command again to "
-              "resume", file=sys.stderr)
-        return 130
+        signum = getattr(exc, "signum", signal.SIGINT)
+        print(f"\ninterrupted by {signal.Signals(signum).name}: the measurements finished so far are {where}; run the "
+              "same command again to resume", file=sys.stderr)
+        return 128 + int(signum)
     save_profile(result.profile, out)
     print(format_profile_summary(result))
     print(f"\nprofile {result.profile.name!r} written to {out} in {result.wall_s:.1f} s "

@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+from autoplan.cli.args import user_prints_to_stderr
 from autoplan.cli.flags import add_settings_flags, settings_fields, to_flags
 from autoplan.cli.pins import add_pin_flag, emit_pins
 from autoplan.cli.torchtitan import add_torchtitan_flag, beside, job_header, torchtitan_job
@@ -59,18 +60,24 @@ def register(subparsers) -> None:
 
 
 def _hf_relative_to(plan, out: str):
-    """The plan with an "hf:PATH" model named relative to the folder of `out` (unchanged where it already is)."""
+    """The plan with an "hf:PATH" model named relative to the folder of `out` (unchanged where it already is),
+    and a note when that folder does not hold the config: a plan's config is read only inside its folder."""
     from autoplan.models.hf import HF_PREFIX
 
     name = plan.model.name
     if not name.startswith(HF_PREFIX):
-        return plan
+        return plan, None
     given = Path(name[len(HF_PREFIX):]).expanduser()
     folder = Path(out).expanduser().absolute().parent
+    note = None
+    if not given.resolve().is_relative_to(folder.resolve()):
+        note = (f"note: the config {given} is outside the plan's folder ({folder}); `autoplan estimate --plan` and "
+                f"`apply` read a plan's config only inside its folder, so give them --model {name} (or keep the "
+                "config beside the plan)")
     if not given.is_absolute() and (folder / given).resolve() == given.resolve():
-        return plan
+        return plan, note
     relative = HF_PREFIX + os.path.relpath(given.resolve(), folder)
-    return plan.model_copy(update={"model": plan.model.model_copy(update={"name": relative})})
+    return plan.model_copy(update={"model": plan.model.model_copy(update={"name": relative})}), note
 
 
 def _estimate_of(job, fields: dict):
@@ -130,19 +137,23 @@ def _run(args) -> int:
         job = torchtitan_job(args, fields, estimate=False)
         fields.update(job.search_fields())
     settings = SearchSettings.create(**fields)
-    check_writable(args.out, "plan file", param="out", example="plan.json")
+    check_writable(args.out, "plan file", param="out", example="plan.json",
+                   inputs=(("the `pins` file", getattr(args, "pins", None)), ("the `emit_pins` file", args.emit_pins)))
     if args.emit_pins:
         check_writable(args.emit_pins, "pins file", param="emit_pins", example="pins.yaml")
-    found = _search(settings, args.fit_allocator)
+    with user_prints_to_stderr(args.json) as stdout:
+        found = _search(settings, args.fit_allocator)
+        theirs = None if job is None else _estimate_of(job, fields)
     for warning in device_warnings(plan=found):
         print(f"autoplan search: warning: {to_flags(warning, args.subparser)}", file=sys.stderr)
-    theirs = None if job is None else _estimate_of(job, fields)
-    plan = _hf_relative_to(found, args.out)
+    plan, note = _hf_relative_to(found, args.out)
     plan.save(args.out)
+    if note:
+        print(f"autoplan search: {note}", file=sys.stderr)
     if args.emit_pins:
         emit_pins(plan, args.emit_pins, args.out)
     if args.json:
-        sys.stdout.write(plan.to_json())
+        stdout.write(plan.to_json())
     else:
         print(to_flags(format_plan(plan, cluster_is_default=settings.cluster_is_default), args.subparser))
         if plan.pins:

@@ -27,6 +27,7 @@ import torch
 import torch.nn as nn
 
 from autoplan.errors import UsageError
+from autoplan.fileio import loads_strict, read_input
 
 HF_PREFIX = "hf:"
 CONFIG_FILE = "config.json"
@@ -80,11 +81,15 @@ def _load(path: str | Path):
 
     file = config_file(path)
     try:
-        data = json.loads(file.read_text())
+        data = loads_strict(read_input(file))
     except OSError as exc:
         raise UsageError(f"cannot read {file}: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"{file} is not UTF-8 text ({exc})") from exc
     except json.JSONDecodeError as exc:
         raise UsageError(f"{file} is not valid JSON: {exc}") from exc
+    except ValueError as exc:  # a key given twice, nesting too deep
+        raise UsageError(f"{file} is not a config this reads: {exc}") from exc
     if not isinstance(data, dict):
         raise UsageError(f"{file} holds a JSON {type(data).__name__}, not an object of config fields")
     model_type = data.get("model_type")
@@ -93,6 +98,7 @@ def _load(path: str | Path):
     if model_type not in CONFIG_MAPPING:
         raise UsageError(f"{file}: field 'model_type' is {model_type!r}, a model type transformers "
                          f"{transformers.__version__} does not know")
+    _check_sizes_valid(CONFIG_MAPPING[model_type], data, file)
     missing = _sizes_missing(CONFIG_MAPPING[model_type], data)
     try:
         return CONFIG_MAPPING[model_type].from_dict(data), data, file, missing
@@ -131,6 +137,20 @@ def _refuse_missing(missing: list[tuple[str, object]], data: dict, file: Path) -
 def _positions_field(config) -> str:
     """The field that sizes a position table: max_position_embeddings, Whisper's max_target_positions."""
     return "max_target_positions" if isinstance(getattr(config, "max_target_positions", None), int) else POSITIONS_FIELD
+
+
+def _check_sizes_valid(config_class, data: dict, file: Path) -> None:
+    """UsageError naming a size field the file gives as something else than a whole number of at least 1
+    (`num_hidden_layers: -3`), before transformers builds a model that fails somewhere less clear."""
+    aliases = getattr(config_class, "attribute_map", None) or {}
+    for field in (*SIZE_FIELDS, "num_key_value_heads"):
+        for name in dict.fromkeys((field, aliases.get(field, field))):
+            value = data.get(name)
+            if value is None:
+                continue  # not given (or null: the family's derived default)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise UsageError(f"{file}: field {name!r} is {json.dumps(value)}; a model's sizes are whole numbers "
+                                 "of at least 1")
 
 
 def _position_table(module: nn.Module, config) -> int | None:

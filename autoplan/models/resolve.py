@@ -142,14 +142,25 @@ def _plan_source(plan_file: Path | None) -> str:
 
 def plan_hf_path(name: str, plan_file: Path | None = None) -> Path:
     """Where a plan's "hf:PATH" points: PATH relative to the plan file's folder (to the current directory for a
-    plan not read from a file). An absolute PATH is refused: a plan may come from another machine, and what
-    it names there is not the user's to read here unless they name it (`model` hf:PATH)."""
+    plan not read from a file), and inside it. An absolute PATH, and one that leads out of the folder (`..`,
+    or a symlink to elsewhere), are refused before anything is opened: a plan may come from another machine,
+    and what it names outside its own folder is not the user's to read here unless they name it (`model`
+    hf:PATH)."""
     path = name[len(HF_PREFIX):]
     if Path(path).is_absolute() or path.startswith("~"):
         raise UsageError(f"{_plan_source(plan_file)} names its Hugging Face config by the absolute path {path!r}; a "
                          "config named in a plan is read only relative to the plan's folder. Give the model: "
                          "`model` hf:PATH")
-    return (plan_file.parent if plan_file is not None else Path.cwd()) / path
+    folder = plan_file.parent if plan_file is not None else Path.cwd()
+    try:
+        inside = (folder / path).resolve().is_relative_to(folder.resolve())
+    except (OSError, RuntimeError):  # a symlink loop
+        inside = False
+    if not inside:
+        raise UsageError(f"{_plan_source(plan_file)} names its Hugging Face config {path!r}, which leads out of the "
+                         f"plan's folder ({folder}); a config named in a plan is read only inside the plan's folder. "
+                         "Keep the config beside the plan, or give the model: `model` hf:PATH")
+    return folder / path
 
 
 def _hf_from_plan(name: str, plan_file: Path | None) -> ResolvedModel:

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from autoplan.errors import InfeasibleError, UsageError
+from autoplan.fileio import read_input
 from autoplan.pins.syntax import ROOT, Decision, Pattern, Pin, parse_decision
 from autoplan.pins.wrap import WrapPolicy
 
@@ -109,16 +110,19 @@ def load_pins(path: str | os.PathLike) -> PinSet:
     file = Path(path).expanduser()
     name = str(path)
     try:
-        text = file.read_text()
+        text = read_input(file)
     except FileNotFoundError:
         raise UsageError(f"`pins` file {name} does not exist; write one (see `autoplan search --emit-pins`)") from None
     except (OSError, UnicodeDecodeError) as exc:
-        raise UsageError(f"`pins` file {name} cannot be read: {exc}") from None
+        raise UsageError(f"`pins` file {name} cannot be read: {getattr(exc, 'strerror', None) or exc}") from None
     if file.suffix.lower() == ".json" or text.lstrip().startswith("{"):
         try:
             data = json.loads(text, object_pairs_hook=lambda pairs: _refuse_duplicates(pairs, name))
         except json.JSONDecodeError as exc:
             raise UsageError(f"`pins` file {name} is not valid JSON: {exc}") from None
+        except RecursionError:
+            raise UsageError(f"`pins` file {name} nests too deeply to read; a pins file is one mapping, `pins:`, "
+                             "of pattern: decision") from None
     else:
         data = _load_yaml(text, name)
     if data is None:
@@ -144,6 +148,9 @@ def _load_yaml(text: str, name: str) -> Any:
         return yaml.load(text, Loader=Loader)  # noqa: S506 - a SafeLoader with one constructor replaced
     except yaml.YAMLError as exc:
         raise UsageError(f"`pins` file {name} is not valid YAML: {exc}") from None
+    except RecursionError:
+        raise UsageError(f"`pins` file {name} nests too deeply to read; a pins file is one mapping, `pins:`, "
+                         "of pattern: decision") from None
 
 
 def range_text(indices: list[int]) -> str:

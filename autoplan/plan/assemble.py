@@ -21,6 +21,7 @@ from autoplan.plan.schema import (
     ModelRef,
     Plan,
     Prediction,
+    SearchTiming,
     SolverInfo,
     SweepEntry,
     TimelinePoint,
@@ -162,7 +163,7 @@ def assemble_plan(search: MeshSearch, request: PlanRequest) -> Plan:
     source = best.source
     tensor_parallel = best.degree > 1
     solver = SolverInfo(status=result.status, objective_s=result.objective, bound_s=result.bound,
-                        wall_time_s=outcome.wall_time_s, num_variables=outcome.num_variables,
+                        num_variables=outcome.num_variables,
                         num_constraints=outcome.num_constraints,
                         micro_batch_sweep=[SweepEntry(micro_batch_size=s.micro_batch_size,
                                                       grad_accum_steps=s.grad_accum_steps, status=s.status,
@@ -183,6 +184,9 @@ def assemble_plan(search: MeshSearch, request: PlanRequest) -> Plan:
         solver=solver,
         baselines=(_fsdp_only(fsdp, limits.planned_bytes) if tensor_parallel and fsdp is not None
                    else baselines(outcome.tables, limits.planned_bytes)),
+        # wall-clock times, apart: identical searches differ only there
+        timing=SearchTiming(solver_s=outcome.wall_time_s,
+                            tp_degrees_s=[r.wall_time_s for r in search.results] if solver.tp_degrees else []),
     )
 
 
@@ -193,13 +197,12 @@ def _degree_entry(result: MeshResult) -> TpDegreeEntry:
         if result.error is not None and result.error.min_mem_bytes:
             note = f"nothing fits (the leanest plan needs a limit of {result.error.min_mem_bytes:,} bytes)"
         return TpDegreeEntry(degree=result.degree, sequence_parallel=result.sequence_parallel, fits=False,
-                             wall_time_s=result.wall_time_s, note=note)
+                             note=note)
     evaluation = outcome.evaluation
     return TpDegreeEntry(degree=result.degree, sequence_parallel=result.sequence_parallel, fits=True,
                          micro_batch_size=outcome.table.micro_batch_size,
                          grad_accum_steps=outcome.table.grad_accum_steps, step_time_s=evaluation.step_time_s,
-                         throughput_samples_s=result.throughput, peak_mem_bytes=evaluation.peak_mem_bytes,
-                         wall_time_s=result.wall_time_s)
+                         throughput_samples_s=result.throughput, peak_mem_bytes=evaluation.peak_mem_bytes)
 
 
 def _fsdp_only(result: MeshResult, planned_bytes: int) -> list[Baseline]:

@@ -17,16 +17,16 @@ __all__ = ["ClusterSpec"]
 
 
 class ClusterSpec(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     world_size: int = Field(ge=1)
     nodes: int = Field(ge=1)
     gpus_per_node: int = Field(ge=1)
     profile: str
-    device_mem_bytes: int
-    mem_limit_bytes: int
-    mem_headroom: float = 0.0  # the plan fits mem_limit_bytes * (1 - mem_headroom)
-    host_mem_bytes: int | None = None  # per node, for offloaded state (None: offload was not offered)
+    device_mem_bytes: int = Field(ge=0)
+    mem_limit_bytes: int = Field(ge=0)
+    mem_headroom: float = Field(default=0.0, ge=0, lt=1)  # the plan fits mem_limit_bytes * (1 - mem_headroom)
+    host_mem_bytes: int | None = Field(default=None, ge=0)  # per node, for offloaded state (None: offload was not offered)
     # a (world / tp_degree) x tp_degree mesh: tensor parallelism inside each group of tp_degree GPUs of a node,
     # FSDP over the data-parallel dimension (autoplan.run.tp); written only above 1, so older plans load
     tp_degree: int = Field(default=1, ge=1, exclude_if=lambda value: value == 1)

@@ -189,14 +189,15 @@ def _solver_lines(plan: Plan) -> list[str]:
     tried = ", ".join(f"{e.micro_batch_size}:{e.status.lower()}" for e in s.micro_batch_sweep)
     gap_pct = 100 * (s.objective_s - s.bound_s) / s.objective_s if s.objective_s else 0.0
     gap = f", optimality gap {gap_pct:.3f}%" if gap_pct > 0 else ""
-    lines = [f"solver: {s.status}{gap} in {s.wall_time_s:.2f} s ({s.num_variables} variables); "
-             f"micro-batches tried {tried}"]
+    wall = plan.solver_wall_time_s
+    took = f" in {wall:.2f} s" if wall is not None else ""
+    lines = [f"solver: {s.status}{gap}{took} ({s.num_variables} variables); micro-batches tried {tried}"]
     if s.tp_degrees:
         lines.append("tensor-parallel degrees (the fastest plan that fits of each):")
-        for e in s.tp_degrees:
+        for e, wall in zip(s.tp_degrees, plan.tp_degree_wall_times_s(), strict=True):
             name = f"tp {e.degree}" + (" +sp" if e.sequence_parallel else "")
             found = (f"micro-batch {e.micro_batch_size} x {e.grad_accum_steps}: {e.step_time_s * 1e3:.1f} ms, "
                      f"{e.throughput_samples_s:.1f} samples/s, peak {format_bytes(e.peak_mem_bytes)}" if e.fits
                      else e.note)
-            lines.append(f"  {name:<10} {found} ({e.wall_time_s:.1f} s)")
+            lines.append(f"  {name:<10} {found}" + (f" ({wall:.1f} s)" if wall is not None else ""))
     return lines

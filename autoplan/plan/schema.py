@@ -66,8 +66,13 @@ TpLayoutName = Literal["megatron", "megatron_sp", "vocab", "sequence"]  # cost_m
 Tracer = Literal["fx", "dispatch"]
 
 
+# Figures a plan holds: counts, bytes and seconds are never negative; no float is NaN or infinite (_Strict).
+Count = Annotated[int, Field(ge=0)]
+Seconds = Annotated[float, Field(ge=0)]
+
+
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class AttentionRecord(_Strict):
@@ -93,7 +98,7 @@ class ModelRef(_Strict):
 
     name: str  # zoo name, the factory spec "package.module:factory", or "hf:path/to/config.json"
     config: dict[str, Any] | None = None  # zoo ModelConfig as a dict; None for user factories
-    n_params: int
+    n_params: Count
     fingerprint: str  # sha256 of the module tree and parameter shapes
     tracer: Tracer = "fx"  # what read the model: torch.fx, or the dispatch-level fallback
     # how it was priced: each attention's kernel, the kernel asked for (None: torch's pick on the profile's
@@ -118,15 +123,15 @@ class TrainingSpec(_Strict):
 
 
 class UnitPrediction(_Strict):
-    persistent_bytes: int  # parameters + optimizer states held by this rank
-    grad_bytes: int  # reduced gradients held by this rank
-    gathered_bytes: int  # unsharded parameters while the unit runs
-    activation_bytes: int  # saved for backward per micro-batch (unit input only when checkpointed)
-    fwd_s: float
-    bwd_s: float  # includes the recompute when checkpointed
-    comm_s: float  # all-gathers, reduce-scatter, all-reduce per micro-batch (and offload's host copies)
-    optimizer_s: float
-    host_bytes: int = 0  # offloaded parameters, gradients and optimizer states in host memory, per rank
+    persistent_bytes: Count  # parameters + optimizer states held by this rank
+    grad_bytes: Count  # reduced gradients held by this rank
+    gathered_bytes: Count  # unsharded parameters while the unit runs
+    activation_bytes: Count  # saved for backward per micro-batch (unit input only when checkpointed)
+    fwd_s: Seconds
+    bwd_s: Seconds  # includes the recompute when checkpointed
+    comm_s: Seconds  # all-gathers, reduce-scatter, all-reduce per micro-batch (and offload's host copies)
+    optimizer_s: Seconds
+    host_bytes: Count = 0  # offloaded parameters, gradients and optimizer states in host memory, per rank
 
 
 class UnitDecision(_Strict):
@@ -135,8 +140,8 @@ class UnitDecision(_Strict):
     checkpoint: CheckpointName  # "none", "selective", "full" (older plans: true = full, false = none)
     offload: bool = False  # parameters, gradients and optimizer states on the host (FSDP2 CPUOffloadPolicy)
     reshard_after_forward: bool
-    params: int  # parameters owned (not counting nested units)
-    param_shapes: dict[str, list[int]]
+    params: Count  # parameters owned (not counting nested units)
+    param_shapes: dict[str, list[Count]]
     predicted: UnitPrediction
     # under tensor parallelism: megatron (column/row-wise attention and MLP), megatron_sp (and sequence-parallel
     # norms), vocab (vocabulary-parallel embedding or head), sequence (sequence-parallel norms only); None:
@@ -152,86 +157,96 @@ class UnitDecision(_Strict):
 
 
 class MemoryBreakdown(_Strict):
-    params_bytes: int
-    grads_bytes: int
-    optimizer_bytes: int
-    activations_bytes: int
-    gathered_bytes: int
-    temporaries_bytes: int
+    params_bytes: Count
+    grads_bytes: Count
+    optimizer_bytes: Count
+    activations_bytes: Count
+    gathered_bytes: Count
+    temporaries_bytes: Count
 
 
 class TimelinePoint(_Strict):
     point: str  # e.g. "fwd transformer.h.3", "bwd lm_head", "optimizer step"
-    total_bytes: int
+    total_bytes: Count
     breakdown: MemoryBreakdown
 
 
 class Prediction(_Strict):
-    peak_mem_bytes: int
+    peak_mem_bytes: Count
     peak_point: str
     breakdown: MemoryBreakdown  # at the peak
-    step_time_s: float
-    throughput_samples_s: float
-    throughput_tokens_s: float
+    step_time_s: Seconds
+    throughput_samples_s: Seconds
+    throughput_tokens_s: Seconds
     timeline: list[TimelinePoint]
-    host_mem_bytes: int = 0  # offloaded state per rank in host memory (pinned)
-    host_mem_per_node_bytes: int = 0  # the same over the node's ranks: what must fit the node's host memory
+    host_mem_bytes: Count = 0  # offloaded state per rank in host memory (pinned)
+    host_mem_per_node_bytes: Count = 0  # the same over the node's ranks: what must fit the node's host memory
     # CUDA profiles only (None on other devices and in older plans), from the peak under the plan's
     # allocator_conf (cost_models.allocator_margin): what torch's caching allocator needs to run the step (its
     # rounding, per-stream pages or segments, fragmentation, kernel workspaces; an upper bound), and at most what
     # torch.cuda.max_memory_reserved shows with memory to spare (older plans: the native allocator's needed bound)
-    needed_bytes: int | None = Field(default=None, exclude_if=lambda value: value is None)
-    reserved_bytes: int | None = Field(default=None, exclude_if=lambda value: value is None)
+    needed_bytes: Count | None = Field(default=None, exclude_if=lambda value: value is None)
+    reserved_bytes: Count | None = Field(default=None, exclude_if=lambda value: value is None)
     # `search --fit-allocator` only: the smallest limit this plan's step ran in when its allocations were
     # replayed through the caching allocator model (autoplan.run.allocator_fit); None when not replayed
-    allocator_needed_bytes: int | None = Field(default=None, exclude_if=lambda value: value is None)
+    allocator_needed_bytes: Count | None = Field(default=None, exclude_if=lambda value: value is None)
     # the plan's model FLOPs utilisation: a rank's forward and backward FLOPs (torch's FlopCounter: attention
     # counted whole, no recomputation) per step over the step time and the profile's peak in the compute dtype
-    mfu: float | None = Field(default=None, exclude_if=lambda value: value is None)
+    mfu: float | None = Field(default=None, ge=0, exclude_if=lambda value: value is None)
 
 
 class SweepEntry(_Strict):
-    micro_batch_size: int
-    grad_accum_steps: int
+    micro_batch_size: int = Field(ge=1)
+    grad_accum_steps: int = Field(ge=1)
     status: SolveStatus  # the solve at this micro-batch; FIXED for a uniform strategy, PRUNED when skipped
-    step_time_s: float | None
-    throughput_samples_s: float | None
+    step_time_s: Seconds | None
+    throughput_samples_s: Seconds | None
 
 
 class TpDegreeEntry(_Strict):
     """The best plan of one tensor-parallel degree (with or without sequence parallelism), or why there is none."""
 
-    degree: int
+    degree: int = Field(ge=1)
     sequence_parallel: bool
     fits: bool
-    micro_batch_size: int | None = None
-    grad_accum_steps: int | None = None
-    step_time_s: float | None = None
-    throughput_samples_s: float | None = None
-    peak_mem_bytes: int | None = None
-    wall_time_s: float  # the degree's sweep
+    micro_batch_size: int | None = Field(default=None, ge=1)
+    grad_accum_steps: int | None = Field(default=None, ge=1)
+    step_time_s: Seconds | None = None
+    throughput_samples_s: Seconds | None = None
+    peak_mem_bytes: Count | None = None
+    # older plans: the degree's sweep in wall-clock seconds (newer ones keep it in Plan.timing, apart)
+    wall_time_s: Seconds | None = Field(default=None, exclude_if=lambda value: value is None)
     note: str = ""  # why it was not searched, or what does not fit
 
 
 class SolverInfo(_Strict):
     status: SolveStatus  # OPTIMAL, FEASIBLE (time limit hit), FIXED (a uniform strategy, no solve)
-    objective_s: float  # the solver's step-time objective
-    bound_s: float  # best proven lower bound; objective - bound is the optimality gap
-    wall_time_s: float  # total over the micro-batch sweep
-    num_variables: int
-    num_constraints: int
+    objective_s: Seconds  # the solver's step-time objective
+    bound_s: Seconds  # best proven lower bound; objective - bound is the optimality gap
+    # older plans: the micro-batch sweep's wall-clock seconds (newer ones keep it in Plan.timing, apart)
+    wall_time_s: Seconds | None = Field(default=None, exclude_if=lambda value: value is None)
+    num_variables: Count
+    num_constraints: Count
     micro_batch_sweep: list[SweepEntry]
     # every tensor-parallel degree searched (none: only degree 1 was)
     tp_degrees: list[TpDegreeEntry] = Field(default_factory=list, exclude_if=lambda value: not value)
 
 
+class SearchTiming(_Strict):
+    """How long the search took (wall-clock seconds): the one part identical searches do not reproduce, kept
+    last in the file so all above it is the same bytes. Older plans: `solver.wall_time_s`, `tp_degrees[]`'s."""
+
+    solver_s: Seconds  # the micro-batch sweep of the plan's tensor-parallel degree
+    tp_degrees_s: list[Seconds] = Field(default_factory=list, exclude_if=lambda value: not value)  # per tp_degrees
+
+
 class Baseline(_Strict):
     name: str  # "all-shard", "all-shard+ckpt", "all-replicate", ...
     fits: bool
-    micro_batch_size: int  # the best one that fits (the smallest tried when none fits)
-    peak_mem_bytes: int
-    step_time_s: float
-    throughput_samples_s: float
+    micro_batch_size: int = Field(ge=1)  # the best one that fits (the smallest tried when none fits)
+    peak_mem_bytes: Count
+    step_time_s: Seconds
+    throughput_samples_s: Seconds
 
 
 class PinRecord(_Strict):
@@ -252,6 +267,19 @@ class Plan(_Strict):
     solver: SolverInfo
     baselines: list[Baseline]
     pins: list[PinRecord] = Field(default_factory=list)  # the user's pins it was searched with (none: all free)
+    # wall-clock times, apart from what identical searches reproduce (None: an older plan, or none measured)
+    timing: SearchTiming | None = Field(default=None, exclude_if=lambda value: value is None)
+
+    @property
+    def solver_wall_time_s(self) -> float | None:
+        """The micro-batch sweep's wall-clock seconds, from `timing` (or an older plan's solver record)."""
+        return self.timing.solver_s if self.timing is not None else self.solver.wall_time_s
+
+    def tp_degree_wall_times_s(self) -> list[float | None]:
+        """Each of `solver.tp_degrees`' sweeps in wall-clock seconds (None where the plan does not say)."""
+        if self.timing is not None and len(self.timing.tp_degrees_s) == len(self.solver.tp_degrees):
+            return list(self.timing.tp_degrees_s)
+        return [entry.wall_time_s for entry in self.solver.tp_degrees]
 
     def to_json(self) -> str:
         return self.model_dump_json(indent=2) + "\n"

@@ -125,7 +125,7 @@ def uniform_plan(traced, strategy: str, checkpoint: bool, world_size: int, micro
         units=unit_decisions(table, choices),
         predicted=prediction(table, result, limits.allocator_conf),
         solver=SolverInfo(status=SolveStatus.FIXED, objective_s=result.step_time_s, bound_s=result.step_time_s,
-                          wall_time_s=0.0, num_variables=0, num_constraints=0,
+                          num_variables=0, num_constraints=0,
                           micro_batch_sweep=[SweepEntry(micro_batch_size=micro_batch, grad_accum_steps=1,
                                                         status=SolveStatus.FIXED, step_time_s=result.step_time_s,
                                                         throughput_samples_s=throughput)]),

@@ -7,7 +7,6 @@ Alpaca text is tokenised as UTF-8 bytes (ids 0-255, folded into the vocabulary w
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,8 +15,10 @@ import torch
 import torch.nn as nn
 
 from autoplan.errors import UsageError
+from autoplan.fileio import loads_strict, read_input
 
 ALPACA_FIELDS = ("instruction", "input", "output")
+MAX_DATA_BYTES = 4 * 2**30  # read into memory whole; Alpaca itself is 22 MB
 _SEPARATOR = 0  # token between records
 
 
@@ -78,10 +79,10 @@ def rank_micro_batches(global_tokens: torch.Tensor, rank: int, shape: BatchShape
 
 def _alpaca_token_ids(path: Path) -> list[int]:
     try:
-        records = json.loads(path.read_text(encoding="utf-8"))
+        records = loads_strict(read_input(path, max_bytes=MAX_DATA_BYTES))
     except OSError as exc:
         raise UsageError(f"cannot read data file {path}: {exc.strerror or exc}") from exc
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError) as exc:  # bad JSON, a key twice, nested too deeply, not UTF-8
         raise UsageError(f"data file {path} is not UTF-8 JSON ({exc})") from exc
     if not isinstance(records, list) or not records:
         raise UsageError(f"data file {path} is not an Alpaca file: expected a non-empty JSON list of records")

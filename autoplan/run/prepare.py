@@ -60,9 +60,12 @@ class PreparedRun:
         return self.nproc * self.nodes.count
 
 
-def check_report_path(path: str | os.PathLike) -> None:
-    """UsageError unless a report can be written at `path` (see fileio.check_writable)."""
-    check_writable(path, "report", param="report", example="report.json")
+def check_report_path(path: str | os.PathLike, plan: str | os.PathLike | None = None,
+                      data: str | os.PathLike | None = None) -> None:
+    """UsageError unless a report can be written at `path` (see fileio.check_writable), and it is not the plan
+    or the data file the run reads."""
+    check_writable(path, "report", param="report", example="report.json",
+                   inputs=(("the plan file", plan), ("the `data` file", data)))
 
 
 def check_nodes(nodes: Nodes) -> None:
@@ -89,7 +92,7 @@ def prepare_run(plan_path: str, *, model: str | None = None, nproc: int | None =
     nodes = nodes or Nodes()
     check_nodes(nodes)
     if report is not None and nodes.rank == 0:  # node 0 writes the report
-        check_report_path(report)
+        check_report_path(report, plan_path, data)
     plan = load_plan(plan_path)
     resolved = resolve_plan_model(plan, model, plan_path)
     check_plan(resolved.module, plan)

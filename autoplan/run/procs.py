@@ -15,23 +15,32 @@ neither of the others by itself, so:
 - `stop_run_processes`: after the launcher exits, any process still running with the run directory
   in its command line (found in /proc) is killed before the directory is removed; a live rank would
   write into it again.
+- `remove_stale_run_dirs`: a SIGKILL of `autoplan apply` leaves no process (die_with_parent), but its
+  run directory stays in TMPDIR; each run directory names the process that made it (`mark_run_dir`), and
+  a launch removes those whose maker is gone and that no live process names.
 """
 
 from __future__ import annotations
 
 import ctypes
+import json
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
 
-__all__ = ["FORWARDED_SIGNALS", "ForwardSignals", "die_with_parent", "exit_status", "rank_signals",
-           "run_processes", "stop_run_processes"]
+__all__ = ["FORWARDED_SIGNALS", "RUN_DIR_PREFIX", "ForwardSignals", "die_with_parent", "exit_status",
+           "mark_run_dir", "rank_signals", "remove_stale_run_dirs", "run_processes", "stop_run_processes"]
 
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
+RUN_DIR_PREFIX = "autoplan-apply-"  # run directories in TMPDIR
+OWNER_FILE = "owner.json"  # in a run directory: the process that made it
+UNMARKED_STALE_S = 3600.0  # a run directory without an owner file (an older autoplan's) is stale this old
 
 
 def exit_status(signal_name: str) -> int:
@@ -147,3 +156,48 @@ def stop_run_processes(marker: str, timeout_s: float = 10.0) -> list[int]:
     while time.monotonic() < deadline and any(not _is_gone(pid) for pid in pids):
         time.sleep(0.05)
     return pids
+
+
+def _start_time(pid: int) -> str | None:
+    """The process's start time (clock ticks after boot, /proc/PID/stat field 22): with the pid, it names one
+    process even after the pid is reused. None: no such process (or no /proc)."""
+    try:
+        return Path("/proc", str(pid), "stat").read_text().rpartition(")")[2].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def mark_run_dir(run_dir: str | os.PathLike) -> None:
+    """Record in `run_dir` the process that made it (this one), for remove_stale_run_dirs."""
+    Path(run_dir, OWNER_FILE).write_text(json.dumps({"pid": os.getpid(), "start": _start_time(os.getpid())}))
+
+
+def _is_stale(run_dir: Path) -> bool:
+    try:
+        owner = json.loads((run_dir / OWNER_FILE).read_text())
+        alive = _start_time(int(owner["pid"])) is not None and _start_time(int(owner["pid"])) == owner["start"]
+    except FileNotFoundError:  # not marked (yet, or by an older autoplan): stale once old
+        try:
+            alive = time.time() - run_dir.stat().st_mtime < UNMARKED_STALE_S
+        except OSError:
+            return False
+    except (OSError, ValueError, KeyError, TypeError):
+        return False  # not ours to judge
+    return not alive and not run_processes(str(run_dir))
+
+
+def remove_stale_run_dirs(folder: str | os.PathLike | None = None) -> list[Path]:
+    """Remove the run directories in `folder` (default TMPDIR) of runs whose `autoplan apply` is gone (killed
+    outright, so it could not remove its own) and that no live process names; returns them. Directories
+    that are not this user's are left alone."""
+    removed = []
+    for run_dir in Path(folder or tempfile.gettempdir()).glob(f"{RUN_DIR_PREFIX}*"):
+        try:
+            if not run_dir.is_dir() or run_dir.is_symlink() or run_dir.stat().st_uid != os.getuid():
+                continue
+        except OSError:
+            continue
+        if _is_stale(run_dir):
+            shutil.rmtree(run_dir, ignore_errors=True)
+            removed.append(run_dir)
+    return removed
