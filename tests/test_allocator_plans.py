@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from autoplan.run.launch import run_allocator_conf
 from cost_models.allocator_margin import ALLOC_CONF_ENV, allocated_within, needed_bytes
 
 REPO = Path(__file__).resolve().parents[1]
@@ -89,3 +90,19 @@ def test_a_cpu_plan_has_no_allocator_figures(tmp_path, profile):
     assert done.returncode == 0, done.stderr
     plan = json.loads((tmp_path / "plan.json").read_text())
     assert "allocator_conf" not in plan["cluster"] and "needed_bytes" not in plan["predicted"]
+
+
+def test_apply_runs_cuda_ranks_with_the_plans_allocator_conf_unless_the_environment_sets_one():
+    """The ranks' PYTORCH_CUDA_ALLOC_CONF: the plan's where the environment has none; the environment's where it
+    has one, with a warning when that changes what the plan was fitted to; nothing on the CPU."""
+    planned = "expandable_segments:True"
+    assert run_allocator_conf(planned, "cuda", {}) == (planned, None)
+    assert run_allocator_conf(planned, "cpu", {}) == (None, None)
+    assert run_allocator_conf(None, "cuda", {}) == (None, None)  # an older plan: torch's default
+    same = "expandable_segments:True,max_split_size_mb:512"
+    assert run_allocator_conf(planned, "cuda", {"PYTORCH_CUDA_ALLOC_CONF": same}) == (same, None)
+    conf, warning = run_allocator_conf(planned, "cuda", {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"})
+    assert conf == "expandable_segments:False"
+    assert "may need more memory than planned" in warning and "--allocator-conf 'expandable_segments:False'" in warning
+    conf, warning = run_allocator_conf(planned, "cuda", {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments"})
+    assert conf == "expandable_segments" and "torch may refuse it" in warning

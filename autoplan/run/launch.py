@@ -52,8 +52,9 @@ from autoplan.run.procs import (
     stop_run_processes,
 )
 from autoplan.run.worker import RankResult, RunSpec
+from cost_models.allocator_margin import ALLOC_CONF_ENV, is_expandable
 
-__all__ = ["FAILURES_FILE", "LaunchResult", "Nodes", "RankFailure", "launch", "torchrun_args"]
+__all__ = ["FAILURES_FILE", "LaunchResult", "Nodes", "RankFailure", "launch", "run_allocator_conf", "torchrun_args"]
 
 _PACKAGE_ROOT = Path(__file__).resolve().parent.parent  # so ranks import this autoplan, installed or not
 FAILURES_FILE = "launcher_failures.json"
@@ -105,8 +106,29 @@ def torchrun_args(spec_path: Path, nproc: int, nodes: Nodes | None = None) -> li
     return [*where, f"--nproc-per-node={nproc}", "--max-restarts=0", "-m", "autoplan.run.worker", str(spec_path)]
 
 
-def _launcher_env(device: str, nproc: int) -> dict[str, str]:
+def run_allocator_conf(planned: str | None, device: str, environ=os.environ) -> tuple[str | None, str | None]:
+    """The PYTORCH_CUDA_ALLOC_CONF a run's ranks use, and a warning when it is not the one the plan was fitted
+    to: the environment's where it sets one, else the plan's (None: torch's default; a CPU run has none)."""
+    if device != "cuda":
+        return None, None
+    given = environ.get(ALLOC_CONF_ENV)
+    if given is None or planned is None:
+        return (planned if given is None else given), None
+    try:
+        same = is_expandable(given) == is_expandable(planned)
+    except ValueError as exc:
+        return given, f"{ALLOC_CONF_ENV}={given!r} in this environment: {exc}; torch may refuse it"
+    if same:
+        return given, None
+    return given, (f"{ALLOC_CONF_ENV}={given!r} in this environment, while the plan was fitted to what the caching "
+                   f"allocator needs under {planned!r}: the run may need more memory than planned. Unset it, or "
+                   f"search again with --allocator-conf {given!r}")
+
+
+def _launcher_env(device: str, nproc: int, allocator_conf: str | None = None) -> dict[str, str]:
     env = dict(os.environ)
+    if allocator_conf is not None:  # the plan's, where the environment has none (run_allocator_conf)
+        env[ALLOC_CONF_ENV] = allocator_conf
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_PACKAGE_ROOT), env.get("PYTHONPATH")) if p)
     if device == "cpu" and "OMP_NUM_THREADS" not in env:
         # Share the cores between the ranks (torchrun would otherwise set 1 and print a warning).
@@ -134,7 +156,7 @@ def launch(spec: RunSpec, nproc: int, nodes: Nodes | None = None, say=None) -> L
         spec.save(spec_path)
         command = [sys.executable, "-m", "autoplan.run.launch", run_dir, f"--log-dir={Path(run_dir) / 'torchelastic'}",
                    *torchrun_args(spec_path, nproc, nodes)]
-        launcher = subprocess.Popen(command, env=_launcher_env(spec.device, nproc), start_new_session=True)
+        launcher = subprocess.Popen(command, env=_launcher_env(spec.device, nproc, spec.allocator_conf), start_new_session=True)
         waiting = _RendezvousNotice(nodes, launcher.pid, str(spec_path), say) if nodes.count > 1 and say else None
         with ForwardSignals(launcher.pid) as signals:
             try:

@@ -30,7 +30,7 @@ from autoplan.profile_store import load_profile
 from autoplan.run.apply import check_plan, check_world_size, model_label_note, resolve_plan_model
 from autoplan.run.attention import check_attention
 from autoplan.run.data import AlpacaTokens, BatchShape, vocab_size_of
-from autoplan.run.launch import Nodes
+from autoplan.run.launch import Nodes, run_allocator_conf
 from autoplan.run.report import profile_note
 from autoplan.run.resume import CheckpointFlags
 from autoplan.run.worker import RunSpec
@@ -130,12 +130,13 @@ def prepare_run(plan_path: str, *, model: str | None = None, nproc: int | None =
     if mem_limit is not None:
         mem_limit_bytes = plan.cluster.mem_limit_bytes if mem_limit == "plan" else parse_mem_bytes(mem_limit)
 
+    allocator_conf, allocator_warning = run_allocator_conf(plan.cluster.allocator_conf, device)
     spec = RunSpec(
         plan_path=str(Path(plan_path).resolve()), run_dir="", device=device, steps=steps, warmup_steps=warmup,
         dry_run=world < planned, seed=seed, lr=lr, data_path=data and str(Path(data).resolve()), model_factory=model,
         mem_limit_bytes=mem_limit_bytes, timeout_s=timeout,
         save_dir=checkpoints.save_dir and str(Path(checkpoints.save_dir).resolve()), save_every=checkpoints.save_every,
-        resume=checkpoints.resume and str(Path(checkpoints.resume).resolve()),
+        resume=checkpoints.resume and str(Path(checkpoints.resume).resolve()), allocator_conf=allocator_conf,
     )
     prepared = PreparedRun(plan, spec, nproc, nodes, resolved.name, model_note=model_label_note(plan, resolved),
                            said=said)
@@ -148,6 +149,8 @@ def prepare_run(plan_path: str, *, model: str | None = None, nproc: int | None =
                                  "`autoplan search ... --profile cpu-gloo-2` on a CPU)")
     else:
         prepared.device_note = _device_notes(plan, device, prepared.warnings)
+    if allocator_warning:
+        prepared.warnings.append(allocator_warning)
     memory = _memory_warning(plan, shape, nproc, device)
     if memory:
         prepared.warnings.append(memory)

@@ -99,6 +99,9 @@ class RunReport(_Strict):
     model_note: str | None = None  # set when the plan names its model otherwise (an edited model.name)
     device: Literal["cpu", "cuda"]
     backend: Literal["gloo", "nccl"]
+    # CUDA: the PYTORCH_CUDA_ALLOC_CONF the ranks ran with (the plan's unless the environment set one); None on the
+    # CPU and with torch's default
+    allocator_conf: str | None = None
     world_size: int = Field(ge=1)  # ranks that ran, on all nodes
     nodes: int = Field(default=1, ge=1)  # nodes the ranks ran on (torchrun's --nnodes)
     planned_world_size: int = Field(ge=1)  # ranks the plan is for (more on a dry run)
@@ -220,6 +223,7 @@ def build_report(plan: Plan, plan_path: str, spec: RunSpec, nproc: int, launched
         model_note=model_note,
         device=spec.device,
         backend="nccl" if spec.device == "cuda" else "gloo",
+        allocator_conf=spec.allocator_conf,
         world_size=nproc,
         nodes=nodes,
         planned_world_size=plan.cluster.world_size,
@@ -273,7 +277,8 @@ def format_report(report: RunReport) -> str:
     r, predicted, measured = report, report.predicted, report.measured
     on_nodes = f" on {r.nodes} nodes" if r.nodes > 1 else ""
     lines = [
-        f"autoplan apply: {r.model} on {r.world_size} rank(s){on_nodes} ({r.device}, {r.backend}), "
+        f"autoplan apply: {r.model} on {r.world_size} rank(s){on_nodes} ({r.device}, {r.backend}"
+        + (f", {r.allocator_conf}" if r.allocator_conf else "") + "), "
         f"{r.dtype}, {r.optimizer}, micro-batch {r.micro_batch_size} x "
         f"{r.grad_accum_steps} accum x {r.world_size} ranks = global batch "
         f"{r.global_batch_size}, seq {r.seq_len}, data {r.data}",

@@ -68,6 +68,7 @@ class RunSpec:
     save_dir: str | None = None  # --save: checkpoints in step-<N> folders under it
     save_every: int | None = None  # --save-every: steps between checkpoints (None: at the end only)
     resume: str | None = None  # --resume: a checkpoint (or a --save folder) to start from
+    allocator_conf: str | None = None  # CUDA: the PYTORCH_CUDA_ALLOC_CONF the ranks run with (None: torch's default)
 
     def save(self, path: Path) -> None:
         write_text_atomic(path, json.dumps(dataclasses.asdict(self), indent=2))
