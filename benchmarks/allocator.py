@@ -18,6 +18,8 @@ limit has to hold.
     python benchmarks/allocator.py --fit      # search with and without --fit-allocator (FIT_CASES)
     python benchmarks/allocator.py --kit DIR  # the GPU kit's plans (DIR/gpu_truth.json) replayed, beside what
                                               # the GPU reserved running them
+    python benchmarks/allocator.py --default  # the default search's plans at three limits per model, made for each
+                                              # allocator configuration and replayed under it (issue 23)
 
 Not seen here (fake tensors run no kernel): cuBLAS/cuDNN workspaces and kernel scratch the allocator serves
 (cuBLAS: a few MiB per handle and stream), and memory outside the allocator (CUDA context, NCCL's buffers).
@@ -58,6 +60,10 @@ GRID = [
 FIT_CASES = [("llama2-7b", 4096, "20GB"), ("llama2-7b", 4096, "40GB"), ("llama3-8b", 8192, "40GB"),
              ("llama2-7b[n_layers=4]", 1024, "5.2GB")]
 QUICK = [("llama2-7b[n_layers=4]", "full", 2, 1024, None), ("llama2-7b[n_layers=4]", "none", 1, 1024, None)]
+# (model, sequence, limits): the default search's plans (tensor parallelism off: its plans do not run on fake tensors)
+DEFAULT_CASES = [("gpt2-1.5b", 1024, ("8GB", "12GB", "16GB")), ("llama2-7b", 4096, ("20GB", "30GB", "40GB")),
+                 ("llama3-8b", 8192, ("30GB", "40GB", "60GB"))]
+CONFIGS = ("expandable_segments:True", "expandable_segments:False")
 
 
 def plan_for(model: str, checkpoint: str | None, batch: int | None, seq_len: int, limit: str | None):
@@ -102,6 +108,39 @@ def fit_cases(cases) -> list[dict]:
     return rows
 
 
+def default_rows(cases) -> list[dict]:
+    """Each default plan (fitted to what the allocator needs, per configuration) replayed under its configuration:
+    what the step needs against the limit, and how much of the limit it leaves unused."""
+    from autoplan.errors import UsageError
+    from autoplan.run.allocator_fit import replay_plan
+
+    gib, rows = 2 ** 30, []
+    for model, seq_len, limits in cases:
+        for limit in limits:
+            for conf in CONFIGS:
+                started = time.perf_counter()
+                plan = autoplan.search(model, limit, gpus=WORLD, profile=PROFILE, seq_len=seq_len, tp=1,
+                                       allocator_conf=conf)
+                try:
+                    replayed = replay_plan(plan)
+                except UsageError as exc:  # offloading plans cannot be replayed yet
+                    print(f"{model} seq {seq_len} @ {limit} ({conf}): not replayed: {exc}", flush=True)
+                    rows.append({"model": model, "seq_len": seq_len, "limit": limit, "allocator_conf": conf,
+                                 "not_replayed": str(exc)})
+                    continue
+                mem = plan.cluster.mem_limit_bytes
+                row = {"model": model, "seq_len": seq_len, "limit": limit, "limit_bytes": mem, "allocator_conf": conf,
+                       "micro_batch": plan.training.micro_batch_size, "peak_bytes": plan.predicted.peak_mem_bytes,
+                       "bound_bytes": plan.predicted.needed_bytes, "needed_bytes": replayed.needed_bytes,
+                       "reserved_bytes": replayed.reserved_bytes, "fits": replayed.needed_bytes <= mem,
+                       "used": replayed.needed_bytes / mem, "seconds": time.perf_counter() - started}
+                rows.append(row)
+                print(f"{model} seq {seq_len} @ {limit} ({conf}): mb {row['micro_batch']}, peak {row['peak_bytes'] / gib:.2f}, "
+                      f"bound {row['bound_bytes'] / gib:.2f}, replay needs {row['needed_bytes'] / gib:.2f} GiB = "
+                      f"{row['used']:.1%} of the limit{'' if row['fits'] else ' OVER'} ({row['seconds']:.0f} s)", flush=True)
+    return rows
+
+
 def kit_rows(folder: Path) -> list[dict]:
     """The GPU kit's grid plans replayed here: the model's reserved and needed beside CUDA's measured figures
     (the kit ran each as rank 0 of its world with room to spare, so its max_memory_reserved is the free run's)."""
@@ -141,10 +180,21 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="two small configurations")
     parser.add_argument("--fit", action="store_true", help="the solver's plans with and without --fit-allocator")
     parser.add_argument("--kit", type=Path, metavar="DIR", help="replay the GPU kit's plans in DIR (its --out)")
+    parser.add_argument("--default", action="store_true", help="the default search's plans, per allocator configuration")
+    parser.add_argument("--only", help="with --default: the models whose name contains this")
     args = parser.parse_args()
     assert load_profile(PROFILE).device_type == "cuda"
     if args.kit:
         path = write_results("allocator_kit", {"kit": str(args.kit), "rows": kit_rows(args.kit)})
+        print(f"written to {path}")
+        return
+    if args.default:
+        rows = default_rows([case for case in DEFAULT_CASES if not args.only or args.only in case[0]])
+        replayed = [r for r in rows if "fits" in r]
+        print(f"fit: {sum(r['fits'] for r in replayed)} of {len(replayed)} replayed ({len(rows) - len(replayed)} not "
+              f"replayable); used {min(r['used'] for r in replayed):.1%}-{max(r['used'] for r in replayed):.1%} of the "
+              "limit (target: at most 100%, at least 95%)")
+        path = write_results("allocator_default", {"rows": rows})
         print(f"written to {path}")
         return
     if args.fit:
