@@ -86,7 +86,7 @@ def test_cli_estimate_takes_a_plan_for_an_hf_config(run_cli, configs, tmp_path, 
 def test_a_config_outside_the_plans_folder_is_named_again(configs, tmp_path, capsys):
     """A plan's config is read only inside the plan's folder: search says so when it writes one outside."""
     assert main(["search", "--model", f"hf:{configs['llama']}", "--mem", "40MB", "--gpus", "2", "--seq-len", "32",
-                 "-o", str(tmp_path / "plans" / "hf-plan.json")]) == 0
+                 "-o", str(tmp_path / "plans" / "hf-plan.json"), "--fit-to", "allocated"]) == 0
     assert "is outside the plan's folder" in capsys.readouterr().err
     name = json.loads((tmp_path / "plans" / "hf-plan.json").read_text())["model"]["name"]
     assert name == "hf:" + os.path.relpath(configs["llama"], tmp_path / "plans")
@@ -119,7 +119,7 @@ def test_a_plans_hf_path_is_read_from_its_folder_and_never_absolute(configs, tmp
 @pytest.mark.parametrize("name", ["../../../../etc/passwd", "../configs/llama", "link/config.json"])
 def test_a_plans_hf_path_cannot_leave_the_plans_folder(configs, tmp_path, monkeypatch, name):
     """`..` or a symlink out of the plan's folder is refused before anything is opened, whatever it points at."""
-    plan = autoplan.search(f"hf:{configs['llama']}", "40MB", gpus=2, seq_len=32)
+    plan = autoplan.search(f"hf:{configs['llama']}", "40MB", gpus=2, seq_len=32, fit_to="allocated")
     write_config(tmp_path / "configs" / "llama", "llama")
     (tmp_path / "plans").mkdir()
     (tmp_path / "plans" / "link").symlink_to(tmp_path / "configs" / "llama")

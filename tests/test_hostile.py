@@ -16,7 +16,7 @@ import autoplan
 from autoplan.cli.main import main
 
 REPO = Path(__file__).resolve().parents[1]
-TINY = ["--model", "gpt2-tiny", "--gpus", "2", "--seq-len", "64", "--mem", "40MB"]
+TINY = ["--model", "gpt2-tiny", "--gpus", "2", "--seq-len", "64", "--mem", "40MB", "--fit-to", "allocated"]
 
 
 def cli(capsys, *argv):
@@ -32,7 +32,7 @@ def cli(capsys, *argv):
 @pytest.fixture(scope="module")
 def plan_text(tmp_path_factory):
     path = tmp_path_factory.mktemp("plan") / "plan.json"
-    autoplan.search("gpt2-tiny", "40MB", gpus=2, seq_len=64).save(path)
+    autoplan.search("gpt2-tiny", "40MB", gpus=2, seq_len=64, fit_to="allocated").save(path)
     return path.read_text()
 
 

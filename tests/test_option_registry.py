@@ -224,7 +224,7 @@ def test_a_plan_naming_an_unknown_precision_is_refused_with_the_known_ones(tmp_p
 
 def test_an_unsearched_checkpoint_mode_is_left_out_of_the_search_but_taken_by_pins_and_estimates():
     # torchtitan's selective op policy exists to price runs as published: the search keeps its problem
-    common = {"gpus": 2, "profile": "a100-sxm4-80gb", "seq_len": 64, "batch_size": 4, "tp": 1}
+    common = {"gpus": 2, "profile": "a100-sxm4-80gb", "seq_len": 64, "batch_size": 4, "tp": 1, "fit_to": "allocated"}
     free = autoplan.search("llama-tiny", "8MB", **common)
     assert all(unit.checkpoint != "selective_op" for unit in free.units)
     pinned = autoplan.search("llama-tiny", "8MB", pin=["layers.*=checkpoint=selective_op"], **common)

