@@ -132,9 +132,14 @@ class ModelConfig:
         `autoplan models` lists without building a module (tests/test_models.py checks it against the modules)."""
         d, vocab = self.d_model, self.vocab_size
         head = 0 if self.tie_embeddings else d * vocab
-        if self.family == "llama":  # no biases; RMSNorm weights; GQA's narrower k and v
+        if self.family in ("llama", "moe"):  # no biases; RMSNorm weights; GQA's narrower k and v
             kv = self.kv_heads * self.head_dim
-            block = 2 * d + 2 * d * d + 2 * d * kv + 3 * d * self.ffn_dim
+            if self.family == "llama":
+                mlp = 3 * d * self.ffn_dim
+            else:  # the router, the experts' stacked w1, w3, w2, and the shared experts' one wider MLP
+                mlp = d * self.n_experts + 3 * self.n_experts * self.expert_ffn * d
+                mlp += 3 * d * self.n_shared_experts * self.expert_ffn
+            block = 2 * d + 2 * d * d + 2 * d * kv + mlp
             return vocab * d + self.n_layers * block + d + head
         # gpt2 and bert: biases and LayerNorms (weight and bias); fused qkv
         block = 2 * 2 * d + (3 * d * d + 3 * d) + (d * d + d) + (2 * d * self.ffn_dim + self.ffn_dim + d)
