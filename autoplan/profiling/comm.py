@@ -108,8 +108,8 @@ class _Results:
 
 
 def _stop(context) -> None:
-    """End the ranks of an interrupted benchmark: SIGINT (each rank leaves its process group and exits, as
-    on Ctrl-C in a terminal), a grace period, then SIGKILL."""
+    """End the ranks of an interrupted benchmark: SIGINT (each rank exits at once, see _exit_on_interrupt), a
+    grace period, then SIGKILL."""
     for process in context.processes:
         if process.is_alive():
             os.kill(process.pid, signal.SIGINT)
@@ -143,7 +143,15 @@ def run_comm_benchmark(request: CommRequest, on_result: Callable[[str, object], 
             results.drain()
 
 
+def _exit_on_interrupt(signum, frame) -> None:
+    """A rank's SIGINT: exit now. Raised as KeyboardInterrupt it could land in a weakref callback or a __del__,
+    where Python prints "Exception ignored" with a traceback and the rank runs on until it is killed; what the
+    rank measured is already in the results file, a line at a time."""
+    os._exit(128 + signum)
+
+
 def _worker(rank: int, request_fields: dict, store_path: str, result_path: str) -> None:
+    signal.signal(signal.SIGINT, _exit_on_interrupt)
     request_fields["repeats"] = Repeats(**request_fields["repeats"])
     for name in ("collectives", "calibration"):
         request_fields[name] = tuple(tuple(item) for item in request_fields[name])
