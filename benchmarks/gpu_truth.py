@@ -22,6 +22,9 @@ Stages (`--stages`, default all three):
            rank 0 of an 8-GPU world on torch's fake process group (autoplan.run.fake_world, which `autoplan apply
            --fake-world` runs): predicted peak against the measured live-tensor peak and CUDA's
            max_memory_allocated and max_memory_reserved; compute time (collectives free) against the predicted.
+           On a GPU each plan runs under both caching allocator configurations (expandable segments on, off),
+           the process capped at the plan's `needed` bound under each (cost_models.allocator_margin): whether the
+           step ran there, with max_memory_reserved and max_memory_allocated beside the bound.
   compute  single-GPU training runs (`autoplan apply` on one GPU): measured step time and peak against the plan's.
 
 On a machine with a GPU and a package index, or with the wheels installed:
@@ -252,14 +255,58 @@ def _save_plan(folder: Path, key: str, plan) -> None:
     path.write_text(json.dumps(plans) + "\n")
 
 
-def stage_grid(args, profile: str, budget: Budget) -> dict:
+# the grid runs each plan under both allocator configurations, capped at what the plan says it needs under each
+ALLOCATOR_CONFS = ("expandable_segments:True", "expandable_segments:False")
+
+
+def _mb(value: int | None) -> str:
+    return "-" if value is None else f"{value / 1e6:.0f} MB"
+
+
+def _run_under(plan, device: str, conf: str | None, gpu_mem: int | None) -> dict:
+    """One fake-world run of `plan`; on a GPU under the caching allocator configuration `conf` (set at run time,
+    the cache emptied first) with the process capped at the plan's needed bound under it
+    (cost_models.allocator_margin; `gpu_mem` None: not capped): whether the step ran, what torch reserved and
+    allocated."""
     import gc
 
     import torch
 
-    from autoplan.errors import AutoplanError, InfeasibleError
+    from autoplan.errors import AutoplanError
     from autoplan.run.fake_world import run_fake_world
     from autoplan.run.memtrack import allocation_failure
+    from cost_models.allocator_margin import needed_bytes, reserved_bytes
+
+    summary: dict = {}
+    if device == "cuda":
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.memory._set_allocator_settings(conf)  # new segments follow it; the cache is empty
+        peak = plan.predicted.peak_mem_bytes
+        bound = needed_bytes(peak, conf)
+        summary.update(needed_bound_bytes=bound, predicted_reserved_bytes=reserved_bytes(peak, conf))
+        if gpu_mem is not None:  # None: uncapped
+            torch.cuda.set_per_process_memory_fraction(min(1.0, bound / gpu_mem))
+        torch.cuda.reset_peak_memory_stats()
+    started = time.monotonic()
+    result = None
+    try:
+        result = run_fake_world(plan, steps=2, warmup=1, device=device)
+        summary.update(status="ran")
+    except (AutoplanError, RuntimeError, MemoryError) as exc:
+        refused = allocation_failure(exc)
+        summary.update(status="out of memory" if refused else "failed", note=refused or repr(exc)[:500])
+    finally:
+        if device == "cuda":
+            summary.update(reserved=torch.cuda.max_memory_reserved(), allocated=torch.cuda.max_memory_allocated())
+            torch.cuda.set_per_process_memory_fraction(1.0)
+    return {"result": result, "summary": summary, "wall_s": time.monotonic() - started}
+
+
+def stage_grid(args, profile: str, budget: Budget) -> dict:
+    import torch
+
+    from autoplan.errors import InfeasibleError
     from cost_models.allocator import reserved_bound
 
     on_gpu = args.device == "cuda"
@@ -292,19 +339,21 @@ def stage_grid(args, profile: str, budget: Budget) -> dict:
                 if gpu_mem and plan.predicted.peak_mem_bytes > FIT_FRACTION * gpu_mem:
                     row["status"] = f"skipped: predicted above {FIT_FRACTION:.0%} of the GPU's memory"
                     continue
-                if on_gpu:
-                    gc.collect()
-                    torch.cuda.empty_cache()
-                    torch.cuda.reset_peak_memory_stats()
-                started = time.monotonic()
-                try:
-                    result = run_fake_world(plan, steps=2, warmup=1, device=args.device)
-                except (AutoplanError, RuntimeError, MemoryError) as exc:
-                    refused = allocation_failure(exc)
-                    row.update(status="out of memory" if refused else "failed", note=refused or repr(exc)[:500])
+                runs = {conf: _run_under(plan, args.device, conf, gpu_mem) for conf in
+                        (ALLOCATOR_CONFS if on_gpu else (None,))}
+                if on_gpu:  # each configuration: whether the step ran capped at the plan's needed bound, and what
+                    row["allocator"] = {conf: run["summary"] for conf, run in runs.items()}  # it took
+                # the memory and time figures of the first run that finished; uncapped where none did
+                first = next((run for run in runs.values() if run["result"] is not None), None)
+                if first is None and on_gpu:
+                    first = _run_under(plan, args.device, ALLOCATOR_CONFS[0], None)
+                if first is None or first["result"] is None:
+                    failed = (first or next(iter(runs.values())))["summary"]
+                    row.update(status=failed["status"], note=failed.get("note"))
                     continue
+                result = first["result"]
                 measured = result.measured_peak_bytes
-                row.update(status="ok", wall_s=time.monotonic() - started,
+                row.update(status="ok", wall_s=first["wall_s"],
                            predicted_peak_bytes=result.predicted_peak_bytes, measured_peak_bytes=measured,
                            mem_error=(result.predicted_peak_bytes - measured) / measured,
                            cuda_max_allocated_bytes=result.cuda_max_allocated_bytes,
@@ -316,11 +365,13 @@ def stage_grid(args, profile: str, budget: Budget) -> dict:
                            mem_source=result.mem_source,
                            # the caching allocator's figure the plan gives (cost_models.allocator), beside the measured
                            predicted_reserved_bytes=reserved_bound(result.predicted_peak_bytes))
-                if result.cuda_max_reserved_bytes:
-                    print(f"  {model} mb {batch} {kind}: reserved predicted {row['predicted_reserved_bytes'] / 1e6:.0f} MB, "
-                          f"measured {result.cuda_max_reserved_bytes / 1e6:.0f} MB (allocated predicted "
-                          f"{result.predicted_peak_bytes / 1e6:.0f} MB, measured {result.cuda_max_allocated_bytes / 1e6:.0f} MB)",
-                          flush=True)
+                for conf, run in runs.items():
+                    if conf is not None:
+                        summary = run["summary"]
+                        print(f"  {model} mb {batch} {kind} ({conf}): {summary['status']} capped at the needed bound "
+                              f"{summary['needed_bound_bytes'] / 1e6:.0f} MB; reserved {_mb(summary.get('reserved'))}, "
+                              f"allocated {_mb(summary.get('allocated'))} (predicted "
+                              f"{result.predicted_peak_bytes / 1e6:.0f} MB)", flush=True)
     return {"profile": profile, "world_size": WORLD, "rows": rows}
 
 

@@ -21,6 +21,17 @@ def _stats(values: list[float]) -> dict | None:
     return {"n": len(values), "median_abs": statistics.median(abs(v) for v in values), "worst": worst}
 
 
+def _allocator_counts(rows: list[dict]) -> dict:
+    counts: dict = {}
+    for row in rows:
+        for conf, run in (row.get("allocator") or {}).items():
+            entry = counts.setdefault(conf, {"capped_runs": 0, "ran": 0, "out_of_memory": 0})
+            entry["capped_runs"] += 1
+            entry["ran"] += run.get("status") == "ran"
+            entry["out_of_memory"] += run.get("status") == "out of memory"
+    return counts
+
+
 def summarize(results: dict) -> dict:
     """The numbers a reader wants first: memory error of the grid against the live peak and against CUDA's
     allocated peak, how far reserved runs above allocated, compute-time error, plans measured over their limit."""
@@ -42,6 +53,8 @@ def summarize(results: dict) -> dict:
             "compute_error": _stats([row["predicted_compute_s"] / row["measured_compute_s"] - 1
                                      for row in grid if row.get("measured_compute_s")]),
             "over_limit": sum(bool(row.get("over_limit")) for row in grid),
+            # per allocator configuration: plans run capped at their needed bound, and how many ran there
+            "allocator": _allocator_counts(stages["grid"]["rows"]),
         }
     compute = [row for row in stages.get("compute", {}).get("rows", []) if row.get("status") == "ok"]
     if stages.get("compute"):
@@ -97,6 +110,10 @@ def format_results(results: dict) -> str:
                   f"{'alloc MB':>9} {'err':>7} {'reserv MB':>9} {'res/alloc':>9} {'compute ms':>11} {'meas ms':>8}"]
         for r in grid["rows"]:
             head = f"  {r['model']:<10} {r['seq_len']:>5} {r['micro_batch']:>3} {r['plan']:<15}"
+            for conf, run in (r.get("allocator") or {}).items():  # capped at the plan's needed bound under conf
+                lines.append(f"{head} {conf}: {run.get('status')} capped at the needed bound "
+                             f"{_mb(run.get('needed_bound_bytes'))} MB (reserved {_mb(run.get('reserved'))} MB, allocated "
+                             f"{_mb(run.get('allocated'))} MB; reserved bound {_mb(run.get('predicted_reserved_bytes'))} MB)")
             if r.get("status") != "ok":
                 lines.append(f"{head} {r.get('status')}" + (f": {r['note'][:120]}" if r.get("note") else ""))
                 continue
@@ -130,6 +147,9 @@ def format_results(results: dict) -> str:
                   _line(g["reserved_over_allocated"], "CUDA max_memory_reserved above max_memory_allocated"),
                   _line(g["reserved_over_predicted"], "CUDA max_memory_reserved above the predicted peak"),
                   _line(g["compute_error"], "compute time (collectives free), predicted against measured")]
+        for conf, n in g.get("allocator", {}).items():
+            lines.append(f"  {conf}: {n['ran']} of {n['capped_runs']} plans ran capped at their needed bound "
+                         f"({n['out_of_memory']} out of memory)")
     if "compute" in summary:
         c = summary["compute"]
         lines += [f"summary, single-GPU runs: {c['runs']} runs",
