@@ -20,6 +20,8 @@ limit has to hold.
                                               # the GPU reserved running them
     python benchmarks/allocator.py --default  # the default search's plans at three limits per model, made for each
                                               # allocator configuration and replayed under it (issue 23)
+    python benchmarks/allocator.py --search-time  # `autoplan search` fitted to needed (the default, with the
+                                              # replay check) beside --fit-to allocated --fit-allocator off, in turn
 
 Not seen here (fake tensors run no kernel): cuBLAS/cuDNN workspaces and kernel scratch the allocator serves
 (cuBLAS: a few MiB per handle and stream), and memory outside the allocator (CUDA context, NCCL's buffers).
@@ -38,7 +40,8 @@ from common import write_results
 import autoplan
 from autoplan.profile_store import load_profile
 from autoplan.run.allocator_fit import record_step
-from cost_models.allocator import reserved_bound
+from cost_models.allocator import SEGMENT_SLACK
+from cost_models.allocator_margin import needed_bytes
 from cost_models.allocator_replay import min_limit, replay
 
 PROFILE = "h100-sxm-80gb"
@@ -64,6 +67,41 @@ QUICK = [("llama2-7b[n_layers=4]", "full", 2, 1024, None), ("llama2-7b[n_layers=
 DEFAULT_CASES = [("gpt2-1.5b", 1024, ("8GB", "12GB", "16GB")), ("llama2-7b", 4096, ("20GB", "30GB", "40GB")),
                  ("llama3-8b", 8192, ("30GB", "40GB", "60GB"))]
 CONFIGS = ("expandable_segments:True", "expandable_segments:False")
+# (name, search flags): what fitting to `needed` costs a search, measured against the live-bytes fit in one run
+SEARCH_TIME_CASES = [
+    ("gpt2-1.5b, 8 x A100, 8GB", ["--model", "gpt2-1.5b", "--mem", "8GB"]),
+    ("llama3-8b, 8 x H100, 40GB", ["--model", "llama3-8b", "--profile", "h100-sxm-80gb", "--gpus", "8",
+                                   "--mem", "40GB"]),
+    ("llama2-70b, 8 x 8 H100, 80GB", ["--model", "llama2-70b", "--profile", "h100-sxm-80gb", "--nodes", "8",
+                                      "--gpus-per-node", "8", "--mem", "80GB"]),
+]
+LIVE_FIT = ["--fit-to", "allocated", "--fit-allocator", "off"]
+
+
+def search_times(repeats: int) -> list[dict]:
+    """Wall seconds of `autoplan search` per case, the default fit and the live-bytes fit in turn (each repeat
+    runs both), and their ratio by medians."""
+    import statistics
+    import subprocess
+    import sys
+
+    rows = []
+    for name, flags in SEARCH_TIME_CASES:
+        times: dict[str, list[float]] = {"needed": [], "allocated": []}
+        with tempfile.TemporaryDirectory() as folder:
+            for _ in range(repeats):
+                for fit, extra in (("needed", []), ("allocated", LIVE_FIT)):
+                    started = time.perf_counter()
+                    subprocess.run([sys.executable, "-m", "autoplan", "search", *flags, *extra, "-o",
+                                    str(Path(folder) / f"{fit}.json")], check=True, capture_output=True)
+                    times[fit].append(time.perf_counter() - started)
+        ratio = statistics.median(times["needed"]) / statistics.median(times["allocated"])
+        print(f"{name}: fitted to needed {statistics.median(times['needed']):.1f} s, to allocated "
+              f"{statistics.median(times['allocated']):.1f} s (medians of {repeats}): {ratio:.2f}x "
+              "(target at most 1.3x)", flush=True)
+        rows.append({"case": name, "flags": flags, "needed_s": times["needed"], "allocated_s": times["allocated"],
+                     "ratio": ratio})
+    return rows
 
 
 def plan_for(model: str, checkpoint: str | None, batch: int | None, seq_len: int, limit: str | None):
@@ -182,10 +220,16 @@ def main() -> None:
     parser.add_argument("--kit", type=Path, metavar="DIR", help="replay the GPU kit's plans in DIR (its --out)")
     parser.add_argument("--default", action="store_true", help="the default search's plans, per allocator configuration")
     parser.add_argument("--only", help="with --default: the models whose name contains this")
+    parser.add_argument("--search-time", type=int, nargs="?", const=3, metavar="REPEATS",
+                        help="search wall time fitted to needed against allocated (default 3 repeats)")
     args = parser.parse_args()
     assert load_profile(PROFILE).device_type == "cuda"
     if args.kit:
         path = write_results("allocator_kit", {"kit": str(args.kit), "rows": kit_rows(args.kit)})
+        print(f"written to {path}")
+        return
+    if args.search_time:
+        path = write_results("allocator_search_time", {"rows": search_times(args.search_time)})
         print(f"written to {path}")
         return
     if args.default:
@@ -203,31 +247,38 @@ def main() -> None:
         return
     gib = 2 ** 30
     print(f"{'plan':<34} {'mb':>2} {'seq':>5} {'predicted':>9} {'live':>7} {'alloc':>7} {'reserved':>8} "
-          f"{'needed':>7} {'res/alloc':>9} {'need/alloc':>10} {'bound':>7}  (GiB)")
+          f"{'needed':>7} {'need/pred':>9} {'exp. res':>8} {'exp. need':>9} {'need/pred':>9} {'exp. bound':>10}  (GiB)")
     rows = []
     for model, checkpoint, batch, seq_len, limit in QUICK if args.quick else GRID:
         started = time.perf_counter()
         plan = plan_for(model, checkpoint, batch, seq_len, limit)
         events, starts = record_step(plan)
-        free_run = replay(events)
-        needed = min_limit(events)
+        free_run, expandable_run = replay(events), replay(events, expandable=True)
+        # as a plan's needed bound counts them: the kernel workspaces a replay cannot see on top
+        needed = min_limit(events) + SEGMENT_SLACK
+        needed_expandable = min_limit(events, expandable=True) + SEGMENT_SLACK
         predicted = plan.predicted.peak_mem_bytes
+        bound = needed_bytes(predicted, CONFIGS[0])
         label = f"{model} " + (f"shard+{checkpoint}" if limit is None else f"solver@{limit}")
         mb = plan.training.micro_batch_size
         print(f"{label:<34} {mb:>2} {seq_len:>5} {predicted / gib:>9.2f} {free_run.peak_requested / gib:>7.2f} "
               f"{free_run.peak_allocated / gib:>7.2f} {free_run.peak_reserved / gib:>8.2f} {needed / gib:>7.2f} "
-              f"{free_run.peak_reserved / free_run.peak_allocated:>9.4f} {needed / free_run.peak_allocated:>10.4f} "
-              f"{reserved_bound(predicted) / gib:>7.2f}  ({time.perf_counter() - started:.0f} s, "
+              f"{needed / predicted:>9.4f} {expandable_run.peak_reserved / gib:>8.2f} {needed_expandable / gib:>9.2f} "
+              f"{needed_expandable / predicted:>9.4f} {bound / gib:>10.2f}  ({time.perf_counter() - started:.0f} s, "
               f"{len(events)} events, {free_run.segments} segments)", flush=True)
         rows.append({"model": model, "plan": label, "micro_batch": mb, "seq_len": seq_len,
                      "predicted_peak_bytes": predicted, "live_peak_bytes": free_run.peak_requested,
                      "allocated_peak_bytes": free_run.peak_allocated, "reserved_peak_bytes": free_run.peak_reserved,
-                     "needed_limit_bytes": needed, "bound_bytes": reserved_bound(predicted),
+                     "needed_limit_bytes": needed, "native_bound_bytes": needed_bytes(predicted, CONFIGS[1]),
+                     "expandable_reserved_bytes": expandable_run.peak_reserved,
+                     "expandable_needed_bytes": needed_expandable, "expandable_bound_bytes": bound,
                      "events": len(events), "segments": free_run.segments})
-    worst = max(rows, key=lambda r: r["needed_limit_bytes"] / r["predicted_peak_bytes"])
-    print(f"\nworst needed/predicted: {worst['needed_limit_bytes'] / worst['predicted_peak_bytes']:.4f} ({worst['plan']}, "
-          f"mb {worst['micro_batch']}); bound/needed at least "
-          f"{min(r['bound_bytes'] / r['needed_limit_bytes'] for r in rows):.4f}")
+    for conf, needed_key, bound_key in ((CONFIGS[1], "needed_limit_bytes", "native_bound_bytes"),
+                                        (CONFIGS[0], "expandable_needed_bytes", "expandable_bound_bytes")):
+        worst = max(rows, key=lambda r: r[needed_key] / r["predicted_peak_bytes"])
+        print(f"{conf}: worst needed/predicted {worst[needed_key] / worst['predicted_peak_bytes']:.4f} "
+              f"({worst['plan']}, mb {worst['micro_batch']}); bound/needed at least "
+              f"{min(r[bound_key] / r[needed_key] for r in rows):.4f}")
     path = write_results("allocator" + ("_quick" if args.quick else ""), {"rows": rows})
     print(f"written to {path}")
 
