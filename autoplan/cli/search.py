@@ -52,8 +52,8 @@ def register(subparsers) -> None:
     add_torchtitan_flag(parser, " (its samples per step kept), its layout estimated and printed beside the plan")
     parser.add_argument("--fit-allocator", nargs="?", const="on", default="auto", choices=("auto", "on", "off"),
                         help="CUDA profiles: check the plan by replaying its step (rank 0, fake tensors) through a model "
-                             "of torch's caching allocator. auto (the default): when the replay takes less time than "
-                             "the search took, and if the step needs more than --mem, fit it (as on); on (or bare "
+                             "of torch's caching allocator. auto (the default): when the replay takes less than 15%% of "
+                             "the search's time, and if the step needs more than --mem, fit it (as on); on (or bare "
                              "--fit-allocator): plan to the replay itself, searching again while the step needs more "
                              "than --mem (a few seconds to a minute per round); off: no replay")
     parser.set_defaults(handler=_run, subparser=parser)
@@ -112,11 +112,13 @@ def _search(settings, fit_allocator: str):
     plan = search(settings=settings)
     if fit_allocator == "off" or settings.fit_to == "allocated":  # live bytes alone, as asked
         return plan
-    from autoplan.run.allocator_fit import replay_within, search_fitting_allocator
+    from autoplan.run.allocator_check import AUTO_REPLAY_SHARE, replay_within
 
-    replayed = replay_within(plan, time.perf_counter() - start)  # no longer than the search took
+    replayed = replay_within(plan, AUTO_REPLAY_SHARE * (time.perf_counter() - start))
     if replayed is None:
         return plan
+    from autoplan.run.allocator_fit import search_fitting_allocator
+
     if replayed.needed_bytes > plan.cluster.mem_limit_bytes:
         say(f"the replayed step needs {format_bytes(replayed.needed_bytes)}, more than the limit: fitting the plan "
             "to the replay")

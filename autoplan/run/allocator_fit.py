@@ -19,7 +19,6 @@ and the device are one memory). A replay of llama2-70b's rank 0 (80 layers) take
 
 from __future__ import annotations
 
-import multiprocessing
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,7 +28,7 @@ import torch
 from autoplan.api.search import search
 from autoplan.errors import InfeasibleError, UsageError
 from autoplan.plan.schema import Plan
-from autoplan.profile_store import load_profile
+from autoplan.run.allocator_check import check_replayable
 from autoplan.run.apply import materialise
 from autoplan.run.data import vocab_size_of
 from autoplan.run.memtrack import LiveTensorTracker
@@ -41,9 +40,8 @@ from autoplan.sizes import format_bytes
 from cost_models.allocator import SEGMENT_SLACK
 from cost_models.allocator_margin import is_expandable
 from cost_models.allocator_replay import min_limit, replay
-from cost_models.options import SHARDING_KINDS, ShardGroup
 
-__all__ = ["AllocatorReplay", "record_step", "replay_plan", "replay_within", "search_fitting_allocator", "STREAMS"]
+__all__ = ["STREAMS", "AllocatorReplay", "record_step", "replay_plan", "search_fitting_allocator"]
 
 STREAMS = {"default": 0, "all_gather": 1, "reduce_scatter": 2}
 MAX_ROUNDS = 6
@@ -103,29 +101,6 @@ class _AllocationRecorder(LiveTensorTracker):
         super()._forget(key)
 
 
-def _check_replayable(plan: Plan) -> None:
-    if load_profile(plan.cluster.profile).device_type != "cuda":
-        raise UsageError(f"the plan is costed with {plan.cluster.profile!r}, not a CUDA profile: only CUDA has the "
-                         "caching allocator a replay models (pick a GPU profile with --profile, or leave out "
-                         "--fit-allocator)")
-    if plan.cluster.tp_degree > 1:
-        raise UsageError("a tensor-parallel plan does not run on fake tensors yet (FSDP2 joins the data- and "
-                         "tensor-parallel meshes inside the fake tensor mode, which torch 2.13 refuses), so its "
-                         "allocations cannot be replayed: search with --tp 1 to check a plan by replay")
-    offloaded = [u.module or "<root>" for u in plan.units if u.offload]
-    if offloaded:
-        raise UsageError(f"units offloaded to the host ({', '.join(offloaded[:3])}{', ...' if len(offloaded) > 3 else ''}): "
-                         "on fake tensors the host and the device are one memory, so a replay cannot tell their "
-                         "allocations apart yet; search without --fit-allocator (the report gives the reserved bound), "
-                         "or with more memory or GPUs so that nothing is offloaded")
-    node_sharded = [u.module or "<root>" for u in plan.units
-                    if SHARDING_KINDS[u.sharding].shard_group == ShardGroup.NODE]
-    if node_sharded and plan.cluster.nodes > 1:
-        raise UsageError(f"units sharded within a node and replicated across nodes ({', '.join(node_sharded[:3])}) "
-                         "run on a 2-D mesh, which does not run on fake tensors yet: their allocations cannot be "
-                         "replayed")
-
-
 def record_step(plan: Plan, steps: int = 3) -> tuple[list[tuple], list[int]]:
     """The allocation events of materialisation and `steps` training steps of rank 0 of `plan`'s world, on
     fake tensors, the optimizer stepping foreach as on CUDA; and the event index at the start of each step
@@ -164,44 +139,12 @@ class AllocatorReplay:
 def replay_plan(plan: Plan) -> AllocatorReplay:
     """Record `plan`'s step on fake tensors and replay it through the caching allocator model of the plan's
     configuration (expandable segments or native; native for a plan that records none)."""
-    _check_replayable(plan)
+    check_replayable(plan)
     events, _ = record_step(plan)
     expandable = is_expandable(plan.cluster.allocator_conf or "")
     free_run = replay(events, expandable=expandable)
     return AllocatorReplay(free_run.peak_allocated, free_run.peak_reserved,
                            min_limit(events, expandable=expandable) + SEGMENT_SLACK, len(events))
-
-
-def replay_within(plan: Plan, budget_s: float) -> AllocatorReplay | None:
-    """`replay_plan` in a forked process given `budget_s` seconds: None when it takes longer (the process is
-    stopped) or the plan cannot be replayed (a tensor-parallel or offloading plan). Linux only (fork with torch
-    imported); None elsewhere."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        _check_replayable(plan)
-    except UsageError:
-        return None
-    context = multiprocessing.get_context("fork")
-    receive, send = context.Pipe(duplex=False)
-    worker = context.Process(target=_replay_into, args=(plan, send), daemon=True)
-    worker.start()
-    send.close()
-    try:
-        return receive.recv() if receive.poll(budget_s) else None
-    except EOFError:  # the replay failed in the worker
-        return None
-    finally:
-        if worker.is_alive():
-            worker.kill()
-        worker.join()
-
-
-def _replay_into(plan: Plan, send) -> None:
-    try:
-        send.send(replay_plan(plan))
-    finally:
-        send.close()
 
 
 def search_fitting_allocator(settings: SearchSettings, say: Callable[[str], None] = lambda line: None,
@@ -227,7 +170,7 @@ def search_fitting_allocator(settings: SearchSettings, say: Callable[[str], None
         plan = search(settings=SearchSettings.create(settings, headroom=headroom))
         limit = plan.cluster.mem_limit_bytes
         if round_ == 1:
-            _check_replayable(plan)
+            check_replayable(plan)
         result = replay_plan(plan)
         replays.append(result)
         peak = plan.predicted.peak_mem_bytes
