@@ -18,7 +18,7 @@ from autoplan.run.apply import DEFAULT_LR
 from autoplan.run.fake_world import FakeWorldOptions, format_fake_world, run_fake_world
 from autoplan.run.launch import DEFAULT_RDZV_TIMEOUT_S, LaunchResult, Nodes, launch, torchrun_args
 from autoplan.run.memtrack import allocation_failure
-from autoplan.run.prepare import PreparedRun, prepare_run, run_outline
+from autoplan.run.prepare import PreparedRun, RunOptions, prepare_run, run_outline
 from autoplan.run.procs import exit_status
 from autoplan.run.report import build_report, format_report
 from autoplan.run.resume import CheckpointFlags
@@ -132,11 +132,11 @@ def run_apply(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         return _run_fake_world(args, parser)
     nodes = Nodes(args.nnodes, args.node_rank, args.rdzv_endpoint, args.rdzv_timeout)
     try:
-        prepared = prepare_run(
-            args.plan, model=args.model, nproc=args.nproc, nodes=nodes, steps=args.steps, warmup=args.warmup,
-            data=args.data, report=args.report, mem_limit=args.mem_limit, lr=args.lr, seed=args.seed,
-            timeout=args.timeout, checkpoints=CheckpointFlags(args.save, args.save_every, args.resume),
-        )
+        prepared = prepare_run(args.plan, RunOptions(
+            model=args.model, nproc=args.nproc, nodes=nodes, steps=args.steps, warmup=args.warmup, data=args.data,
+            report=args.report, mem_limit=args.mem_limit, lr=args.lr, seed=args.seed, timeout=args.timeout,
+            checkpoints=CheckpointFlags(args.save, args.save_every, args.resume),
+        ))
     except UsageError as exc:
         parser.error(to_flags(str(exc), parser))  # other AutoplanErrors (a bad plan file) are reported by cli.main
 
