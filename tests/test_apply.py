@@ -15,7 +15,7 @@ from autoplan.errors import PlanFileError, UsageError
 from autoplan.models.zoo import build_model, get_config
 from autoplan.run.apply import apply, materialise, model_for_plan
 from autoplan.run.memtrack import MemoryLimitExceeded, allocation_failure
-from autoplan.run.prepare import prepare_run, run_outline
+from autoplan.run.prepare import RunOptions, prepare_run, run_outline
 
 
 def test_refuses_a_plan_for_another_model_naming_the_first_difference():
@@ -221,7 +221,7 @@ def test_a_plan_costed_for_another_device_is_said_before_the_run(plan_path):
     assert any("a100-sxm4-80gb" in w and "step-time comparison will be meaningless" in w for w in prepared.warnings)
     assert "no time estimate" in run_outline(prepared)[-1]
     edited_plan(plan_path, lambda d: d["cluster"].update(profile="cpu-gloo-2"))
-    prepared = prepare_run(str(plan_path), steps=4, warmup=1)
+    prepared = prepare_run(str(plan_path), RunOptions(steps=4, warmup=1))
     assert not any("meaningless" in w for w in prepared.warnings)
     outline = run_outline(prepared)
     # the CPU: 1 warm-up + 4 steps measured for memory + 4 untracked timed steps; the plan predicts 0.1 s a step

@@ -15,6 +15,7 @@ from autoplan.run.ac import apply_ac, saved_by_selective_ops, selective_policy
 from autoplan.run.memtrack import LiveTensorTracker
 from autoplan.tracing.attention import AttentionPolicy
 from autoplan.tracing.fx_tracer import trace_model
+from autoplan.tracing.trace_options import TraceOptions
 from autoplan.tracing.units import build_units
 from cost_models.activations import activation_keep_bytes
 from cost_models.options import CHECKPOINT_MODES, CheckpointMode, Recompute, registered
@@ -52,7 +53,8 @@ def kept_by_block(model_name: str, block: str, mode: str) -> tuple[int, torch.Te
 
 def predicted_keep(model_name: str, block: str) -> dict[Recompute, int]:
     model = build_model(model_name)
-    trace = trace_model(model, BATCH, SEQ, "fp32", attention=AttentionPolicy(device="cpu"))  # the kernels of this run
+    cpu_kernels = TraceOptions(attention=AttentionPolicy(device="cpu"))  # the kernels of this run
+    trace = trace_model(model, BATCH, SEQ, "fp32", options=cpu_kernels)
     units = build_units(model, trace)
     index = [unit.path for unit in units].index(block)
     unit = units[index]

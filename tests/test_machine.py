@@ -8,7 +8,7 @@ import autoplan.machine as machine
 from autoplan.cli.main import main
 from autoplan.machine import bf16_note, cpu_identity, device_mismatch
 from autoplan.profile_store import load_profile
-from autoplan.run.prepare import prepare_run, run_outline
+from autoplan.run.prepare import RunOptions, prepare_run, run_outline
 from cost_models.profile import DeviceIdentity
 
 AVX2_ONLY = DeviceIdentity(name="Intel(R) Core(TM) i7-8700 CPU @ 3.20GHz", cpu_model="Intel(R) Core(TM) i7-8700 CPU",
@@ -79,7 +79,7 @@ def test_estimate_says_the_same(another_cpu, capsys):
 def test_apply_warns_and_its_time_estimate_says_it_may_not_hold(another_cpu, capsys, tmp_path):
     plan = tmp_path / "plan.json"
     assert main([*SEARCH, "-o", str(plan)]) == 0
-    prepared = prepare_run(str(plan), steps=2, warmup=1)
+    prepared = prepare_run(str(plan), RunOptions(steps=2, warmup=1))
     assert any(w.startswith("profile cpu-gloo-2 measured on") for w in prepared.warnings)
     assert any("bf16 matrix units" in w and "--dtype fp32" in w for w in prepared.warnings)
     [estimate] = [line for line in run_outline(prepared) if line.startswith("estimate:")]
@@ -89,7 +89,7 @@ def test_apply_warns_and_its_time_estimate_says_it_may_not_hold(another_cpu, cap
 def test_on_the_profiles_own_cpu_apply_says_nothing_of_the_device(the_profiles_cpu, tmp_path):
     plan = tmp_path / "plan.json"
     assert main([*SEARCH, "-o", str(plan)]) == 0
-    prepared = prepare_run(str(plan), steps=2, warmup=1)
+    prepared = prepare_run(str(plan), RunOptions(steps=2, warmup=1))
     assert not any("measured on" in w or "bf16" in w for w in prepared.warnings)
     assert not any("may not hold" in line for line in run_outline(prepared))
 

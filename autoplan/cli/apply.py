@@ -15,10 +15,10 @@ from autoplan.errors import AutoplanError, UsageError
 from autoplan.fileio import check_writable
 from autoplan.plan.schema import load_plan
 from autoplan.run.apply import DEFAULT_LR
-from autoplan.run.fake_world import format_fake_world, run_fake_world
+from autoplan.run.fake_world import FakeWorldOptions, format_fake_world, run_fake_world
 from autoplan.run.launch import DEFAULT_RDZV_TIMEOUT_S, LaunchResult, Nodes, launch, torchrun_args
 from autoplan.run.memtrack import allocation_failure
-from autoplan.run.prepare import PreparedRun, prepare_run, run_outline
+from autoplan.run.prepare import PreparedRun, RunOptions, prepare_run, run_outline
 from autoplan.run.procs import exit_status
 from autoplan.run.report import build_report, format_report
 from autoplan.run.resume import CheckpointFlags
@@ -132,11 +132,11 @@ def run_apply(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         return _run_fake_world(args, parser)
     nodes = Nodes(args.nnodes, args.node_rank, args.rdzv_endpoint, args.rdzv_timeout)
     try:
-        prepared = prepare_run(
-            args.plan, model=args.model, nproc=args.nproc, nodes=nodes, steps=args.steps, warmup=args.warmup,
-            data=args.data, report=args.report, mem_limit=args.mem_limit, lr=args.lr, seed=args.seed,
-            timeout=args.timeout, checkpoints=CheckpointFlags(args.save, args.save_every, args.resume),
-        )
+        prepared = prepare_run(args.plan, RunOptions(
+            model=args.model, nproc=args.nproc, nodes=nodes, steps=args.steps, warmup=args.warmup, data=args.data,
+            report=args.report, mem_limit=args.mem_limit, lr=args.lr, seed=args.seed, timeout=args.timeout,
+            checkpoints=CheckpointFlags(args.save, args.save_every, args.resume),
+        ))
     except UsageError as exc:
         parser.error(to_flags(str(exc), parser))  # other AutoplanErrors (a bad plan file) are reported by cli.main
 
@@ -190,9 +190,9 @@ def _run_fake_world(args: argparse.Namespace, parser: argparse.ArgumentParser) -
                                                      else parse_mem_bytes(args.mem_limit))
         print(f"autoplan apply: {args.plan} as rank 0 of a fake {plan.cluster.world_size}-rank world, in this process "
               "(no torchrun)", flush=True)
-        result = run_fake_world(args.plan, steps=args.steps, model=args.model, warmup=args.warmup, seed=args.seed,
-                                lr=args.lr, mem_limit_bytes=limit, log=lambda line: print(f"autoplan apply: {line}",
-                                                                                          flush=True))
+        result = run_fake_world(args.plan, steps=args.steps, model=args.model, warmup=args.warmup,
+                                options=FakeWorldOptions(seed=args.seed, lr=args.lr, mem_limit_bytes=limit),
+                                log=lambda line: print(f"autoplan apply: {line}", flush=True))
     except UsageError as exc:
         parser.error(to_flags(str(exc), parser))
     except Exception as exc:  # the allocator refusing memory is reported as what it refused

@@ -18,8 +18,10 @@ come from the same mask function (installed under "sdpa" too while entered), so 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -48,28 +50,53 @@ def _mask_structure(mask_function: Callable, local_size: int | None) -> MaskTag 
     return None
 
 
-def _structural_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
-                     mask_function: Callable | None = None, attention_mask: torch.Tensor | None = None,
-                     local_size: int | None = None, allow_is_causal_skip: bool = True,
-                     allow_is_bidirectional_skip: bool = False, use_vmap: bool = False, **kwargs):
-    """transformers' sdpa_mask, without a mask where none is needed and with the causal ones tagged."""
+@dataclass(frozen=True)
+class _MaskRequest:
+    """What a mask interface is asked that decides whether a mask is needed: the query and key lengths and
+    offsets, the mask function, a padding mask, the window (`local_size`) and whether vmap builds it."""
+
+    q_length: int
+    kv_length: int
+    q_offset: int = 0
+    kv_offset: int = 0
+    mask_function: Callable | None = None
+    attention_mask: torch.Tensor | None = None
+    local_size: int | None = None
+    use_vmap: bool = False
+
+    @classmethod
+    def of(cls, arguments: dict) -> _MaskRequest:
+        return cls(**{name: arguments[name] for name in _MASK_REQUEST_FIELDS if name in arguments})
+
+    def structure(self) -> MaskTag | None:
+        """The mask's structure where it is plain (causal, sliding-window causal, bidirectional) over as many
+        keys as queries without padding; None where transformers' own mask is needed."""
+        if self.use_vmap or self.attention_mask is not None or self.q_offset or self.kv_offset or (
+                self.q_length != self.kv_length):
+            return None
+        tag = _mask_structure(self.mask_function, self.local_size)
+        if tag is not None and tag.window is not None and tag.window >= self.kv_length:
+            return MaskTag(causal=True)  # the window covers every key: plain causal attention
+        return tag
+
+
+_MASK_REQUEST_FIELDS = tuple(field.name for field in dataclasses.fields(_MaskRequest))
+
+
+def _structural_mask(**arguments):
+    """transformers' sdpa_mask, without a mask where none is needed and with the causal ones tagged.
+    transformers calls a mask interface with sdpa_mask's arguments by keyword; they are forwarded as given."""
     from transformers.masking_utils import causal_mask_function, sdpa_mask
 
-    mask_function = mask_function or causal_mask_function
-    tag = None if use_vmap or attention_mask is not None or q_offset or kv_offset or q_length != kv_length else (
-        _mask_structure(mask_function, local_size))
-    arguments = dict(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
-                     kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
-                     local_size=local_size, use_vmap=use_vmap, **kwargs)
+    arguments["mask_function"] = arguments.get("mask_function") or causal_mask_function
+    tag = _MaskRequest.of(arguments).structure()
     if tag is None:
-        return sdpa_mask(allow_is_causal_skip=allow_is_causal_skip,
-                         allow_is_bidirectional_skip=allow_is_bidirectional_skip, **arguments)
-    if tag.window is not None and tag.window >= kv_length:
-        tag = MaskTag(causal=True)  # the window covers every key: plain causal attention
-    skip = allow_is_causal_skip if tag.causal else allow_is_bidirectional_skip
+        return sdpa_mask(**arguments)
+    skip = (arguments.get("allow_is_causal_skip", True) if tag.causal
+            else arguments.get("allow_is_bidirectional_skip", False))
     if tag.window is None and skip:
         return None
-    mask = sdpa_mask(allow_is_causal_skip=False, allow_is_bidirectional_skip=False, **arguments)
+    mask = sdpa_mask(**{**arguments, "allow_is_causal_skip": False, "allow_is_bidirectional_skip": False})
     return tag_mask(mask, tag) if mask is not None else None
 
 
@@ -77,6 +104,7 @@ def _eager(module: nn.Module) -> Callable | None:
     return getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
 
 
+# signature: transformers' AttentionInterface (transformers calls it with these parameters)
 def hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                  is_causal: bool | None = None, sliding_window: int | None = None, softcap: float | None = None,

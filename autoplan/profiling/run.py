@@ -8,9 +8,7 @@ device), and its provenance's sources say so."""
 
 from __future__ import annotations
 
-import datetime
 import os
-import platform
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -32,13 +30,14 @@ from autoplan.profiling.calibration import (
     fit_calibration,
 )
 from autoplan.profiling.comm import default_backend
-from autoplan.profiling.defaults import DEFAULT_DTYPES, DEFAULT_MODELS
+from autoplan.profiling.defaults import DEFAULT_COMM_SIZES_BYTES, DEFAULT_DTYPES, DEFAULT_MODELS, DEFAULT_SWEEP
 from autoplan.profiling.fit import FitReport, fit_affine, fit_op_families, heldout_errors
 from autoplan.profiling.fsdp import FSDP_CALLS
 from autoplan.profiling.host_link import HOST_COPY_BYTES, host_threads_per_rank, measure_host_link
 from autoplan.profiling.op_timings import measure_ops, points_and_timings, remeasure_outliers
 from autoplan.profiling.ops import OpCase, collect_cases, sweep_workload, unique_cases, zoo_workload
 from autoplan.profiling.overlap import OVERLAP_PHASE_S, OVERLAP_TRIALS
+from autoplan.profiling.provenance import measurement_sources, profile_provenance
 from autoplan.profiling.ranks import measure_on_ranks
 from autoplan.profiling.timing import Repeats
 from autoplan.profiling.tp_costs import measure_tp_costs
@@ -48,17 +47,6 @@ from cost_models.profile import CollectiveFit, DeviceProfile, FsdpOverhead, Host
 
 __all__ = ["DEFAULT_MODELS", "DEFAULT_DTYPES", "ProfileSettings", "CollectiveReport", "ProfileResult", "measure_profile",
            "default_profile_name"]
-
-# (width, tokens) of the sweep MLP blocks: problem sizes between the tiny models and real ones
-DEFAULT_SWEEP = {
-    "cpu": tuple((w, t) for w in (256, 512, 1024) for t in (512, 2048)),
-    "cuda": tuple((w, t) for w in (1024, 4096, 8192) for t in (2048, 8192)),
-}
-DEFAULT_COMM_SIZES_BYTES = {
-    "cpu": tuple(4 ** k for k in range(6, 14)),  # 4 KiB .. 64 MiB
-    "cuda": tuple(4 ** k for k in range(6, 16)),  # 4 KiB .. 1 GiB
-}
-
 
 @dataclass
 class ProfileSettings:
@@ -133,20 +121,62 @@ def measure_profile(settings: ProfileSettings) -> ProfileResult:
     malloc keeps what it frees from then on, as apply's ranks do (autoplan.run.host_memory)."""
     started = time.perf_counter()
     device, backend, threads = _resolve(settings)
-    kind = device.type
-    name = settings.name or default_profile_name(settings)
     device_name = device_bench.device_name(device)
     reference = _links_reference(settings, device_name)
-    cache = MeasurementCache(settings.cache_dir, {
+    # a CPU measures with freed memory kept mapped, as apply's ranks run (autoplan.run.host_memory)
+    kept = device.type == "cpu" and keep_freed_memory()
+    cache = _measurement_cache(settings, device_name, threads, kept)
+    measured = _measure(settings, device, backend, threads, cache)
+    collective_fits = _collective_fits(measured.comm["collectives"])
+    provenance = profile_provenance(settings, device.type, backend, threads, device_name)
+    provenance.sources.update({**measurement_sources(measured.host, reference), **measured.tp_costs[2]})
+    if kept:  # a rank's step reuses the heap's pages after its first steps: no large buffer is mapped fresh
+        provenance.sources["first_touch_s_per_byte"] = FIRST_TOUCH_KEPT
+    profile = _profile(settings, device, measured, _links(reference, collective_fits, measured.comm), provenance,
+                       kept)
+    calibration = fit_calibration(profile, measured.comm["calibration"], settings.nproc)
+    fitted = {name: calibration[name] for name in FsdpOverhead.model_fields if name != "calibration"}
+    profile = profile.model_copy(update={"fsdp": FsdpOverhead(**fitted, calibration=calibration)})
+    return ProfileResult(profile, measured.op_fits, collective_fits, len(measured.fresh),
+                         len(measured.cases) - len(measured.fresh), measured.remeasured,
+                         time.perf_counter() - started, measured.comm["items"], measured.comm["measured"])
+
+
+def _measurement_cache(settings: ProfileSettings, device_name: str, threads: int | None,
+                       kept: bool) -> MeasurementCache:
+    """The cache of measurements made on this device with these settings (a different setting: other entries)."""
+    return MeasurementCache(settings.cache_dir, {
         "device": device_name, "torch": torch.__version__, "threads": threads,
         # a rougher run (--quick) keeps its own entries rather than passing them off to a full one
         "repeats": [settings.repeats.warmup, settings.repeats.min_repeats, settings.repeats.max_repeats,
                     settings.repeats.min_time_s],
         "overlap": [settings.overlap_phase_s, settings.overlap_trials],
         "comm_rounds": settings.comm_rounds,
-        # a CPU measures with freed memory kept mapped, as apply's ranks run (autoplan.run.host_memory)
-        "host_memory": "kept" if (kept := kind == "cpu" and keep_freed_memory()) else "default",
+        "host_memory": "kept" if kept else "default",
     })
+
+
+@dataclass
+class _Measured:
+    """Everything measured for a profile, before it is fitted into one."""
+
+    cases: list[OpCase]
+    fresh: list  # the ops measured in this run (the rest from the cache)
+    remeasured: int
+    points: list  # per-op (work, seconds) points for the fits
+    op_times: dict
+    op_fits: list[FitReport]
+    device_numbers: dict  # copy bandwidth, dispatch overhead, AdamW throughput, first touch
+    host: dict  # the host link
+    comm: dict  # on the ranks: collectives, overlap, FSDP2 overheads, calibration steps
+    tp_costs: tuple  # (loss_parallel, tp_dispatch, their sources) on the CPU
+
+
+def _measure(settings: ProfileSettings, device: torch.device, backend: str, threads: int | None,
+             cache: MeasurementCache) -> _Measured:
+    """The ops, the device's own numbers, the host link, the ranks' measurements and (on the CPU) tensor
+    parallelism's costs, with `threads` intra-op threads (the number torch had is restored after)."""
+    kind = device.type
     previous_threads = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
@@ -165,67 +195,59 @@ def measure_profile(settings: ProfileSettings) -> ProfileResult:
                                                  device_numbers["adamw_bytes_s"] if kind == "cpu" else None))
         sizes = DEFAULT_COMM_SIZES_BYTES[kind] if settings.comm_sizes_bytes is None else settings.comm_sizes_bytes
         comm = measure_on_ranks(settings, kind, backend, threads, sizes, cache)
-        tp_costs = measure_tp_costs(threads or 1, partial(_cached, cache), settings.quick) if kind == "cpu" else (None, None, {})
+        tp_costs = (measure_tp_costs(threads or 1, partial(_cached, cache), settings.quick) if kind == "cpu"
+                    else (None, None, {}))
     finally:
         torch.set_num_threads(previous_threads)
-    collective_fits = _collective_fits(comm["collectives"])
+    return _Measured(cases, fresh, remeasured, points, op_times, op_fits, device_numbers, host, comm, tp_costs)
 
+
+def _links(reference: DeviceProfile | None, collective_fits: list[CollectiveReport],
+           comm: dict) -> tuple[dict[str, Link], list[CollectiveFit], Overlap]:
+    """The profile's links, collective fits and overlap: measured, or with one process the reference's."""
+    if reference is not None:  # one process: nothing of the links was measured
+        return reference.links, reference.collectives, reference.overlap
+    largest_all_reduce = max((r.fit for r in collective_fits if r.fit.collective == "all_reduce"),
+                             key=lambda f: f.group_size)
+    # the link as the cost model's fallback sees it: bus bandwidth and latency of the all-reduce
+    # fit at the largest group measured (its beta holds the ring factor: bus = factor / beta)
+    links = {"intra_node": Link(
+        bus_bandwidth_bytes_s=ring_factor("all_reduce", largest_all_reduce.group_size)
+        / max(largest_all_reduce.beta_s_per_byte, 1e-30),
+        latency_s=largest_all_reduce.alpha_s,
+    )}
+    return links, [r.fit for r in collective_fits], Overlap(enabled=comm["fsdp"]["overlap_enabled"], **comm["overlap"])
+
+
+def _profile(settings: ProfileSettings, device: torch.device, measured: _Measured,
+             links: tuple[dict[str, Link], list[CollectiveFit], Overlap], provenance: Provenance,
+             kept: bool) -> DeviceProfile:
+    """The profile of the measurements, before its FSDP2 overheads are calibrated."""
+    numbers, op_fits = measured.device_numbers, measured.op_fits
     peak_flops = {}
-    for point in points:
+    for point in measured.points:
         if point.family == "matmul" and point.direction == "fwd":
             peak_flops[point.dtype] = max(peak_flops.get(point.dtype, 0.0), point.flops / point.seconds)
     memory_fwd = next((r.fit for r in op_fits if r.fit.family == "memory" and r.fit.direction == "fwd"
                        and r.fit.dtype == settings.dtypes[0] and not r.fit.min_alloc_bytes), None)
-    if reference is None:
-        largest_all_reduce = max((r.fit for r in collective_fits if r.fit.collective == "all_reduce"),
-                                 key=lambda f: f.group_size)
-        # the link as the cost model's fallback sees it: bus bandwidth and latency of the all-reduce
-        # fit at the largest group measured (its beta holds the ring factor: bus = factor / beta)
-        links = {"intra_node": Link(
-            bus_bandwidth_bytes_s=ring_factor("all_reduce", largest_all_reduce.group_size)
-            / max(largest_all_reduce.beta_s_per_byte, 1e-30),
-            latency_s=largest_all_reduce.alpha_s,
-        )}
-        collectives = [r.fit for r in collective_fits]
-        overlap = Overlap(enabled=comm["fsdp"]["overlap_enabled"], **comm["overlap"])
-    else:  # one process: nothing of the links was measured
-        links, collectives, overlap = reference.links, reference.collectives, reference.overlap
-    provenance = _provenance(settings, kind, backend, threads, device_name)
-    provenance.sources.update({**_sources(host, reference), **tp_costs[2]})
-    if kept:  # a rank's step reuses the heap's pages after its first steps: no large buffer is mapped fresh
-        provenance.sources["first_touch_s_per_byte"] = FIRST_TOUCH_KEPT
-    profile = DeviceProfile(
-        name=name,
-        source="measured",
-        provenance=provenance,
-        device_type=kind,
-        identity=machine_identity(kind),  # what `search` and `apply` compare the machine they run on with
-        mem_bytes=device_bench.device_mem_bytes(device),
-        peak_flops=peak_flops,
+    return DeviceProfile(
+        name=settings.name or default_profile_name(settings), source="measured", provenance=provenance,
+        device_type=device.type,
+        identity=machine_identity(device.type),  # what `search` and `apply` compare the machine they run on with
+        mem_bytes=device_bench.device_mem_bytes(device), peak_flops=peak_flops,
         matmul_efficiency=1.0,  # peak_flops is the best achieved, not a datasheet number
-        mem_bandwidth_bytes_s=device_numbers["copy_bandwidth_bytes_s"],
-        mem_bandwidth_efficiency=1.0,
+        mem_bandwidth_bytes_s=numbers["copy_bandwidth_bytes_s"], mem_bandwidth_efficiency=1.0,
         # zero-work time of ops as models run them (call, dispatch, launch); the bare benchmark without a fit
-        op_overhead_s=memory_fwd.intercept_s if memory_fwd else device_numbers["dispatch_overhead_s"],
-        links=links,
-        collectives=collectives,
-        overlap=overlap,
-        optimizer_bytes_s=device_numbers["adamw_bytes_s"],
-        first_touch_s_per_byte=0.0 if kept else device_numbers["first_touch_s_per_byte"],
+        op_overhead_s=memory_fwd.intercept_s if memory_fwd else numbers["dispatch_overhead_s"],
+        links=links[0], collectives=links[1], overlap=links[2], optimizer_bytes_s=numbers["adamw_bytes_s"],
+        first_touch_s_per_byte=0.0 if kept else numbers["first_touch_s_per_byte"],
         first_touch_min_bytes=device_bench.FRESH_MAP_BYTES,
-        optimizer_tensor_s=comm["fsdp"]["optimizer_tensor_s"],
-        fsdp=FsdpOverhead(),  # calibrated below, against this profile's own prediction of the steps' parts
-        loss_parallel=tp_costs[0],
-        tp_dispatch=tp_costs[1],
-        host_link=HostLink(**{field: host[field] for field in HostLink.model_fields}),
-        op_times=op_times,
-        op_fits=[r.fit for r in op_fits],
+        optimizer_tensor_s=measured.comm["fsdp"]["optimizer_tensor_s"],
+        fsdp=FsdpOverhead(),  # calibrated after, against this profile's own prediction of the steps' parts
+        loss_parallel=measured.tp_costs[0], tp_dispatch=measured.tp_costs[1],
+        host_link=HostLink(**{field: measured.host[field] for field in HostLink.model_fields}),
+        op_times=measured.op_times, op_fits=[r.fit for r in op_fits],
     )
-    calibration = fit_calibration(profile, comm["calibration"], settings.nproc)
-    fitted = {name: calibration[name] for name in FsdpOverhead.model_fields if name != "calibration"}
-    profile = profile.model_copy(update={"fsdp": FsdpOverhead(**fitted, calibration=calibration)})
-    return ProfileResult(profile, op_fits, collective_fits, len(fresh), len(cases) - len(fresh), remeasured,
-                         time.perf_counter() - started, comm["items"], comm["measured"])
 
 
 def default_profile_name(settings: ProfileSettings) -> str:
@@ -273,26 +295,6 @@ def _links_reference(settings: ProfileSettings, device_name: str) -> DeviceProfi
                      "to use; `autoplan profiles` lists them) or `nproc` 2 or more")
 
 
-def _sources(host: dict, reference: DeviceProfile | None) -> dict[str, str]:
-    """provenance.sources of what was not measured the usual way: the host link's figures, and with one
-    process the links taken from another profile."""
-    copy = f"measured here: one {host['copy_bytes'] >> 20} MiB copy (pinned host memory on CUDA, a memcpy on the CPU)"
-    sources = {f"host_link.{field}": text for field, text in (
-        ("h2d_bytes_s", copy), ("d2h_bytes_s", copy),
-        ("overlaps_compute", f"measured here: a side-stream copy hid {host['overlap']['hidden_fraction']:.0%} of "
-         "itself or of a matmul loop" if "overlap" in host else "the CPU runs no copy beside its compute"),
-        ("cpu_optimizer_bytes_s", f"measured here: AdamW on host fp32 tensors with {host['cpu_threads']} threads"),
-        ("cpu_threads", "the host threads a rank's offloaded optimizer step gets here"),
-        ("host_mem_bytes", "left to the search: it takes this machine's memory" if host["host_mem_bytes"] is None
-         else "this machine's memory"))}
-    if reference is not None:
-        for field in ("links", "collectives", "overlap"):
-            sources[field] = (f"not measured (one process, no collectives): taken from profile {reference.name!r}"
-                              + (f", whose source is: {reference.provenance.sources[field]}"
-                                 if field in reference.provenance.sources else ""))
-    return sources
-
-
 def _collective_fits(seconds: dict[tuple[str, int, int], float]) -> list[CollectiveReport]:
     """alpha + beta * bytes per (collective, group size), measured inside one node."""
     by_series: dict[tuple[str, int], list[tuple[int, float]]] = {}
@@ -312,49 +314,3 @@ def _collective_fits(seconds: dict[tuple[str, int, int], float]) -> list[Collect
             heldout_max_rel_err=max(errors) if errors else None,
         ))
     return reports
-
-
-def _provenance(settings: ProfileSettings, kind: str, backend: str, threads: int | None,
-                device_name: str) -> Provenance:
-    sweep = DEFAULT_SWEEP[kind] if settings.sweep is None else settings.sweep
-    sizes = DEFAULT_COMM_SIZES_BYTES[kind] if settings.comm_sizes_bytes is None else settings.comm_sizes_bytes
-    host = platform.node()
-    rough = ("a quick, rough profile (`autoplan profile --quick`: one tiny model, few repeats and sizes), "
-             "for trying the machinery, not for planning; ") if settings.quick else ""
-    return Provenance(
-        description=(
-            f"{rough}measured by `autoplan profile` on {host} ({device_name}): per-op forward/backward times of the "
-            f"models' traced ops and of sweep MLP blocks, per-family fits, {backend} collectives over "
-            f"{settings.nproc} processes, compute/communication overlap, per-tensor optimizer overhead (profiling/fsdp.py), whole FSDP2 training steps of a calibration model fitted for the in-step compute scale and per-unit cost (profiling/calibration.py), AdamW step throughput, the host link (profiling/host_link.py)"
-            + (", and on the CPU loss_parallel's and DTensor's costs under tensor parallelism (profiling/tp_costs.py), "
-               "everything with freed memory kept mapped as apply's ranks run (run/host_memory.py). " if kind == "cpu"
-               else ". ")
-            + "peak_flops is the best achieved matmul FLOP/s and mem_bandwidth a large copy, so both "
-            "efficiencies are 1.0."
-        ),
-        host=host,
-        device_name=device_name,
-        torch_version=torch.__version__,
-        date=datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0).isoformat(),
-        settings={
-            "device": kind,
-            "nproc": settings.nproc,
-            "backend": backend,
-            "threads_per_rank": threads,
-            "dtypes": ",".join(settings.dtypes),
-            "models": ";".join(f"{m}@mb{','.join(map(str, b))}" for m, b in settings.models.items()),
-            "seq_len": settings.seq_len,
-            "sweep_mlp_width_x_tokens": ";".join(f"{w}x{t}" for w, t in sweep),
-            "comm_sizes_bytes": ",".join(map(str, sizes)),
-            "warmup": settings.repeats.warmup,
-            "min_repeats": settings.repeats.min_repeats,
-            "max_repeats": settings.repeats.max_repeats,
-            "min_time_s": settings.repeats.min_time_s,
-            "statistic": "median of repeats; ops far off their kind's fit timed twice, lower median kept",
-            "comm_rounds": settings.comm_rounds,
-            "calibration_rounds": settings.calibration_rounds,
-            "calibration_steps": f"{settings.calibration_steps[0]}+{settings.calibration_steps[1]}",
-            "fsdp_calls": settings.fsdp_calls,
-            "quick": settings.quick,
-        },
-    )

@@ -47,13 +47,13 @@ from autoplan.run.data import BatchShape, SyntheticTokens, vocab_size_of
 from autoplan.run.memtrack import RankMemory
 from autoplan.run.report import PHASES, predicted_phase_peaks
 from autoplan.run.tp import training_context
-from autoplan.run.worker import RankResult, train_measured, train_untracked
+from autoplan.run.worker import RankResult, TrainingRun, train_measured, train_untracked
 from autoplan.sizes import format_bytes
 from cost_models.evaluate import evaluate
 from cost_models.options import PRECISIONS, SHARDING_KINDS, Dtype
 from cost_models.table import without_gloo_copy
 
-__all__ = ["FakeWorldResult", "format_fake_world", "run_fake_world"]
+__all__ = ["FakeWorldOptions", "FakeWorldResult", "format_fake_world", "run_fake_world"]
 
 
 @dataclass
@@ -116,17 +116,73 @@ class FakeWorldResult:
         write_text_atomic(path, json.dumps(self.to_dict(), indent=2) + "\n")
 
 
+@dataclass(frozen=True)
+class FakeWorldOptions:
+    """How a fake-world run trains, beyond which model and how many steps (`autoplan apply --fake-world`'s
+    --seed, --lr and --mem-limit): the seed of the weights and the synthetic tokens, the learning rate, and a
+    limit above which live memory fails the run like an out-of-memory error (None: no limit)."""
+
+    seed: int = 0
+    lr: float = DEFAULT_LR
+    mem_limit_bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class _Headline:
+    """The prediction a fake-world run is compared with, and how it was made (see the module's docstring)."""
+
+    plan: Plan  # the plan, its prediction costed again with every reduction in place where that changes it
+    basis: str  # what the prediction is, in words
+    gloo_copy_bytes: int  # the largest unit's gloo copy (0 on a CUDA profile)
+    recosted: bool  # whether the plan was costed again without gloo's copy
+
+
 def run_fake_world(plan: Plan | str | os.PathLike, steps: int = 3, model: str | None = None, *, warmup: int = 1,
-                   device: str | None = None, seed: int = 0, lr: float = DEFAULT_LR,
-                   mem_limit_bytes: int | None = None, log=None) -> FakeWorldResult:
+                   device: str | None = None, options: FakeWorldOptions | None = None, log=None) -> FakeWorldResult:
     """Run `plan` here as rank 0 of its world (`plan.cluster.world_size` ranks) on a fake process group:
     `warmup` + `steps` steps of `autoplan apply`'s training step on synthetic tokens, memory measured per
     phase; on the CPU `steps` more with the memory tracker off, timed. `model` names the model for a plan
     made from a factory (as `autoplan apply --model`). `device`: "cpu" or "cuda"; by default CUDA when the
-    plan's profile is a CUDA one and a GPU is here, else the CPU. `mem_limit_bytes` fails the run like an
-    out-of-memory error above it. `log(line)` is told each step. The process group is destroyed on return."""
+    plan's profile is a CUDA one and a GPU is here, else the CPU. `options`: the seed, the learning rate and
+    a memory limit (FakeWorldOptions). `log(line)` is told each step. The process group is destroyed on
+    return."""
+    options = options or FakeWorldOptions()
     plan_file = None if isinstance(plan, Plan) else Path(plan)
     plan = plan if isinstance(plan, Plan) else load_plan(plan)
+    _check_fake_world(plan, steps, warmup)
+    profile_device = _profile_device(plan)
+    device = device or ("cuda" if profile_device == "cuda" and torch.cuda.is_available() else "cpu")
+    if device not in ("cpu", "cuda") or (device == "cuda" and not torch.cuda.is_available()):
+        raise UsageError(f"`device` must be 'cpu' or 'cuda' (with a GPU present), got {device!r}")
+    resolved = resolve_plan_model(plan, model, plan_file)  # before the group: a missing factory fails here
+    headline = _headline(plan, resolved, profile_device)
+    check_attention(plan, device)
+    result, cuda_peaks = _run_rank_zero(plan, resolved.module, device, (warmup, steps), options, log)
+
+    training, predicted = plan.training, headline.plan
+    timed = result.untracked_step_times_s or result.step_times_s[warmup:]
+    return FakeWorldResult(
+        plan=str(plan_file) if plan_file is not None else "<Plan object>", model=resolved.name,
+        world_size=plan.cluster.world_size, device=device, dtype=training.dtype, optimizer=training.optimizer,
+        micro_batch_size=training.micro_batch_size, grad_accum_steps=training.grad_accum_steps,
+        seq_len=training.seq_len, warmup_steps=warmup, steps=steps, mem_source=result.mem_source,
+        mem_limit_bytes=plan.cluster.mem_limit_bytes,
+        predicted_peak_bytes=predicted.predicted.peak_mem_bytes, predicted_peak_point=predicted.predicted.peak_point,
+        measured_peak_bytes=result.peak_mem_bytes, predicted_phase_bytes=predicted_phase_peaks(predicted),
+        measured_phase_bytes=dict(result.phase_peak_bytes_by_step[-1]),
+        plan_predicted_peak_bytes=plan.predicted.peak_mem_bytes, prediction_basis=headline.basis,
+        gloo_copy_bytes=headline.gloo_copy_bytes,
+        predicted_compute_s=predicted_compute_s(plan), measured_compute_s=statistics.median(timed),
+        predicted_step_s=plan.predicted.step_time_s,
+        step_times_s=result.step_times_s[warmup:], untracked_step_times_s=result.untracked_step_times_s,
+        cuda_max_allocated_bytes=cuda_peaks[0], cuda_max_reserved_bytes=cuda_peaks[1],
+        predicted_host_bytes=plan.predicted.host_mem_bytes, measured_host_bytes=result.host_state_bytes,
+        not_exercised=_not_exercised(plan, profile_device, device, headline.gloo_copy_bytes, headline.recosted),
+    )
+
+
+def _check_fake_world(plan: Plan, steps: int, warmup: int) -> None:
+    """UsageError where a fake world cannot stand in for the plan's run here."""
     world = plan.cluster.world_size
     if steps < 1 or warmup < 0:
         raise UsageError(f"a fake-world run needs `steps` >= 1 and `warmup` >= 0, got {steps} and {warmup}")
@@ -136,66 +192,55 @@ def run_fake_world(plan: Plan | str | os.PathLike, steps: int = 3, model: str | 
     if dist.is_available() and dist.is_initialized():
         raise UsageError("a process group is already initialised in this process; a fake-world run makes its own "
                          "(call torch.distributed.destroy_process_group() first)")
-    profile_device = _profile_device(plan)
-    device = device or ("cuda" if profile_device == "cuda" and torch.cuda.is_available() else "cpu")
-    if device not in ("cpu", "cuda") or (device == "cuda" and not torch.cuda.is_available()):
-        raise UsageError(f"`device` must be 'cpu' or 'cuda' (with a GPU present), got {device!r}")
-    resolved = resolve_plan_model(plan, model, plan_file)  # before the group: a missing factory fails here
+
+
+def _headline(plan: Plan, resolved, profile_device: str) -> _Headline:
+    """On a CPU profile: the plan's decisions costed again with every reduction in place (no gloo on a fake
+    group), where the profile is here; else the plan's own prediction."""
     gloo_copy = _gloo_copy_bytes(plan) if profile_device != "cuda" else 0
     in_place = _costed_in_place(plan, resolved) if gloo_copy else None
-    predicted = plan if in_place is None else plan.model_copy(update={"predicted": in_place})
-    basis = (f"the plan's decisions on {plan.cluster.profile}, every reduction in place (no gloo on a fake group)"
-             if in_place is not None else f"the plan's own ({plan.cluster.profile})")
+    if in_place is None:
+        return _Headline(plan, f"the plan's own ({plan.cluster.profile})", gloo_copy, False)
+    return _Headline(plan.model_copy(update={"predicted": in_place}),
+                     f"the plan's decisions on {plan.cluster.profile}, every reduction in place (no gloo on a fake "
+                     "group)", gloo_copy, True)
 
+
+def _run_rank_zero(plan: Plan, module: torch.nn.Module, device: str, warmup_and_steps: tuple[int, int],
+                   options: FakeWorldOptions, log) -> tuple[RankResult, tuple[int | None, int | None]]:
+    """Apply, materialise and train `module` as rank 0 of the plan's world on the fake backend, as apply's
+    ranks do; the measurements, and CUDA's max allocated and reserved bytes (None on the CPU)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
-    check_attention(plan, device)
-    training = plan.training
+    world, training = plan.cluster.world_size, plan.training
     data_world = world // plan.cluster.mesh.tp  # rank 0's tensor-parallel group shares its rows, as in apply
     shape = BatchShape(training.micro_batch_size, training.grad_accum_steps, data_world, training.seq_len)
     torch_device = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
     result = RankResult(rank=0, pid=os.getpid())
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     try:
-        memory = RankMemory(torch_device, mem_limit_bytes)
+        memory = RankMemory(torch_device, options.mem_limit_bytes)
         result.mem_source = memory.source + f", rank 0 of a fake {world}-rank world"
-        with memory, training_context(plan), planned_attention(plan, resolved.module, torch_device.type):  # as apply
+        with memory, training_context(plan), planned_attention(plan, module, torch_device.type):  # as apply
             mesh = init_device_mesh(torch_device.type, (world,))
-            module, optimizer = apply(resolved.module, plan, mesh, lr=lr)
-            materialise(module, torch_device, seed)
-            data = SyntheticTokens(vocab_size_of(module), seed=seed)
+            module, optimizer = apply(module, plan, mesh, lr=options.lr)
+            materialise(module, torch_device, options.seed)
+            data = SyntheticTokens(vocab_size_of(module), seed=options.seed)
             result.peak_mem_bytes = memory.peak_and_reset()
 
             def step_done(step: int, label: str, step_s: float, loss: float) -> None:
                 if log is not None:
                     log(f"{label}: {step_s:.3f} s (compute only)")
 
-            train_measured(module, optimizer, data, 0, shape, memory, result, warmup, steps, step_done)
+            run = TrainingRun(module, optimizer, data, 0, shape, memory, result, *warmup_and_steps, step_done)
+            train_measured(run)
         with training_context(plan), planned_attention(plan, module, torch_device.type):
-            train_untracked(module, optimizer, data, 0, shape, memory, result, warmup, steps, step_done)
-        cuda_allocated = torch.cuda.max_memory_allocated(torch_device) if device == "cuda" else None
-        cuda_reserved = torch.cuda.max_memory_reserved(torch_device) if device == "cuda" else None
+            train_untracked(run)
+        if device != "cuda":
+            return result, (None, None)
+        return result, (torch.cuda.max_memory_allocated(torch_device), torch.cuda.max_memory_reserved(torch_device))
     finally:
         dist.destroy_process_group()
-
-    timed = result.untracked_step_times_s or result.step_times_s[warmup:]
-    return FakeWorldResult(
-        plan=str(plan_file) if plan_file is not None else "<Plan object>", model=resolved.name, world_size=world,
-        device=device, dtype=training.dtype, optimizer=training.optimizer,
-        micro_batch_size=training.micro_batch_size, grad_accum_steps=training.grad_accum_steps,
-        seq_len=training.seq_len, warmup_steps=warmup, steps=steps, mem_source=result.mem_source,
-        mem_limit_bytes=plan.cluster.mem_limit_bytes,
-        predicted_peak_bytes=predicted.predicted.peak_mem_bytes, predicted_peak_point=predicted.predicted.peak_point,
-        measured_peak_bytes=result.peak_mem_bytes, predicted_phase_bytes=predicted_phase_peaks(predicted),
-        measured_phase_bytes=dict(result.phase_peak_bytes_by_step[-1]),
-        plan_predicted_peak_bytes=plan.predicted.peak_mem_bytes, prediction_basis=basis, gloo_copy_bytes=gloo_copy,
-        predicted_compute_s=predicted_compute_s(plan), measured_compute_s=statistics.median(timed),
-        predicted_step_s=plan.predicted.step_time_s,
-        step_times_s=result.step_times_s[warmup:], untracked_step_times_s=result.untracked_step_times_s,
-        cuda_max_allocated_bytes=cuda_allocated, cuda_max_reserved_bytes=cuda_reserved,
-        predicted_host_bytes=plan.predicted.host_mem_bytes, measured_host_bytes=result.host_state_bytes,
-        not_exercised=_not_exercised(plan, profile_device, device, gloo_copy, in_place is not None),
-    )
 
 
 def predicted_compute_s(plan: Plan) -> float:

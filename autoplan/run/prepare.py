@@ -36,7 +36,7 @@ from autoplan.run.resume import CheckpointFlags
 from autoplan.run.worker import RunSpec
 from autoplan.sizes import format_bytes, parse_mem_bytes
 
-__all__ = ["PreparedRun", "check_nodes", "check_report_path", "prepare_run", "run_outline"]
+__all__ = ["PreparedRun", "RunOptions", "check_nodes", "check_report_path", "prepare_run", "run_outline"]
 
 _ENDPOINT = re.compile(r"^\[?[A-Za-z0-9_.:%-]+?\]?:\d{1,5}$")
 
@@ -84,15 +84,50 @@ def check_nodes(nodes: Nodes) -> None:
         raise UsageError(f"`rdzv_endpoint` {nodes.rdzv_endpoint!r} is not HOST:PORT (e.g. node0.cluster:29500)")
 
 
-def prepare_run(plan_path: str, *, model: str | None = None, nproc: int | None = None, nodes: Nodes | None = None,
-                steps: int = 5, warmup: int = 2, data: str | None = None, report: str | None = None,
-                mem_limit: str | None = None, lr: float = 1e-3, seed: int = 0, timeout: float = 300.0,
-                checkpoints: CheckpointFlags | None = None) -> PreparedRun:
-    """Everything checked before any rank starts; the arguments are `autoplan apply`'s flags."""
-    nodes = nodes or Nodes()
+@dataclass(frozen=True)
+class RunOptions:
+    """What `autoplan apply` is asked besides the plan file: its flags, as given (prepare_run checks them)."""
+
+    model: str | None = None  # --model: the factory of a plan made from one (None: the plan's own config)
+    nproc: int | None = None  # ranks on this node (None: the plan's world over the nodes)
+    nodes: Nodes = field(default_factory=Nodes)
+    steps: int = 5  # timed steps after the warm-up
+    warmup: int = 2
+    data: str | None = None  # an Alpaca JSON file (None: synthetic tokens)
+    report: str | None = None  # where node 0 writes the report
+    mem_limit: str | None = None  # a size, or "plan" for the plan's limit (None: no limit)
+    lr: float = 1e-3
+    seed: int = 0
+    timeout: float = 300.0  # longest a rank waits for its peers in a collective
+    checkpoints: CheckpointFlags = field(default_factory=CheckpointFlags)
+
+
+def prepare_run(plan_path: str, options: RunOptions | None = None) -> PreparedRun:
+    """Everything checked before any rank starts; `options` are `autoplan apply`'s flags."""
+    options = options or RunOptions()
+    nodes = options.nodes
     check_nodes(nodes)
-    if report is not None and nodes.rank == 0:  # node 0 writes the report
-        check_report_path(report, plan_path, data)
+    if options.report is not None and nodes.rank == 0:  # node 0 writes the report
+        check_report_path(options.report, plan_path, options.data)
+    plan, resolved = _plan_and_model(plan_path, options.model)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    check_attention(plan, device)  # the plan's attention kernels run here
+    nproc = _ranks_per_node(plan, nodes, options.nproc, device)
+    world = nproc * nodes.count
+    shape = BatchShape(plan.training.micro_batch_size, plan.training.grad_accum_steps, world, plan.training.seq_len)
+    if options.data is not None:
+        AlpacaTokens(options.data, vocab_size_of(resolved.module)).global_batch(0, shape)  # UsageError when unusable
+    said = options.checkpoints.check(plan, resolved.module)
+    allocator_conf, allocator_warning = run_allocator_conf(plan.cluster.allocator_conf, device)
+    spec = _run_spec(plan_path, plan, options, device, world < plan.cluster.world_size, allocator_conf)
+    prepared = PreparedRun(plan, spec, nproc, nodes, resolved.name, model_note=model_label_note(plan, resolved),
+                           said=said)
+    _warn(prepared, device, allocator_warning, shape)
+    return prepared
+
+
+def _plan_and_model(plan_path: str, model: str | None):
+    """The plan file, and its model built on the meta device, checked against each other."""
     plan = load_plan(plan_path)
     resolved = resolve_plan_model(plan, model, plan_path)
     check_plan(resolved.module, plan)
@@ -101,9 +136,12 @@ def prepare_run(plan_path: str, *, model: str | None = None, nproc: int | None =
     except UsageError as exc:
         raise PlanFileError(f"the plan cannot run on its model: {str(exc).replace('`seq_len`', 'seq_len')}; "
                             "make the plan again (`autoplan search --seq-len`)") from None
+    return plan, resolved
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    check_attention(plan, device)  # the plan's attention kernels run here
+
+def _ranks_per_node(plan: Plan, nodes: Nodes, nproc: int | None, device: str) -> int:
+    """The ranks this node runs (the plan's world over the nodes unless given), checked against the plan's world
+    and this node's GPUs."""
     planned = plan.cluster.world_size
     if nproc is None:
         if planned % nodes.count:
@@ -121,25 +159,31 @@ def prepare_run(plan_path: str, *, model: str | None = None, nproc: int | None =
             f"the plan needs {nproc} GPUs on this node and it has {torch.cuda.device_count()}; run it where there are "
             f"{nproc}, or as a dry run with `nproc` {torch.cuda.device_count()}"
         )
-    shape = BatchShape(plan.training.micro_batch_size, plan.training.grad_accum_steps, world, plan.training.seq_len)
-    if data is not None:
-        AlpacaTokens(data, vocab_size_of(resolved.module)).global_batch(0, shape)  # UsageError when unusable
-    checkpoints = checkpoints or CheckpointFlags()
-    said = checkpoints.check(plan, resolved.module)
-    mem_limit_bytes = None
-    if mem_limit is not None:
-        mem_limit_bytes = plan.cluster.mem_limit_bytes if mem_limit == "plan" else parse_mem_bytes(mem_limit)
+    return nproc
 
-    allocator_conf, allocator_warning = run_allocator_conf(plan.cluster.allocator_conf, device)
-    spec = RunSpec(
-        plan_path=str(Path(plan_path).resolve()), run_dir="", device=device, steps=steps, warmup_steps=warmup,
-        dry_run=world < planned, seed=seed, lr=lr, data_path=data and str(Path(data).resolve()), model_factory=model,
-        mem_limit_bytes=mem_limit_bytes, timeout_s=timeout,
+
+def _run_spec(plan_path: str, plan: Plan, options: RunOptions, device: str, dry_run: bool,
+              allocator_conf: str | None) -> RunSpec:
+    """What every rank runs: the flags with their paths made absolute and the memory limit in bytes."""
+    mem_limit_bytes = None
+    if options.mem_limit is not None:
+        mem_limit_bytes = (plan.cluster.mem_limit_bytes if options.mem_limit == "plan"
+                           else parse_mem_bytes(options.mem_limit))
+    checkpoints, data = options.checkpoints, options.data
+    return RunSpec(
+        plan_path=str(Path(plan_path).resolve()), run_dir="", device=device, steps=options.steps,
+        warmup_steps=options.warmup, dry_run=dry_run, seed=options.seed, lr=options.lr,
+        data_path=data and str(Path(data).resolve()), model_factory=options.model, mem_limit_bytes=mem_limit_bytes,
+        timeout_s=options.timeout,
         save_dir=checkpoints.save_dir and str(Path(checkpoints.save_dir).resolve()), save_every=checkpoints.save_every,
         resume=checkpoints.resume and str(Path(checkpoints.resume).resolve()), allocator_conf=allocator_conf,
     )
-    prepared = PreparedRun(plan, spec, nproc, nodes, resolved.name, model_note=model_label_note(plan, resolved),
-                           said=said)
+
+
+def _warn(prepared: PreparedRun, device: str, allocator_warning: str | None, shape: BatchShape) -> None:
+    """What is said before the run without stopping it: another model name, another device, the allocator's
+    configuration, a peak larger than this machine."""
+    plan = prepared.plan
     if prepared.model_note:
         prepared.warnings.append(prepared.model_note)
     note = profile_note(plan, device)
@@ -151,10 +195,9 @@ def prepare_run(plan_path: str, *, model: str | None = None, nproc: int | None =
         prepared.device_note = _device_notes(plan, device, prepared.warnings)
     if allocator_warning:
         prepared.warnings.append(allocator_warning)
-    memory = _memory_warning(plan, shape, nproc, device)
+    memory = _memory_warning(plan, shape, prepared.nproc, device)
     if memory:
         prepared.warnings.append(memory)
-    return prepared
 
 
 def _device_notes(plan: Plan, device: str, warnings: list[str]) -> str | None:

@@ -181,28 +181,53 @@ def build_report(plan: Plan, plan_path: str, spec: RunSpec, nproc: int, launched
     """The record of a run of `nproc` ranks in all (on `nodes` nodes); `model` names what ran (by default the
     plan's model name), `model_note` says why that differs from the plan's."""
     training = plan.training
-    ranks = launched.ranks
     # the ranks of a tensor-parallel group share their micro-batches: the data-parallel ranks make the batch
     global_batch = training.micro_batch_size * training.grad_accum_steps * max(nproc // plan.cluster.tp_degree, 1)
-    results = [r for r in ranks.values() if r is not None]
+    results = [r for r in launched.ranks.values() if r is not None]
     all_ok = len(results) == nproc and all(r.status == "ok" for r in results)
+    return RunReport(
+        status="ok" if all_ok else "interrupted" if launched.interrupted else "failed",
+        plan=plan_path, model=model or plan.model.name, model_note=model_note, device=spec.device,
+        backend="nccl" if spec.device == "cuda" else "gloo", allocator_conf=spec.allocator_conf,
+        world_size=nproc, nodes=nodes, planned_world_size=plan.cluster.world_size, dry_run=spec.dry_run,
+        data=spec.data_path or "synthetic", warmup_steps=spec.warmup_steps, steps=spec.steps,
+        micro_batch_size=training.micro_batch_size, grad_accum_steps=training.grad_accum_steps,
+        global_batch_size=global_batch, seq_len=training.seq_len, dtype=training.dtype,
+        optimizer=training.optimizer, mem_limit_bytes=spec.mem_limit_bytes, predicted=_predicted(plan),
+        profile=plan.cluster.profile, profile_note=profile_note(plan, spec.device),
+        measured=_measured(plan, spec.warmup_steps, results, (nproc, nodes), global_batch),
+        launcher_returncode=launched.returncode, interrupted_by=launched.interrupted,
+        failures=failure_messages(plan, nproc, launched),
+    )
 
+
+def _predicted(plan: Plan) -> PredictedRun:
+    predicted = plan.predicted
+    return PredictedRun(
+        peak_mem_bytes=predicted.peak_mem_bytes, peak_point=predicted.peak_point, step_time_s=predicted.step_time_s,
+        throughput_samples_s=predicted.throughput_samples_s, throughput_tokens_s=predicted.throughput_tokens_s,
+        phase_peak_bytes=predicted_phase_peaks(plan), host_mem_bytes=predicted.host_mem_bytes,
+        host_mem_per_node_bytes=predicted.host_mem_per_node_bytes,
+    )
+
+
+def _measured(plan: Plan, warmup_steps: int, results: list, ranks_and_nodes: tuple[int, int],
+              global_batch: int) -> MeasuredRun:
+    """What the ranks measured, over the steps every one of the run's ranks finished (none where a rank is
+    silent)."""
+    nproc, nodes = ranks_and_nodes
     steps_all_ranks = min((r.steps_done for r in results), default=0) if len(results) == nproc else 0
     step_times_s = [max(r.step_times_s[i] for r in results) for i in range(steps_all_ranks)]
-    losses = [statistics.fmean(r.losses[i] for r in results) for i in range(steps_all_ranks)]
-    timed_s = step_times_s[spec.warmup_steps:]
+    timed_s = step_times_s[warmup_steps:]
     untracked = min((len(r.untracked_step_times_s) for r in results), default=0) if len(results) == nproc else 0
     untracked_s = [max(r.untracked_step_times_s[i] for r in results) for i in range(untracked)]
     if untracked_s:  # CPU: the memory tracker slows the steps it watches; time the ones it did not
         timed_s = untracked_s
     step_time_s = statistics.median(timed_s) if timed_s else None
-
-    measured = MeasuredRun(
-        step_time_s=step_time_s,
-        step_times_s=step_times_s,
-        untracked_step_times_s=untracked_s,
+    return MeasuredRun(
+        step_time_s=step_time_s, step_times_s=step_times_s, untracked_step_times_s=untracked_s,
         throughput_samples_s=global_batch / step_time_s if step_time_s else None,
-        throughput_tokens_s=global_batch * training.seq_len / step_time_s if step_time_s else None,
+        throughput_tokens_s=global_batch * plan.training.seq_len / step_time_s if step_time_s else None,
         peak_mem_bytes=max((r.peak_mem_bytes for r in results), default=None),
         peak_mem_bytes_per_rank={str(r.rank): r.peak_mem_bytes for r in results},
         peak_mem_bytes_by_step=[max(r.peak_mem_bytes_by_step[i] for r in results) for i in range(steps_all_ranks)],
@@ -212,48 +237,8 @@ def build_report(plan: Plan, plan_path: str, spec: RunSpec, nproc: int, launched
         } if steps_all_ranks else None,
         peak_mem_source=results[0].mem_source if results else None,
         peak_rss_bytes_per_rank={str(r.rank): r.peak_rss_bytes for r in results},
-        losses=losses,
+        losses=[statistics.fmean(r.losses[i] for r in results) for i in range(steps_all_ranks)],
         **_measured_host(plan, results, nproc, nodes),
-    )
-    predicted = plan.predicted
-    return RunReport(
-        status="ok" if all_ok else "interrupted" if launched.interrupted else "failed",
-        plan=plan_path,
-        model=model or plan.model.name,
-        model_note=model_note,
-        device=spec.device,
-        backend="nccl" if spec.device == "cuda" else "gloo",
-        allocator_conf=spec.allocator_conf,
-        world_size=nproc,
-        nodes=nodes,
-        planned_world_size=plan.cluster.world_size,
-        dry_run=spec.dry_run,
-        data=spec.data_path or "synthetic",
-        warmup_steps=spec.warmup_steps,
-        steps=spec.steps,
-        micro_batch_size=training.micro_batch_size,
-        grad_accum_steps=training.grad_accum_steps,
-        global_batch_size=global_batch,
-        seq_len=training.seq_len,
-        dtype=training.dtype,
-        optimizer=training.optimizer,
-        mem_limit_bytes=spec.mem_limit_bytes,
-        predicted=PredictedRun(
-            peak_mem_bytes=predicted.peak_mem_bytes,
-            peak_point=predicted.peak_point,
-            step_time_s=predicted.step_time_s,
-            throughput_samples_s=predicted.throughput_samples_s,
-            throughput_tokens_s=predicted.throughput_tokens_s,
-            phase_peak_bytes=predicted_phase_peaks(plan),
-            host_mem_bytes=predicted.host_mem_bytes,
-            host_mem_per_node_bytes=predicted.host_mem_per_node_bytes,
-        ),
-        profile=plan.cluster.profile,
-        profile_note=profile_note(plan, spec.device),
-        measured=measured,
-        launcher_returncode=launched.returncode,
-        interrupted_by=launched.interrupted,
-        failures=failure_messages(plan, nproc, launched),
     )
 
 
@@ -274,7 +259,11 @@ def _measured_host(plan: Plan, results: list, nproc: int, nodes: int) -> dict:
 
 def format_report(report: RunReport) -> str:
     """The predicted-vs-measured table printed at the end of a run."""
-    r, predicted, measured = report, report.predicted, report.measured
+    return "\n".join([*_heading(report), *_comparison(report), *_details(report)])
+
+
+def _heading(r: RunReport) -> list[str]:
+    """What ran, and on a dry run why its figures do not compare directly."""
     on_nodes = f" on {r.nodes} nodes" if r.nodes > 1 else ""
     lines = [
         f"autoplan apply: {r.model} on {r.world_size} rank(s){on_nodes} ({r.device}, {r.backend}"
@@ -289,13 +278,19 @@ def format_report(report: RunReport) -> str:
             f"{r.world_size}. Predictions are for {r.planned_world_size} ranks and do not "
             "compare directly (shards are larger, the global batch smaller)."
         )
+    return lines
+
+
+def _comparison(r: RunReport) -> list[str]:
+    """The table: each figure predicted, measured and their ratio; host memory where units are offloaded."""
+    predicted, measured = r.predicted, r.measured
     rows = [
         ("step time (median)", predicted.step_time_s, measured.step_time_s, _seconds),
         ("throughput, samples/s", predicted.throughput_samples_s, measured.throughput_samples_s, _rate),
         ("throughput, tokens/s", predicted.throughput_tokens_s, measured.throughput_tokens_s, _rate),
         ("peak memory per rank", predicted.peak_mem_bytes, measured.peak_mem_bytes, format_bytes),
     ]
-    lines.append(f"{'':24}{'predicted':>14}{'measured':>14}{'measured/predicted':>21}")
+    lines = [f"{'':24}{'predicted':>14}{'measured':>14}{'measured/predicted':>21}"]
     phase_pred, phase_meas = predicted.phase_peak_bytes, measured.phase_peak_bytes
     for phase in PHASES:
         rows.append((f"  in {phase}", getattr(phase_pred, phase, None), getattr(phase_meas, phase, None),
@@ -314,11 +309,14 @@ def format_report(report: RunReport) -> str:
         if r.device == "cpu":
             lines.append("  note: on the CPU the host is the device: the offloaded state is in the peak memory too "
                          "(measured, and predicted by a CPU profile); the host rows show its share")
-    if r.profile_note:
-        lines.append(f"  note: {r.profile_note}")
-    if r.model_note:
-        lines.append(f"  note: {r.model_note}")
-    lines.append(f"  predicted peak at: {predicted.peak_point}")
+    return lines
+
+
+def _details(r: RunReport) -> list[str]:
+    """Notes, where the peaks were, and the measurements step by step."""
+    measured = r.measured
+    lines = [f"  note: {note}" for note in (r.profile_note, r.model_note) if note]
+    lines.append(f"  predicted peak at: {r.predicted.peak_point}")
     lines.append(f"  measured memory: {measured.peak_mem_source}, max over ranks")
     rss = measured.peak_rss_bytes_per_rank
     if rss:
@@ -337,7 +335,7 @@ def format_report(report: RunReport) -> str:
     if measured.losses:
         lines.append(f"  loss by step, mean over the {r.world_size} rank(s) (the global batch's loss): "
                      + ", ".join(f"{loss:.4f}" for loss in measured.losses))
-    return "\n".join(lines)
+    return lines
 
 
 def _or_dash(value, fmt) -> str:

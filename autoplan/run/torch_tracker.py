@@ -105,8 +105,6 @@ def track_plan(plan: Plan, hold_logits: bool = False, model: str | None = None, 
     """Run one warm-up step and one tracked step of `plan` as rank 0 of its world on fake tensors and a
     fake process group, under torch's FSDPMemTracker. `model` names the model of a plan made from a
     factory (as `autoplan apply --model`). The process group is destroyed on return."""
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-
     world = plan.cluster.world_size
     if world < 2:
         raise UsageError(f"the plan is for a world of {world} rank; the tracker stands in for a world of several")
@@ -121,46 +119,57 @@ def track_plan(plan: Plan, hold_logits: bool = False, model: str | None = None, 
         buffer_bytes = sum(b.numel() * b.element_size() for b in module.buffers())
         shape = (training.micro_batch_size, training.seq_len)
         ids, labels = torch.randint(0, vocab, shape), torch.randint(0, vocab, shape)
-        tracker = FSDPMemTracker(module, optimizer)
-        tracker.track_inputs((ids, labels))
-        tracked: dict[str, int] = {}
-        categories: dict[str, int] = {}
-
-        def record(name: str) -> None:
-            """The tracker's peak since it was entered, as the peak of phase `name` when higher than
-            the phases before it in the same context (a backward below its forward's peak is not seen)."""
-            snapshot = next(iter(tracker.get_tracker_snapshot("peak").values()))
-            if snapshot["Total"] > max(tracked.values(), default=0) or name == "forward":
-                categories.clear()
-                categories.update({str(getattr(k, "value", k)): v for k, v in snapshot.items()
-                                   if k != "Total" and v})
-            tracked[name] = snapshot["Total"]
-
-        def step() -> None:
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-
-        next_token_loss(module(ids), labels).backward()  # warm-up: the optimizer's states are made
-        step()
-        tracker.reset_mod_stats()
-        with tracker:  # forward and backward in one context: the tracker follows modules across both
-            output = module(ids)
-            loss = next_token_loss(output, labels)
-            if not hold_logits:
-                del output
-            record("forward")
-            loss.backward()
-            del loss
-            record("backward")
-            output = None
-        tracker.reset_mod_stats()
-        with tracker:  # entering resets the tracker's peak to what is alive now
-            step()
-            record("optimizer")
+        tracked, categories = _tracked_step(module, optimizer, (ids, labels), hold_logits)
     compute_bytes = Dtype(PRECISIONS[training.dtype].compute_dtype).bytes
     return TrackerResult(
         model=model_name, world_size=world, micro_batch_size=training.micro_batch_size, seq_len=training.seq_len,
         foreach=foreach, hold_logits=hold_logits, predicted_phase_bytes=predicted, tracked_phase_bytes=tracked,
-        tracked_categories=categories, buffer_bytes=buffer_bytes, logits_bytes=training.micro_batch_size * training.seq_len * vocab * compute_bytes,
+        tracked_categories=categories, buffer_bytes=buffer_bytes,
+        logits_bytes=training.micro_batch_size * training.seq_len * vocab * compute_bytes,
     )
 
+
+def _tracked_step(module, optimizer, batch: tuple[torch.Tensor, torch.Tensor],
+                  hold_logits: bool) -> tuple[dict[str, int], dict[str, int]]:
+    """One untracked warm-up step (the optimizer's states are made), then one step under FSDPMemTracker: its
+    peak within each phase, and its categories at the highest phase's peak."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+    ids, labels = batch
+    tracker = FSDPMemTracker(module, optimizer)
+    tracker.track_inputs((ids, labels))
+    tracked: dict[str, int] = {}
+    categories: dict[str, int] = {}
+
+    def record(name: str) -> None:
+        """The tracker's peak since it was entered, as the peak of phase `name` when higher than
+        the phases before it in the same context (a backward below its forward's peak is not seen)."""
+        snapshot = next(iter(tracker.get_tracker_snapshot("peak").values()))
+        if snapshot["Total"] > max(tracked.values(), default=0) or name == "forward":
+            categories.clear()
+            categories.update({str(getattr(k, "value", k)): v for k, v in snapshot.items()
+                               if k != "Total" and v})
+        tracked[name] = snapshot["Total"]
+
+    def step() -> None:
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    next_token_loss(module(ids), labels).backward()  # warm-up: the optimizer's states are made
+    step()
+    tracker.reset_mod_stats()
+    with tracker:  # forward and backward in one context: the tracker follows modules across both
+        output = module(ids)
+        loss = next_token_loss(output, labels)
+        if not hold_logits:
+            del output
+        record("forward")
+        loss.backward()
+        del loss
+        record("backward")
+        output = None
+    tracker.reset_mod_stats()
+    with tracker:  # entering resets the tracker's peak to what is alive now
+        step()
+        record("optimizer")
+    return tracked, categories

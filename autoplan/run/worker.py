@@ -20,12 +20,14 @@ if __name__ == "__main__":  # a rank (python -m autoplan.run.worker): see procs.
 
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import resource
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -42,11 +44,13 @@ from autoplan.run.data import AlpacaTokens, BatchShape, SyntheticTokens, rank_mi
 from autoplan.run.fsdp import host_state_bytes, offloaded_params
 from autoplan.run.host_memory import keep_freed_memory
 from autoplan.run.memtrack import RankMemory, allocation_failure
+from autoplan.run.node_relay import FirstNodeRelay
 from autoplan.run.procs import die_with_parent, rank_signals
 from autoplan.run.resume import Checkpoints
 from autoplan.run.tp import local_loss, training_context
 
-__all__ = ["RankResult", "RunSpec", "main", "next_token_loss", "train", "train_measured", "train_untracked"]
+__all__ = ["RankResult", "RunSpec", "TrainingRun", "main", "next_token_loss", "train", "train_measured",
+           "train_untracked"]
 
 
 @dataclass
@@ -127,9 +131,9 @@ def _peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
-def train(spec: RunSpec, rank: int, world_size: int, result: RankResult, sender: "_ToFirstNode | None" = None) -> None:
+def train(spec: RunSpec, rank: int, world_size: int, result: RankResult, sender: FirstNodeRelay | None = None) -> None:
     """Build, apply, materialise and train; `result` is updated (and saved) as the run goes."""
-    sender = sender or _ToFirstNode(rank, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size))))
+    sender = sender or FirstNodeRelay.from_environment(rank, world_size)
     plan = load_plan(spec.plan_path)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device("cuda", local_rank) if spec.device == "cuda" else torch.device("cpu")
@@ -174,28 +178,44 @@ def train(spec: RunSpec, rank: int, world_size: int, result: RankResult, sender:
                 print(f"[autoplan apply] {label}, rank 0: loss {step_loss:.4f} on its micro-batches, {step_s:.3f} s"
                       + (f"; checkpoint {saved}" if saved else ""), flush=True)
 
-        train_measured(model, optimizer, data, data_rank_, shape, memory, result, spec.warmup_steps, spec.steps,
-                       step_done)
+        run = TrainingRun(model, optimizer, data, data_rank_, shape, memory, result, spec.warmup_steps, spec.steps,
+                          step_done)
+        train_measured(run)
     with training_context(plan), planned_attention(plan, model, device.type):
-        train_untracked(model, optimizer, data, data_rank_, shape, memory, result, spec.warmup_steps, spec.steps,
-                        step_done)
+        train_untracked(run)
 
 
-def train_measured(model, optimizer, data, rank: int, shape: BatchShape, memory: RankMemory, result: RankResult,
-                   warmup_steps: int, steps: int, step_done=None) -> None:
-    """Train warmup_steps + steps steps, with `memory` entered: per step the time, the loss and the peak
-    within each phase go into `result`; then `step_done(step, label, seconds, loss)` is called.
+@dataclass(frozen=True)
+class TrainingRun:
+    """What a rank trains, and where its measurements go: the same for its measured steps and its untracked
+    ones (train_measured, train_untracked), on the ranks of `autoplan apply` and in its fake world."""
+
+    model: torch.nn.Module  # applied and materialised
+    optimizer: torch.optim.Optimizer
+    data: object  # SyntheticTokens or AlpacaTokens: `global_batch(step, shape)`
+    rank: int  # the data-parallel rank whose micro-batches this rank takes
+    shape: BatchShape
+    memory: RankMemory
+    result: RankResult  # filled in as the steps go
+    warmup_steps: int
+    steps: int
+    step_done: Callable[[int, str, float, float], None] | None = None  # (step, label, seconds, loss)
+
+
+def train_measured(run: TrainingRun) -> None:
+    """Train warmup_steps + steps steps, with `run.memory` entered: per step the time, the loss and the peak
+    within each phase go into `run.result`; then `step_done(step, label, seconds, loss)` is called.
     Shared by the ranks of `autoplan apply` and its fake world (autoplan.run.fake_world)."""
-    device = memory.device
-    _watch_host_state(model, optimizer, result)
-    for step in range(warmup_steps + steps):
-        micro_batches = _batches(data, step, rank, shape, result)
+    memory, result = run.memory, run.result
+    _watch_host_state(run.model, run.optimizer, result)
+    for step in range(run.warmup_steps + run.steps):
+        micro_batches = _batches(run, step)
         phase_peaks = {"forward": 0, "backward": 0, "optimizer": 0}
 
         def phase_done(phase: str) -> None:
             phase_peaks[phase] = max(phase_peaks[phase], memory.peak_and_reset())
 
-        step_s, step_loss = _train_step(model, optimizer, micro_batches, device, phase_done, result)
+        step_s, step_loss = _train_step(run.model, run.optimizer, micro_batches, memory.device, phase_done, result)
         result.step_times_s.append(step_s)
         result.losses.append(step_loss)
         result.phase_peak_bytes_by_step.append(phase_peaks)
@@ -203,9 +223,9 @@ def train_measured(model, optimizer, data, rank: int, shape: BatchShape, memory:
         result.peak_mem_bytes = max(result.peak_mem_bytes, *phase_peaks.values())
         result.peak_rss_bytes = _peak_rss_bytes()
         result.steps_done = step + 1
-        if step_done is not None:
-            phase = "warm-up" if step < warmup_steps else "timed" if memory.tracker is None else "memory"
-            step_done(step, f"step {step + 1}/{warmup_steps + steps} ({phase})", step_s, step_loss)
+        if run.step_done is not None:
+            phase = "warm-up" if step < run.warmup_steps else "timed" if memory.tracker is None else "memory"
+            run.step_done(step, f"step {step + 1}/{run.warmup_steps + run.steps} ({phase})", step_s, step_loss)
 
 
 def _watch_host_state(model, optimizer, result: RankResult) -> None:
@@ -221,31 +241,31 @@ def _watch_host_state(model, optimizer, result: RankResult) -> None:
     optimizer.register_step_post_hook(measure)
 
 
-def train_untracked(model, optimizer, data, rank: int, shape: BatchShape, memory: RankMemory, result: RankResult,
-                    warmup_steps: int, steps: int, step_done=None) -> None:
-    """CPU, after `memory` was left: the live-tensor tracker runs Python on every op, which on a small model
+def train_untracked(run: TrainingRun) -> None:
+    """CPU, after `run.memory` was left: the live-tensor tracker runs Python on every op, which on a small model
     more than doubles the step, so the step time is measured again over `steps` steps with the tracker off
     (into `result.untracked_step_times_s`). Nothing to do when the memory was CUDA's allocator's."""
-    if memory.tracker is None:
+    if run.memory.tracker is None:
         return
-    total = warmup_steps + steps
-    for step in range(total, total + steps):
-        micro_batches = _batches(data, step, rank, shape, result)
-        step_s, step_loss = _train_step(model, optimizer, micro_batches, memory.device, result=result)
-        result.untracked_step_times_s.append(step_s)
-        if step_done is not None:
-            step_done(step, f"untracked step {step + 1 - total}/{steps} (timed, memory tracker off)", step_s,
-                      step_loss)
+    total = run.warmup_steps + run.steps
+    for step in range(total, total + run.steps):
+        micro_batches = _batches(run, step)
+        step_s, step_loss = _train_step(run.model, run.optimizer, micro_batches, run.memory.device, result=run.result)
+        run.result.untracked_step_times_s.append(step_s)
+        if run.step_done is not None:
+            run.step_done(step, f"untracked step {step + 1 - total}/{run.steps} (timed, memory tracker off)", step_s,
+                          step_loss)
 
 
-def _batches(data, step: int, rank: int, shape: BatchShape, result: RankResult):
-    result.doing = (f"making step {step + 1}'s batch of token ids ({shape.global_batch_size:,} sequences x "
-                    f"{shape.seq_len + 1} ids; every rank makes the whole global batch)")
+def _batches(run: TrainingRun, step: int):
+    shape = run.shape
+    run.result.doing = (f"making step {step + 1}'s batch of token ids ({shape.global_batch_size:,} sequences x "
+                        f"{shape.seq_len + 1} ids; every rank makes the whole global batch)")
     # Copies of this rank's rows, so that the global batch is freed at once: a rank of a large world would
     # otherwise hold every rank's tokens through the step (64 ranks x micro-batch 8 x 65 ids: 266 KB), which
     # no training job holds and no prediction counts.
     return [(ids.clone(), labels.clone())
-            for ids, labels in rank_micro_batches(data.global_batch(step, shape), rank, shape)]
+            for ids, labels in rank_micro_batches(run.data.global_batch(step, shape), run.rank, shape)]
 
 
 def _train_step(model, optimizer, micro_batches, device: torch.device, phase_done=None,
@@ -277,36 +297,6 @@ def _train_step(model, optimizer, micro_batches, device: torch.device, phase_don
     return time.perf_counter() - start_s, step_loss
 
 
-class _ToFirstNode:
-    """Several nodes: the ranks of nodes other than node 0 put their result in the rendezvous store (hosted
-    by node 0's launcher) after every step, and rank 0 writes those into its run directory, so the report on
-    node 0 covers every rank. Nothing is sent on one node."""
-
-    def __init__(self, rank: int, world_size: int, local_world_size: int):
-        self.rank, self.world_size = rank, world_size
-        self.store = None
-        self.first_node = rank < local_world_size  # static rendezvous: node 0 holds ranks 0 .. local - 1
-        if world_size > local_world_size and (rank == 0 or not self.first_node):
-            self.store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                                       timeout=timedelta(seconds=30))
-
-    def send(self, result: RankResult) -> None:
-        if self.store is not None and not self.first_node:
-            self.store.set(f"autoplan/rank{result.rank}", json.dumps(dataclasses.asdict(result)))
-
-    def collect(self, run_dir: str) -> None:
-        """Rank 0: write the results the other nodes' ranks sent (those there are; nothing waits)."""
-        if self.store is None or self.rank != 0:
-            return
-        for rank in range(self.world_size):
-            key = f"autoplan/rank{rank}"
-            try:
-                if self.store.check([key]):
-                    write_text_atomic(RankResult.path(run_dir, rank), self.store.get(key).decode())
-            except Exception:  # noqa: BLE001 - a store gone with its node: that rank is reported as silent
-                return
-
-
 def main(argv: list[str] | None = None) -> None:
     rank_signals()
     die_with_parent()  # a rank never outlives its launcher
@@ -324,7 +314,7 @@ def main(argv: list[str] | None = None) -> None:
         # The timeout bounds how long a rank waits in a collective for a peer that is gone.
         result.doing = "joining the process group"
         dist.init_process_group(backend, timeout=timedelta(seconds=spec.timeout_s))
-        sender = _ToFirstNode(rank, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size))))
+        sender = FirstNodeRelay.from_environment(rank, world_size)
         train(spec, rank, world_size, result, sender)
         result.status, result.phase, result.doing = "ok", "done", "done"
         exit_code = 0
@@ -354,7 +344,7 @@ def main(argv: list[str] | None = None) -> None:
         except Exception:  # noqa: BLE001 - a peer failing here is reported by the launcher
             exit_code = 1
     if sender is not None:
-        sender.collect(spec.run_dir)
+        sender.collect(functools.partial(RankResult.path, spec.run_dir))
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(exit_code)

@@ -79,60 +79,83 @@ def sweep(request: PlanRequest, source: TableSource, cluster: Cluster,
     the units they name (with a strategy: those units take their pins). Raises InfeasibleError (with the
     smallest limit that would fit) when nothing fits, SolverTimeout when the solver's time ran out before
     any verdict. `progress(step, best)` is told each micro-batch's outcome and the best throughput so far."""
-    limits, uniform, pins, training = request.limits, request.uniform, request.pins, request.training
-    steps: list[SweepStep] = []
-    seen: list[CostTable] = []
-    unpinned: list[CostTable] = []  # the tables with every option: for the baselines, and to explain pins
-    best = None  # (throughput, table, result, affine)
-    wall_s, num_vars, num_cons = 0.0, 0, 0
+    swept = _Swept()
     for micro_batch_size, accum in request.batch.candidates(cluster.mesh.dp):
-        table = source.table(micro_batch_size, accum, cluster, training.seq_len, training.dtype, training.optimizer,
-                             offload=True if uniform is not None and uniform.offload else None)
-        unpinned.append(table)
-        if pins is not None and uniform is None:
-            table = pins.restrict(table)
-        if uniform is None:  # the modes the search offers (a unit pinned to another keeps it)
-            table = _searched(table)
-        if best is not None and table.samples_per_step / lower_bound_step_s(table) <= best[0]:
+        unpinned, table = _tables(request, source, cluster, micro_batch_size, accum)
+        swept.unpinned.append(unpinned)
+        if swept.best is not None and table.samples_per_step / lower_bound_step_s(table) <= swept.best[0]:
             # even with no memory limit this micro-batch cannot beat the best plan: skip the solve
-            steps.append(SweepStep(micro_batch_size, accum, SolveStatus.PRUNED, None, None))
-            seen.append(table)
-            _tell(progress, steps, best)
+            swept.steps.append(SweepStep(micro_batch_size, accum, SolveStatus.PRUNED, None, None))
+            swept.seen.append(table)
+            _tell(progress, swept.steps, swept.best)
             continue
         affine = AffineModel.of(table)
-        if uniform is None:
-            result = solve_min_time(table, limits.planned_bytes, limits.time_limit_s, affine=affine)
+        if request.uniform is None:
+            result = solve_min_time(table, request.limits.planned_bytes, request.limits.time_limit_s, affine=affine)
         else:
-            result = _fixed_strategy(table, affine, uniform, limits.planned_bytes, pins)
-        wall_s += result.wall_time_s
-        num_vars, num_cons = result.num_variables, result.num_constraints
+            result = _fixed_strategy(table, affine, request.uniform, request.limits.planned_bytes, request.pins)
+        swept.wall_s += result.wall_time_s
+        swept.num_vars, swept.num_cons = result.num_variables, result.num_constraints
         if result.choices is None:
-            steps.append(SweepStep(micro_batch_size, accum, result.status, None, None))
-            _tell(progress, steps, best)
+            swept.steps.append(SweepStep(micro_batch_size, accum, result.status, None, None))
+            _tell(progress, swept.steps, swept.best)
             if result.status != SolveStatus.INFEASIBLE:
-                seen.append(table)
+                swept.seen.append(table)
                 continue  # the time limit ran out: no verdict on this size, try the next
-            if not seen:
-                seen.append(table)
+            if not swept.seen:
+                swept.seen.append(table)
             break  # a larger micro-batch needs more memory still
-        seen.append(table)
+        swept.seen.append(table)
         throughput = table.samples_per_step / result.objective
-        steps.append(SweepStep(micro_batch_size, accum, result.status, result.objective, throughput))
-        if best is None or throughput > best[0] * (1 + 1e-9):
-            best = (throughput, table, result, affine)
-        _tell(progress, steps, best)
-    if best is None:
-        raise _nothing_found(request, cluster, steps, unpinned[0])
-    _, table, result, affine = best
-    choices = result.choices
-    if uniform is None:  # among plans as fast as the best, the one with the lowest peak memory
-        lean = _leanest(table, affine, result, limits)
+        swept.steps.append(SweepStep(micro_batch_size, accum, result.status, result.objective, throughput))
+        if swept.best is None or throughput > swept.best[0] * (1 + 1e-9):
+            swept.best = (throughput, table, result, affine)
+        _tell(progress, swept.steps, swept.best)
+    return _outcome(request, cluster, swept)
+
+
+@dataclass
+class _Swept:
+    """What the sweep has done so far."""
+
+    steps: list[SweepStep] = field(default_factory=list)
+    seen: list[CostTable] = field(default_factory=list)
+    unpinned: list[CostTable] = field(default_factory=list)  # every option: for the baselines, to explain pins
+    best: tuple | None = None  # (throughput, table, result, affine)
+    wall_s: float = 0.0
+    num_vars: int = 0
+    num_cons: int = 0
+
+
+def _tables(request: PlanRequest, source: TableSource, cluster: Cluster, micro_batch_size: int,
+            accum: int) -> tuple[CostTable, CostTable]:
+    """The cost table at one micro-batch with every option, and with the options the sweep solves over: the
+    pins' (without a strategy) and the modes the search offers (a unit pinned to another keeps it)."""
+    uniform, training = request.uniform, request.training
+    table = source.table(micro_batch_size, accum, cluster, training.seq_len, training.dtype, training.optimizer,
+                         offload=True if uniform is not None and uniform.offload else None)
+    searched = table
+    if request.pins is not None and uniform is None:
+        searched = request.pins.restrict(searched)
+    if uniform is None:
+        searched = _searched(searched)
+    return table, searched
+
+
+def _outcome(request: PlanRequest, cluster: Cluster, swept: _Swept) -> SweepOutcome:
+    """The best plan found (among those as fast, the leanest), or why there is none."""
+    if swept.best is None:
+        raise _nothing_found(request, cluster, swept.steps, swept.unpinned[0])
+    _, table, result, affine = swept.best
+    choices, wall_s = result.choices, swept.wall_s
+    if request.uniform is None:  # among plans as fast as the best, the one with the lowest peak memory
+        lean = _leanest(table, affine, result, request.limits)
         wall_s += lean.wall_time_s
         choices = lean.choices or result.choices
-    fitting = [t for t, step in zip(unpinned, steps) if step.status != SolveStatus.INFEASIBLE]
+    fitting = [t for t, step in zip(swept.unpinned, swept.steps) if step.status != SolveStatus.INFEASIBLE]
     return SweepOutcome(table=table, choices=choices, evaluation=evaluate(table, choices), result=result,
-                        steps=steps, tables=fitting or unpinned, wall_time_s=wall_s, num_variables=num_vars,
-                        num_constraints=num_cons)
+                        steps=swept.steps, tables=fitting or swept.unpinned, wall_time_s=wall_s,
+                        num_variables=swept.num_vars, num_constraints=swept.num_cons)
 
 
 def _tell(progress, steps: list[SweepStep], best) -> None:

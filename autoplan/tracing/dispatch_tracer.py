@@ -16,6 +16,8 @@ names the module it was in.
 
 from __future__ import annotations
 
+import contextlib
+
 import networkx as nx
 import torch
 import torch.nn as nn
@@ -24,10 +26,9 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from autoplan.errors import TraceError, UsageError
-from autoplan.models.attention import attention_executor, dispatch
+from autoplan.models.attention import dispatch
 from autoplan.models.hf_attention import hf_attention_hooks
 from autoplan.models.loss import logits_of, training_loss
-from autoplan.tracing.attention import AttentionPolicy
 from autoplan.tracing.counting import (
     BackwardAttribution,
     CostMode,
@@ -40,6 +41,7 @@ from autoplan.tracing.counting import (
     tensor_bytes,
     to_meta,
 )
+from autoplan.tracing.trace_options import TraceOptions
 from cost_models.records import LOSS_NODE, ModelTrace, OpRecord
 
 __all__ = ["trace_dispatch"]
@@ -155,11 +157,12 @@ class _FunctionMode(TorchFunctionMode):
         return output
 
 
-def _run(meta_model: nn.Module, args: tuple, kwargs: dict, mode: CostMode, recorder: _Recorder,
-         records: dict[str, OpRecord], pack, attention: AttentionPolicy) -> None:
+def _run(meta_model: nn.Module, args: tuple, kwargs: dict, recorder: _Recorder, pack,
+         options: TraceOptions) -> None:
     """Forward, loss and backward; the graph's tensors are this frame's alone, gone when it returns."""
+    mode, records = recorder.mode, recorder.records
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), mode:
-        with _FunctionMode(recorder), attention_executor(attention.executor(mode)), hf_attention_hooks(meta_model):
+        with _FunctionMode(recorder), options.attention_executor(mode), hf_attention_hooks(meta_model):
             output = meta_model(*args, **kwargs)
         mode.current = LOSS_NODE
         recorder.last_call = "the loss (cross-entropy over the model's output)"
@@ -174,6 +177,20 @@ def _run(meta_model: nn.Module, args: tuple, kwargs: dict, mode: CostMode, recor
         loss.backward()
 
 
+@contextlib.contextmanager
+def _module_hooks(model: nn.Module, recorder: _Recorder):
+    """Every module of `model` tells `recorder` as its forward starts and ends, while this is entered."""
+    handles = []
+    for module in model.modules():
+        handles.append(module.register_forward_pre_hook(recorder.pre_forward, with_kwargs=True))
+        handles.append(module.register_forward_hook(recorder.post_forward, with_kwargs=True))
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 def trace_dispatch(
     model: nn.Module,
     micro_batch_size: int,
@@ -181,32 +198,27 @@ def trace_dispatch(
     dtype: str = "bf16",
     args: tuple | None = None,
     kwargs: dict | None = None,
-    progress=None,
-    attention: AttentionPolicy | None = None,
-    capacity_factor: float = 1.0,
+    options: TraceOptions | None = None,
 ) -> ModelTrace:
     """Trace `model` (any device; copied to meta in `dtype`) by running it eagerly on meta tensors.
-    `args`/`kwargs` are the forward's inputs at this micro-batch (default: token ids); `progress` is
-    told of each op as it runs (see counting.CostMode); `attention` picks each attention call's kernel
-    (default: torch's pick on CUDA); `capacity_factor` scales expert matmuls."""
+    `args`/`kwargs` are the forward's inputs at this micro-batch (default: token ids); `options` say who is
+    told of each op, which kernel each attention call is priced as and how expert matmuls scale (see
+    TraceOptions; default: torch's attention pick on CUDA)."""
+    options = options or TraceOptions()
     meta_model = to_meta(model, dtype)
     if args is None and not kwargs:
         args = default_inputs(meta_model, micro_batch_size, seq_len)
     args, kwargs = tuple(args or ()), dict(kwargs or {})
 
     records: dict[str, OpRecord] = {LOSS_NODE: OpRecord(LOSS_NODE, "cross_entropy", "", (), dtype)}
-    mode = CostMode(records, progress)
-    mode.expert_flop_scale = capacity_factor
+    mode = options.cost_mode(records)
     recorder = _Recorder(meta_model, mode, records, dtype)
     saved, pack = saved_tensor_recorder(meta_model, mode)
 
-    handles = []
-    for module in meta_model.modules():
-        handles.append(module.register_forward_pre_hook(recorder.pre_forward, with_kwargs=True))
-        handles.append(module.register_forward_hook(recorder.post_forward, with_kwargs=True))
     failure = None
     try:
-        _run(meta_model, args, kwargs, mode, recorder, records, pack, attention or AttentionPolicy())
+        with _module_hooks(meta_model, recorder):
+            _run(meta_model, args, kwargs, recorder, pack, options)
     except UsageError as exc:  # an attention kernel asked for that cannot run a call: said as it is
         failure = exc
         raise
@@ -215,14 +227,25 @@ def trace_dispatch(
         raise TraceError(f"running {type(model).__name__} on the meta device failed at {recorder.last_call}: "
                          f"{type(exc).__name__}: {exc}") from exc
     finally:
-        for handle in handles:
-            handle.remove()
         recorder.attribution.release(failure)
 
     for nbytes, name in saved.values():
         records[name].saved_bytes += nbytes
     fill_forward_transients(records, mode, saved, recorder.input_storages)
     fill_backward_liveness(records, mode, meta_model)
+    ops = [record for name, record in records.items() if name != LOSS_NODE] + [records[LOSS_NODE]]
+    return ModelTrace(
+        graph=_op_graph(recorder), ops=ops, micro_batch_size=micro_batch_size, seq_len=seq_len, dtype=dtype,
+        input_storages=recorder.input_storages,
+        storage_producer={k: v for k, v in mode.storage_producer.items() if v in records},
+        saved_storages={k: v for k, v in saved.items() if v[1] in records},
+    )
+
+
+def _op_graph(recorder: _Recorder) -> nx.DiGraph:
+    """The ops linked from the op that produced each storage to those that read it, every last op feeding the
+    loss; each op marked a matmul when matmuls did at least half its work."""
+    records, mode = recorder.records, recorder.mode
     graph = nx.DiGraph()
     for name, record in records.items():
         work = record.fwd_flops + record.bwd_flops
@@ -235,11 +258,4 @@ def trace_dispatch(
                 graph.add_edge(producer, name)
     for name in [n for n in graph.nodes if n != LOSS_NODE and graph.out_degree(n) == 0]:
         graph.add_edge(name, LOSS_NODE)
-
-    ops = [record for name, record in records.items() if name != LOSS_NODE] + [records[LOSS_NODE]]
-    return ModelTrace(
-        graph=graph, ops=ops, micro_batch_size=micro_batch_size, seq_len=seq_len, dtype=dtype,
-        input_storages=recorder.input_storages,
-        storage_producer={k: v for k, v in mode.storage_producer.items() if v in records},
-        saved_storages={k: v for k, v in saved.items() if v[1] in records},
-    )
+    return graph

@@ -188,51 +188,79 @@ def expand(trace: ModelTrace, repeats: Repeats, periods: int, total: int, tracer
     of the truncated model it ran. Raises Mismatch when the trace does not have that shape."""
     segments = _templates(trace, repeats, periods, tracer, tensors)
     copies = [(-1, -1), (0, 0)] + [(j, 1) for j in range(1, total - 1)] + [(total - 1, periods - 1), (total, periods)]
-    templates = dict(copies)
-    out_ops: list[OpRecord] = []
-    op_name: dict[tuple[int, int], str] = {}  # (segment, position) in the whole model -> op name
-    inputs, producers, saved, keys = {}, {}, {}, {}
-    edges: list[tuple] = []
-
-    def key_of(sid: tuple, shift: int) -> int:
-        if sid[0] == "ext":
-            return sid[1]
-        moved = (sid[0], sid[1] + shift * sid[4], sid[2], sid[3])
-        key = keys.get(moved)
-        if key is None:
-            key = keys[moved] = -1 - len(keys)
-        return key
-
+    whole = _Copies(repeats, total)
     for target, template in copies:
         shift = target - template if template >= 0 else 0
         for t in segments[template]:
-            record = object.__new__(OpRecord)  # a copy; copy.copy is 10x slower on a dataclass
-            record.__dict__.update(t.op.__dict__)
-            if shift and t.name_parts is not None:
-                head, number, step, tail = t.name_parts
-                record.name = f"{head}{number + shift * step}{tail}"
-            if shift and t.module_parts is not None:
-                prefix, block, rest = t.module_parts
-                record.module = f"{prefix}{block + shift * repeats.period}{rest}"
-            name = record.name
-            out_ops.append(record)
-            op_name[(target, t.position)] = name
-            inputs[name] = [(key_of(sid, shift), nbytes) for sid, nbytes in t.inputs]
-            for sid in t.produced:
-                producers[key_of(sid, shift)] = name
-            for sid, nbytes in t.saved:
-                saved.setdefault(key_of(sid, shift), (nbytes, name))
-            edges.extend(((home + shift * moves, position), name) for home, moves, position in t.sources)
-            edges.extend((name, (total, position)) for position in t.sinks_after)
-    graph = nx.DiGraph()
-    graph.add_nodes_from((record.name, {"op": record}) for record in out_ops)
-    if graph.number_of_nodes() != len(out_ops):
-        raise Mismatch("renamed ops collide")
-    try:
-        graph.add_edges_from((op_name[a] if isinstance(a, tuple) else a, op_name[b] if isinstance(b, tuple) else b)
-                             for a, b in edges)
-    except KeyError as exc:
-        raise Mismatch(f"an edge leads to op {exc} that the whole model does not have") from None
+            whole.add(t, target, shift)
+    graph = whole.graph()
+    _check_storages(whole.keys, segments, dict(copies), repeats)
+    return ModelTrace(graph=graph, ops=whole.ops, micro_batch_size=trace.micro_batch_size, seq_len=trace.seq_len,
+                      dtype=trace.dtype, input_storages=whole.inputs, storage_producer=whole.producers,
+                      saved_storages=whole.saved)
+
+
+class _Copies:
+    """The whole model's ops, storages and edges, as the short trace's templates are copied into each segment."""
+
+    def __init__(self, repeats: Repeats, total: int):
+        self.repeats, self.total = repeats, total
+        self.ops: list[OpRecord] = []
+        self.op_name: dict[tuple[int, int], str] = {}  # (segment, position) in the whole model -> op name
+        self.inputs, self.producers, self.saved, self.keys = {}, {}, {}, {}
+        self.edges: list[tuple] = []
+
+    def key_of(self, sid: tuple, shift: int) -> int:
+        """The whole model's storage key of template storage `sid` copied `shift` periods on (from -1 down)."""
+        if sid[0] == "ext":
+            return sid[1]
+        moved = (sid[0], sid[1] + shift * sid[4], sid[2], sid[3])
+        key = self.keys.get(moved)
+        if key is None:
+            key = self.keys[moved] = -1 - len(self.keys)
+        return key
+
+    def add(self, t: _Template, target: int, shift: int) -> None:
+        """A copy of template `t` in segment `target`, `shift` periods after its own, renamed as the whole
+        model's trace would name it."""
+        record = object.__new__(OpRecord)  # a copy; copy.copy is 10x slower on a dataclass
+        record.__dict__.update(t.op.__dict__)
+        if shift and t.name_parts is not None:
+            head, number, step, tail = t.name_parts
+            record.name = f"{head}{number + shift * step}{tail}"
+        if shift and t.module_parts is not None:
+            prefix, block, rest = t.module_parts
+            record.module = f"{prefix}{block + shift * self.repeats.period}{rest}"
+        name = record.name
+        self.ops.append(record)
+        self.op_name[(target, t.position)] = name
+        self.inputs[name] = [(self.key_of(sid, shift), nbytes) for sid, nbytes in t.inputs]
+        for sid in t.produced:
+            self.producers[self.key_of(sid, shift)] = name
+        for sid, nbytes in t.saved:
+            self.saved.setdefault(self.key_of(sid, shift), (nbytes, name))
+        self.edges.extend(((home + shift * moves, position), name) for home, moves, position in t.sources)
+        self.edges.extend((name, (self.total, position)) for position in t.sinks_after)
+
+    def graph(self) -> nx.DiGraph:
+        """The copies' graph; Mismatch where renamed ops collide or an edge leads to an op not copied."""
+        graph = nx.DiGraph()
+        graph.add_nodes_from((record.name, {"op": record}) for record in self.ops)
+        if graph.number_of_nodes() != len(self.ops):
+            raise Mismatch("renamed ops collide")
+        op_name = self.op_name
+        try:
+            graph.add_edges_from((op_name[a] if isinstance(a, tuple) else a, op_name[b] if isinstance(b, tuple) else b)
+                                 for a, b in self.edges)
+        except KeyError as exc:
+            raise Mismatch(f"an edge leads to op {exc} that the whole model does not have") from None
+        return graph
+
+
+def _check_storages(keys: dict[tuple, int], segments: dict[int, list[_Template]], templates: dict[int, int],
+                    repeats: Repeats) -> None:
+    """Mismatch where a copied storage is one the whole model does not have: a block past its last, or an
+    output its producing op does not make."""
     for sid in keys:
         if sid[0] == "tensor" and not 0 <= sid[1] < repeats.count:
             raise Mismatch(f"an op reads block {sid[1]}'s {sid[2]}, which the model does not have")
@@ -240,5 +268,3 @@ def expand(trace: ModelTrace, repeats: Repeats, periods: int, total: int, tracer
             members = segments.get(templates.get(sid[1], -2), [])
             if sid[2] >= len(members) or sid[3] >= len(members[sid[2]].produced):
                 raise Mismatch("an op reads a storage that the op it would come from does not produce")
-    return ModelTrace(graph=graph, ops=out_ops, micro_batch_size=trace.micro_batch_size, seq_len=trace.seq_len,
-                      dtype=trace.dtype, input_storages=inputs, storage_producer=producers, saved_storages=saved)

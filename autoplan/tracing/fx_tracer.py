@@ -13,6 +13,8 @@ Nothing is allocated: meta tensors carry shapes and dtypes only.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import networkx as nx
 import torch
 import torch.fx as fx
@@ -21,9 +23,8 @@ import torch.nn.functional as F
 from torch.utils._pytree import tree_flatten
 
 from autoplan.errors import TraceError, UsageError
-from autoplan.models.attention import attention_executor, dispatch
+from autoplan.models.attention import dispatch
 from autoplan.models.loss import logits_of, training_loss
-from autoplan.tracing.attention import AttentionPolicy
 from autoplan.tracing.counting import (
     BackwardAttribution,
     CostMode,
@@ -37,6 +38,7 @@ from autoplan.tracing.counting import (
     tensor_bytes,
     to_meta,
 )
+from autoplan.tracing.trace_options import TraceOptions
 from cost_models.records import LOSS_NODE, ModelTrace, OpRecord
 
 __all__ = ["param_uses", "symbolic_trace", "trace_model"]
@@ -126,71 +128,27 @@ def trace_model(
     dtype: str = "bf16",
     inputs: tuple[torch.Tensor, ...] | None = None,
     graph_module: fx.GraphModule | None = None,
-    progress=None,
-    attention: AttentionPolicy | None = None,
-    capacity_factor: float = 1.0,
+    options: TraceOptions | None = None,
 ) -> ModelTrace:
-    """Trace `model` (any device; it is copied to meta in `dtype`) at one micro-batch size. `progress` is
-    told of each op as it runs (see counting.CostMode); `attention` picks each attention call's kernel
-    (default: torch's pick on CUDA); `capacity_factor` scales expert matmuls."""
+    """Trace `model` (any device; it is copied to meta in `dtype`) at one micro-batch size. `options` say who
+    is told of each op, which kernel each attention call is priced as and how expert matmuls scale (see
+    TraceOptions; default: torch's attention pick on CUDA)."""
+    options = options or TraceOptions()
     meta_model = to_meta(model, dtype)
     gm = graph_module if graph_module is not None else symbolic_trace(meta_model)
     if graph_module is not None:
         gm = _rebind(graph_module, meta_model)
     if inputs is None:
         inputs = default_inputs(meta_model, micro_batch_size, seq_len)
-
-    records: dict[str, OpRecord] = {}
-    summed = {name: len(params) for name, params in summed_grad_params(param_uses(gm)).items()}
-    graph = nx.DiGraph()
-    for node in gm.graph.nodes:
-        if node.op in ("call_module", "call_function", "call_method"):
-            records[node.name] = OpRecord(node.name, _kind(gm, node), _module_path(node), (), dtype)
-    records[LOSS_NODE] = OpRecord(LOSS_NODE, "cross_entropy", "", (), dtype)
-
-    mode = CostMode(records, progress)
-    mode.expert_flop_scale = capacity_factor
+    records = _open_records(gm, dtype)
+    mode = options.cost_mode(records)
+    tally = _Tally(records, mode, BackwardAttribution(mode),
+                   {name: len(params) for name, params in summed_grad_params(param_uses(gm)).items()})
     saved, pack = saved_tensor_recorder(meta_model, mode)
-    input_storages: dict[str, list[tuple[int, int]]] = {}
-    attribution = BackwardAttribution(mode)
-
-    class _Interpreter(fx.Interpreter):
-        def run_node(self, node: fx.Node):
-            if node.name not in records:
-                return super().run_node(node)
-            mode.current = node.name
-            args, kwargs = self.fetch_args_kwargs_from_env(node)
-            tensors_in = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-            records[node.name].input_shapes = tuple(tuple(t.shape) for t in tensors_in)
-            records[node.name].variant = _variant(gm, node, args, kwargs, summed.get(node.name, 0))
-            input_storages[node.name] = mode.read(tensors_in)
-            out = super().run_node(node)
-            outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-            records[node.name].out_bytes = sum(map(tensor_bytes, outs))
-            attribution.attach(node.name, outs)
-            return out
-
-        def call_function(self, target, args, kwargs):
-            if target is F.scaled_dot_product_attention:
-                target = dispatch  # the attention kernel that is priced (autoplan.tracing.attention)
-            return super().call_function(target, args, kwargs)
-
-    def run() -> None:  # the graph's tensors are this frame's alone, gone when it returns
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), mode, attention_executor(
-                (attention or AttentionPolicy()).executor(mode)):
-            output = _Interpreter(gm).run(*inputs)
-            mode.current = LOSS_NODE
-            records[LOSS_NODE].input_shapes = (tuple(logits_of(output).shape),)
-            input_storages[LOSS_NODE] = mode.read([logits_of(output)])
-            loss = training_loss(output)
-        mode.backward = True
-        with mode:
-            clear_grads(meta_model)
-            loss.backward()
 
     failure = None
     try:
-        run()
+        _run(gm, meta_model, inputs, pack, tally, options)
     except UsageError as exc:  # an attention kernel asked for that cannot run a call: said as it is
         failure = exc
         raise
@@ -200,12 +158,89 @@ def trace_model(
         where = f"op {failing.name} ({failing.kind}) in module {failing.module or '<root>'!r}" if failing else "?"
         raise TraceError(f"tracing failed at {where}: {type(exc).__name__}: {exc}") from exc
     finally:
-        attribution.release(failure)
+        tally.attribution.release(failure)
 
     for storage, (nbytes, name) in saved.items():
         records[name].saved_bytes += nbytes
-    fill_forward_transients(records, mode, saved, input_storages)
+    fill_forward_transients(records, mode, saved, tally.input_storages)
     fill_backward_liveness(records, mode, meta_model)
+    ops = [records[n.name] for n in gm.graph.nodes if n.name in records] + [records[LOSS_NODE]]
+    return ModelTrace(
+        graph=_op_graph(gm, records, mode), ops=ops, micro_batch_size=micro_batch_size, seq_len=seq_len, dtype=dtype,
+        input_storages=tally.input_storages, storage_producer=dict(mode.storage_producer), saved_storages=saved,
+    )
+
+
+def _open_records(gm: fx.GraphModule, dtype: str) -> dict[str, OpRecord]:
+    """An empty record for each call node of the graph, and one for the loss."""
+    records = {node.name: OpRecord(node.name, _kind(gm, node), _module_path(node), (), dtype)
+               for node in gm.graph.nodes if node.op in ("call_module", "call_function", "call_method")}
+    records[LOSS_NODE] = OpRecord(LOSS_NODE, "cross_entropy", "", (), dtype)
+    return records
+
+
+@dataclass
+class _Tally:
+    """What a trace fills in as the graph runs: the records, the cost mode counting into them, the backward's
+    attribution to ops, each node's parameters whose gradients it sums, and the storages each op reads."""
+
+    records: dict[str, OpRecord]
+    mode: CostMode
+    attribution: BackwardAttribution
+    summed: dict[str, int]
+    input_storages: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
+
+
+class _CostInterpreter(fx.Interpreter):
+    """Runs the graph node by node, each call node's ops charged to its record; attention as it is priced."""
+
+    def __init__(self, gm: fx.GraphModule, tally: _Tally):
+        super().__init__(gm)
+        self.tally = tally
+
+    def run_node(self, node: fx.Node):
+        tally = self.tally
+        record = tally.records.get(node.name)
+        if record is None:
+            return super().run_node(node)
+        tally.mode.current = node.name
+        args, kwargs = self.fetch_args_kwargs_from_env(node)
+        tensors_in = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        record.input_shapes = tuple(tuple(t.shape) for t in tensors_in)
+        record.variant = _variant(self.module, node, args, kwargs, tally.summed.get(node.name, 0))
+        tally.input_storages[node.name] = tally.mode.read(tensors_in)
+        out = super().run_node(node)
+        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        record.out_bytes = sum(map(tensor_bytes, outs))
+        tally.attribution.attach(node.name, outs)
+        return out
+
+    def call_function(self, target, args, kwargs):
+        if target is F.scaled_dot_product_attention:
+            target = dispatch  # the attention kernel that is priced (autoplan.tracing.attention)
+        return super().call_function(target, args, kwargs)
+
+
+def _run(gm: fx.GraphModule, meta_model: nn.Module, inputs: tuple, pack, tally: _Tally,
+         options: TraceOptions) -> None:
+    """Forward, loss and backward; the graph's tensors are this frame's alone, gone when it returns."""
+    mode, records = tally.mode, tally.records
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), mode, options.attention_executor(mode):
+        output = _CostInterpreter(gm, tally).run(*inputs)
+        mode.current = LOSS_NODE
+        records[LOSS_NODE].input_shapes = (tuple(logits_of(output).shape),)
+        tally.input_storages[LOSS_NODE] = mode.read([logits_of(output)])
+        loss = training_loss(output)
+    mode.backward = True
+    with mode:
+        clear_grads(meta_model)
+        loss.backward()
+
+
+def _op_graph(gm: fx.GraphModule, records: dict[str, OpRecord], mode: CostMode) -> nx.DiGraph:
+    """The ops as the graph's data flow, every last op feeding the loss; each op marked a matmul when matmuls
+    did at least half its work."""
+    graph = nx.DiGraph()
     for name, record in records.items():
         total = record.fwd_flops + record.bwd_flops
         record.is_matmul = total > 0 and mode.matmul_flops.get(name, 0) >= 0.5 * total
@@ -218,12 +253,7 @@ def trace_model(
     last_nodes = [n for n in graph.nodes if n != LOSS_NODE and graph.out_degree(n) == 0]
     for name in last_nodes:
         graph.add_edge(name, LOSS_NODE)
-
-    ops = [records[n.name] for n in gm.graph.nodes if n.name in records] + [records[LOSS_NODE]]
-    return ModelTrace(
-        graph=graph, ops=ops, micro_batch_size=micro_batch_size, seq_len=seq_len, dtype=dtype,
-        input_storages=input_storages, storage_producer=dict(mode.storage_producer), saved_storages=saved,
-    )
+    return graph
 
 
 def _rebind(graph_module: fx.GraphModule, model: nn.Module) -> fx.GraphModule:

@@ -26,6 +26,7 @@ from autoplan.tracing.expand import Mismatch, Repeats, expand
 from autoplan.tracing.fx_tracer import symbolic_trace, trace_model
 from autoplan.tracing.progress import BlockProgress
 from autoplan.tracing.reuse import TRACED_PERIODS, block_tensors, find_repeats, predict_and_check, truncated
+from autoplan.tracing.trace_options import TraceOptions
 from cost_models.records import ModelTrace
 
 TRACERS = ("fx", "dispatch")
@@ -141,8 +142,8 @@ def _trace_fx(model: nn.Module, seq_len: int, dtype: str, inputs: ExampleInputs 
     meta = to_meta(model, dtype)
     return [trace_model(meta, batch, seq_len, dtype,
                         inputs=inputs.at_batch(batch, seq_len, dtype)[0] if inputs else None,
-                        graph_module=graph_module, progress=progress and progress(batch), attention=policy,
-                        capacity_factor=capacity_factor)
+                        graph_module=graph_module,
+                        options=TraceOptions(progress and progress(batch), policy, capacity_factor))
             for batch in TRACED_BATCHES]
 
 
@@ -152,8 +153,7 @@ def _trace_dispatch(model: nn.Module, seq_len: int, dtype: str, inputs: ExampleI
     for batch in TRACED_BATCHES:
         args, kwargs = inputs.at_batch(batch, seq_len, dtype) if inputs else (None, None)
         traces.append(trace_dispatch(meta, batch, seq_len, dtype, args=args, kwargs=kwargs,
-                                     progress=progress and progress(batch), attention=policy,
-                                     capacity_factor=capacity_factor))
+                                     options=TraceOptions(progress and progress(batch), policy, capacity_factor)))
     names_1, names_2 = [op.name for op in traces[0].ops], [op.name for op in traces[1].ops]
     if names_1 != names_2:
         first = next((a, b) for a, b in zip(names_1 + [""], names_2 + [""]) if a != b)
