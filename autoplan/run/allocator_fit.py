@@ -28,10 +28,10 @@ import torch
 from autoplan.api.search import search
 from autoplan.errors import InfeasibleError, UsageError
 from autoplan.plan.schema import Plan
-from autoplan.run.allocator_check import check_replayable
 from autoplan.run.apply import materialise
 from autoplan.run.data import vocab_size_of
 from autoplan.run.memtrack import LiveTensorTracker
+from autoplan.run.replayable import check_replayable
 from autoplan.run.torch_tracker import fake_rank
 from autoplan.run.tp import training_context
 from autoplan.run.worker import next_token_loss

@@ -1,0 +1,35 @@
+"""Which plans a replay of rank 0's step on fake tensors can run (autoplan.run.allocator_fit): shared by the fit
+and by the search's quick check (autoplan.run.allocator_check)."""
+
+from __future__ import annotations
+
+from autoplan.errors import UsageError
+from autoplan.plan.schema import Plan
+from autoplan.profile_store import load_profile
+from cost_models.options import SHARDING_KINDS, ShardGroup
+
+__all__ = ["check_replayable"]
+
+
+def check_replayable(plan: Plan) -> None:
+    """UsageError saying why `plan` cannot be replayed on fake tensors yet (none where it can)."""
+    if load_profile(plan.cluster.profile).device_type != "cuda":
+        raise UsageError(f"the plan is costed with {plan.cluster.profile!r}, not a CUDA profile: only CUDA has the "
+                         "caching allocator a replay models (pick a GPU profile with --profile, or leave out "
+                         "--fit-allocator)")
+    if plan.cluster.tp_degree > 1:
+        raise UsageError("a tensor-parallel plan does not run on fake tensors yet (FSDP2 joins the data- and "
+                         "tensor-parallel meshes inside the fake tensor mode, which torch 2.13 refuses), so its "
+                         "allocations cannot be replayed: search with --tp 1 to check a plan by replay")
+    offloaded = [u.module or "<root>" for u in plan.units if u.offload]
+    if offloaded:
+        raise UsageError(f"units offloaded to the host ({', '.join(offloaded[:3])}{', ...' if len(offloaded) > 3 else ''}): "
+                         "on fake tensors the host and the device are one memory, so a replay cannot tell their "
+                         "allocations apart yet; search without --fit-allocator (the report gives the reserved bound), "
+                         "or with more memory or GPUs so that nothing is offloaded")
+    node_sharded = [u.module or "<root>" for u in plan.units
+                    if SHARDING_KINDS[u.sharding].shard_group == ShardGroup.NODE]
+    if node_sharded and plan.cluster.nodes > 1:
+        raise UsageError(f"units sharded within a node and replicated across nodes ({', '.join(node_sharded[:3])}) "
+                         "run on a 2-D mesh, which does not run on fake tensors yet: their allocations cannot be "
+                         "replayed")
