@@ -10,6 +10,7 @@ of other units, sharding or world size).
 """
 import argparse
 import functools
+import gc
 import os
 
 import torch
@@ -56,4 +57,9 @@ for step in range(start, args.steps):
     if args.save and (step + 1) % args.save_every == 0:
         autoplan.save_checkpoint(f"{args.save}/step-{step + 1}", model, optimizer, step=step + 1,
                                  scheduler=applied.scheduler, plan=plan)
-dist.barrier(), dist.destroy_process_group()  # every rank done with its collectives before any tears down
+# FSDP2's state (its last collectives' work objects and buffers) released while the interpreter is whole, not in its
+# teardown after the process group is gone (a 2-rank gloo run aborted there now and then); every rank done with its
+# collectives before any tears down
+del model, optimizer, applied
+gc.collect()
+dist.barrier(), dist.destroy_process_group()
