@@ -39,7 +39,6 @@ def test_a_plan_that_fits_as_it_is_is_kept_unchanged(run_cli, tmp_path):
 
 @pytest.mark.parametrize("extra, message", [
     (["--profile", "cpu-gloo-2", "--mem", "520MB", "--allow-over-device-mem"], "not a CUDA profile"),
-    (["--mem", "520MB", "--tp", "2"], "tensor-parallel"),
     (["--mem", "600MB", "--strategy", "shard", "--offload"], "units offloaded to the host"),
     (["--mem", "600MB", "--nodes", "2", "--strategy", "hybrid"], "2-D mesh"),
 ])
@@ -48,3 +47,13 @@ def test_what_cannot_be_replayed_is_refused_before_any_plan_is_written(run_cli, 
     assert result.returncode == 2, result.stderr
     assert message in result.stderr
     assert not (tmp_path / "plan.json").exists()
+
+
+def test_a_tensor_parallel_plan_is_fitted_by_replay_too(run_cli, tmp_path):
+    """FSDP2 joins the data- and tensor-parallel meshes of a TP unit: the replay makes that join outside the fake
+    tensor mode, so a TP plan's step replays like any other."""
+    result = run_cli("search", *ARGS, "--mem", "520MB", "--tp", "2", "--fit-allocator", "-o", "plan.json")
+    assert result.returncode == 0, result.stderr
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert plan["cluster"]["tp_degree"] == 2
+    assert 0 < plan["predicted"]["allocator_needed_bytes"] <= plan["cluster"]["mem_limit_bytes"]

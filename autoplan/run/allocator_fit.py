@@ -12,9 +12,10 @@ and its plan is replayed, until one fits: the headroom each plan gets is what it
 
 Not seen by a replay (fake tensors run no kernel): cuBLAS/cuDNN workspaces and kernel scratch, counted
 as the allocator model's SEGMENT_SLACK, and memory outside the allocator (CUDA context, NCCL buffers).
-Plans that cannot be replayed yet are refused with the reason: tensor-parallel plans, units sharded within
-a node and replicated across nodes (a 2-D mesh), and units offloaded to the host (on fake tensors the host
-and the device are one memory). A replay of llama2-70b's rank 0 (80 layers) takes about 30 s here.
+Plans that cannot be replayed yet are refused with the reason: units sharded within a node and replicated
+across nodes (a 2-D mesh), and units offloaded to the host (on fake tensors the host and the device are one
+memory). Tensor-parallel plans replay (FSDP2's join of the data- and tensor-parallel meshes runs outside the
+fake mode: autoplan.run.torch_tracker). A replay of llama2-70b's rank 0 (80 layers) takes about 30 s here.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from autoplan.api.search import search
-from autoplan.errors import InfeasibleError, UsageError
+from autoplan.errors import InfeasibleError
 from autoplan.plan.schema import Plan
 from autoplan.run.apply import materialise
 from autoplan.run.data import vocab_size_of
@@ -155,13 +156,6 @@ def search_fitting_allocator(settings: SearchSettings, say: Callable[[str], None
     smallest that fitted, to BRACKET, within `rounds` searches in all. Returns the fitting plan with the
     least headroom (its prediction records `allocator_needed_bytes`) and every round's replay;
     InfeasibleError when no round's plan fits."""
-    if settings.tp is not None and settings.tp > 1:
-        raise UsageError("a tensor-parallel plan does not run on fake tensors yet, so its allocations cannot be "
-                         "replayed: leave out --tp (or give --tp 1) to fit the allocator")
-    if settings.tp is None and settings.strategy is None:
-        say("tensor parallelism is not searched with --fit-allocator: its plans do not run on fake tensors yet")
-    if settings.tp is None:
-        settings = SearchSettings.create(settings, tp=1)
     settings = SearchSettings.create(settings, fit_to="allocated")  # the replay fits the live bytes, not a bound
     headroom, replays, previous = settings.headroom, [], None
     failed, best = None, None  # the largest headroom whose plan did not fit; (headroom, plan) of the smallest that did

@@ -17,10 +17,6 @@ def check_replayable(plan: Plan) -> None:
         raise UsageError(f"the plan is costed with {plan.cluster.profile!r}, not a CUDA profile: only CUDA has the "
                          "caching allocator a replay models (pick a GPU profile with --profile, or leave out "
                          "--fit-allocator)")
-    if plan.cluster.tp_degree > 1:
-        raise UsageError("a tensor-parallel plan does not run on fake tensors yet (FSDP2 joins the data- and "
-                         "tensor-parallel meshes inside the fake tensor mode, which torch 2.13 refuses), so its "
-                         "allocations cannot be replayed: search with --tp 1 to check a plan by replay")
     offloaded = [u.module or "<root>" for u in plan.units if u.offload]
     if offloaded:
         raise UsageError(f"units offloaded to the host ({', '.join(offloaded[:3])}{', ...' if len(offloaded) > 3 else ''}): "

@@ -71,6 +71,28 @@ class TrackerResult:
 
 
 @contextmanager
+def _mesh_joins_outside(fake_mode):
+    """FSDP2 joins a unit's data-parallel mesh with its tensor-parallel one (`DeviceMesh._concatenate`, in
+    `_init_sharding_spec_tp`), which builds the joined mesh's rank tensor from the real rank map: under a
+    FakeTensorMode that fails (a real tensor among fake ones). The join is rank bookkeeping, not a model tensor,
+    so it runs with the fake mode set aside; everything else stays fake."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.device_mesh import DeviceMesh
+
+    join = DeviceMesh._concatenate
+
+    def outside(meshes):
+        with unset_fake_temporarily():
+            return join(meshes)
+
+    DeviceMesh._concatenate = staticmethod(outside)
+    try:
+        yield
+    finally:
+        DeviceMesh._concatenate = staticmethod(join)
+
+
+@contextmanager
 def fake_rank(plan: Plan, model: str | None = None):
     """`plan` applied to its model as rank 0 of its world, on fake tensors and torch's fake process group, on the
     CPU: yields (the model's name, the module, the optimizer) inside the FakeTensorMode, not yet materialised
@@ -90,7 +112,7 @@ def fake_rank(plan: Plan, model: str | None = None):
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     try:
         mesh = init_device_mesh("cpu", (world,))
-        with fake_mode:
+        with fake_mode, _mesh_joins_outside(fake_mode):
             module, optimizer = apply(resolved.module, plan, mesh)
             if load_profile(plan.cluster.profile).device_type == "cuda":  # the plan's optimizer as CUDA runs it
                 for group in optimizer.param_groups:
