@@ -57,13 +57,15 @@ GRID = [
     ("llama3-8b", "full", 1, 8192, None),
     ("llama3-8b", "full", 2, 8192, None),
     ("llama3-8b", "none", 1, 4096, None),
+    ("llama3-8b", "full", 2, 8192, None, 2),  # tensor-parallel (degree 2, sequence parallel off)
+    ("llama2-7b", "selective", 2, 4096, None, 4),
 ]
 # (model, sequence, limit): the solver's plan (tensor parallelism off, micro-batch searched) with and without
 # search_fitting_allocator
 FIT_CASES = [("llama2-7b", 4096, "20GB"), ("llama2-7b", 4096, "40GB"), ("llama3-8b", 8192, "40GB"),
              ("llama2-7b[n_layers=4]", 1024, "5.2GB")]
 QUICK = [("llama2-7b[n_layers=4]", "full", 2, 1024, None), ("llama2-7b[n_layers=4]", "none", 1, 1024, None)]
-# (model, sequence, limits): the default search's plans (tensor parallelism off: its plans do not run on fake tensors)
+# (model, sequence, limits): the default search's plans (tensor degrees searched)
 DEFAULT_CASES = [("gpt2-1.5b", 1024, ("8GB", "12GB", "16GB")), ("llama2-7b", 4096, ("20GB", "30GB", "40GB")),
                  ("llama3-8b", 8192, ("30GB", "40GB", "60GB"))]
 CONFIGS = ("expandable_segments:True", "expandable_segments:False")
@@ -104,11 +106,11 @@ def search_times(repeats: int) -> list[dict]:
     return rows
 
 
-def plan_for(model: str, checkpoint: str | None, batch: int | None, seq_len: int, limit: str | None):
+def plan_for(model: str, checkpoint: str | None, batch: int | None, seq_len: int, limit: str | None, tp: int = 1):
     if limit is not None:
         return autoplan.search(model, limit, gpus=WORLD, profile=PROFILE, seq_len=seq_len)
     return autoplan.search(model, "1000GB", gpus=WORLD, profile=PROFILE, seq_len=seq_len, batch_size=batch,
-                           strategy="shard", checkpoint=checkpoint, allow_over_device_mem=True)
+                           strategy="shard", checkpoint=checkpoint, allow_over_device_mem=True, tp=tp)
 
 
 def fit_cases(cases) -> list[dict]:
@@ -157,8 +159,8 @@ def default_rows(cases) -> list[dict]:
         for limit in limits:
             for conf in CONFIGS:
                 started = time.perf_counter()
-                plan = autoplan.search(model, limit, gpus=WORLD, profile=PROFILE, seq_len=seq_len, tp=1,
-                                       allocator_conf=conf)
+                plan = autoplan.search(model, limit, gpus=WORLD, profile=PROFILE, seq_len=seq_len,
+                                       allocator_conf=conf)  # tensor degrees searched, as a user runs it
                 try:
                     replayed = replay_plan(plan)
                 except UsageError as exc:  # offloading plans cannot be replayed yet
@@ -168,12 +170,12 @@ def default_rows(cases) -> list[dict]:
                     continue
                 mem = plan.cluster.mem_limit_bytes
                 row = {"model": model, "seq_len": seq_len, "limit": limit, "limit_bytes": mem, "allocator_conf": conf,
-                       "micro_batch": plan.training.micro_batch_size, "peak_bytes": plan.predicted.peak_mem_bytes,
+                       "tp": plan.cluster.tp_degree, "micro_batch": plan.training.micro_batch_size, "peak_bytes": plan.predicted.peak_mem_bytes,
                        "bound_bytes": plan.predicted.needed_bytes, "needed_bytes": replayed.needed_bytes,
                        "reserved_bytes": replayed.reserved_bytes, "fits": replayed.needed_bytes <= mem,
                        "used": replayed.needed_bytes / mem, "seconds": time.perf_counter() - started}
                 rows.append(row)
-                print(f"{model} seq {seq_len} @ {limit} ({conf}): mb {row['micro_batch']}, peak {row['peak_bytes'] / gib:.2f}, "
+                print(f"{model} seq {seq_len} @ {limit} ({conf}): tp {row['tp']}, mb {row['micro_batch']}, peak {row['peak_bytes'] / gib:.2f}, "
                       f"bound {row['bound_bytes'] / gib:.2f}, replay needs {row['needed_bytes'] / gib:.2f} GiB = "
                       f"{row['used']:.1%} of the limit{'' if row['fits'] else ' OVER'} ({row['seconds']:.0f} s)", flush=True)
     return rows
@@ -249,9 +251,9 @@ def main() -> None:
     print(f"{'plan':<34} {'mb':>2} {'seq':>5} {'predicted':>9} {'live':>7} {'alloc':>7} {'reserved':>8} "
           f"{'needed':>7} {'need/pred':>9} {'exp. res':>8} {'exp. need':>9} {'need/pred':>9} {'exp. bound':>10}  (GiB)")
     rows = []
-    for model, checkpoint, batch, seq_len, limit in QUICK if args.quick else GRID:
+    for model, checkpoint, batch, seq_len, limit, *tp in QUICK if args.quick else GRID:
         started = time.perf_counter()
-        plan = plan_for(model, checkpoint, batch, seq_len, limit)
+        plan = plan_for(model, checkpoint, batch, seq_len, limit, *tp)
         events, starts = record_step(plan)
         free_run, expandable_run = replay(events), replay(events, expandable=True)
         # as a plan's needed bound counts them: the kernel workspaces a replay cannot see on top
@@ -259,7 +261,8 @@ def main() -> None:
         needed_expandable = min_limit(events, expandable=True) + SEGMENT_SLACK
         predicted = plan.predicted.peak_mem_bytes
         bound = needed_bytes(predicted, CONFIGS[0])
-        label = f"{model} " + (f"shard+{checkpoint}" if limit is None else f"solver@{limit}")
+        label = f"{model} " + (f"shard+{checkpoint}" if limit is None else f"solver@{limit}") + \
+            (f" tp{plan.cluster.tp_degree}" if plan.cluster.tp_degree > 1 else "")
         mb = plan.training.micro_batch_size
         print(f"{label:<34} {mb:>2} {seq_len:>5} {predicted / gib:>9.2f} {free_run.peak_requested / gib:>7.2f} "
               f"{free_run.peak_allocated / gib:>7.2f} {free_run.peak_reserved / gib:>8.2f} {needed / gib:>7.2f} "
