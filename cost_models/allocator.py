@@ -118,7 +118,7 @@ class CachingAllocator:
         small = size <= SMALL_SIZE
         block = self._find_free(size, stream, small)
         if block is None:
-            block = self._new_segment(size, stream, small, nbytes)
+            block = self._grow(size, stream, small, nbytes)
         self._split(block, size)
         block.allocated, block.requested = True, nbytes
         self.allocated += block.size
@@ -133,19 +133,7 @@ class CachingAllocator:
         block.allocated = False
         self.allocated -= block.size
         self.requested -= block.requested
-        for neighbour in (block.prev, block.next):  # try_merge_blocks
-            if neighbour is not None and not neighbour.allocated:
-                self._take(neighbour)
-                if neighbour is block.prev:
-                    block.addr, block.prev = neighbour.addr, neighbour.prev
-                    if block.prev is not None:
-                        block.prev.next = block
-                else:
-                    block.next = neighbour.next
-                    if block.next is not None:
-                        block.next.prev = block
-                block.size += neighbour.size
-        self._put(block)
+        self._put(self._merge(self._merge(block, block.prev), block.next))
 
     def empty_cache(self) -> None:
         """Free every cached segment that holds no allocated block (release_cached_blocks)."""
@@ -184,7 +172,9 @@ class CachingAllocator:
         self._take(block)
         return block
 
-    def _new_segment(self, size: int, stream: int, small: bool, nbytes: int) -> _Block:
+    def _grow(self, size: int, stream: int, small: bool, nbytes: int) -> _Block:
+        """A new segment for a request no cached block serves (alloc_block), the cache freed first where the
+        limit would be passed."""
         seg = segment_size(size)
         if self.limit is not None and self.reserved + seg > self.limit:
             self.retries += 1
@@ -198,20 +188,47 @@ class CachingAllocator:
         return _Block(next(self._next_addr) << 48, seg, stream, small)
 
     def _split(self, block: _Block, size: int) -> None:
+        """Split off what the request leaves, a free block, where the pool's rule says to (should_split)."""
         remaining = block.size - size
-        if block.small:
-            split = remaining >= MIN_BLOCK
-        else:
-            split = size < self.max_split_size and remaining > SMALL_SIZE
-        if not split:
+        if not self._should_split(block, size, remaining):
             return
         rest = _Block(block.addr + size, remaining, block.stream, block.small)
-        rest.prev, rest.next = block, block.next
-        if block.next is not None:
-            block.next.prev = rest
-        block.next = rest
+        self._link_after(block, rest)
         block.size = size
         self._put(rest)
+
+    def _should_split(self, block: _Block, size: int, remaining: int) -> bool:
+        if block.small:
+            return remaining >= MIN_BLOCK
+        return size < self.max_split_size and remaining > SMALL_SIZE
+
+    def _merge(self, block: _Block, neighbour: _Block | None) -> _Block:
+        """`block` with a free neighbour of the same mapped state merged into it (try_merge_blocks); the
+        neighbour is taken off its list. Returns `block`."""
+        if neighbour is None or neighbour.allocated or neighbour.mapped != block.mapped:
+            return block
+        self._take_spare(neighbour)
+        if neighbour is block.prev:
+            block.addr, block.prev = neighbour.addr, neighbour.prev
+            if block.prev is not None:
+                block.prev.next = block
+        else:
+            block.next = neighbour.next
+            if block.next is not None:
+                block.next.prev = block
+        block.size += neighbour.size
+        return block
+
+    def _take_spare(self, block: _Block) -> None:
+        """A free block off the list it is kept on (natively every free block is on the free lists)."""
+        self._take(block)
+
+    @staticmethod
+    def _link_after(block: _Block, new: _Block) -> None:
+        new.prev, new.next = block, block.next
+        if block.next is not None:
+            block.next.prev = new
+        block.next = new
 
 
 def reserved_bound(allocated_peak_bytes: int) -> int:

@@ -27,11 +27,9 @@ import bisect
 
 from cost_models.allocator import (
     MIN_BLOCK,
-    SMALL_SIZE,
     CachingAllocator,
     OutOfMemory,
     _Block,
-    round_size,
     segment_size,
 )
 
@@ -54,31 +52,6 @@ class ExpandableAllocator(CachingAllocator):
         super().__init__(limit)
         self._unmapped: dict[bool, list[tuple[int, int]]] = {True: [], False: []}  # pool -> (stream, addr)
         self._unmapped_at: dict[tuple[int, int], _Block] = {}
-
-    # -- public -------------------------------------------------------------------------------
-
-    def malloc(self, nbytes: int, stream: int = 0) -> _Block:
-        size = round_size(nbytes)
-        small = size <= SMALL_SIZE
-        block = self._find_free(size, stream, small)
-        if block is None:
-            block = self._expand(size, stream, small, nbytes)
-        self._split(block, size)
-        block.allocated, block.requested = True, nbytes
-        self.allocated += block.size
-        self.requested += nbytes
-        self.peak_allocated = max(self.peak_allocated, self.allocated)
-        self.peak_requested = max(self.peak_requested, self.requested)
-        return block
-
-    def free(self, block: _Block) -> None:
-        if not block.allocated:
-            raise ValueError("the block is not allocated (freed twice?)")
-        block.allocated = False
-        self.allocated -= block.size
-        self.requested -= block.requested
-        merged = self._merge(self._merge(block, block.prev), block.next)
-        self._put(merged)
 
     def empty_cache(self) -> None:
         """Unmap every page of a free block that holds no allocated byte (release_blocks)."""
@@ -108,7 +81,7 @@ class ExpandableAllocator(CachingAllocator):
         following = block.next
         return block.size + (following.size if following is not None and not following.mapped else 0)
 
-    def _expand(self, size: int, stream: int, small: bool, nbytes: int) -> _Block:
+    def _grow(self, size: int, stream: int, small: bool, nbytes: int) -> _Block:
         """Map pages for the request (alloc_block, try_allocate_expandable_block), freeing the cache and
         trying again when the limit would be passed."""
         for attempt in (0, 1):
@@ -199,32 +172,12 @@ class ExpandableAllocator(CachingAllocator):
 
     # -- block lists ----------------------------------------------------------------------------
 
-    def _merge(self, block: _Block, neighbour: _Block | None) -> _Block:
-        """`block` with a free neighbour of the same mapped state merged into it (try_merge_blocks); the
-        neighbour is taken off its list. Returns `block`."""
-        if neighbour is None or neighbour.allocated or neighbour.mapped != block.mapped:
-            return block
-        if neighbour.mapped:
-            self._take(neighbour)
+    def _take_spare(self, block: _Block) -> None:
+        """A free block off its list: the mapped free blocks', or the unmapped ranges'."""
+        if block.mapped:
+            self._take(block)
         else:
-            self._take_unmapped(neighbour)
-        if neighbour is block.prev:
-            block.addr, block.prev = neighbour.addr, neighbour.prev
-            if block.prev is not None:
-                block.prev.next = block
-        else:
-            block.next = neighbour.next
-            if block.next is not None:
-                block.next.prev = block
-        block.size += neighbour.size
-        return block
-
-    @staticmethod
-    def _link_after(block: _Block, new: _Block) -> None:
-        new.prev, new.next = block, block.next
-        if block.next is not None:
-            block.next.prev = new
-        block.next = new
+            self._take_unmapped(block)
 
     @staticmethod
     def _link_before(block: _Block, new: _Block) -> None:
@@ -244,13 +197,6 @@ class ExpandableAllocator(CachingAllocator):
         del keys[bisect.bisect_left(keys, key)]
         del self._unmapped_at[key]
 
-    def _split(self, block: _Block, size: int) -> None:
-        """Split off what the request leaves when at least MIN_BLOCK bytes remain (should_split with
-        expandable segments), the rest a free mapped block."""
-        remaining = block.size - size
-        if remaining < MIN_BLOCK:
-            return
-        rest = _Block(block.addr + size, remaining, block.stream, block.small)
-        self._link_after(block, rest)
-        block.size = size
-        self._put(rest)
+    def _should_split(self, block: _Block, size: int, remaining: int) -> bool:
+        """At least MIN_BLOCK bytes left, in both pools (should_split with expandable segments)."""
+        return remaining >= MIN_BLOCK
