@@ -83,30 +83,37 @@ class LlamaMLP(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
-class LlamaBlock(nn.Module):
-    def __init__(self, config: ModelConfig):
+class PreNormBlock(nn.Module):
+    """A Llama-style block: attention, then an MLP (`mlp`: SwiGLU, or a mixture of experts), each after an
+    RMSNorm and added to the residual stream."""
+
+    def __init__(self, config: ModelConfig, mlp: nn.Module):
         super().__init__()
         self.attn_norm = RMSNorm(config.d_model, eps=config.norm_eps)
         self.attn = LlamaAttention(config)
         self.mlp_norm = RMSNorm(config.d_model, eps=config.norm_eps)
-        self.mlp = LlamaMLP(config)
+        self.mlp = mlp
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin)
         return x + self.mlp(self.mlp_norm(x))
 
 
-class Llama(nn.Module):
-    """Llama 2/3: RMSNorm, RoPE, SwiGLU, no biases, GQA, untied head by default."""
+class LlamaBlock(PreNormBlock):
+    def __init__(self, config: ModelConfig):
+        super().__init__(config, LlamaMLP(config))
+
+
+class RopeTransformer(nn.Module):
+    """Llama's embedding, rotary tables, norms and head around a stack of `block(config)` blocks."""
 
     block_list_path = "layers"
-    follows = FAMILY_FOLLOWS["llama"]  # what it saves for backward, said by `autoplan models`
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, block):
         super().__init__()
         self.config = config
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.d_model)
-        self.layers = nn.ModuleList(LlamaBlock(config) for _ in range(config.n_layers))
+        self.layers = nn.ModuleList(block(config) for _ in range(config.n_layers))
         self.norm = RMSNorm(config.d_model, eps=config.norm_eps)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         # Non-persistent buffer: not a parameter, not in the state dict (as Hugging Face's inv_freq).
@@ -132,3 +139,11 @@ class Llama(nn.Module):
             x = layer(x, cos, sin)
         return self.lm_head(self.norm(x))
 
+
+class Llama(RopeTransformer):
+    """Llama 2/3: RMSNorm, RoPE, SwiGLU, no biases, GQA, untied head by default."""
+
+    follows = FAMILY_FOLLOWS["llama"]  # what it saves for backward, said by `autoplan models`
+
+    def __init__(self, config: ModelConfig):
+        super().__init__(config, LlamaBlock)

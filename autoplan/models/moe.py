@@ -21,9 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from autoplan.models.common import init_parameters
 from autoplan.models.config import ModelConfig
-from autoplan.models.llama import LlamaAttention, LlamaMLP, RMSNorm, _inv_freq, _rope_tables
+from autoplan.models.llama import LlamaMLP, PreNormBlock, RopeTransformer
 
 __all__ = ["MoETransformer"]
 
@@ -82,49 +81,22 @@ class MoE(nn.Module):
         return out + self.shared(x) if self.shared is not None else out
 
 
-class MoEBlock(nn.Module):
+class MoEBlock(PreNormBlock):
     def __init__(self, config: ModelConfig):
-        super().__init__()
-        self.attn_norm = RMSNorm(config.d_model, eps=config.norm_eps)
-        self.attn = LlamaAttention(config)
-        self.mlp_norm = RMSNorm(config.d_model, eps=config.norm_eps)
-        self.mlp = MoE(config)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin)
-        return x + self.mlp(self.mlp_norm(x))
+        super().__init__(config, MoE(config))
 
 
-class MoETransformer(nn.Module):
+class MoETransformer(RopeTransformer):
     """Llama's embedding, attention, norms and head; every block's MLP a mixture of experts."""
 
-    block_list_path = "layers"
     follows = "routes as transformers' grouped_mm experts do (sorted pairs, one grouped matmul per projection)"
 
     def __init__(self, config: ModelConfig):
-        super().__init__()
-        self.config = config
-        self.tok_embeddings = nn.Embedding(config.vocab_size, config.d_model)
-        self.layers = nn.ModuleList(MoEBlock(config) for _ in range(config.n_layers))
-        self.norm = RMSNorm(config.d_model, eps=config.norm_eps)
-        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
-        self.register_buffer("inv_freq", _inv_freq(config, device=None), persistent=False)
-        if config.tie_embeddings:
-            self.lm_head.weight = self.tok_embeddings.weight
+        super().__init__(config, MoEBlock)
 
     def init_weights(self) -> None:
-        if self.config.tie_embeddings:
-            self.lm_head.weight = self.tok_embeddings.weight
-        init_parameters(self, self.config.init_std)
-        with torch.no_grad():
+        super().init_weights()
+        with torch.no_grad():  # the experts' stacked weights belong to no Linear: init_parameters leaves them
             for layer in self.layers:
                 for weight in (layer.mlp.experts.w1, layer.mlp.experts.w2, layer.mlp.experts.w3):
                     nn.init.normal_(weight, mean=0.0, std=self.config.init_std)
-            self.inv_freq.copy_(_inv_freq(self.config, device=self.inv_freq.device))
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        cos, sin = _rope_tables(self.inv_freq, input_ids.size(1), self.norm.weight.dtype)
-        x = self.tok_embeddings(input_ids)
-        for layer in self.layers:
-            x = layer(x, cos, sin)
-        return self.lm_head(self.norm(x))
