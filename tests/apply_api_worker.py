@@ -12,7 +12,7 @@ import warnings
 
 import torch
 import torch.distributed as dist
-from apply_parity_worker import SEED, STEPS, batch_shape, cpu_model, finish, loss_of
+from apply_parity_worker import SEED, STEPS, batch_shape, cpu_model, finish, loss_of, reference_run
 from planmaker import make_plan
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
@@ -46,22 +46,7 @@ def train(model, optimizer, plan, data_rank: int, data_world: int, scheduler=Non
 
 def reference(plan, make_optimizer, data_world: int, scheduler=None) -> list[float]:
     """One process, the whole global batch of `data_world` ranks at once."""
-    model = cpu_model(plan.model.name)
-    optimizer = make_optimizer(model.parameters())
-    schedule = scheduler and scheduler(optimizer)
-    shape = batch_shape(plan, data_world)
-    data = SyntheticTokens(plan.model.config["vocab_size"], seed=SEED)
-    losses = []
-    for step in range(STEPS):
-        tokens = data.global_batch(step, shape)
-        loss = loss_of(model, tokens[:, :-1], tokens[:, 1:])
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        if schedule is not None:
-            schedule.step()
-        losses.append(loss.item())
-    return losses
+    return reference_run(plan, batch_shape(plan, data_world), make_optimizer, scheduler)[0]
 
 
 def mesh_record() -> dict:

@@ -9,6 +9,7 @@ forward recomputation under checkpointing) and the refusals. Rank 0 writes the r
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -86,11 +87,16 @@ def loss_of(model, input_ids, labels):
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
 
 
-def reference_run(plan, shape: BatchShape):
-    """One process, the whole global batch at once, full fp32 model."""
+def reference_run(plan, shape: BatchShape, make_optimizer=None, scheduler=None):
+    """One process, the whole global batch at once, full fp32 model: the losses and the trained parameters.
+    `make_optimizer` (default: the plan's optimizer at lr 1e-3) and `scheduler` are factories as apply takes."""
     model = cpu_model(plan.model.name)
-    optimizer = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}[plan.training.optimizer](
-        model.parameters(), lr=1e-3)
+    if make_optimizer is None:
+        make_optimizer = functools.partial(
+            {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}[plan.training.optimizer],
+            lr=1e-3)
+    optimizer = make_optimizer(model.parameters())
+    schedule = scheduler and scheduler(optimizer)
     data = SyntheticTokens(plan.model.config["vocab_size"], seed=SEED)
     losses = []
     for step in range(STEPS):
@@ -99,6 +105,8 @@ def reference_run(plan, shape: BatchShape):
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
+        if schedule is not None:
+            schedule.step()
         losses.append(loss.item())
     return losses, {name: p.detach().clone() for name, p in model.named_parameters()}
 
