@@ -7,8 +7,9 @@ on, and, at run time, the DeviceMeshes FSDP2 and DTensor get. Before it, seven r
 of this (a cluster shape, a data-parallel view, the run's meshes, ...), and every new dimension added one
 more. Like torchtitan's `ParallelDims`: one frozen object, validated once.
 
-The degrees, outermost first: data parallel (what is left: `dp`), tensor parallel (`tp`, groups of
-neighbouring ranks inside a node). A new dimension (pipeline, context, expert) is a field here, with its
+The degrees, outermost first: pipeline (`pp`, contiguous groups of ranks, one per stage: whole nodes,
+or parts of a node when there are more stages than nodes), data parallel (what is left: `dp`), tensor
+parallel (`tp`, groups of neighbouring ranks inside a node). A new dimension (pipeline, context, expert) is a field here, with its
 place in `dims`, its share of the world in `dp`, its checks in `__post_init__` and its sub-mesh in
 `split`; the cost models and the search read the derived views, not the fields.
 
@@ -51,19 +52,40 @@ class Mesh:
     tp: int = 1
     """tensor-parallel degree: groups of `tp` neighbouring ranks of a node split each block's matmuls"""
 
+    pp: int = 1
+    """pipeline degree: the world in `pp` contiguous groups of ranks, each running one stage's units (or, for a
+    looped schedule, several stages'); whole nodes per stage, or equal parts of every node"""
+
     sequence_parallel: bool = False
     """with `tp` above 1: the norms and the residual stream are split along the sequence too"""
 
     def __post_init__(self):
-        for name in ("nodes", "gpus_per_node", "tp"):
+        for name in ("nodes", "gpus_per_node", "tp", "pp"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise MeshError(f"`{name}` must be at least 1, got {value}")
         if self.gpus_per_node % self.tp:
             raise MeshError(f"`tp` {self.tp} does not divide `gpus_per_node` {self.gpus_per_node}: tensor parallelism "
                             f"runs inside a node; choose one of {', '.join(map(str, self.tensor_degrees()))}")
+        self._check_pipeline()
         if self.sequence_parallel and self.tp == 1:
             raise MeshError("sequence parallelism needs a tensor-parallel degree above 1")
+
+    def _check_pipeline(self) -> None:
+        stage = self.world_size // self.pp if self.world_size % self.pp == 0 else 0
+        whole_nodes = stage >= self.gpus_per_node and stage % self.gpus_per_node == 0
+        part_of_node = 0 < stage < self.gpus_per_node and self.gpus_per_node % stage == 0 and stage % self.tp == 0
+        if not (whole_nodes or part_of_node):
+            raise MeshError(f"`pp` {self.pp} does not cut {self.nodes} node(s) of {self.gpus_per_node} GPUs into "
+                            f"equal stages of whole nodes or equal parts of a node (each a multiple of `tp` "
+                            f"{self.tp}); choose one of {', '.join(map(str, self.pipeline_degrees()))}")
+
+    def pipeline_degrees(self) -> list[int]:
+        """Pipeline degrees this cluster takes at its tensor degree: divisors of the node count, then node count x
+        divisors of a node's data-parallel ranks (1, 2, 4, 8 on 8 nodes; up to 8 x 8 with tp 1)."""
+        per_node = self.gpus_per_node // self.tp
+        return sorted({d for d in range(1, self.nodes + 1) if self.nodes % d == 0}
+                      | {self.nodes * k for k in range(2, per_node + 1) if per_node % k == 0})
 
     @classmethod
     def of(cls, gpus: int | None = None, nodes: int | None = None, gpus_per_node: int | None = None) -> Mesh:
@@ -92,17 +114,17 @@ class Mesh:
     @property
     def dp(self) -> int:
         """Data-parallel ranks: the world over the other degrees (the ranks FSDP shards over)."""
-        return self.world_size // self.tp
+        return self.world_size // (self.tp * self.pp)
 
     @property
     def dp_per_node(self) -> int:
-        """Data-parallel ranks in one node."""
-        return self.gpus_per_node // self.tp
+        """Data-parallel ranks in one node (of one pipeline stage, where stages split a node)."""
+        return min(self.world_size // self.pp, self.gpus_per_node) // self.tp
 
     @property
     def dims(self) -> tuple[tuple[str, int], ...]:
         """(name, size) of each dimension above 1, outermost first ("dp" always): the run's DeviceMesh."""
-        return (("dp", self.dp),) + ((("tp", self.tp),) if self.tp > 1 else ())
+        return ((("pp", self.pp),) if self.pp > 1 else ()) + (("dp", self.dp),) + ((("tp", self.tp),) if self.tp > 1 else ())
 
     def with_tensor(self, tp: int, sequence_parallel: bool = False) -> Mesh:
         """This cluster with tensor-parallel degree `tp` (MeshError where it does not divide a node)."""
@@ -137,8 +159,13 @@ class Mesh:
         raise ValueError(f"no FSDP mesh for {kind_mesh!r}")
 
     def data_rank(self, rank: int) -> int:
-        """The data-parallel rank of global rank `rank`: the ranks of one tensor-parallel group share their rows."""
-        return rank // self.tp
+        """The data-parallel rank of global rank `rank`: the ranks of one tensor-parallel group share their rows, and
+        so do the pipeline's stages (rank r of every stage trains on the same rows)."""
+        return rank % (self.world_size // self.pp) // self.tp
+
+    def pipeline_rank(self, rank: int) -> int:
+        """The pipeline rank (the stage group) of global rank `rank`."""
+        return rank // (self.world_size // self.pp)
 
     # ----------------------------------------------------------------------------------------------- #
     # At run time: the DeviceMeshes (torch imported here only)

@@ -13,12 +13,14 @@ import os
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic import BeforeValidator, Field, ValidationError
 from pydantic_core import PydanticCustomError, core_schema
 
 from autoplan.errors import PlanFileError
 from autoplan.fileio import read_versioned_json, write_text_atomic
 from autoplan.plan.cluster_spec import ClusterSpec
+from autoplan.plan.figures import Count, Seconds, StrictRecord
+from autoplan.plan.pipeline_spec import PipelineSpec
 from autoplan.plan.report import format_plan
 from autoplan.solve.solver import SolveStatus
 from cost_models.options import (
@@ -66,13 +68,7 @@ TpLayoutName = Literal["megatron", "megatron_sp", "vocab", "sequence"]  # cost_m
 Tracer = Literal["fx", "dispatch"]
 
 
-# Figures a plan holds: counts, bytes and seconds are never negative; no float is NaN or infinite (_Strict).
-Count = Annotated[int, Field(ge=0)]
-Seconds = Annotated[float, Field(ge=0)]
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+_Strict = StrictRecord  # counts, bytes and seconds never negative, no NaN or infinity, no extra keys (figures.py)
 
 
 class AttentionRecord(_Strict):
@@ -267,6 +263,8 @@ class Plan(_Strict):
     solver: SolverInfo
     baselines: list[Baseline]
     pins: list[PinRecord] = Field(default_factory=list)  # the user's pins it was searched with (none: all free)
+    # the pipeline stages, their schedule and micro-batches (None: one stage, no pipeline; older plans)
+    pipeline: PipelineSpec | None = Field(default=None, exclude_if=lambda value: value is None)
     # wall-clock times, apart from what identical searches reproduce (None: an older plan, or none measured)
     timing: SearchTiming | None = Field(default=None, exclude_if=lambda value: value is None)
 
