@@ -101,7 +101,8 @@ class _Settings(BaseModel):
 
     @model_validator(mode="after")
     def _check(self):
-        for name in ("gpus", "nodes", "gpus_per_node", "seq_len", "batch_size", "global_batch", "tp", "capacity_factor"):
+        for name in ("gpus", "nodes", "gpus_per_node", "seq_len", "batch_size", "global_batch", "tp", "capacity_factor",
+                     "ep"):
             value = getattr(self, name, None)
             if value is not None and value < 1:
                 raise UsageError(f"`{name}` must be at least 1, got {value}")
@@ -212,6 +213,10 @@ class PlanningSettings(_Settings):
     sequence_parallel: Annotated[str | None, Flag(kind="choice")] = None
     """with tensor parallelism: norms and residual stream split along the sequence (on) or not (off); default: a
     search tries both, an estimate off"""
+
+    ep: int | None = None
+    """expert-parallel degree of a mixture-of-experts model (divides its expert count and the data-parallel ranks);
+    default: a search tries each such degree, an estimate 1"""
 
     example_inputs: Annotated[Any, Flag(api_only=True)] = None
     """inputs of a model whose forward does not take token ids [batch, seq] (a tensor, a tuple or a dict;
@@ -347,8 +352,8 @@ class EstimateSettings(PlanningSettings):
         if self.plan is not None and (self.strategy is not None or self.checkpoint is not None or self.offload):
             raise UsageError("give either `strategy` (with or without `checkpoint` and `offload`) or `plan`, not both: "
                              "a plan says per unit how it shards, where it checkpoints and what it offloads")
-        if self.plan is not None and (self.tp is not None or self.sequence_parallel is not None):
-            raise UsageError("`tp` and `sequence_parallel` go with a `strategy`; a plan is estimated on its own mesh")
+        if self.plan is not None and (self.tp is not None or self.sequence_parallel is not None or self.ep):
+            raise UsageError("`tp`, `ep` and `sequence_parallel` go with a `strategy`; a plan is estimated on its own mesh")
         if self.sequence_parallel == "on" and (self.tp or 1) == 1:
             raise UsageError("`sequence_parallel` on needs `tp` above 1")
         return self

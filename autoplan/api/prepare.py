@@ -16,6 +16,7 @@ from pathlib import Path
 
 from autoplan.api.traced import TracedModel, reuse_traced
 from autoplan.errors import PlanFileError, UsageError
+from autoplan.models.experts import ExpertInfo, check_expert_degree, experts_of
 from autoplan.models.fingerprint import model_fingerprint
 from autoplan.models.resolve import check_seq_len, model_from_plan
 from autoplan.models.zoo import count_params
@@ -52,7 +53,9 @@ def prepare(settings: PlanningSettings, plan: Plan | None = None, plan_file: Pat
     cluster = resolve_cluster(settings.gpus, settings.nodes, settings.gpus_per_node, settings.profile,
                               settings.host_mem)
     session.price_for(settings, cluster.profile.device_type, plan)  # attention kernels, capacity factor, unpriced ops
-    meshes = search_meshes_of(settings, cluster.mesh) if plan is None else (_plan_mesh(plan, cluster.mesh),)
+    experts = experts_of(session.module)
+    meshes = (search_meshes_of(settings, cluster.mesh, experts, session.name) if plan is None
+              else (_plan_mesh(plan, cluster.mesh),))
     uniform = _uniform(settings, cluster)
     wrap_policy_of(settings)  # refused before tracing
     mem = settings.mem if settings.mem is not None else cluster.profile.mem_bytes
@@ -92,14 +95,20 @@ def load_plan_of(plan: Plan | str | Path | None) -> tuple[Plan | None, Path | No
     return load_plan(plan), Path(plan)
 
 
-def search_meshes_of(settings: PlanningSettings, mesh: Mesh) -> tuple[Mesh, ...]:
+def search_meshes_of(settings: PlanningSettings, mesh: Mesh, experts: ExpertInfo | None = None,
+                     model_name: str = "the model") -> tuple[Mesh, ...]:
     """The meshes a search tries on the cluster's `mesh`: each tensor-parallel degree (`tp` itself when given,
     else every degree a node takes), above 1 with and without sequence parallelism (or as
-    `sequence_parallel` says). An estimate runs on one mesh: the cluster's, at its `tp` (sequence parallelism
-    only where asked for)."""
+    `sequence_parallel` says); for a model with `experts`, each with every expert-parallel degree that divides
+    the expert count and the data-parallel ranks (`ep` itself when given; refused for a model without them).
+    An estimate runs on one mesh: the cluster's, at its `tp` (sequence parallelism only where asked for) and
+    `ep`."""
+    experts = experts or ExpertInfo()
+    check_expert_degree(experts, settings.ep or 1, model_name)
     if not isinstance(settings, SearchSettings):
         try:
-            return (mesh.with_tensor(settings.tp or 1, settings.sequence_parallel == "on"),)
+            tensor = mesh.with_tensor(settings.tp or 1, settings.sequence_parallel == "on")
+            return (tensor.with_experts(settings.ep or 1),)
         except MeshError as exc:
             raise UsageError(str(exc)) from None
     try:
@@ -107,16 +116,23 @@ def search_meshes_of(settings: PlanningSettings, mesh: Mesh) -> tuple[Mesh, ...]
     except MeshError as exc:
         raise UsageError(str(exc)) from None
     variants = (True, False) if settings.sequence_parallel is None else (settings.sequence_parallel == "on",)
-    return tuple(mesh.with_tensor(t, sp) for t in degrees for sp in ((False,) if t == 1 else variants))
+    tensor = [mesh.with_tensor(t, sp) for t in degrees for sp in ((False,) if t == 1 else variants)]
+    if settings.ep is not None:
+        fitting = [m for m in tensor if m.dp % settings.ep == 0]
+        if not fitting:
+            raise UsageError(f"`ep` {settings.ep} does not divide the data-parallel ranks of any mesh searched "
+                             f"({', '.join(str(m.dp) for m in tensor)}): it borrows its groups from them")
+        return tuple(m.with_experts(settings.ep) for m in fitting)
+    return tuple(m.with_experts(e) for m in tensor for e in m.expert_degrees(experts.n_experts))
 
 
 def _plan_mesh(plan: Plan, cluster_mesh: Mesh) -> Mesh:
     """The plan's own degrees on the cluster asked for (the plan's unless given)."""
     planned = plan.cluster.mesh
     try:
-        return cluster_mesh.with_tensor(planned.tp, planned.sequence_parallel)
+        return cluster_mesh.with_tensor(planned.tp, planned.sequence_parallel).with_experts(planned.ep)
     except MeshError as exc:
-        raise UsageError(f"the plan's tensor-parallel degree does not fit this cluster: {exc}") from None
+        raise UsageError(f"the plan's tensor- or expert-parallel degree does not fit this cluster: {exc}") from None
 
 
 def _with_plan_defaults(settings: PlanningSettings, plan: Plan, plan_file: Path | None) -> PlanningSettings:
