@@ -29,10 +29,12 @@ from dataclasses import dataclass, replace
 from autoplan.errors import InfeasibleError, SolverTimeout, UsageError
 from autoplan.models.tp_layout import TpRefusal, recognise
 from autoplan.solve.cluster import Cluster
+from autoplan.solve.expert_tables import mesh_source
 from autoplan.solve.request import PlanRequest, Uniform
 from autoplan.solve.solver import cp_sat
 from autoplan.solve.sweep import SweepOutcome, sweep
 from autoplan.solve.tables import TableSource
+from cost_models.expert_parallel import expert_kind_runs
 from cost_models.mesh import Mesh
 from cost_models.options import SHARDING_KINDS, MeshShape
 from cost_models.tensor_parallel import TpLayout
@@ -77,7 +79,8 @@ class MeshResult:
 
     @property
     def label(self) -> str:
-        return f"tp {self.degree}" + (" +sp" if self.sequence_parallel else "")
+        return f"tp {self.degree}" + (" +sp" if self.sequence_parallel else "") + \
+            (f" ep {self.mesh.ep}" if self.mesh.ep > 1 else "")
 
 
 @dataclass
@@ -90,12 +93,12 @@ class MeshSearch:
     @property
     def tensor_parallel_searched(self) -> bool:
         """Whether some mesh above degree 1 was searched (its layout recognised), so the report lists them."""
-        return any(r.degree > 1 and r.layout is not None for r in self.results)
+        return any(r.degree > 1 and r.layout is not None or r.mesh.ep > 1 for r in self.results)
 
     @property
     def data_parallel(self) -> MeshResult | None:
-        """The result of degree 1 (FSDP alone), if it was searched."""
-        return next((r for r in self.results if r.degree == 1), None)
+        """The result of degree 1 without expert parallelism (FSDP alone), if it was searched."""
+        return next((r for r in self.results if r.degree == 1 and r.mesh.ep == 1), None)
 
 
 def search_meshes(request: PlanRequest) -> MeshSearch:
@@ -121,7 +124,7 @@ def search_meshes(request: PlanRequest) -> MeshSearch:
             for result in pending:
                 # the worker sent its result without its tables and cluster: made again here, the model's
                 # traces stay out of the pipes
-                results.append(replace(result, source=request.tables.for_layout(result.layout),
+                results.append(replace(result, source=mesh_source(request, result.mesh, result.layout),
                                        cluster=request.cluster.with_mesh(result.mesh)))
                 progress.done(results)
     finally:
@@ -152,7 +155,11 @@ def _search(request: PlanRequest, mesh: Mesh, progress=None) -> MeshResult:
         if mesh.tp > 1:
             check_beside_tensor_parallelism(request.uniform)
             result.layout = recognise(request.model.module, mesh.tp, mesh.sequence_parallel)
-        result.source = request.tables.for_layout(result.layout)
+        uniform = request.uniform
+        if mesh.ep > 1 and uniform is not None and not expert_kind_runs(uniform.strategy, uniform.offload):
+            raise TpRefusal(f"`strategy` {uniform.strategy}{' with offload' if uniform.offload else ''} does not "
+                            "run beside expert parallelism (shard, shard_keep)")
+        result.source = mesh_source(request, result.mesh, result.layout)
         result.cluster = request.cluster.with_mesh(mesh)
         result.outcome = sweep(request, result.source, result.cluster, progress)
     except TpRefusal as exc:
@@ -185,7 +192,7 @@ def best_result(results: list[MeshResult]) -> MeshResult:
     memory when none fits."""
     fitting = [r for r in results if r.outcome is not None]
     if fitting:
-        return max(fitting, key=lambda r: (round(r.throughput, 9), -r.degree, r.sequence_parallel))
+        return max(fitting, key=lambda r: (round(r.throughput, 9), -r.degree, -r.mesh.ep, r.sequence_parallel))
     errors = [r.error for r in results if r.error is not None]
     timed_out = [r.timed_out for r in results if r.timed_out is not None]
     if timed_out:  # a degree with no verdict might have fitted: say so rather than "nothing fits"
@@ -212,7 +219,7 @@ class _Progress:
     def sweeping(self, index: int, mesh: Mesh):
         """The sweep's progress hook for the `index`-th mesh (autoplan.solve.sweep)."""
         shape = f"{mesh.dp} data-parallel" + (f" x {mesh.tp} tensor-parallel" if mesh.tp > 1 else "") + \
-            (" +sp" if mesh.sequence_parallel else "")
+            (" +sp" if mesh.sequence_parallel else "") + (f", experts {mesh.ep}-way" if mesh.ep > 1 else "")
 
         def step_done(step, best: float | None) -> None:
             elapsed = time.perf_counter() - self.start
