@@ -47,6 +47,7 @@ from autoplan.models.hf import HF_PREFIX
 from autoplan.models.resolve import ResolvedModel, model_from_plan, resolve_model
 from autoplan.plan.schema import Plan, UnitDecision
 from autoplan.run.ac import apply_ac
+from autoplan.run.experts import apply_ep, fully_shard_experts
 from autoplan.run.fsdp import apply_fsdp, materialise, param_groups  # noqa: F401 - materialise: re-exported
 from autoplan.run.meshes import plan_meshes
 from autoplan.run.tp import apply_tp
@@ -122,6 +123,7 @@ def apply(
     check_world_size(meshes.ranks, plan, dry_run=dry_run)
     if meshes.tp is not None:  # tensor parallelism first (autoplan.run.tp); FSDP shards over the "dp" sub-mesh
         apply_tp(model, plan, meshes.tp)
+    experts = apply_ep(model, plan.cluster.mesh, meshes.dp, plan.model.name)  # None without expert parallelism
     fsdp_meshes: dict[MeshShape, DeviceMesh] = {}  # each made once, only when a unit's kind asks for it
 
     master = torch_dtype(precision.master_dtype)
@@ -131,6 +133,9 @@ def apply(
     pin_memory = meshes.dp.device_type != "cpu"  # pinned host memory needs an accelerator
     for decision, kind, module in units:
         apply_ac(module, _plan_row(CHECKPOINT_MODES, decision.checkpoint))
+        if experts is not None and decision.module in experts.stacks:  # over the dp / ep ranks (run/experts.py)
+            fully_shard_experts(module, experts, kind, mp_policy, decision.offload)
+            continue
         if kind.mesh not in fsdp_meshes:
             fsdp_meshes[kind.mesh] = meshes.record.fsdp_mesh(meshes.dp, kind.mesh)
         apply_fsdp(module, fsdp_meshes[kind.mesh], kind, mp_policy, offload=decision.offload, pin_memory=pin_memory)
