@@ -62,10 +62,9 @@ def ep_units(units: list[Unit], layout: ExpertLayout, shard: int = 1) -> list[Un
     """The units with each expert stack's parameters as one rank holds them: E / e experts. Where fewer local
     experts than the `shard` ranks of the experts' FSDP group, FSDP shards them on their second dimension
     (as torchtitan does; on the first, each rank would pad to a whole expert): their shapes are given with
-    that dimension first, which is the one the FSDP pricing splits (cost_models.option_cost.local_numel)."""
+    that dimension first, which is the one the FSDP pricing splits (cost_models.option_cost.local_numel).
+    At degree 1 (FSDP alone over more ranks than experts) only that."""
     e = layout.degree
-    if e == 1:
-        return units
     out = list(units)
     for i in expert_unit_indices(units, layout):
         params = []

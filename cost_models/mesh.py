@@ -161,7 +161,10 @@ class Mesh:
             return self
         degree = self.ep * self.tp
         if self.gpus_per_node % degree == 0:
-            return replace(self, tp=degree, ep=1, sequence_parallel=False)
+            try:
+                return replace(self, tp=degree, ep=1, sequence_parallel=False)
+            except MeshError:  # pipeline stages that do not split into groups of ep x tp: one rank per node
+                return Mesh(self.expert_shard, 1)
         if degree % self.gpus_per_node == 0 and self.nodes % (degree // self.gpus_per_node) == 0:
             return Mesh(self.nodes // (degree // self.gpus_per_node), self.gpus_per_node, tp=self.gpus_per_node)
         return Mesh(self.expert_shard, 1)

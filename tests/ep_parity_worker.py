@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sys
 import traceback
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -19,6 +20,7 @@ from planmaker import make_plan
 from torch.distributed.tensor import DTensor
 
 from autoplan.errors import PlanFileError
+from autoplan.models.config import ModelConfig
 from autoplan.models.zoo import build_model, get_config
 from autoplan.run.apply import apply
 from autoplan.run.data import BatchShape, SyntheticTokens, rank_micro_batches
@@ -31,6 +33,8 @@ BLOCKS = ("layers.0", "layers.1")
 EXPERTS = tuple(f"{b}.mlp.experts" for b in BLOCKS)
 UNITS = {**{b: "shard" for b in BLOCKS}, **{e: "shard" for e in EXPERTS}}
 
+TWO_EXPERTS = replace(get_config(MODEL), n_experts=2, top_k=1)  # fewer experts than ranks: FSDP shards dim 1
+
 # world size -> name -> (expert-parallel degree, make_plan arguments)
 CASES = {
     2: {
@@ -42,25 +46,28 @@ CASES = {
     4: {
         "dp4_ep2": (2, dict(decisions=UNITS)),
         "dp4_ep4": (4, dict(decisions={**UNITS, BLOCKS[0]: "shard+sel"})),
+        "dp4_ep2_two_experts": (2, dict(decisions=UNITS, model=TWO_EXPERTS)),
+        "dp4_fsdp_two_experts": (1, dict(decisions=UNITS, model=TWO_EXPERTS)),
     },
 }
 
 
-def ep_plan(world_size: int, ep: int, decisions: dict, **kwargs):
-    plan = make_plan(MODEL, decisions, world_size=world_size, **kwargs)
+def ep_plan(world_size: int, ep: int, decisions: dict, model: str | ModelConfig = MODEL, **kwargs):
+    plan = make_plan(model, decisions, world_size=world_size, name=MODEL, **kwargs)
     return plan.model_copy(update={"cluster": plan.cluster.model_copy(update={"ep_degree": ep})})
 
 
-def cpu_model() -> torch.nn.Module:
+def cpu_model(plan=None) -> torch.nn.Module:
     torch.manual_seed(SEED)
-    model = build_model(get_config(MODEL), device="cpu")
+    config = ModelConfig.from_dict(plan.model.config) if plan is not None else get_config(MODEL)
+    model = build_model(config, device="cpu")
     model.init_weights()
     return model
 
 
 def reference_run(plan, shape: BatchShape):
     """One process, the whole global batch at once."""
-    model = cpu_model()
+    model = cpu_model(plan)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     data = SyntheticTokens(plan.model.config["vocab_size"], seed=SEED)
     losses = []
@@ -75,7 +82,7 @@ def reference_run(plan, shape: BatchShape):
 
 
 def applied_run(plan, shape: BatchShape, rank: int):
-    model, optimizer = apply(cpu_model(), plan, lr=1e-3)
+    model, optimizer = apply(cpu_model(plan), plan, lr=1e-3)
     data = SyntheticTokens(plan.model.config["vocab_size"], seed=SEED)
     losses = []
     for step in range(STEPS):
@@ -93,6 +100,7 @@ def applied_run(plan, shape: BatchShape, rank: int):
     return losses, params, {
         "w1_local_fraction": w1.to_local().numel() / w1.numel(),
         "w1_mesh": list(w1.device_mesh.mesh_dim_names or ()),
+        "w1_placements": [str(p) for p in w1.placements],
         "wq_mesh": list(model.get_submodule("layers.0.attn.wq").weight.device_mesh.mesh_dim_names or ()),
     }
 

@@ -47,7 +47,7 @@ from autoplan.models.hf import HF_PREFIX
 from autoplan.models.resolve import ResolvedModel, model_from_plan, resolve_model
 from autoplan.plan.schema import Plan, UnitDecision
 from autoplan.run.ac import apply_ac
-from autoplan.run.experts import apply_ep, fully_shard_experts
+from autoplan.run.experts import apply_ep, expert_placement, expert_stacks_of, fully_shard_experts
 from autoplan.run.fsdp import apply_fsdp, materialise, param_groups  # noqa: F401 - materialise: re-exported
 from autoplan.run.meshes import plan_meshes
 from autoplan.run.tp import apply_tp
@@ -124,6 +124,7 @@ def apply(
     if meshes.tp is not None:  # tensor parallelism first (autoplan.run.tp); FSDP shards over the "dp" sub-mesh
         apply_tp(model, plan, meshes.tp)
     experts = apply_ep(model, plan.cluster.mesh, meshes.dp, plan.model.name)  # None without expert parallelism
+    stacks = expert_stacks_of(model)
     fsdp_meshes: dict[MeshShape, DeviceMesh] = {}  # each made once, only when a unit's kind asks for it
 
     master = torch_dtype(precision.master_dtype)
@@ -138,7 +139,9 @@ def apply(
             continue
         if kind.mesh not in fsdp_meshes:
             fsdp_meshes[kind.mesh] = meshes.record.fsdp_mesh(meshes.dp, kind.mesh)
-        apply_fsdp(module, fsdp_meshes[kind.mesh], kind, mp_policy, offload=decision.offload, pin_memory=pin_memory)
+        placement = expert_placement(fsdp_meshes[kind.mesh]) if decision.module in stacks else None
+        apply_fsdp(module, fsdp_meshes[kind.mesh], kind, mp_policy, offload=decision.offload, pin_memory=pin_memory,
+                   shard_placement_fn=placement)
     built = (build_optimizer(param_groups(model), optimizer_kind, DEFAULT_LR if lr is None else lr)
              if optimizer is None else _from_factory(optimizer, param_groups(model), optimizer_kind))
     return Applied(model, built, None if scheduler is None else scheduler(built))

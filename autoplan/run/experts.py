@@ -39,7 +39,8 @@ from autoplan.models.moe import Experts
 from cost_models.mesh import Mesh
 from cost_models.options import MeshShape, ShardingKind
 
-__all__ = ["ExpertMeshes", "ExpertParallelExperts", "apply_ep", "expert_placement", "fully_shard_experts"]
+__all__ = ["ExpertMeshes", "ExpertParallelExperts", "apply_ep", "expert_placement", "expert_stacks_of",
+           "fully_shard_experts"]
 
 
 @dataclass(frozen=True)
@@ -107,6 +108,11 @@ def _local(weight: torch.Tensor) -> torch.Tensor:
     return weight.to_local() if isinstance(weight, DTensor) else weight
 
 
+def expert_stacks_of(model: nn.Module) -> frozenset[str]:
+    """The model's expert stacks' module paths (FSDP alone shards them as `expert_placement` says too)."""
+    return frozenset(experts_of(model).stacks)
+
+
 def apply_ep(model: nn.Module, record: Mesh, dp_mesh: DeviceMesh, model_name: str) -> ExpertMeshes | None:
     """Split the model's experts over the plan's expert-parallel groups (None without expert parallelism):
     each stack's module swapped for ExpertParallelExperts, its weights sharded on the expert dimension."""
@@ -131,10 +137,11 @@ def apply_ep(model: nn.Module, record: Mesh, dp_mesh: DeviceMesh, model_name: st
     return ExpertMeshes(frozenset(info.stacks), fsdp_mesh, ep_mesh)
 
 
-def expert_placement(experts: ExpertMeshes):
-    """FSDP2's shard_placement_fn for an expert stack: its second dimension where a rank holds fewer experts
-    than the experts' FSDP mesh has ranks (torchtitan's choice), else the first."""
-    shard = experts.fsdp.size()
+def expert_placement(mesh: DeviceMesh):
+    """FSDP2's shard_placement_fn for an expert stack sharded over `mesh` (its last dimension shards): a
+    parameter's second dimension where a rank holds fewer experts than that dimension has ranks (torchtitan's
+    choice: on the first, each rank would pad its share to a whole expert), else the first."""
+    shard = mesh.size(mesh.ndim - 1)
 
     def placement(param: nn.Parameter) -> Shard:
         local_experts = param.to_local().shape[0] if isinstance(param, DTensor) else param.shape[0]
@@ -152,6 +159,6 @@ def fully_shard_experts(module: nn.Module, experts: ExpertMeshes, kind: Sharding
                             f"{' with offload' if offload else ''} does not run beside expert parallelism "
                             "(shard, shard_keep; no offload)")
     fully_shard(module, mesh=experts.fsdp, reshard_after_forward=kind.reshard_after_forward, mp_policy=mp_policy,
-                shard_placement_fn=expert_placement(experts))
+                shard_placement_fn=expert_placement(experts.fsdp))
 
 

@@ -25,6 +25,7 @@ from cost_models.expert_parallel import (
 )
 from cost_models.mesh import Mesh
 from cost_models.option_cost import UnitPricer
+from cost_models.options import Recompute
 from cost_models.records import Unit
 from cost_models.table import CostTable, TableInputs
 from cost_models.tensor_parallel import TpLayout
@@ -36,13 +37,14 @@ __all__ = ["ExpertParallelTables", "expert_layout", "mesh_source"]
 
 def mesh_source(request: PlanRequest, mesh: Mesh, layout: TpLayout | None) -> TableSource:
     """The tables one rank of `mesh` sees: under its tensor-parallel `layout`, then its experts split `mesh.ep`
-    ways (the search's and the estimate's, alike)."""
+    ways (the search's and the estimate's, alike); without expert parallelism, a model with fewer experts than
+    data-parallel ranks has them sharded on their second dimension (as `apply` does: autoplan.run.experts)."""
     source = request.tables.for_layout(layout)
-    if mesh.ep == 1:
+    experts = experts_of(request.model.module) if mesh.ep > 1 or mesh.dp > 1 else ExpertInfo()
+    if mesh.ep == 1 and not (experts and experts.n_experts < mesh.dp):  # split, or sharded on their second dim
         return source
     factor = request.model.notes.get("capacity_factor", 1.0)
-    return ExpertParallelTables(source, expert_layout(experts_of(request.model.module), mesh.ep, factor),
-                                mesh.expert_shard)
+    return ExpertParallelTables(source, expert_layout(experts, mesh.ep, factor), mesh.expert_shard)
 
 
 def expert_layout(experts: ExpertInfo, degree: int, capacity_factor: float = 1.0) -> ExpertLayout:
@@ -76,6 +78,8 @@ class ExpertParallelTables(_Source):
         """The base's table of this rank's inputs, each expert stack priced again on its own group, with its
         all-to-alls."""
         table = super().table(micro_batch_size, grad_accum_steps, cluster, seq_len, dtype, optimizer, offload)
+        if self.layout.degree == 1:  # FSDP alone: the stacks' shapes only (sharded on their second dimension)
+            return table
         training = Training(seq_len, dtype, optimizer)
         inputs = self.inputs(micro_batch_size, training)
         pricer = UnitPricer(cluster.profile, cluster.mesh.experts_view(), training, False)
@@ -92,6 +96,21 @@ class ExpertParallelTables(_Source):
         add_tp_time(options, costs, all_to_all_times(self.units, self.layout, nbytes, cluster.profile, cluster.mesh),
                     fsdp.collective_fwd_s, fsdp.collective_bwd_s)
         return replace(table, options=options, costs=costs)
+
+    def figures(self, table: CostTable, choices: list[int], cluster: Cluster) -> dict:
+        """What the plan records of the split (autoplan.plan.expert_spec): the all-to-alls of a step under the
+        chosen options (a fully checkpointed stack runs its forward's again), and a gathered stack's bytes."""
+        mesh, layout = cluster.mesh, self.layout
+        nbytes = all_to_all_bytes(layout, table.micro_batch_size, table.seq_len, table.precision.compute_bytes)
+        times = all_to_all_times(self.units, layout, nbytes, cluster.profile, mesh)
+        step = sum(times[u].fwd_s * (2 if table.options[u][choices[u]].recompute is Recompute.ALL else 1)
+                   + times[u].bwd_s for u in self.experts) * table.grad_accum_steps
+        whole = sum(p.numel for p in self.base.units[self.experts[0]].params) if self.experts else 0
+        compute = table.precision.compute_bytes
+        return dict(degree=layout.degree, stacks=len(self.experts), experts_per_rank=layout.n_experts // layout.degree,
+                    expert_shard=mesh.expert_shard, scope=mesh.expert_scope, all_to_all_bytes=nbytes,
+                    all_to_all_s=step, gathered_stack_bytes=whole // layout.degree * compute,
+                    gathered_stack_bytes_fsdp_only=whole * compute)
 
     def full_units(self) -> list[Unit]:
         """The units as the whole model holds them (the plan records their full parameter shapes)."""
