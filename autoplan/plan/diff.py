@@ -84,7 +84,8 @@ def _settings(a: Plan, b: Plan) -> list[str]:
              ("sequence length", a.training.seq_len, b.training.seq_len), ("dtype", a.training.dtype, b.training.dtype),
              ("optimizer", a.training.optimizer, b.training.optimizer),
              ("granularity", a.training.granularity, b.training.granularity),
-             ("pins", len(a.pins), len(b.pins))]
+             ("pins", len(a.pins), len(b.pins)),
+             ("expert-parallel degree", a.cluster.ep_degree, b.cluster.ep_degree)]
     return [f"{name} {x} -> {y}" for name, x, y in pairs if x != y]
 
 
