@@ -120,8 +120,9 @@ def search_meshes_of(settings: PlanningSettings, mesh: Mesh, experts: ExpertInfo
     if settings.ep is not None:
         fitting = [m for m in tensor if m.dp % settings.ep == 0]
         if not fitting:
+            ranks = ", ".join(str(d) for d in sorted({m.dp for m in tensor}))
             raise UsageError(f"`ep` {settings.ep} does not divide the data-parallel ranks of any mesh searched "
-                             f"({', '.join(str(m.dp) for m in tensor)}): it borrows its groups from them")
+                             f"({ranks}): it borrows its groups from them")
         return tuple(m.with_experts(settings.ep) for m in fitting)
     return tuple(m.with_experts(e) for m in tensor for e in m.expert_degrees(experts.n_experts))
 
