@@ -62,7 +62,8 @@ def ep_units(units: list[Unit], layout: ExpertLayout, shard: int = 1) -> list[Un
     """The units with each expert stack's parameters as one rank holds them: E / e experts. Where fewer local
     experts than the `shard` ranks of the experts' FSDP group, FSDP shards them on their second dimension
     (as torchtitan does; on the first, each rank would pad to a whole expert): their shapes are given with
-    that dimension first, which is the one the FSDP pricing splits (cost_models.option_cost.local_numel).
+    that dimension first, which is the one the FSDP pricing splits (cost_models.option_cost.local_numel);
+    FSDP2 splits a dimension past the first only evenly, so where it does not divide, the first it is.
     At degree 1 (FSDP alone over more ranks than experts) only that."""
     e = layout.degree
     out = list(units)
@@ -73,7 +74,7 @@ def ep_units(units: list[Unit], layout: ExpertLayout, shard: int = 1) -> list[Un
                 raise ValueError(f"parameter {param.name} {list(param.shape)}: its {param.shape[0]} experts do not "
                                  f"divide by the expert-parallel degree {e}")
             local = (param.shape[0] // e,) + tuple(param.shape[1:])
-            if local[0] < shard and len(local) > 1:
+            if local[0] < shard and len(local) > 1 and local[1] % shard == 0:  # FSDP2: only evenly past dim 0
                 local = (local[1], local[0]) + local[2:]
             params.append(ParamInfo(param.name, local))
         out[i] = replace(units[i], params=params)

@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed._functional_collectives import all_to_all_single, all_to_all_single_autograd
@@ -67,10 +68,9 @@ class ExpertParallelExperts(Experts):
         tokens = order // top_k
         routed = x[tokens]
         counts = torch.bincount(flat, minlength=self.n_experts)
-        received_counts = all_to_all_single(counts, None, None, group)  # [source rank, local expert]
-        send = counts.view(ep, -1).sum(1).tolist()
-        received_counts = received_counts.wait() if hasattr(received_counts, "wait") else received_counts
         local_experts = self.n_experts // ep
+        received_counts = _received_counts(counts, group, ep, local_experts)  # [source rank, local expert]
+        send = counts.view(ep, -1).sum(1).tolist()
         receive = received_counts.view(ep, -1).sum(1).tolist()
         received = all_to_all_single_autograd(routed, receive, send, group)
         # source-major blocks to expert-major: each row's (source, local expert) block, sorted by expert first
@@ -102,6 +102,19 @@ class _ScaleGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         return grad * ctx.scale, None
+
+
+def _received_counts(counts: torch.Tensor, group, ep: int, local_experts: int) -> torch.Tensor:
+    """The pairs each source rank sends for each of this rank's experts, flattened [source, local expert]: from
+    the group. On the fake process group (one rank of a big world, `autoplan apply --fake-world`) nothing
+    moves: the routing is taken as balanced, as the pricing takes it (each rank's pairs spread evenly)."""
+    if dist.get_backend(group) != "fake":
+        received = all_to_all_single(counts, None, None, group)
+        return received.wait() if hasattr(received, "wait") else received
+    pairs = int(counts.sum())
+    even = torch.full((ep * local_experts,), pairs // (ep * local_experts), dtype=counts.dtype, device=counts.device)
+    even[0] += pairs - int(even.sum())
+    return even
 
 
 def _local(weight: torch.Tensor) -> torch.Tensor:
@@ -140,12 +153,14 @@ def apply_ep(model: nn.Module, record: Mesh, dp_mesh: DeviceMesh, model_name: st
 def expert_placement(mesh: DeviceMesh):
     """FSDP2's shard_placement_fn for an expert stack sharded over `mesh` (its last dimension shards): a
     parameter's second dimension where a rank holds fewer experts than that dimension has ranks (torchtitan's
-    choice: on the first, each rank would pad its share to a whole expert), else the first."""
+    choice: on the first, each rank would pad its share to a whole expert) where that dimension divides evenly,
+    else the first."""
     shard = mesh.size(mesh.ndim - 1)
 
     def placement(param: nn.Parameter) -> Shard:
         local_experts = param.to_local().shape[0] if isinstance(param, DTensor) else param.shape[0]
-        return Shard(1) if local_experts < shard and param.dim() > 1 else Shard(0)
+        second = param.shape[1] if param.dim() > 1 else 0  # FSDP2 shards a dimension past the first only evenly
+        return Shard(1) if local_experts < shard and second % shard == 0 and second else Shard(0)
 
     return placement
 
