@@ -7,8 +7,11 @@ import json
 import pytest
 
 import autoplan
+from autoplan.api.prepare import search_meshes_of
 from autoplan.cli.main import main
 from autoplan.errors import UsageError
+from autoplan.models.experts import experts_of
+from autoplan.models.resolve import resolve_model
 from autoplan.plan.schema import Plan
 from cost_models.mesh import Mesh, MeshError
 
@@ -68,3 +71,17 @@ def test_expert_parallelism_is_refused_where_it_cannot_split(capsys):
         autoplan.search("moe-tiny", gpus=4, ep=3, **MOE)
     with pytest.raises(UsageError, match="`strategy` replicate does not run beside expert parallelism"):
         autoplan.estimate("moe-tiny", "replicate", gpus=4, ep=2, **MOE)
+
+
+def test_transformers_experts_are_priced_under_ep_but_not_searched_by_default(tmp_path):
+    config = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 64,
+              "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "vocab_size": 512, "max_position_embeddings": 256, "num_local_experts": 8, "num_experts_per_tok": 2}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    info = experts_of(resolve_model(f"hf:{tmp_path / 'config.json'}").module)
+    assert (info.n_experts, info.top_k, info.hidden, len(info.stacks)) == (8, 2, 64, 2)
+    assert not info.runs_split  # `apply` splits the zoo's experts only: the search does not offer it
+    searched = search_meshes_of(autoplan.SearchSettings.create(gpus=4, tp=1), Mesh.of(4), info)
+    assert [m.ep for m in searched] == [1]
+    fixed = search_meshes_of(autoplan.SearchSettings.create(gpus=4, tp=1, ep=2), Mesh.of(4), info)
+    assert [m.ep for m in fixed] == [2]

@@ -99,8 +99,9 @@ def search_meshes_of(settings: PlanningSettings, mesh: Mesh, experts: ExpertInfo
                      model_name: str = "the model") -> tuple[Mesh, ...]:
     """The meshes a search tries on the cluster's `mesh`: each tensor-parallel degree (`tp` itself when given,
     else every degree a node takes), above 1 with and without sequence parallelism (or as
-    `sequence_parallel` says); for a model with `experts`, each with every expert-parallel degree that divides
-    the expert count and the data-parallel ranks (`ep` itself when given; refused for a model without them).
+    `sequence_parallel` says); for a model with `experts` that `apply` can split, each with every
+    expert-parallel degree that divides the expert count and the data-parallel ranks (`ep` itself when given;
+    refused for a model without them).
     An estimate runs on one mesh: the cluster's, at its `tp` (sequence parallelism only where asked for) and
     `ep`."""
     experts = experts or ExpertInfo()
@@ -124,7 +125,8 @@ def search_meshes_of(settings: PlanningSettings, mesh: Mesh, experts: ExpertInfo
             raise UsageError(f"`ep` {settings.ep} does not divide the data-parallel ranks of any mesh searched "
                              f"({ranks}): it borrows its groups from them")
         return tuple(m.with_experts(settings.ep) for m in fitting)
-    return tuple(m.with_experts(e) for m in tensor for e in m.expert_degrees(experts.n_experts))
+    splits = experts.n_experts if experts.runs_split else 0  # by default only what `apply` can run
+    return tuple(m.with_experts(e) for m in tensor for e in m.expert_degrees(splits))
 
 
 def _plan_mesh(plan: Plan, cluster_mesh: Mesh) -> Mesh:

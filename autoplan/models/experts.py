@@ -2,7 +2,8 @@
 experts each holds, how many a token is routed to and the width a routed token has.
 
 The search asks it (which expert-parallel degrees a model takes, what its all-to-alls move), so does `apply`
-(which modules get their experts split). A model without stacked experts has none; expert parallelism is
+(which modules get their experts split). `apply` splits the zoo's experts only, so a search tries expert
+parallelism by default only for them; other stacks (transformers' MoE layers) are priced under `--ep N`. A model without stacked experts has none; expert parallelism is
 then refused with the reason. The stacks are found as the units are (autoplan.models.structure.expert_stacks
 in each block); the routing's top-k and the hidden width come from the model's config (the zoo's `top_k` and
 `d_model`, or transformers' `num_experts_per_tok` and `hidden_size`).
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 import torch.nn as nn
 
 from autoplan.errors import UsageError
+from autoplan.models.moe import Experts
 from autoplan.models.structure import expert_stacks, largest_module_list
 
 __all__ = ["ExpertInfo", "check_expert_degree", "experts_of"]
@@ -28,6 +30,7 @@ class ExpertInfo:
     n_experts: int = 0
     top_k: int = 0
     hidden: int = 0
+    runs_split: bool = False  # every stack is the zoo's Experts, which `apply` can split (autoplan.run.experts)
 
     def __bool__(self) -> bool:
         return bool(self.stacks)
@@ -40,16 +43,18 @@ def experts_of(model: nn.Module) -> ExpertInfo:
         return ExpertInfo()
     stacks: list[str] = []
     counts: set[int] = set()
+    zoo = True
     for index, block in enumerate(model.get_submodule(blocks_path)):
         for name in expert_stacks(block):
             stacks.append(f"{blocks_path}.{index}.{name}")
+            zoo = zoo and type(block.get_submodule(name)) is Experts
             counts.add(next(p for p in block.get_submodule(name).parameters(recurse=False) if p.dim() >= 3).shape[0])
     if not stacks:
         return ExpertInfo()
     config = getattr(model, "config", None)
     top_k = getattr(config, "top_k", None) or getattr(config, "num_experts_per_tok", None) or 1
     hidden = getattr(config, "d_model", None) or getattr(config, "hidden_size", None) or 0
-    return ExpertInfo(tuple(stacks), min(counts), int(top_k), int(hidden))
+    return ExpertInfo(tuple(stacks), min(counts), int(top_k), int(hidden), zoo)
 
 
 def check_expert_degree(info: ExpertInfo, ep: int, model_name: str) -> None:

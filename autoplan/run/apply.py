@@ -47,7 +47,7 @@ from autoplan.models.hf import HF_PREFIX
 from autoplan.models.resolve import ResolvedModel, model_from_plan, resolve_model
 from autoplan.plan.schema import Plan, UnitDecision
 from autoplan.run.ac import apply_ac
-from autoplan.run.experts import apply_ep, expert_placement, expert_stacks_of, fully_shard_experts
+from autoplan.run.experts import apply_ep, check_experts, expert_placement, expert_stacks_of, fully_shard_experts
 from autoplan.run.fsdp import apply_fsdp, materialise, param_groups  # noqa: F401 - materialise: re-exported
 from autoplan.run.meshes import plan_meshes
 from autoplan.run.tp import apply_tp
@@ -225,6 +225,8 @@ def check_plan(model: nn.Module, plan: Plan) -> tuple[list[tuple[UnitDecision, S
     # Every unit's module is looked up (and every decision checked) before anything is wrapped.
     units = [(decision, _sharding_kind(decision), _unit_module(model, decision))
              for decision in _leaves_first(plan.units)]
+    check_experts(model, plan.cluster.ep_degree, plan.model.name,
+                  {decision.module: (kind, decision.offload) for decision, kind, _ in units})
     optimizer_kind = _plan_row(OPTIMIZERS, plan.training.optimizer)
     cls = getattr(torch.optim, optimizer_kind.torch_class, None)
     if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):

@@ -40,8 +40,8 @@ from autoplan.models.moe import Experts
 from cost_models.mesh import Mesh
 from cost_models.options import MeshShape, ShardingKind
 
-__all__ = ["ExpertMeshes", "ExpertParallelExperts", "apply_ep", "expert_placement", "expert_stacks_of",
-           "fully_shard_experts"]
+__all__ = ["ExpertMeshes", "ExpertParallelExperts", "apply_ep", "check_experts", "expert_placement",
+           "expert_stacks_of", "fully_shard_experts"]
 
 
 @dataclass(frozen=True)
@@ -126,22 +126,38 @@ def expert_stacks_of(model: nn.Module) -> frozenset[str]:
     return frozenset(experts_of(model).stacks)
 
 
-def apply_ep(model: nn.Module, record: Mesh, dp_mesh: DeviceMesh, model_name: str) -> ExpertMeshes | None:
-    """Split the model's experts over the plan's expert-parallel groups (None without expert parallelism):
-    each stack's module swapped for ExpertParallelExperts, its weights sharded on the expert dimension."""
-    if record.ep == 1:
-        return None
+def check_experts(model: nn.Module, ep: int, model_name: str, decisions: dict) -> None:
+    """PlanFileError, before anything runs, where the plan's expert-parallel degree cannot split the model's
+    experts: no experts, a degree not dividing them, stacks other than the zoo's, or an expert stack's
+    decision (module path -> (sharding kind, offload)) that does not run beside the split."""
+    if ep == 1:
+        return
     info = experts_of(model)
     try:
-        check_expert_degree(info, record.ep, model_name)
+        check_expert_degree(info, ep, model_name)
     except UsageError as exc:
         raise PlanFileError(f"the plan's expert-parallel degree: {exc}") from None
-    fsdp_mesh, ep_mesh = record.expert_meshes(dp_mesh)
     for path in info.stacks:
         module = model.get_submodule(path)
         if type(module) is not Experts:
             raise PlanFileError(f"expert parallelism runs the zoo's mixture-of-experts layers; {path} is a "
                                 f"{type(module).__name__} (plan this model without `ep`)")
+        kind, offload = decisions.get(path, (None, False))
+        if kind is not None and (kind.mesh != MeshShape.WORLD or offload):
+            raise PlanFileError(f"expert stack {path}: {kind.name}{' with offload' if offload else ''} does not run "
+                                "beside expert parallelism (shard, shard_keep; no offload)")
+
+
+def apply_ep(model: nn.Module, record: Mesh, dp_mesh: DeviceMesh, model_name: str) -> ExpertMeshes | None:
+    """Split the model's experts over the plan's expert-parallel groups (None without expert parallelism):
+    each stack's module swapped for ExpertParallelExperts, its weights sharded on the expert dimension
+    (`check_experts` has passed: apply's check_plan runs it)."""
+    if record.ep == 1:
+        return None
+    info = experts_of(model)
+    fsdp_mesh, ep_mesh = record.expert_meshes(dp_mesh)
+    for path in info.stacks:
+        module = model.get_submodule(path)
         module.__class__ = ExpertParallelExperts
         module.ep_mesh = ep_mesh
         for name, param in list(module.named_parameters(recurse=False)):
