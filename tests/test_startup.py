@@ -83,3 +83,15 @@ def test_explaining_and_comparing_plans_imports_no_solver(tmp_path):
     autoplan.search("gpt2-tiny", "40MB", gpus=2, seq_len=32, profile="cpu-gloo-2").save(plan)
     for argv in (("explain", str(plan)), ("diff", str(plan), str(plan)), ("estimate", "--plan", str(plan))):
         assert not _imported_after(_cli(*argv))["ortools"], argv
+
+
+def test_a_trace_imports_no_dynamo_and_leaves_torch_as_it_was():
+    """torch's Python meta kernels import torch._dynamo on their first call; a trace runs them as themselves
+    (autoplan.tracing.meta_kernels) and takes its mark off them afterwards."""
+    probe = ("import os, sys\nos.environ['AUTOPLAN_TRACE_CACHE'] = 'off'\nimport autoplan, torch._compile\n"
+             "autoplan.trace('gpt2-tiny', seq_len=16)\n"
+             "from autoplan.tracing.meta_kernels import _wrapped_kernels\n"
+             "marked = sum(getattr(k, '__dynamo_disable', None) is k for k in _wrapped_kernels())\n"
+             "print('torch._dynamo' in sys.modules, len(_wrapped_kernels()) > 100, marked)")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert done.stdout.split()[-3:] == ["False", "True", "0"]

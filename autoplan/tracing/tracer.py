@@ -24,6 +24,7 @@ from autoplan.tracing.counting import DTYPES, to_meta
 from autoplan.tracing.dispatch_tracer import trace_dispatch
 from autoplan.tracing.expand import Mismatch, Repeats, expand
 from autoplan.tracing.fx_tracer import symbolic_trace, trace_model
+from autoplan.tracing.meta_kernels import plain_meta_kernels
 from autoplan.tracing.progress import BlockProgress
 from autoplan.tracing.reuse import TRACED_PERIODS, block_tensors, find_repeats, predict_and_check, truncated
 from autoplan.tracing.trace_options import TraceOptions
@@ -214,11 +215,12 @@ def trace_pair(model: nn.Module, seq_len: int, dtype: str = "bf16", inputs: Exam
     failures = []
     blocks_path = largest_module_list(model)
     repeats = find_repeats(model, blocks_path)
-    for name in (tracer,) if tracer else TRACERS:
-        try:
-            return _traced(model, name, seq_len, dtype, inputs, blocks_path, repeats, pricing or Pricing())
-        except TraceError as exc:
-            failures.append(f"{name}: {exc}")
+    with plain_meta_kernels():  # torch._dynamo not imported (autoplan.tracing.meta_kernels)
+        for name in (tracer,) if tracer else TRACERS:
+            try:
+                return _traced(model, name, seq_len, dtype, inputs, blocks_path, repeats, pricing or Pricing())
+            except TraceError as exc:
+                failures.append(f"{name}: {exc}")
     raise TraceError(f"cannot trace {type(model).__name__}; tried " + ", ".join((tracer,) if tracer else TRACERS)
                      + ":\n  " + "\n  ".join(failures) + "\n" + TRACE_HINT)
 
