@@ -37,11 +37,12 @@ import heapq
 from dataclasses import dataclass
 from enum import Enum
 
-from .algebra import Algebra
+from .algebra import Algebra, add_all
 from .options import Recompute
 from .table import CostTable
 
-__all__ = ["MemCategory", "CATEGORIES", "MemoryPoint", "PHASE_OF_POINT", "phase_of", "timeline", "total"]
+__all__ = ["MemCategory", "CATEGORIES", "MAX_SCRATCH_POINTS", "MemoryPoint", "PHASE_OF_POINT", "phase_of", "timeline",
+           "total"]
 
 
 class MemCategory(str, Enum):
@@ -92,10 +93,7 @@ def _values(table: CostTable, unit: int, field: str) -> list:
 
 
 def _sum(terms: list) -> object:
-    total = 0
-    for term in terms:
-        total = total + term
-    return total
+    return add_all(terms)
 
 
 def _backward_peak(seg, recompute: Recompute):

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .algebra import Algebra
+from .algebra import Algebra, add_all
 from .option_cost import OptionCost
 from .table import CostTable
 
@@ -62,13 +62,13 @@ def unit_step_s(table: CostTable, unit: int) -> list[float]:
 
 
 def step_time(table: CostTable, alg: Algebra) -> StepTime:
-    micro, optimizer, step = 0, 0, 0
+    micro, optimizer, step = [], [], []  # summed at the end: in time linear in the units (algebra.add_all)
     for unit in range(len(table.units)):
         is_root = unit == table.root
-        micro = micro + alg.pick_time(unit, [_micro(table, c, is_root) for c in table.costs[unit]])
-        optimizer = optimizer + alg.pick_time(unit, [c.optimizer_s for c in table.costs[unit]])
-        step = step + alg.pick_time(unit, unit_step_s(table, unit))
-    return StepTime(micro, optimizer, step)
+        micro.append(alg.pick_time(unit, [_micro(table, c, is_root) for c in table.costs[unit]]))
+        optimizer.append(alg.pick_time(unit, [c.optimizer_s for c in table.costs[unit]]))
+        step.append(alg.pick_time(unit, unit_step_s(table, unit)))
+    return StepTime(add_all(micro), add_all(optimizer), add_all(step))
 
 
 def lower_bound_step_s(table: CostTable) -> float:

@@ -216,7 +216,7 @@ def _core(affine: AffineModel, table: CostTable, resolution: PinResolution, inde
         if affine.host_coef is not None:
             model.add(sum(int(c) * x[l] for l, c in enumerate(affine.host_coef) if c) <= affine.host_limit_bytes)
         for point in sorted(points):
-            coef = affine.mem_coef[point]
+            coef = affine.mem_row(point)
             nonzero = np.flatnonzero(coef)
             model.add(cp_model.LinearExpr.weighted_sum([x[l] for l in nonzero], [int(coef[l]) for l in nonzero])
                       + int(affine.mem_const[point]) <= limit_bytes)

@@ -30,8 +30,10 @@ from enum import Enum
 import numpy as np
 
 from autoplan.settings import DEFAULT_TIME_LIMIT_S
-from cost_models.algebra import AffineAlgebra
-from cost_models.memory import timeline, total
+from autoplan.solve.rows import DENSE_LIMIT, MemoryRows
+from autoplan.solve.symmetry import identical_runs
+from cost_models.algebra import AffineAlgebra, SparseAlgebra
+from cost_models.memory import MAX_SCRATCH_POINTS, timeline, total
 from cost_models.step import step_time
 from cost_models.table import CostTable
 
@@ -87,8 +89,7 @@ class AffineModel:
     """The cost model of one table as matrices: memory rows per time point and a step-time row."""
 
     algebra: AffineAlgebra
-    mem_coef: np.ndarray  # [points, literals], bytes
-    mem_const: np.ndarray  # [points]
+    rows: MemoryRows  # memory per time point, bytes (autoplan.solve.rows)
     step_coef_ns: np.ndarray  # [literals], integer nanoseconds
     step_const_ns: int
     host_coef: np.ndarray | None = None  # [literals], bytes of offloaded state per rank (None: no offload)
@@ -99,20 +100,37 @@ class AffineModel:
 
     @classmethod
     def of(cls, table: CostTable) -> "AffineModel":
-        alg = AffineAlgebra([len(options) for options in table.options])
-        rows = [total(point) for point in timeline(table, alg)]
-        step = step_time(table, alg).step_s
+        options = [len(options) for options in table.options]
+        # time points: a forward and a backward per segment, a copy-out and a reduction per unit, the optimizer's
+        most_points = 2 * (len(table.segments) + len(table.units)) + MAX_SCRATCH_POINTS
+        if most_points * sum(options) <= DENSE_LIMIT:
+            alg = AffineAlgebra(options)
+            rows = MemoryRows.of_dense([total(point) for point in timeline(table, alg)])
+            step = step_time(table, alg).step_s
+            step_coef, step_const = step.coef, step.const
+        else:  # a model of thousands of units: rows in size linear in them (autoplan.solve.rows)
+            alg = SparseAlgebra(options)
+            rows = MemoryRows.of_sparse(alg, [total(point) for point in timeline(table, alg)])
+            step = step_time(table, alg).step_s
+            step_coef, step_const = alg.dense(step), step.const
         host = np.array([cost.host_bytes for costs in table.costs for cost in costs], dtype=np.int64)
         offloads = table.host_limit_bytes is not None and bool(host.any())
-        runs, order = _identical_runs(table)
+        runs, order = identical_runs(table)
         return cls(
-            alg, np.stack([row.coef for row in rows]), np.array([row.const for row in rows], dtype=np.int64),
-            np.round(step.coef * NS_PER_S).astype(np.int64), int(round(step.const * NS_PER_S)),
+            alg, rows, np.round(step_coef * NS_PER_S).astype(np.int64), int(round(step_const * NS_PER_S)),
             host if offloads else None, table.host_limit_bytes if offloads else None, runs, order,
         )
 
+    @property
+    def mem_const(self) -> np.ndarray:
+        return self.rows.const
+
+    def mem_row(self, point: int) -> np.ndarray:
+        """The point's memory coefficients over the literals (bytes)."""
+        return self.rows.row(point)
+
     def memory(self, choices) -> np.ndarray:
-        return self.mem_coef @ self.algebra.literals(choices) + self.mem_const
+        return self.rows.memory(self.algebra.literals(choices))
 
     def unconstrained_fastest(self) -> list[int]:
         offsets = self.algebra.offsets
@@ -121,41 +139,9 @@ class AffineModel:
     def leanest_each(self) -> list[int]:
         """Per unit, the option with the smallest total memory coefficient (a rough min-memory plan; may
         overrun the host limit, which the model enforces: a seed only picks the first points)."""
-        weight = self.mem_coef.max(axis=0)
+        weight = self.rows.column_max()
         offsets = self.algebra.offsets
         return [int(np.argmin(weight[offsets[u]:offsets[u + 1]])) for u in range(len(offsets) - 1)]
-
-
-def _identical_runs(table: CostTable) -> tuple[list[list[int]], list[list[int]]]:
-    """Groups (of two or more, in execution order) of units with the same options at the same costs, whose
-    ops are one segment each, adjacent or not (pins may cut a model's repeated blocks apart), and per unit
-    each option's rank, leanest first (see the module docstring)."""
-    segments_of: dict[int, list] = {}
-    for seg in table.segments:
-        segments_of.setdefault(seg.unit, []).append(seg)
-
-    def signature(u: int):
-        segments = segments_of.get(u, [])
-        peaks = tuple((seg.bwd_peak, seg.bwd_peak_checkpointed, seg.bwd_peak_selective, seg.bwd_peak_alternate,
-                       seg.saved_bytes,
-                       seg.fwd_temp_bytes, seg.outer_grad_bytes) for seg in segments)
-        # not the parent: what the units around a unit hold adds the same to each of its options
-        return tuple(o.label for o in table.options[u]), tuple(map(repr, table.costs[u])), peaks
-
-    order = []
-    for u in range(len(table.units)):
-        lean = sorted(range(len(table.options[u])),
-                      key=lambda i: (table.costs[u][i].activation_bytes + table.costs[u][i].held_bytes, i))
-        rank = [0] * len(lean)
-        for position, i in enumerate(lean):
-            rank[i] = position
-        order.append(rank)
-    groups: dict[tuple, list[int]] = {}
-    for u in range(len(table.units)):
-        unit = table.units[u]
-        if len(segments_of.get(u, [])) == 1 and u != table.root and not unit.children:
-            groups.setdefault(signature(u), []).append(u)
-    return [group for group in groups.values() if len(group) > 1], order
 
 
 cp_model = None  # ortools' CP-SAT, imported at the first solve (`cp_sat`)
@@ -199,6 +185,7 @@ class _Model:
             #   gpus_per_node * sum_l h_l x_l <= host_mem   (per rank: <= host_mem // gpus_per_node)
             self.model.add(self.expr(affine.host_coef, 0) <= affine.host_limit_bytes)
         self.points: list[int] = []
+        self.sums: list | None = None
 
     def expr(self, coef: np.ndarray, const: int):
         nonzero = np.flatnonzero(coef)
@@ -206,8 +193,32 @@ class _Model:
 
     def add_point(self, point: int, bound) -> None:
         # [Constraint] memory(point) <= bound  (the limit, or the peak variable)
-        self.model.add(self.expr(self.affine.mem_coef[point], int(self.affine.mem_const[point])) <= bound)
+        rows = self.affine.rows
+        if rows.dense:
+            self.model.add(self.expr(rows.row(point), int(rows.const[point])) <= bound)
+        else:
+            self.model.add(self._sparse(*rows.terms(point)) + int(rows.const[point]) <= bound)
         self.points.append(point)
+
+    def _sparse(self, literals, sums):
+        """A row's own terms, its named sums as variables (made at the first use: `_sums`)."""
+        if self.sums is None:
+            self.sums = self._sum_variables()
+        variables = [self.x[col] for col, _ in literals] + [self.sums[k] for k, _ in sums]
+        return cp_model.LinearExpr.weighted_sum(variables, [c for _, c in literals] + [c for _, c in sums])
+
+    def _sum_variables(self) -> list:
+        """[Variables] s[k] = named sum k (a prefix sum of bytes over units or segments), above DENSE_LIMIT: each
+        memory row is then a few terms, not one per literal, and the model grows linearly with the units."""
+        rows, sums = self.affine.rows, []
+        for k, bound in enumerate(rows.sum_bounds().tolist()):
+            literals, refs = rows.definition(k)
+            sums.append(self.model.new_int_var(-bound, bound, f"s_{k}"))
+            # [Constraint] s[k] = sum of its literals' and earlier sums' terms
+            variables = [self.x[col] for col, _ in literals] + [sums[j] for j, _ in refs]
+            self.model.add(sums[k] == cp_model.LinearExpr.weighted_sum(
+                variables, [c for _, c in literals] + [c for _, c in refs]))
+        return sums
 
     def step_ns(self):
         return self.expr(self.affine.step_coef_ns, self.affine.step_const_ns)
@@ -292,7 +303,7 @@ def solve_min_memory(table: CostTable, time_limit_s: float = DEFAULT_TIME_LIMIT_
     some models; on others (405B at micro-batch 2) CP-SAT still spends its whole limit on this solve,
     so the search gives it a short budget (`work_limit`, deterministic: see _solve_lazily)."""
     affine = affine or AffineModel.of(table)
-    horizon = int(affine.mem_const.max() + np.abs(affine.mem_coef).sum(axis=1).max())
+    horizon = affine.rows.horizon()
     state = {}
 
     def build(points):

@@ -1,0 +1,40 @@
+"""Identical units of a cost table: the groups the solver puts in a canonical order (autoplan.solve.solver's
+docstring says why the order loses no plan), and each option's rank in that order."""
+
+from __future__ import annotations
+
+from cost_models.table import CostTable
+
+__all__ = ["identical_runs"]
+
+
+def identical_runs(table: CostTable) -> tuple[list[list[int]], list[list[int]]]:
+    """Groups (of two or more, in execution order) of units with the same options at the same costs, whose
+    ops are one segment each, adjacent or not (pins may cut a model's repeated blocks apart), and per unit
+    each option's rank, leanest first (see autoplan.solve.solver's docstring: the canonical order)."""
+    segments_of: dict[int, list] = {}
+    for seg in table.segments:
+        segments_of.setdefault(seg.unit, []).append(seg)
+
+    def signature(u: int):
+        segments = segments_of.get(u, [])
+        peaks = tuple((seg.bwd_peak, seg.bwd_peak_checkpointed, seg.bwd_peak_selective, seg.bwd_peak_alternate,
+                       seg.saved_bytes,
+                       seg.fwd_temp_bytes, seg.outer_grad_bytes) for seg in segments)
+        # not the parent: what the units around a unit hold adds the same to each of its options
+        return tuple(o.label for o in table.options[u]), tuple(map(repr, table.costs[u])), peaks
+
+    order = []
+    for u in range(len(table.units)):
+        lean = sorted(range(len(table.options[u])),
+                      key=lambda i: (table.costs[u][i].activation_bytes + table.costs[u][i].held_bytes, i))
+        rank = [0] * len(lean)
+        for position, i in enumerate(lean):
+            rank[i] = position
+        order.append(rank)
+    groups: dict[tuple, list[int]] = {}
+    for u in range(len(table.units)):
+        unit = table.units[u]
+        if len(segments_of.get(u, [])) == 1 and u != table.root and not unit.children:
+            groups.setdefault(signature(u), []).append(u)
+    return [group for group in groups.values() if len(group) > 1], order
