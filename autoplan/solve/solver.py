@@ -136,6 +136,16 @@ class AffineModel:
         offsets = self.algebra.offsets
         return [int(np.argmin(self.step_coef_ns[offsets[u]:offsets[u + 1]])) for u in range(len(offsets) - 1)]
 
+    def canonical(self, choices: list[int]) -> list[int]:
+        """The plan with each group of identical units' options put in the canonical order (leanest first), which
+        raises no time point (the module docstring's exchange argument)."""
+        choices = list(choices)
+        for run in self.runs or []:
+            ranked = sorted((choices[u] for u in run), key=lambda option: self.order[run[0]][option])
+            for u, option in zip(run, ranked):
+                choices[u] = option
+        return choices
+
     def leanest_each(self) -> list[int]:
         """Per unit, the option with the smallest total memory coefficient (a rough min-memory plan; may
         overrun the host limit, which the model enforces: a seed only picks the first points)."""
@@ -224,8 +234,12 @@ class _Model:
         return self.expr(self.affine.step_coef_ns, self.affine.step_const_ns)
 
     def hint(self, choices: list[int]) -> None:
-        for literal, value in zip(self.x, self.affine.algebra.literals(choices)):
+        x = self.affine.algebra.literals(choices)
+        for literal, value in zip(self.x, x):
             self.model.add_hint(literal, int(value))
+        if self.sums:  # a complete hint: CP-SAT follows a partial one poorly
+            for variable, value in zip(self.sums, self.affine.rows.sum_values(x).tolist()):
+                self.model.add_hint(variable, value)
 
     def choices(self, solver: cp_model.CpSolver) -> list[int]:
         offsets = self.affine.algebra.offsets
@@ -253,6 +267,9 @@ def _solve_lazily(affine: AffineModel, build, check, time_limit_s: float, seeds:
             solver.parameters.max_deterministic_time = max(0.001, work_limit - work)
         solver.parameters.num_workers = NUM_WORKERS
         solver.parameters.relative_gap_limit = RELATIVE_GAP_LIMIT
+        if not affine.rows.dense:  # thousands of units: presolve's probing and substitutions grow quadratic in them
+            solver.parameters.cp_model_probing_level = 0
+            solver.parameters.presolve_substitution_level = 0
         status = solver.solve(model.model)
         wall = time.perf_counter() - start
         work += solver.response_proto.deterministic_time
@@ -290,8 +307,22 @@ def solve_min_time(table: CostTable, mem_limit_bytes: int, time_limit_s: float =
         memory = affine.memory(choices)
         return [p for p in np.argsort(-memory, kind="stable") if memory[p] > mem_limit_bytes]
 
-    return _solve_lazily(affine, build, check, time_limit_s,
-                         [affine.unconstrained_fastest(), affine.leanest_each()])
+    seeds = [affine.unconstrained_fastest(), affine.leanest_each()]
+    return _solve_lazily(affine, build, check, time_limit_s, seeds, hint=_fitting(affine, seeds, mem_limit_bytes))
+
+
+def _fitting(affine: AffineModel, seeds: list[list[int]], mem_limit_bytes: int) -> list[int] | None:
+    """For a sparse model (thousands of units), the first seed that fits, as a hint: there CP-SAT may spend its
+    whole time limit before it finds a first plan by itself (1000 layers of a tiny Llama). Dense models take
+    no hint, as they always did: their plans stay the ones they were."""
+    if affine.rows.dense:
+        return None
+    for seed in map(affine.canonical, seeds):
+        host_fits = affine.host_coef is None or int(affine.host_coef @ affine.algebra.literals(seed)) <= \
+            affine.host_limit_bytes
+        if host_fits and affine.memory(seed).max() <= mem_limit_bytes:
+            return seed
+    return None
 
 
 def solve_min_memory(table: CostTable, time_limit_s: float = DEFAULT_TIME_LIMIT_S, max_step_s: float | None = None,
