@@ -18,6 +18,11 @@ checkpointed unit's own backward (its recomputation) costs more with more held b
 a leaner option to the earlier of two identical units never raises a time point (an exchange
 argument, adjacent or not); parameters, gradients, optimizer and host state do not depend on the
 position.
+
+A model of thousands of units (over DENSE_LIMIT time points x literals: a stack of 1000 tiny layers) is built
+sparse (autoplan.solve.rows): the prefix sums its memory rows share are integer variables of their own, each row a
+few terms, so the model grows linearly with the units; CP-SAT's probing and substitutions, quadratic there, are
+off, and the first round starts from a seed plan that fits. Smaller models are solved exactly as before.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ import numpy as np
 
 from autoplan.settings import DEFAULT_TIME_LIMIT_S
 from autoplan.solve.rows import DENSE_LIMIT, MemoryRows
-from autoplan.solve.symmetry import identical_runs
+from autoplan.solve.symmetry import canonical, identical_runs
 from cost_models.algebra import AffineAlgebra, SparseAlgebra
 from cost_models.memory import MAX_SCRATCH_POINTS, timeline, total
 from cost_models.step import step_time
@@ -135,16 +140,6 @@ class AffineModel:
     def unconstrained_fastest(self) -> list[int]:
         offsets = self.algebra.offsets
         return [int(np.argmin(self.step_coef_ns[offsets[u]:offsets[u + 1]])) for u in range(len(offsets) - 1)]
-
-    def canonical(self, choices: list[int]) -> list[int]:
-        """The plan with each group of identical units' options put in the canonical order (leanest first), which
-        raises no time point (the module docstring's exchange argument)."""
-        choices = list(choices)
-        for run in self.runs or []:
-            ranked = sorted((choices[u] for u in run), key=lambda option: self.order[run[0]][option])
-            for u, option in zip(run, ranked):
-                choices[u] = option
-        return choices
 
     def leanest_each(self) -> list[int]:
         """Per unit, the option with the smallest total memory coefficient (a rough min-memory plan; may
@@ -317,7 +312,7 @@ def _fitting(affine: AffineModel, seeds: list[list[int]], mem_limit_bytes: int) 
     no hint, as they always did: their plans stay the ones they were."""
     if affine.rows.dense:
         return None
-    for seed in map(affine.canonical, seeds):
+    for seed in (canonical(seed, affine.runs, affine.order) for seed in seeds):
         host_fits = affine.host_coef is None or int(affine.host_coef @ affine.algebra.literals(seed)) <= \
             affine.host_limit_bytes
         if host_fits and affine.memory(seed).max() <= mem_limit_bytes:

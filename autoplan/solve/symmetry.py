@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from cost_models.table import CostTable
 
-__all__ = ["identical_runs"]
+__all__ = ["canonical", "identical_runs"]
 
 
 def identical_runs(table: CostTable) -> tuple[list[list[int]], list[list[int]]]:
@@ -38,3 +38,13 @@ def identical_runs(table: CostTable) -> tuple[list[list[int]], list[list[int]]]:
         if len(segments_of.get(u, [])) == 1 and u != table.root and not unit.children:
             groups.setdefault(signature(u), []).append(u)
     return [group for group in groups.values() if len(group) > 1], order
+
+
+def canonical(choices: list[int], runs: list[list[int]] | None, order: list[list[int]] | None) -> list[int]:
+    """The plan with each group's options put in the canonical order (leanest first), which raises no time point
+    (the exchange argument in autoplan.solve.solver's docstring)."""
+    choices = list(choices)
+    for run in runs or []:
+        for u, option in zip(run, sorted((choices[u] for u in run), key=lambda option: order[run[0]][option])):
+            choices[u] = option
+    return choices
