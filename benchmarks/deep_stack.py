@@ -9,7 +9,8 @@ a child process under a memory cap (RLIMIT_AS, so that a case that needs more fa
 rather than taking the machine's memory), `autoplan.trace` (building the model on meta and tracing it, the
 stack by a few of its blocks: autoplan/tracing/reuse.py), the cost tables' per-model part
 (`autoplan.solve.tables.CostTables`), and `autoplan.search` at --mem 1GB on 2 GPUs, sequence 32, each timed.
-Printed per case: the phases' seconds, the whole, the peak RSS, the solver's status per micro-batch, or the
+Printed per case: the phases' seconds, the whole (wall and CPU: on a shared machine the wall time stretches with
+the load, and CP-SAT's time limit is wall-clock time), the peak RSS, the solver's status per micro-batch, or the
 error that stopped it.
 """
 
@@ -48,6 +49,8 @@ try:
 except BaseException as exc:  # a MemoryError under the cap, the solver's time running out
     out["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
 out["total_s"] = time.perf_counter() - t0
+out["cpu_s"] = sum(u.ru_utime + u.ru_stime for u in map(resource.getrusage, (resource.RUSAGE_SELF,
+                                                                               resource.RUSAGE_CHILDREN)))
 out["peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 print("RESULT " + json.dumps(out))
 """
@@ -82,8 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, nargs="+", default=[100, 300, 1000])
     parser.add_argument("--mem-cap-gb", type=float, default=14.0, help="address-space cap per case (default 14)")
     args = parser.parse_args(argv)
-    print(f"{'layers':>6} {'ops':>7} {'trace s':>8} {'tables s':>8} {'search s':>9} {'total s':>8} {'RSS GB':>7}  "
-          "sweep / error")
+    print(f"{'layers':>6} {'ops':>7} {'trace s':>8} {'tables s':>8} {'search s':>9} {'total s':>8} {'cpu s':>7} "
+          f"{'RSS GB':>7}  sweep / error")
     with tempfile.TemporaryDirectory() as scratch:
         for layers in args.layers:
             r = run_case(layers, args.mem_cap_gb, Path(scratch))
@@ -93,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
 
             target = f" (target {TARGET_S[layers]:.0f} s)" if layers in TARGET_S else ""
             print(f"{layers:>6} {cell('ops', 7, '{}')} {cell('trace_s', 8)} {cell('tables_s', 8)} "
-                  f"{cell('search_s', 9)} {cell('total_s', 8)} {cell('peak_rss_gb', 7)}  "
+                  f"{cell('search_s', 9)} {cell('total_s', 8)} {cell('cpu_s', 7)} {cell('peak_rss_gb', 7)}  "
                   f"{' '.join(r.get('sweep', [])) or r.get('error', '')}{target}", flush=True)
     return 0
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 
 import numpy as np
@@ -108,16 +108,12 @@ class AffineModel:
         options = [len(options) for options in table.options]
         # time points: a forward and a backward per segment, a copy-out and a reduction per unit, the optimizer's
         most_points = 2 * (len(table.segments) + len(table.units)) + MAX_SCRATCH_POINTS
-        if most_points * sum(options) <= DENSE_LIMIT:
-            alg = AffineAlgebra(options)
-            rows = MemoryRows.of_dense([total(point) for point in timeline(table, alg)])
-            step = step_time(table, alg).step_s
-            step_coef, step_const = step.coef, step.const
-        else:  # a model of thousands of units: rows in size linear in them (autoplan.solve.rows)
-            alg = SparseAlgebra(options)
-            rows = MemoryRows.of_sparse(alg, [total(point) for point in timeline(table, alg)])
-            step = step_time(table, alg).step_s
-            step_coef, step_const = alg.dense(step), step.const
+        sparse = most_points * sum(options) > DENSE_LIMIT  # thousands of units: rows linear in them (solve/rows.py)
+        alg = SparseAlgebra(options) if sparse else AffineAlgebra(options)
+        points = [total(point) for point in timeline(table, alg)]
+        rows = MemoryRows.of_sparse(alg, points) if sparse else MemoryRows.of_dense(points)
+        step = step_time(table, alg).step_s
+        step_coef, step_const = alg.dense(step) if sparse else step.coef, step.const
         host = np.array([cost.host_bytes for costs in table.costs for cost in costs], dtype=np.int64)
         offloads = table.host_limit_bytes is not None and bool(host.any())
         runs, order = identical_runs(table)
@@ -136,6 +132,9 @@ class AffineModel:
 
     def memory(self, choices) -> np.ndarray:
         return self.rows.memory(self.algebra.literals(choices))
+
+    def step_s(self, choices: list[int]) -> float:
+        return (int(self.step_coef_ns @ self.algebra.literals(choices)) + self.step_const_ns) / NS_PER_S
 
     def unconstrained_fastest(self) -> list[int]:
         offsets = self.algebra.offsets
@@ -303,7 +302,13 @@ def solve_min_time(table: CostTable, mem_limit_bytes: int, time_limit_s: float =
         return [p for p in np.argsort(-memory, kind="stable") if memory[p] > mem_limit_bytes]
 
     seeds = [affine.unconstrained_fastest(), affine.leanest_each()]
-    return _solve_lazily(affine, build, check, time_limit_s, seeds, hint=_fitting(affine, seeds, mem_limit_bytes))
+    fitting = _fitting(affine, seeds, mem_limit_bytes)
+    result = _solve_lazily(affine, build, check, time_limit_s, seeds, hint=fitting)
+    if result.status == SolveStatus.UNKNOWN and fitting is not None:  # no better plan in time: the seed, which fits
+        # bound: no plan is faster than each unit's fastest option
+        result = replace(result, status=SolveStatus.FEASIBLE, choices=fitting, objective=affine.step_s(fitting),
+                         bound=affine.step_s(affine.unconstrained_fastest()))
+    return result
 
 
 def _fitting(affine: AffineModel, seeds: list[list[int]], mem_limit_bytes: int) -> list[int] | None:
