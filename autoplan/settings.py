@@ -102,7 +102,7 @@ class _Settings(BaseModel):
     @model_validator(mode="after")
     def _check(self):
         for name in ("gpus", "nodes", "gpus_per_node", "seq_len", "batch_size", "global_batch", "tp", "capacity_factor",
-                     "ep"):
+                     "ep", "cp"):
             value = getattr(self, name, None)
             if value is not None and value < 1:
                 raise UsageError(f"`{name}` must be at least 1, got {value}")
@@ -112,9 +112,8 @@ class _Settings(BaseModel):
             if value is not None:
                 check_choice(name, value, choices_of(name))
         if any(getattr(self, name, None) is not None for name in ("gpus", "nodes", "gpus_per_node")):
-            mesh = mesh_of(self.gpus, self.nodes, self.gpus_per_node)  # the counts agree (checked in the mesh)
-            self._check_cluster_size(mesh.nodes, mesh.gpus_per_node, self.gpus if self.nodes is None and
-                                     self.gpus_per_node is None else None)
+            m = mesh_of(self.gpus, self.nodes, self.gpus_per_node)  # the counts agree (checked in the mesh)
+            self._check_cluster_size(m.nodes, m.gpus_per_node, None if self.nodes or self.gpus_per_node else self.gpus)
         try:
             is_expandable(self.allocator_conf or "")
         except ValueError as exc:
@@ -217,6 +216,8 @@ class PlanningSettings(_Settings):
     ep: int | None = None
     """expert-parallel degree of a mixture-of-experts model (divides its expert count and the data-parallel ranks);
     default: a search tries each such degree, an estimate 1"""
+    cp: int | None = None
+    """context-parallel degree (ring attention over `cp` ranks a sequence); default: searched from 16k tokens up"""
 
     example_inputs: Annotated[Any, Flag(api_only=True)] = None
     """inputs of a model whose forward does not take token ids [batch, seq] (a tensor, a tuple or a dict;
@@ -352,8 +353,8 @@ class EstimateSettings(PlanningSettings):
         if self.plan is not None and (self.strategy is not None or self.checkpoint is not None or self.offload):
             raise UsageError("give either `strategy` (with or without `checkpoint` and `offload`) or `plan`, not both: "
                              "a plan says per unit how it shards, where it checkpoints and what it offloads")
-        if self.plan is not None and (self.tp is not None or self.sequence_parallel is not None or self.ep):
-            raise UsageError("`tp`, `ep` and `sequence_parallel` go with a `strategy`; a plan is estimated on its own mesh")
+        if self.plan is not None and (self.tp is not None or self.sequence_parallel is not None or self.ep or self.cp):
+            raise UsageError("`tp`, `ep`, `cp`, `sequence_parallel` go with a `strategy`; a plan keeps its own mesh")
         if self.sequence_parallel == "on" and (self.tp or 1) == 1:
             raise UsageError("`sequence_parallel` on needs `tp` above 1")
         return self

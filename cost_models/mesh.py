@@ -9,7 +9,10 @@ more. Like torchtitan's `ParallelDims`: one frozen object, validated once.
 
 The degrees, outermost first: pipeline (`pp`, contiguous groups of ranks, one per stage: whole nodes,
 or parts of a node when there are more stages than nodes), data parallel (what is left: `dp`), tensor
-parallel (`tp`, groups of neighbouring ranks inside a node). Expert parallelism (`ep`) borrows from the
+parallel (`tp`, groups of neighbouring ranks inside a node), with context parallel between the last two
+(`cp`: each sequence split over cp ranks, ring attention between them). FSDP shards parameters over dp x cp
+(`fsdp_ranks`: the ranks of a context-parallel group hold the same parameters, so they join the sharding
+group, as torchtitan's "dp_shard_cp"); a batch's rows divide over dp alone. Expert parallelism (`ep`) borrows from the
 data-parallel ranks, as torchtitan's does: it splits them into (dp / ep, ep) for the experts alone. A new
 dimension (pipeline, context, expert) is a field here, with its
 place in `dims`, its share of the world in `dp`, its checks in `__post_init__` and its sub-mesh in
@@ -66,8 +69,11 @@ class Mesh:
     neighbouring data-parallel ranks split each mixture-of-experts layer's experts; the experts' FSDP then
     shards over the dp / ep ranks left (`expert_shard`), every other weight over all of dp as before"""
 
+    cp: int = 1
+    """context-parallel degree: each sequence split over `cp` ranks (ring attention), between dp and tp"""
+
     def __post_init__(self):
-        for name in ("nodes", "gpus_per_node", "tp", "pp", "ep"):
+        for name in ("nodes", "gpus_per_node", "tp", "pp", "ep", "cp"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise MeshError(f"`{name}` must be at least 1, got {value}")
@@ -77,6 +83,11 @@ class Mesh:
         self._check_pipeline()
         if self.sequence_parallel and self.tp == 1:
             raise MeshError("sequence parallelism needs a tensor-parallel degree above 1")
+        if (self.world_size // (self.tp * self.pp)) % self.cp:
+            raise MeshError(f"`cp` {self.cp} does not divide the {self.world_size // (self.tp * self.pp)} ranks left "
+                            f"beside `tp` {self.tp}; choose one of {', '.join(map(str, self.context_degrees()))}")
+        if self.cp > 1 and self.ep > 1:
+            raise MeshError("expert and context parallelism together are not built: give `ep` 1 or `cp` 1")
         if self.dp % self.ep:
             raise MeshError(f"`ep` {self.ep} does not divide the {self.dp} data-parallel ranks: expert parallelism "
                             "borrows its groups from them")
@@ -123,19 +134,31 @@ class Mesh:
 
     @property
     def dp(self) -> int:
-        """Data-parallel ranks: the world over the other degrees (the ranks FSDP shards over)."""
-        return self.world_size // (self.tp * self.pp)
+        """Data-parallel ranks: the world over the other degrees (the replicas a batch's rows divide over)."""
+        return self.world_size // (self.tp * self.pp * self.cp)
+
+    @property
+    def fsdp_ranks(self) -> int:
+        """The ranks FSDP shards a parameter over: data x context parallel (dp alone without context parallelism)."""
+        return self.dp * self.cp
 
     @property
     def dp_per_node(self) -> int:
-        """Data-parallel ranks in one node (of one pipeline stage, where stages split a node)."""
+        """Ranks of the FSDP dimension (data x context parallel) in one node (of one pipeline stage, where stages
+        split a node)."""
         return min(self.world_size // self.pp, self.gpus_per_node) // self.tp
+
+    @property
+    def cp_scope(self) -> str:
+        """Where a context-parallel group's ring runs: inside a node while cp x tp ranks fit one."""
+        return INTER_NODE if self.nodes > 1 and self.cp * self.tp > self.gpus_per_node else INTRA_NODE
 
     @property
     def dims(self) -> tuple[tuple[str, int], ...]:
         """(name, size) of each dimension above 1, outermost first ("dp" always): the run's DeviceMesh. The
         expert-parallel degree is no dimension of the world: it unflattens "dp" (`expert_dims`)."""
-        return ((("pp", self.pp),) if self.pp > 1 else ()) + (("dp", self.dp),) + ((("tp", self.tp),) if self.tp > 1 else ())
+        return ((("pp", self.pp),) if self.pp > 1 else ()) + (("dp", self.dp),) + \
+            ((("cp", self.cp),) if self.cp > 1 else ()) + ((("tp", self.tp),) if self.tp > 1 else ())
 
     @property
     def expert_dims(self) -> tuple[tuple[str, int], ...]:
@@ -182,13 +205,23 @@ class Mesh:
         """This cluster with tensor-parallel degree `tp` (MeshError where it does not divide a node)."""
         return replace(self, tp=tp, sequence_parallel=sequence_parallel and tp > 1)
 
+    def with_context(self, cp: int) -> Mesh:
+        """This mesh with context-parallel degree `cp` (MeshError where it does not divide the ranks beside tp)."""
+        return replace(self, cp=cp)
+
+    def context_degrees(self) -> list[int]:
+        """Context-parallel degrees the ranks beside `tp` take: their divisors that are powers of two (the
+        load-balanced causal sharding cuts a sequence into 2 x cp chunks)."""
+        ranks = self.world_size // (self.tp * self.pp)
+        return [2 ** k for k in range(ranks.bit_length()) if ranks % 2 ** k == 0]
+
     def tensor_degrees(self) -> list[int]:
         """Tensor-parallel degrees a node takes: its divisors up to MAX_TP_DEGREE (1, 2, 4, 8 on 8-GPU nodes)."""
         return [t for t in range(1, min(self.gpus_per_node, MAX_TP_DEGREE) + 1) if self.gpus_per_node % t == 0]
 
     def shard_size(self, group: ShardGroup) -> int:
         """Ranks one parameter is split over under a sharding kind's group (of the data-parallel ranks)."""
-        return {ShardGroup.WORLD: self.dp, ShardGroup.NODE: self.dp_per_node, ShardGroup.ONE: 1}[group]
+        return {ShardGroup.WORLD: self.fsdp_ranks, ShardGroup.NODE: self.dp_per_node, ShardGroup.ONE: 1}[group]
 
     def scope(self, group_size: int, spans_nodes: bool = False) -> str:
         """Where a collective over `group_size` data-parallel ranks runs: "inter_node" when the cluster has
@@ -200,7 +233,7 @@ class Mesh:
         """The FSDP2 mesh of a sharding kind over `dp_ranks` data-parallel ranks (default: all of them): WORLD
         1-D, REPLICATE (dp, 1), HYBRID (nodes, dp per node). With fewer ranks than planned (a dry run), HYBRID
         keeps as much of a node as divides them."""
-        ranks = self.dp if dp_ranks is None else dp_ranks
+        ranks = self.fsdp_ranks if dp_ranks is None else dp_ranks
         if kind_mesh == MeshShape.WORLD:
             return (ranks,)
         if kind_mesh == MeshShape.REPLICATE:
@@ -213,7 +246,7 @@ class Mesh:
     def data_rank(self, rank: int) -> int:
         """The data-parallel rank of global rank `rank`: the ranks of one tensor-parallel group share their rows, and
         so do the pipeline's stages (rank r of every stage trains on the same rows)."""
-        return rank % (self.world_size // self.pp) // self.tp
+        return rank % (self.world_size // self.pp) // (self.tp * self.cp)
 
     def pipeline_rank(self, rank: int) -> int:
         """The pipeline rank (the stage group) of global rank `rank`."""
@@ -224,20 +257,34 @@ class Mesh:
     # ----------------------------------------------------------------------------------------------- #
 
     def split(self, world):
-        """`world` (a 1-D DeviceMesh over the ranks running the plan) as (data-parallel mesh, tensor-parallel
-        mesh or None): a (world / tp) x tp mesh named ("dp", "tp"), rank r being tensor-parallel rank r % tp of
-        data-parallel rank r // tp, so that a tensor-parallel group is `tp` neighbouring ranks of a node."""
+        """`world` (a 1-D DeviceMesh over the ranks running the plan) as (FSDP mesh, tensor-parallel mesh or
+        None): see `split_context`, whose context-parallel mesh it leaves out."""
+        fsdp, _, tp = self.split_context(world)
+        return fsdp, tp
+
+    def split_context(self, world):
+        """`world` as (FSDP mesh, context-parallel mesh or None, tensor-parallel mesh or None): a
+        (world / (cp tp)) x cp x tp mesh named ("dp", "cp", "tp") (the degrees above 1), rank r being
+        tensor-parallel rank r % tp of context-parallel rank (r // tp) % cp of data-parallel rank r // (cp tp),
+        so that a tensor-parallel group is `tp` neighbouring ranks of a node and a context-parallel group the
+        nearest ranks beyond it. FSDP shards over dp x cp (flattened to one dimension "dp_cp")."""
         from torch._subclasses.fake_tensor import unset_fake_temporarily
         from torch.distributed.device_mesh import DeviceMesh
 
-        if self.tp == 1:
-            return world, None
-        size = world.size()
-        if size % self.tp:
-            raise MeshError(f"the plan's tensor-parallel degree {self.tp} does not divide the {size} ranks running it")
+        if self.tp == 1 and self.cp == 1:
+            return world, None, None
+        size, inner = world.size(), self.tp * self.cp
+        if size % inner:
+            raise MeshError(f"the plan's context x tensor-parallel degrees {self.cp} x {self.tp} do not divide the "
+                            f"{size} ranks running it")
+        names = ("dp",) + (("cp",) if self.cp > 1 else ()) + (("tp",) if self.tp > 1 else ())
+        shape = (size // inner,) + ((self.cp,) if self.cp > 1 else ()) + ((self.tp,) if self.tp > 1 else ())
         with unset_fake_temporarily():  # real rank numbers, also under a FakeTensorMode (see fsdp_mesh)
-            mesh = DeviceMesh(world.device_type, world.mesh.view(size // self.tp, self.tp), mesh_dim_names=("dp", "tp"))
-            return mesh["dp"], mesh["tp"]
+            mesh = DeviceMesh(world.device_type, world.mesh.view(*shape), mesh_dim_names=names)
+            tp = mesh["tp"] if self.tp > 1 else None
+            if self.cp == 1:
+                return mesh["dp"], None, tp
+            return mesh["dp", "cp"]._flatten("dp_cp"), mesh["cp"], tp
 
     def expert_meshes(self, dp_mesh):
         """The data-parallel mesh unflattened as `expert_dims` says: (the experts' FSDP mesh over dp / ep, the

@@ -160,7 +160,7 @@ class UnitPricer:
         fwd_s, bwd_s, recompute_s, saved = times
         cs, ms = self.slowdowns
         shard = mesh.shard_size(option.kind.shard_group)
-        replicas = mesh.dp // shard
+        replicas = mesh.fsdp_ranks // shard
         local = local_numel(unit, shard)
         comm = self._collectives(unit, option, local, shard, replicas)
         # a checkpointed unit re-runs (some of) its forward ops within the backward, at their in-backward

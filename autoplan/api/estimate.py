@@ -20,8 +20,9 @@ from autoplan.plan.estimate import Estimate
 from autoplan.plan.schema import ClusterSpec, Plan
 from autoplan.settings import EstimateSettings
 from autoplan.sizes import format_bytes
+from autoplan.solve.context_tables import context_source
 from autoplan.solve.expert_tables import mesh_source
-from autoplan.solve.mesh_search import check_beside_tensor_parallelism
+from autoplan.solve.mesh_search import check_beside_tensor_parallelism, check_context
 from autoplan.solve.request import PlanRequest
 from cost_models.evaluate import evaluate, uniform_choices
 from cost_models.expert_parallel import expert_kind_runs
@@ -98,8 +99,14 @@ def request_table(request: PlanRequest, plan: Plan | None = None) -> tuple[CostT
         raise UsageError(f"expert-parallel degree {mesh.ep}: `strategy` {uniform.strategy}"
                          f"{' with offload' if uniform.offload else ''} does not run beside expert parallelism "
                          "(the experts shard over their group: shard, shard_keep; no offload)")
-    table = mesh_source(request, mesh, layout).table(micro_batch.size, micro_batch.grad_accum_steps, cluster,
-                                                     t.seq_len, t.dtype, t.optimizer, offload=offloads or None)
+    if mesh.cp > 1:
+        try:
+            check_context(request, mesh)
+        except TpRefusal as exc:
+            raise UsageError(str(exc)) from None
+    source = context_source(mesh_source(request, mesh, layout), mesh.cp)
+    table = source.table(micro_batch.size, micro_batch.grad_accum_steps, cluster, t.seq_len, t.dtype, t.optimizer,
+                         offload=offloads or None)
     if plan is not None:
         return table, plan_choices(table, plan)
     choices = uniform_choices(table, uniform.strategy, uniform.checkpoint, offload=uniform.offload,

@@ -23,6 +23,7 @@ from autoplan.models.zoo import count_params
 from autoplan.plan.schema import Plan, load_plan
 from autoplan.settings import EstimateSettings, PlanningSettings, SearchSettings, check_mem_limit
 from autoplan.solve.cluster import Cluster, resolve_cluster
+from autoplan.solve.context_tables import MIN_CONTEXT_SEQ
 from autoplan.solve.pins import PinResolution, resolve_pins
 from autoplan.solve.request import Batch, Limits, ModelInfo, PlanRequest, Uniform
 from autoplan.solve.tables import CostTables
@@ -54,7 +55,7 @@ def prepare(settings: PlanningSettings, plan: Plan | None = None, plan_file: Pat
                               settings.host_mem)
     session.price_for(settings, cluster.profile.device_type, plan)  # attention kernels, capacity factor, unpriced ops
     experts = experts_of(session.module)
-    meshes = (search_meshes_of(settings, cluster.mesh, experts, session.name) if plan is None
+    meshes = (search_meshes_of(settings, cluster.mesh, experts, session.name, session.seq_len) if plan is None
               else (_plan_mesh(plan, cluster.mesh),))
     uniform = _uniform(settings, cluster)
     wrap_policy_of(settings)  # refused before tracing
@@ -96,22 +97,43 @@ def load_plan_of(plan: Plan | str | Path | None) -> tuple[Plan | None, Path | No
 
 
 def search_meshes_of(settings: PlanningSettings, mesh: Mesh, experts: ExpertInfo | None = None,
-                     model_name: str = "the model") -> tuple[Mesh, ...]:
+                     model_name: str = "the model", seq_len: int | None = None) -> tuple[Mesh, ...]:
     """The meshes a search tries on the cluster's `mesh`: each tensor-parallel degree (`tp` itself when given,
     else every degree a node takes), above 1 with and without sequence parallelism (or as
     `sequence_parallel` says); for a model with `experts` that `apply` can split, each with every
     expert-parallel degree that divides the expert count and the data-parallel ranks (`ep` itself when given;
-    refused for a model without them).
-    An estimate runs on one mesh: the cluster's, at its `tp` (sequence parallelism only where asked for) and
-    `ep`."""
+    refused for a model without them); each mesh without experts split with every context-parallel degree
+    beside it (`cp` itself when given, else every degree from sequences of MIN_CONTEXT_SEQ tokens up: `seq_len`).
+    An estimate runs on one mesh: the cluster's, at its `tp` (sequence parallelism only where asked for),
+    `ep` and `cp`."""
     experts = experts or ExpertInfo()
     check_expert_degree(experts, settings.ep or 1, model_name)
     if not isinstance(settings, SearchSettings):
         try:
             tensor = mesh.with_tensor(settings.tp or 1, settings.sequence_parallel == "on")
-            return (tensor.with_experts(settings.ep or 1),)
+            return (tensor.with_experts(settings.ep or 1).with_context(settings.cp or 1),)
         except MeshError as exc:
             raise UsageError(str(exc)) from None
+    return _with_context(_tensor_meshes(settings, mesh, experts), settings.cp, seq_len)
+
+
+def _with_context(meshes: tuple[Mesh, ...], cp: int | None, seq_len: int | None) -> tuple[Mesh, ...]:
+    """Each mesh at `cp` (UsageError where it does not divide), or at each degree it takes for a long sequence."""
+    if cp is not None:
+        fitting = tuple(m.with_context(cp) for m in meshes if m.ep == 1 and cp in m.context_degrees())
+        if not fitting:
+            try:
+                meshes[0].with_context(cp)
+            except MeshError as exc:
+                raise UsageError(str(exc)) from None
+            raise UsageError(f"`cp` {cp} is not a power of two (the sequence is cut into 2 cp chunks)")
+        return fitting
+    if seq_len is None or seq_len < MIN_CONTEXT_SEQ:
+        return meshes
+    return tuple(m.with_context(c) for m in meshes for c in (m.context_degrees() if m.ep == 1 else [1]))
+
+
+def _tensor_meshes(settings: SearchSettings, mesh: Mesh, experts: ExpertInfo) -> tuple[Mesh, ...]:
     try:
         degrees = [mesh.with_tensor(settings.tp).tp] if settings.tp is not None else mesh.tensor_degrees()
     except MeshError as exc:
@@ -133,9 +155,11 @@ def _plan_mesh(plan: Plan, cluster_mesh: Mesh) -> Mesh:
     """The plan's own degrees on the cluster asked for (the plan's unless given)."""
     planned = plan.cluster.mesh
     try:
-        return cluster_mesh.with_tensor(planned.tp, planned.sequence_parallel).with_experts(planned.ep)
+        return (cluster_mesh.with_tensor(planned.tp, planned.sequence_parallel).with_experts(planned.ep)
+                .with_context(planned.cp))
     except MeshError as exc:
-        raise UsageError(f"the plan's tensor- or expert-parallel degree does not fit this cluster: {exc}") from None
+        raise UsageError(f"the plan's tensor-, expert- or context-parallel degree does not fit this cluster: {exc}") \
+            from None
 
 
 def _with_plan_defaults(settings: PlanningSettings, plan: Plan, plan_file: Path | None) -> PlanningSettings:

@@ -36,6 +36,9 @@ class ClusterSpec(BaseModel):
     pp_degree: int = Field(default=1, ge=1, exclude_if=lambda value: value == 1)
     # groups of ep_degree data-parallel ranks split the experts (cost_models.mesh.Mesh.ep); written only above 1
     ep_degree: int = Field(default=1, ge=1, exclude_if=lambda value: value == 1)
+    # context parallelism: each sequence split over cp_degree ranks (ring attention), the mesh
+    # (world / (cp tp)) x cp_degree x tp_degree, FSDP over data x context parallel; written only above 1
+    cp_degree: int = Field(default=1, ge=1, exclude_if=lambda value: value == 1)
     # CUDA profiles: the PYTORCH_CUDA_ALLOC_CONF the plan was made for (`autoplan apply` runs its ranks with it,
     # and warns when a run's differs); None for other devices and in older plans
     allocator_conf: str | None = Field(default=None, exclude_if=lambda value: value is None)
@@ -53,6 +56,7 @@ class ClusterSpec(BaseModel):
                    mem_limit_bytes=limits.mem_limit_bytes, mem_headroom=limits.headroom,
                    host_mem_bytes=cluster.host_mem_bytes if cluster.offload_allowed else None,
                    tp_degree=mesh.tp, sequence_parallel=mesh.sequence_parallel, pp_degree=mesh.pp, ep_degree=mesh.ep,
+                   cp_degree=mesh.cp,
                    allocator_conf=limits.allocator_conf,
                    mem_fitted_to="needed" if limits.fits_needed else "allocated")
 
@@ -68,7 +72,8 @@ class ClusterSpec(BaseModel):
         """The mesh the plan runs on; PlanFileError where the file's counts do not make one."""
         try:
             mesh = Mesh(nodes=self.nodes, gpus_per_node=self.gpus_per_node, tp=self.tp_degree,
-                        sequence_parallel=self.sequence_parallel, pp=self.pp_degree, ep=self.ep_degree)
+                        sequence_parallel=self.sequence_parallel, pp=self.pp_degree, ep=self.ep_degree,
+                        cp=self.cp_degree)
         except MeshError as exc:
             raise PlanFileError(f"the plan's cluster is not a mesh: {exc}") from None
         if mesh.world_size != self.world_size:

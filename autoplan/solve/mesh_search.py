@@ -33,6 +33,7 @@ from autoplan.solve.expert_tables import mesh_source
 from autoplan.solve.request import PlanRequest, Uniform
 from autoplan.solve.solver import cp_sat
 from autoplan.solve.sweep import SweepOutcome, sweep
+from autoplan.solve.context_tables import context_refusal, context_source
 from autoplan.solve.tables import TableSource
 from cost_models.expert_parallel import expert_kind_runs
 from cost_models.mesh import Mesh
@@ -40,7 +41,7 @@ from cost_models.options import SHARDING_KINDS, MeshShape
 from cost_models.tensor_parallel import TpLayout
 
 __all__ = ["PARALLEL_MIN_UNITS", "PROGRESS_DELAY_S", "MeshResult", "MeshSearch", "best_result",
-           "check_beside_tensor_parallelism", "search_meshes"]
+           "check_beside_tensor_parallelism", "check_context", "search_meshes"]
 
 PROGRESS_DELAY_S = 2.0  # a search that answers sooner prints nothing on stderr
 # worker processes only for models of this many units: forking a process that holds a traced model and sending
@@ -80,7 +81,8 @@ class MeshResult:
     @property
     def label(self) -> str:
         return f"tp {self.degree}" + (" +sp" if self.sequence_parallel else "") + \
-            (f" ep {self.mesh.ep}" if self.mesh.ep > 1 else "")
+            (f" ep {self.mesh.ep}" if self.mesh.ep > 1 else "") + \
+            (f" cp {self.mesh.cp}" if self.mesh.cp > 1 else "")
 
 
 @dataclass
@@ -93,12 +95,13 @@ class MeshSearch:
     @property
     def tensor_parallel_searched(self) -> bool:
         """Whether some mesh above degree 1 was searched (its layout recognised), so the report lists them."""
-        return any(r.degree > 1 and r.layout is not None or r.mesh.ep > 1 for r in self.results)
+        return any(r.degree > 1 and r.layout is not None or r.mesh.ep > 1 or r.mesh.cp > 1 and r.refused is None
+                   for r in self.results)
 
     @property
     def data_parallel(self) -> MeshResult | None:
-        """The result of degree 1 without expert parallelism (FSDP alone), if it was searched."""
-        return next((r for r in self.results if r.degree == 1 and r.mesh.ep == 1), None)
+        """The result of degree 1 without expert or context parallelism (FSDP alone), if it was searched."""
+        return next((r for r in self.results if r.degree == 1 and r.mesh.ep == 1 and r.mesh.cp == 1), None)
 
 
 def search_meshes(request: PlanRequest) -> MeshSearch:
@@ -124,7 +127,8 @@ def search_meshes(request: PlanRequest) -> MeshSearch:
             for result in pending:
                 # the worker sent its result without its tables and cluster: made again here, the model's
                 # traces stay out of the pipes
-                results.append(replace(result, source=mesh_source(request, result.mesh, result.layout),
+                results.append(replace(result, source=context_source(mesh_source(request, result.mesh, result.layout),
+                                                                     result.mesh.cp),
                                        cluster=request.cluster.with_mesh(result.mesh)))
                 progress.done(results)
     finally:
@@ -159,7 +163,9 @@ def _search(request: PlanRequest, mesh: Mesh, progress=None) -> MeshResult:
         if mesh.ep > 1 and uniform is not None and not expert_kind_runs(uniform.strategy, uniform.offload):
             raise TpRefusal(f"`strategy` {uniform.strategy}{' with offload' if uniform.offload else ''} does not "
                             "run beside expert parallelism (shard, shard_keep)")
-        result.source = mesh_source(request, result.mesh, result.layout)
+        if mesh.cp > 1:
+            check_context(request, mesh)
+        result.source = context_source(mesh_source(request, result.mesh, result.layout), mesh.cp)
         result.cluster = request.cluster.with_mesh(mesh)
         result.outcome = sweep(request, result.source, result.cluster, progress)
     except TpRefusal as exc:
@@ -174,6 +180,17 @@ def _search(request: PlanRequest, mesh: Mesh, progress=None) -> MeshResult:
         result.refused, result.timed_out = "no verdict within `time_limit_s`", exc
     result.wall_time_s = time.perf_counter() - start
     return result
+
+
+def check_context(request: PlanRequest, mesh: Mesh) -> None:
+    """TpRefusal (a mesh the model cannot run) where the model cannot run context parallelism of the mesh's
+    degree (autoplan.solve.context_tables.context_refusal), or beside a uniform strategy that is not over
+    the whole FSDP dimension."""
+    why = context_refusal(request.tables.trace_1.ops, request.model.module, request.training.seq_len, mesh.cp)
+    if why is None and request.uniform is not None and SHARDING_KINDS[request.uniform.strategy].mesh != MeshShape.WORLD:
+        why = f"`strategy` {request.uniform.strategy} is not offered beside context parallelism (shard, shard_keep)"
+    if why is not None:
+        raise TpRefusal(f"context parallelism {mesh.cp}: {why}")
 
 
 def check_beside_tensor_parallelism(uniform: Uniform | None) -> None:
@@ -192,7 +209,8 @@ def best_result(results: list[MeshResult]) -> MeshResult:
     memory when none fits."""
     fitting = [r for r in results if r.outcome is not None]
     if fitting:
-        return max(fitting, key=lambda r: (round(r.throughput, 9), -r.degree, -r.mesh.ep, r.sequence_parallel))
+        return max(fitting, key=lambda r: (round(r.throughput, 9), -r.degree, -r.mesh.ep, -r.mesh.cp,
+                                           r.sequence_parallel))
     errors = [r.error for r in results if r.error is not None]
     timed_out = [r.timed_out for r in results if r.timed_out is not None]
     if timed_out:  # a degree with no verdict might have fitted: say so rather than "nothing fits"
@@ -218,7 +236,8 @@ class _Progress:
 
     def sweeping(self, index: int, mesh: Mesh):
         """The sweep's progress hook for the `index`-th mesh (autoplan.solve.sweep)."""
-        shape = f"{mesh.dp} data-parallel" + (f" x {mesh.tp} tensor-parallel" if mesh.tp > 1 else "") + \
+        shape = f"{mesh.dp} data-parallel" + (f" x {mesh.cp} context-parallel" if mesh.cp > 1 else "") + \
+            (f" x {mesh.tp} tensor-parallel" if mesh.tp > 1 else "") + \
             (" +sp" if mesh.sequence_parallel else "") + (f", experts {mesh.ep}-way" if mesh.ep > 1 else "")
 
         def step_done(step, best: float | None) -> None:

@@ -227,7 +227,7 @@ def _infeasible(table: CostTable, limits: Limits, model_name: str, cluster: Clus
                  f"{format_bytes(parts['activations'])}, gathered parameters {format_bytes(parts['gathered'])}, "
                  f"temporaries {format_bytes(parts['temporaries'])})")
     helps = [f"a limit of at least {format_bytes(needed)}" if needed else "a larger limit",
-             f"more GPUs (sharding divides parameters, gradients and optimizer states over {cluster.mesh.dp} "
+             f"more GPUs (sharding divides parameters, gradients and optimizer states over {cluster.mesh.fsdp_ranks} "
              "now)", "a shorter `seq_len`", "`dtype` bf16 (no fp32 master weights)"]
     if fixed_batch and table.micro_batch_size > 1:
         helps.insert(1, "a smaller `batch_size`")
