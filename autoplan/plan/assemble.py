@@ -163,6 +163,7 @@ def assemble_plan(search: MeshSearch, request: PlanRequest) -> Plan:
     table = outcome.table
     source = best.source
     tensor_parallel = best.degree > 1 or best.mesh.ep > 1  # the units split: recorded whole, FSDP alone compared
+    parallel = tensor_parallel or best.mesh.cp > 1  # beside FSDP alone: compared with its best plan
     solver = SolverInfo(status=result.status, objective_s=result.objective, bound_s=result.bound,
                         num_variables=outcome.num_variables,
                         num_constraints=outcome.num_constraints,
@@ -171,7 +172,7 @@ def assemble_plan(search: MeshSearch, request: PlanRequest) -> Plan:
                                                       step_time_s=s.step_time_s,
                                                       throughput_samples_s=s.throughput_samples_s)
                                            for s in outcome.steps])
-    if tensor_parallel or search.tensor_parallel_searched:
+    if parallel or search.tensor_parallel_searched:
         solver = solver.model_copy(update={"tp_degrees": [_degree_entry(r) for r in search.results]})
     fsdp = search.data_parallel
     return Plan(
@@ -183,7 +184,7 @@ def assemble_plan(search: MeshSearch, request: PlanRequest) -> Plan:
                              source.unit_layouts if tensor_parallel else None),
         predicted=prediction(table, outcome.evaluation, limits.allocator_conf),
         solver=solver,
-        baselines=(_fsdp_only(fsdp, limits.planned_bytes) if tensor_parallel and fsdp is not None
+        baselines=(_fsdp_only(fsdp, limits.planned_bytes) if parallel and fsdp is not None
                    else baselines(outcome.tables, limits.planned_bytes)),
         experts=(ExpertParallelSpec(**source.figures(table, outcome.choices, best.cluster)) if best.mesh.ep > 1
                  else None),
@@ -200,10 +201,10 @@ def _degree_entry(result: MeshResult) -> TpDegreeEntry:
         if result.error is not None and result.error.min_mem_bytes:
             note = f"nothing fits (the leanest plan needs a limit of {result.error.min_mem_bytes:,} bytes)"
         return TpDegreeEntry(degree=result.degree, sequence_parallel=result.sequence_parallel,
-                             ep_degree=result.mesh.ep, fits=False, note=note)
+                             ep_degree=result.mesh.ep, cp_degree=result.mesh.cp, fits=False, note=note)
     evaluation = outcome.evaluation
     return TpDegreeEntry(degree=result.degree, sequence_parallel=result.sequence_parallel, ep_degree=result.mesh.ep,
-                         fits=True,
+                         cp_degree=result.mesh.cp, fits=True,
                          micro_batch_size=outcome.table.micro_batch_size,
                          grad_accum_steps=outcome.table.grad_accum_steps, step_time_s=evaluation.step_time_s,
                          throughput_samples_s=result.throughput, peak_mem_bytes=evaluation.peak_mem_bytes)

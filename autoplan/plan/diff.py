@@ -85,7 +85,9 @@ def _settings(a: Plan, b: Plan) -> list[str]:
              ("optimizer", a.training.optimizer, b.training.optimizer),
              ("granularity", a.training.granularity, b.training.granularity),
              ("pins", len(a.pins), len(b.pins)),
-             ("expert-parallel degree", a.cluster.ep_degree, b.cluster.ep_degree)]
+             ("expert-parallel degree", a.cluster.ep_degree, b.cluster.ep_degree),
+             ("tensor-parallel degree", a.cluster.tp_degree, b.cluster.tp_degree),
+             ("context-parallel degree", a.cluster.cp_degree, b.cluster.cp_degree)]
     return [f"{name} {x} -> {y}" for name, x, y in pairs if x != y]
 
 

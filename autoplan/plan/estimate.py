@@ -70,9 +70,10 @@ def format_estimate(est: Estimate, timeline: bool = False) -> str:
         f"strategy {est.strategy}: {est.description}",
         f"{c.nodes} node(s) x {c.gpus_per_node} GPU(s), profile {c.profile}; micro-batch {t.micro_batch_size} x "
         f"{t.grad_accum_steps} accumulation x "
-        + (f"{c.world_size} GPUs" if c.tp_degree == 1 else
-           f"{c.world_size // c.tp_degree} data-parallel ranks (tensor-parallel degree {c.tp_degree}"
-           + (", sequence parallel" if c.sequence_parallel else "") + ")")
+        + (f"{c.world_size} GPUs" if c.tp_degree == c.cp_degree == 1 else
+           f"{c.world_size // (c.tp_degree * c.cp_degree)} data-parallel ranks (tensor-parallel degree {c.tp_degree}"
+           + (", sequence parallel" if c.sequence_parallel else "")
+           + (f", context-parallel degree {c.cp_degree}" if c.cp_degree > 1 else "") + ")")
         + f" = {t.global_batch_size} samples per step; {sequence_text(est.model, t.seq_len)}; "
         f"{t.dtype}, {t.optimizer}",
         *pricing_lines(est.model),

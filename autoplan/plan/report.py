@@ -96,7 +96,8 @@ def _setting_lines(plan: Plan, cluster_is_default: bool) -> list[str]:
         + (f" (above the device's {format_bytes(c.device_mem_bytes)}: `allow_over_device_mem`)"
            if c.mem_limit_bytes > c.device_mem_bytes else "") + f"; {sequence_text(plan.model, t.seq_len)}; micro-batch "
         f"{t.micro_batch_size} x {t.grad_accum_steps} accumulation x "
-        + (f"{c.world_size} GPUs" if c.tp_degree == 1 else f"{c.world_size // c.tp_degree} data-parallel ranks")
+        + (f"{c.world_size} GPUs" if c.tp_degree == c.cp_degree == 1
+           else f"{c.world_size // (c.tp_degree * c.cp_degree)} data-parallel ranks")
         + f" = {t.global_batch_size} samples per step; {t.dtype}, {t.optimizer}",
         *pricing_lines(plan.model),
     ]
@@ -106,7 +107,7 @@ def _setting_lines(plan: Plan, cluster_is_default: bool) -> list[str]:
                                                                      else "") + ", FSDP over the data-parallel ranks")
     if plan.experts is not None:
         lines.append(expert_line(plan.experts))
-    return lines
+    return lines + context_lines(plan)
 
 
 def expert_line(e) -> str:
@@ -204,12 +205,36 @@ def _solver_lines(plan: Plan) -> list[str]:
     took = f" in {wall:.2f} s" if wall is not None else ""
     lines = [f"solver: {s.status}{gap}{took} ({s.num_variables} variables); micro-batches tried {tried}"]
     if s.tp_degrees:
-        lines.append("tensor-parallel degrees (the fastest plan that fits of each):")
+        lines.append("meshes (the fastest plan that fits of each):")
         for e, wall in zip(s.tp_degrees, plan.tp_degree_wall_times_s(), strict=True):
-            name = f"tp {e.degree}" + (" +sp" if e.sequence_parallel else "") + (f" ep {e.ep_degree}" if e.ep_degree > 1
-                                                                                 else "")
+            name = f"tp {e.degree}" + (" +sp" if e.sequence_parallel else "") + \
+                (f" ep {e.ep_degree}" if e.ep_degree > 1 else "") + (f" cp {e.cp_degree}" if e.cp_degree > 1 else "")
             found = (f"micro-batch {e.micro_batch_size} x {e.grad_accum_steps}: {e.step_time_s * 1e3:.1f} ms, "
                      f"{e.throughput_samples_s:.1f} samples/s, peak {format_bytes(e.peak_mem_bytes)}" if e.fits
                      else e.note)
             lines.append(f"  {name:<10} {found}" + (f" ({wall:.1f} s)" if wall is not None else ""))
+    return lines
+
+
+def context_lines(plan: Plan) -> list[str]:
+    """A context-parallel plan's mesh, and what context parallelism costs and saves: the plan beside the best
+    of the same tensor-parallel mesh without it (from the meshes searched)."""
+    c = plan.cluster
+    if c.cp_degree == 1:
+        return []
+    dp = c.world_size // (c.tp_degree * c.cp_degree)
+    lines = [f"mesh {dp} data-parallel x {c.cp_degree} context-parallel"
+             + (f" x {c.tp_degree} tensor-parallel" if c.tp_degree > 1 else "")
+             + f": each sequence split over {c.cp_degree} ranks (ring attention on load-balanced causal chunks), "
+             f"FSDP over the {dp * c.cp_degree} data x context ranks"]
+    same = [e for e in plan.solver.tp_degrees if (e.degree, e.sequence_parallel) == (c.tp_degree, c.sequence_parallel)]
+    chosen = next((e for e in same if e.cp_degree == c.cp_degree and e.fits), None)
+    without = next((e for e in same if e.cp_degree == 1), None)
+    if chosen is None or without is None:
+        return lines
+    if not without.fits:
+        return lines + [f"  without context parallelism nothing fits on this mesh ({without.note})"]
+    lines.append(f"  against none: {chosen.throughput_samples_s / without.throughput_samples_s:.2f}x the throughput "
+                 f"({without.throughput_samples_s:,.2f} samples/s at micro-batch {without.micro_batch_size}), peak "
+                 f"{format_bytes(chosen.peak_mem_bytes)} against {format_bytes(without.peak_mem_bytes)}")
     return lines

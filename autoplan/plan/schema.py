@@ -207,6 +207,7 @@ class TpDegreeEntry(_Strict):
     sequence_parallel: bool
     ep_degree: int = Field(default=1, ge=1, exclude_if=lambda value: value == 1)  # its expert-parallel degree
     fits: bool
+    cp_degree: int = Field(default=1, ge=1, exclude_if=lambda value: value == 1)  # context parallelism beside it
     micro_batch_size: int | None = Field(default=None, ge=1)
     grad_accum_steps: int | None = Field(default=None, ge=1)
     step_time_s: Seconds | None = None
