@@ -19,7 +19,7 @@ from torch import nn
 from autoplan.models.common import init_parameters, merge_heads, split_heads
 from autoplan.models.config import FAMILY_FOLLOWS, ModelConfig
 
-__all__ = ["Llama", "RMSNorm"]
+__all__ = ["Llama", "RMSNorm", "rope_tables_at"]
 
 
 class RMSNorm(nn.RMSNorm):
@@ -38,8 +38,12 @@ def _inv_freq(config: ModelConfig, device: torch.device | None) -> torch.Tensor:
 
 def _rope_tables(inv_freq: torch.Tensor, seq_len, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin of shape [seq_len, head_dim] in the half-split layout, computed in fp32, returned in `dtype`."""
-    positions = torch.arange(seq_len, device=inv_freq.device, dtype=torch.float32)
-    angles = torch.outer(positions, inv_freq)
+    return rope_tables_at(inv_freq, torch.arange(seq_len, device=inv_freq.device, dtype=torch.float32), dtype)
+
+
+def rope_tables_at(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """cos/sin at `positions` (the rows of a context-parallel rank's shard of the sequence: autoplan.run.context)."""
+    angles = torch.outer(positions.to(torch.float32), inv_freq)
     angles = torch.cat((angles, angles), dim=-1)
     return angles.cos().to(dtype), angles.sin().to(dtype)
 

@@ -47,6 +47,7 @@ from autoplan.models.hf import HF_PREFIX
 from autoplan.models.resolve import ResolvedModel, model_from_plan, resolve_model
 from autoplan.plan.schema import Plan, UnitDecision
 from autoplan.run.ac import apply_ac
+from autoplan.run.context import ContextParallel
 from autoplan.run.experts import apply_ep, check_experts, expert_placement, expert_stacks_of, fully_shard_experts
 from autoplan.run.fsdp import apply_fsdp, materialise, param_groups  # noqa: F401 - materialise: re-exported
 from autoplan.run.meshes import plan_meshes
@@ -74,9 +75,10 @@ class Applied(tuple):
     """What `apply` returns: `model, optimizer = apply(...)` unpacks it; `.scheduler` is the LR scheduler
     its `scheduler` factory made (None without one)."""
 
-    def __new__(cls, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any = None):
+    def __new__(cls, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any = None, context: Any = None):
         applied = super().__new__(cls, (model, optimizer))
         applied.scheduler = scheduler
+        applied.context = context  # a context-parallel plan's ContextParallel (autoplan.run.context): its `shard`
         return applied
 
     @property
@@ -125,6 +127,7 @@ def apply(
         apply_tp(model, plan, meshes.tp)
     experts = apply_ep(model, plan.cluster.mesh, meshes.dp, plan.model.name)  # None without expert parallelism
     stacks = expert_stacks_of(model)
+    context = ContextParallel(model, meshes.cp, plan) if meshes.cp is not None else None  # hooks before FSDP's
     fsdp_meshes: dict[MeshShape, DeviceMesh] = {}  # each made once, only when a unit's kind asks for it
 
     master = torch_dtype(precision.master_dtype)
@@ -144,7 +147,7 @@ def apply(
                    shard_placement_fn=placement)
     built = (build_optimizer(param_groups(model), optimizer_kind, DEFAULT_LR if lr is None else lr)
              if optimizer is None else _from_factory(optimizer, param_groups(model), optimizer_kind))
-    return Applied(model, built, None if scheduler is None else scheduler(built))
+    return Applied(model, built, None if scheduler is None else scheduler(built), context)
 
 
 def _from_factory(factory: OptimizerFactory, params, planned: OptimizerKind) -> torch.optim.Optimizer:

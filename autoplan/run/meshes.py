@@ -7,12 +7,14 @@ context-parallel dimension around the data-parallel ranks, or its own ("dp", "tp
   (`Mesh.split`: a (world / tp) x tp mesh named ("dp", "tp") when the plan is tensor-parallel);
 - a 1-D DeviceMesh over the ranks that run the plan, split the same way;
 - a DeviceMesh of several named dimensions: the plan runs on its "dp" dimension and, for a
-  tensor-parallel plan, its "tp" dimension (the names `Mesh.dims` gives); any other dimension ("pp",
-  "cp", ...) is the script's own, each of its coordinates running one copy of the plan;
+  tensor-parallel plan, its "tp" dimension, for a context-parallel one its "cp" dimension (the names
+  `Mesh.dims` gives); any other dimension ("pp", ...) is the script's own, each of its coordinates running
+  one copy of the plan;
 - the `Mesh` record (`plan.cluster.mesh`, or one of the same degrees with another node layout): a world
   mesh built from it, its nodes deciding the hybrid sharding kind's groups.
 
-The plan's world is data-parallel ranks x tensor-parallel degree; fewer data-parallel ranks is a dry run.
+The plan's world is data-parallel ranks x context- x tensor-parallel degrees; fewer data-parallel ranks is
+a dry run. FSDP shards over the data x context-parallel ranks (flattened to one dimension, "dp_cp").
 """
 
 from __future__ import annotations
@@ -34,13 +36,14 @@ class PlanMeshes:
     """Where a plan runs on this rank: its data-parallel mesh, its tensor-parallel mesh (None without tensor
     parallelism), and the mesh record whose node layout the hybrid sharding kind follows."""
 
-    dp: DeviceMesh
+    dp: DeviceMesh  # the ranks FSDP shards over: data x context parallel ("dp_cp", flattened) with a "cp" mesh
     tp: DeviceMesh | None
     record: Mesh
+    cp: DeviceMesh | None = None  # the context-parallel mesh (autoplan.run.context)
 
     @property
     def ranks(self) -> int:
-        """The ranks of one copy of the plan: data-parallel ranks x tensor-parallel degree."""
+        """The ranks of one copy of the plan: FSDP's ranks (data x context parallel) x tensor-parallel degree."""
         return self.dp.size() * (self.tp.size() if self.tp is not None else 1)
 
 
@@ -73,14 +76,17 @@ def plan_meshes(plan: Plan, mesh: DeviceMesh | Mesh | None) -> PlanMeshes:
 
 def _split(planned: Mesh, world: DeviceMesh, record: Mesh) -> PlanMeshes:
     try:
-        dp_mesh, tp_mesh = planned.split(world)
+        fsdp_mesh, cp_mesh, tp_mesh = planned.split_context(world)
     except MeshError as exc:
         raise PlanFileError(str(exc)) from None
-    return PlanMeshes(dp_mesh, tp_mesh, record)
+    return PlanMeshes(fsdp_mesh, tp_mesh, record, cp_mesh)
 
 
 def _of_record(planned: Mesh, record: Mesh) -> PlanMeshes:
     """The caller's record must have the plan's parallel degrees; its world is this process group's."""
+    if record.cp != planned.cp:
+        raise PlanFileError(f"the mesh record has context-parallel degree {record.cp}, the plan {planned.cp}; pass "
+                            "plan.cluster.mesh, or make the plan for these degrees")
     if (record.tp, record.sequence_parallel) != (planned.tp, planned.sequence_parallel):
         raise PlanFileError(f"the mesh record has tensor-parallel degree {record.tp}"
                             f"{' with sequence parallelism' if record.sequence_parallel else ''}, the plan "
@@ -108,4 +114,11 @@ def _named(planned: Mesh, mesh: DeviceMesh) -> PlanMeshes:
     if tp_size != planned.tp:
         raise PlanFileError(f"the mesh's \"tp\" dimension has {tp_size} ranks, the plan's tensor-parallel degree is "
                             f"{planned.tp}; make the plan for this mesh (`autoplan search --tp {tp_size}`)")
-    return PlanMeshes(mesh["dp"], mesh["tp"] if planned.tp > 1 else None, planned)
+    cp_size = mesh.shape[names.index("cp")] if "cp" in names else 1
+    if cp_size != planned.cp:
+        raise PlanFileError(f"the mesh's \"cp\" dimension has {cp_size} ranks, the plan's context-parallel degree is "
+                            f"{planned.cp}; make the plan for this mesh (`autoplan search --cp {cp_size}`)")
+    tp = mesh["tp"] if planned.tp > 1 else None
+    if planned.cp == 1:
+        return PlanMeshes(mesh["dp"], tp, planned)
+    return PlanMeshes(mesh["dp", "cp"]._flatten("dp_cp"), tp, planned, mesh["cp"])

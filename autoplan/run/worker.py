@@ -140,8 +140,8 @@ def train(spec: RunSpec, rank: int, world_size: int, result: RankResult, sender:
     if device.type == "cpu":
         keep_freed_memory()  # freed memory stays mapped, as CUDA's caching allocator keeps it (host_memory.py)
     training = plan.training
-    mesh = plan.cluster.mesh  # a tensor-parallel group shares its rows
-    data_rank_, data_world = mesh.data_rank(rank), world_size // mesh.tp
+    mesh = plan.cluster.mesh  # a context- and tensor-parallel group shares its rows
+    data_rank_, data_world = mesh.data_rank(rank), world_size // (mesh.tp * mesh.cp)
     shape = BatchShape(training.micro_batch_size, training.grad_accum_steps, data_world, training.seq_len)
 
     memory = RankMemory(device, spec.mem_limit_bytes)
@@ -154,7 +154,7 @@ def train(spec: RunSpec, rank: int, world_size: int, result: RankResult, sender:
             AlpacaTokens(spec.data_path, vocab_size_of(model)) if spec.data_path
             else SyntheticTokens(vocab_size_of(model), seed=spec.seed)
         )
-        model, optimizer = apply(model, plan, lr=spec.lr, dry_run=spec.dry_run)
+        model, optimizer = applied = apply(model, plan, lr=spec.lr, dry_run=spec.dry_run)
         result.doing = "materialising the model (to_empty, init_weights)"
         materialise(model, device, spec.seed)
         untracked = spec.steps if memory.tracker is not None else 0
@@ -179,7 +179,7 @@ def train(spec: RunSpec, rank: int, world_size: int, result: RankResult, sender:
                       + (f"; checkpoint {saved}" if saved else ""), flush=True)
 
         run = TrainingRun(model, optimizer, data, data_rank_, shape, memory, result, spec.warmup_steps, spec.steps,
-                          step_done)
+                          step_done, applied.context)
         train_measured(run)
     with training_context(plan), planned_attention(plan, model, device.type):
         train_untracked(run)
@@ -200,6 +200,7 @@ class TrainingRun:
     warmup_steps: int
     steps: int
     step_done: Callable[[int, str, float, float], None] | None = None  # (step, label, seconds, loss)
+    context: object = None  # a context-parallel plan's ContextParallel (autoplan.run.context)
 
 
 def train_measured(run: TrainingRun) -> None:
@@ -215,7 +216,8 @@ def train_measured(run: TrainingRun) -> None:
         def phase_done(phase: str) -> None:
             phase_peaks[phase] = max(phase_peaks[phase], memory.peak_and_reset())
 
-        step_s, step_loss = _train_step(run.model, run.optimizer, micro_batches, memory.device, phase_done, result)
+        step_s, step_loss = _train_step(run.model, run.optimizer, micro_batches, memory.device, phase_done, result,
+                                        run.context)
         result.step_times_s.append(step_s)
         result.losses.append(step_loss)
         result.phase_peak_bytes_by_step.append(phase_peaks)
@@ -250,7 +252,8 @@ def train_untracked(run: TrainingRun) -> None:
     total = run.warmup_steps + run.steps
     for step in range(total, total + run.steps):
         micro_batches = _batches(run, step)
-        step_s, step_loss = _train_step(run.model, run.optimizer, micro_batches, run.memory.device, result=run.result)
+        step_s, step_loss = _train_step(run.model, run.optimizer, micro_batches, run.memory.device, result=run.result,
+                                        context=run.context)
         run.result.untracked_step_times_s.append(step_s)
         if run.step_done is not None:
             run.step_done(step, f"untracked step {step + 1 - total}/{run.steps} (timed, memory tracker off)", step_s,
@@ -269,22 +272,25 @@ def _batches(run: TrainingRun, step: int):
 
 
 def _train_step(model, optimizer, micro_batches, device: torch.device, phase_done=None,
-                result: RankResult | None = None) -> tuple[float, float]:
+                result: RankResult | None = None, context=None) -> tuple[float, float]:
     """One optimizer step over this rank's micro-batches: (seconds, mean loss on this rank).
     `phase_done(phase)` is called as forward (loss included), backward and the optimizer step end;
-    `result.doing` says which is under way."""
+    `result.doing` says which is under way. `context`: a context-parallel plan's, each micro-batch's
+    forward and backward on this rank's chunks of its sequences inside `context.shard`."""
     result = result or RankResult(rank=-1)
     start_s = time.perf_counter()
     loss_sum = torch.zeros((), device=device)
     for index, (input_ids, labels) in enumerate(micro_batches, start=1):
-        result.doing = f"running the forward of micro-batch {index} of {len(micro_batches)}"
-        loss = next_token_loss(model(input_ids.to(device)), labels.to(device)) / len(micro_batches)
-        if phase_done:
-            phase_done("forward")
-        result.doing = f"running the backward of micro-batch {index} of {len(micro_batches)}"
-        loss.backward()
-        if phase_done:
-            phase_done("backward")
+        with context.shard(input_ids.to(device), labels.to(device)) if context else \
+                contextlib.nullcontext((input_ids.to(device), labels.to(device))) as (input_ids, labels):
+            result.doing = f"running the forward of micro-batch {index} of {len(micro_batches)}"
+            loss = next_token_loss(model(input_ids), labels) / len(micro_batches)
+            if phase_done:
+                phase_done("forward")
+            result.doing = f"running the backward of micro-batch {index} of {len(micro_batches)}"
+            loss.backward()
+            if phase_done:
+                phase_done("backward")
         loss_sum += loss.detach()
     result.doing = "running the optimizer step"
     optimizer.step()
