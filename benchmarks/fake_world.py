@@ -13,7 +13,10 @@ Groups of runs (`--groups`, all by default):
 - long: 16,384-token sequences at micro-batch 1, checkpointed, world 8: a 4-layer llama and gpt2 of width 256
   (512-token vocabulary, so a block's activations and its recompute, not the logits, make the peak),
   all-shard+checkpoint, the solver's plan (`tpN` where it is tensor-parallel) and the solver's plan without tensor
-  parallelism (`autoplan-fsdp`).
+  parallelism (`autoplan-fsdp`);
+- context: the 4-layer llama at 16,384 tokens, micro-batch 1, world 64 (8 nodes of 8) with context parallelism:
+  all-shard+checkpoint at cp 2, all-shard at cp 8, and the solver's plan at cp 4 (ring attention's buffers, a
+  rank's 1/cp of each sequence).
 Plans are costed with the cpu-gloo-2 profile, whose own prediction counts gloo's copy of a reduce-scatter
 input, which a fake group never allocates. The headline prediction (`pred MB`, `err`) is therefore the one for
 the backend that runs: the same decisions on the same profile with every reduction in place (run_fake_world
@@ -42,7 +45,9 @@ KINDS = {"all-shard": {"strategy": "shard", "tp": 1}, "all-shard+ckpt": {"strate
          "autoplan": {}, "autoplan-fsdp": {"tp": 1},  # the solver's plan; the same without tensor parallelism
          "all-shard ep1": {"strategy": "shard", "tp": 1, "ep": 1},  # mixtures of experts: FSDP alone,
          "all-shard ep8": {"strategy": "shard", "tp": 1, "ep": 8},  # and the experts split 8-way
-         "all-shard+ckpt ep8": {"strategy": "shard", "checkpoint": True, "tp": 1, "ep": 8}}
+         "all-shard+ckpt ep8": {"strategy": "shard", "checkpoint": True, "tp": 1, "ep": 8},
+         "all-shard+ckpt cp2": {"strategy": "shard", "checkpoint": True, "tp": 1, "cp": 2},
+         "all-shard cp8": {"strategy": "shard", "tp": 1, "cp": 8}, "autoplan-cp4": {"tp": 1, "cp": 4}}
 TIGHT = 1.15  # the solvers' limit: 15% above the leanest plan's (all-shard+checkpoint) predicted peak
 LLAMA_1B = ("llama-1b[n_layers=22,n_kv_heads=4,ffn_hidden=5632,vocab_size=32000,tie_embeddings=false,"
             "rope_theta=10000.0]")
@@ -50,7 +55,7 @@ LONG = 16384
 LONG_MODELS = {f"llama-tiny[n_layers=4,d_model=256,ffn_hidden=704,max_seq_len={LONG}]": "llama 4x256",
                f"gpt2-tiny[n_layers=4,d_model=256,max_seq_len={LONG}]": "gpt2 4x256"}  # peaks in a block's recompute
 LABELS = {"gpt2": "gpt2 124M", LLAMA_1B: "llama 1.1B", **LONG_MODELS}
-GROUPS = ("tiny", "gpt2", "llama-1.1b", "long", "experts")
+GROUPS = ("tiny", "gpt2", "llama-1.1b", "long", "experts", "context")
 
 
 def runs_of(group: str) -> list[tuple[str, int, int, str, int]]:
@@ -64,6 +69,9 @@ def runs_of(group: str) -> list[tuple[str, int, int, str, int]]:
         return [("moe-tiny", 64, b, k, 64) for b in (2, 8) for k in ("all-shard ep1", "all-shard ep8", "all-shard+ckpt ep8")]
     if group == "llama-1.1b":
         return [(LLAMA_1B, 8, 1, k, 64) for k in ("all-shard", "all-shard+ckpt")]
+    if group == "context":
+        llama = next(iter(LONG_MODELS))
+        return [(llama, 64, 1, k, LONG) for k in ("all-shard+ckpt cp2", "all-shard cp8", "autoplan-cp4")]
     return [(m, 8, 1, k, LONG) for m in LONG_MODELS for k in ("all-shard+ckpt", "autoplan", "autoplan-fsdp")]
 
 
@@ -87,7 +95,7 @@ def main() -> None:
     if unknown or not groups:
         parser.error(f"--groups: unknown group(s) {', '.join(unknown) or '(none given)'}; choose from {', '.join(GROUPS)}")
     runs = [run for group in GROUPS if group in groups for run in runs_of(group)]
-    header = (f"{'model':<12} {'world':>5} {'mb':>3} {'seq':>6} {'plan':<15} {'pred MB':>10} {'meas MB':>10} "
+    header = (f"{'model':<12} {'world':>5} {'mb':>3} {'seq':>6} {'plan':<18} {'pred MB':>10} {'meas MB':>10} "
               f"{'err':>7} {'plan MB':>10} {'plan err':>8} {'gloo copy MB':>12} {'limit MB':>9} "
               f"{'compute pred ms':>15} {'meas ms':>9} {'run s':>6}")
     print(header)
@@ -101,12 +109,15 @@ def main() -> None:
             continue
         if plan.cluster.tp_degree > 1:
             kind += f" tp{plan.cluster.tp_degree}"
+        if plan.cluster.cp_degree > 1 and "cp" not in kind:
+            kind += f" cp{plan.cluster.cp_degree}"
         big = plan.model.n_params > 50_000_000 or seq_len > 1024  # memory is deterministic: one measured step
         started = time.perf_counter()
         r = run_fake_world(plan, steps=1 if big else 2, warmup=1)
         run_s = time.perf_counter() - started
         rows.append({"model": label, "spec": model, "world_size": world, "micro_batch": batch, "kind": kind,
-                     "seq_len": seq_len, "tp_degree": plan.cluster.tp_degree, "predicted_peak_bytes": r.predicted_peak_bytes,
+                     "seq_len": seq_len, "tp_degree": plan.cluster.tp_degree,
+                     "cp_degree": plan.cluster.cp_degree, "predicted_peak_bytes": r.predicted_peak_bytes,
                      "measured_peak_bytes": r.measured_peak_bytes, "mem_error": r.error,
                      "plan_predicted_peak_bytes": r.plan_predicted_peak_bytes, "plan_error": r.plan_error,
                      "prediction_basis": r.prediction_basis, "gloo_copy_bytes": r.gloo_copy_bytes,
@@ -116,7 +127,7 @@ def main() -> None:
                          f"{u.module or '<root>'}: {u.label}" for u in plan.units],
                      "predicted_compute_s": r.predicted_compute_s, "measured_compute_s": r.measured_compute_s,
                      "run_s": run_s})
-        print(f"{label:<12} {world:>5} {batch:>3} {seq_len:>6} {kind:<15} {r.predicted_peak_bytes / 1e6:>10.3f} "
+        print(f"{label:<12} {world:>5} {batch:>3} {seq_len:>6} {kind:<18} {r.predicted_peak_bytes / 1e6:>10.3f} "
               f"{r.measured_peak_bytes / 1e6:>10.3f} {100 * r.error:>6.1f}% {r.plan_predicted_peak_bytes / 1e6:>10.3f} "
               f"{100 * r.plan_error:>7.1f}% {r.gloo_copy_bytes / 1e6:>12.3f} {r.mem_limit_bytes / 1e6:>9.1f} "
               f"{r.predicted_compute_s * 1e3:>15.1f} {r.measured_compute_s * 1e3:>9.1f} {run_s:>6.0f}", flush=True)

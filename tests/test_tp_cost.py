@@ -272,7 +272,7 @@ def test_search_at_a_fixed_degree_records_the_mesh_and_layouts(tp_plan, tmp_path
     path = tmp_path / "plan.json"
     tp_plan.save(path)
     assert load_plan(path) == tp_plan
-    assert "tensor-parallel degrees" in tp_plan.table() and "[vocab]" in tp_plan.table()
+    assert "meshes (the fastest plan that fits of each)" in tp_plan.table() and "[vocab]" in tp_plan.table()
 
 
 def test_plans_of_degree_one_are_written_as_before(llama, tmp_path):

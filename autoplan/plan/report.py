@@ -212,7 +212,7 @@ def _solver_lines(plan: Plan) -> list[str]:
             found = (f"micro-batch {e.micro_batch_size} x {e.grad_accum_steps}: {e.step_time_s * 1e3:.1f} ms, "
                      f"{e.throughput_samples_s:.1f} samples/s, peak {format_bytes(e.peak_mem_bytes)}" if e.fits
                      else e.note)
-            lines.append(f"  {name:<10} {found}" + (f" ({wall:.1f} s)" if wall is not None else ""))
+            lines.append(f"  {name:<14} {found}" + (f" ({wall:.1f} s)" if wall is not None else ""))
     return lines
 
 

@@ -104,29 +104,27 @@ def _register_cpu_ring() -> None:
 
         info = DTensor._op_dispatcher.unwrap_to_op_info(op_call, args, kwargs)
         mesh = info.compute_mesh
-        group = mesh.get_group()
+        a = _bound(op_call, info.local_args, info.local_kwargs)
+        if a.get("attn_mask") is not None:
+            raise NotImplementedError("context parallelism runs causal attention without a mask")
+        options = dict(dropout_p=a["dropout_p"], scale=a["scale"])
         if op_call is forward:
-            q, k, v, dropout_p, is_causal, scale = _forward_args(*info.local_args, **info.local_kwargs)
-            results = ring._templated_ring_attention(group, _SEQ_DIM, forward, q, k, v, is_causal=is_causal,
-                                                     dropout_p=dropout_p, scale=scale)
+            results = ring._templated_ring_attention(mesh.get_group(), _SEQ_DIM, forward, a["query"], a["key"],
+                                                     a["value"], is_causal=a["is_causal"], **options)
         else:
-            grad, q, k, v, out, lse, dropout_p, is_causal, scale = _backward_args(*info.local_args, **info.local_kwargs)
-            results = ring._templated_ring_attention_backward(group, _SEQ_DIM, backward, grad, "grad_out", q, k, v,
-                                                              out, lse, is_causal, dropout_p=dropout_p, scale=scale)
+            results = ring._templated_ring_attention_backward(
+                mesh.get_group(), _SEQ_DIM, backward, a["grad_out"], "grad_out", a["query"], a["key"], a["value"],
+                a["out"], a["logsumexp"], a["is_causal"], **options)
         return tuple(DTensor.from_local(t, mesh, [Shard(_SEQ_DIM)], run_check=False) for t in results)
 
     ring.custom_ops[forward] = handler
     ring.custom_ops[backward] = handler
 
 
-def _forward_args(query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
-    """The CPU SDPA op's arguments (its schema), refusing a mask: the ring takes causal masks alone."""
-    if attn_mask is not None:
-        raise NotImplementedError("context parallelism runs causal attention without a mask")
-    return query, key, value, dropout_p, is_causal, scale
-
-
-def _backward_args(grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, *, attn_mask=None, scale=None):
-    if attn_mask is not None:
-        raise NotImplementedError("context parallelism runs causal attention without a mask")
-    return grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, scale
+def _bound(op, args: tuple, kwargs: dict) -> dict:
+    """The op's arguments by their schema's names, defaults filled in."""
+    arguments = op._schema.arguments
+    values = {a.name: a.default_value for a in arguments if a.has_default_value()}
+    values.update(zip((a.name for a in arguments), args))
+    values.update(kwargs)
+    return values

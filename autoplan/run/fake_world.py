@@ -213,7 +213,7 @@ def _run_rank_zero(plan: Plan, module: torch.nn.Module, device: str, warmup_and_
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
     world, training = plan.cluster.world_size, plan.training
-    data_world = world // plan.cluster.mesh.tp  # rank 0's tensor-parallel group shares its rows, as in apply
+    data_world = plan.cluster.mesh.dp  # rank 0's context- and tensor-parallel group shares its rows, as in apply
     shape = BatchShape(training.micro_batch_size, training.grad_accum_steps, data_world, training.seq_len)
     torch_device = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
     result = RankResult(rank=0, pid=os.getpid())
@@ -223,7 +223,7 @@ def _run_rank_zero(plan: Plan, module: torch.nn.Module, device: str, warmup_and_
         result.mem_source = memory.source + f", rank 0 of a fake {world}-rank world"
         with memory, training_context(plan), planned_attention(plan, module, torch_device.type):  # as apply
             mesh = init_device_mesh(torch_device.type, (world,))
-            module, optimizer = apply(module, plan, mesh, lr=options.lr)
+            module, optimizer = applied = apply(module, plan, mesh, lr=options.lr)
             materialise(module, torch_device, options.seed)
             data = SyntheticTokens(vocab_size_of(module), seed=options.seed)
             result.peak_mem_bytes = memory.peak_and_reset()
@@ -232,7 +232,8 @@ def _run_rank_zero(plan: Plan, module: torch.nn.Module, device: str, warmup_and_
                 if log is not None:
                     log(f"{label}: {step_s:.3f} s (compute only)")
 
-            run = TrainingRun(module, optimizer, data, 0, shape, memory, result, *warmup_and_steps, step_done)
+            run = TrainingRun(module, optimizer, data, 0, shape, memory, result, *warmup_and_steps, step_done,
+                              applied.context)
             train_measured(run)
         with training_context(plan), planned_attention(plan, module, torch_device.type):
             train_untracked(run)

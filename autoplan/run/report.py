@@ -182,7 +182,8 @@ def build_report(plan: Plan, plan_path: str, spec: RunSpec, nproc: int, launched
     plan's model name), `model_note` says why that differs from the plan's."""
     training = plan.training
     # the ranks of a tensor-parallel group share their micro-batches: the data-parallel ranks make the batch
-    global_batch = training.micro_batch_size * training.grad_accum_steps * max(nproc // plan.cluster.tp_degree, 1)
+    ranks_per_row = plan.cluster.tp_degree * plan.cluster.cp_degree  # context and tensor groups share their rows
+    global_batch = training.micro_batch_size * training.grad_accum_steps * max(nproc // ranks_per_row, 1)
     results = [r for r in launched.ranks.values() if r is not None]
     all_ok = len(results) == nproc and all(r.status == "ok" for r in results)
     return RunReport(

@@ -216,8 +216,7 @@ def best_result(results: list[MeshResult]) -> MeshResult:
     if timed_out:  # a degree with no verdict might have fitted: say so rather than "nothing fits"
         raise timed_out[0]
     if not errors:
-        raise UsageError("no tensor-parallel degree could be searched: "
-                         + "; ".join(f"{r.degree}: {r.refused}" for r in results))
+        raise UsageError("no mesh could be searched: " + "; ".join(f"{r.label}: {r.refused}" for r in results))
     error = min(errors, key=lambda e: e.min_mem_bytes if e.min_mem_bytes is not None else float("inf"))
     tried = [str(r.degree) + (" with sequence parallelism" if r.sequence_parallel else "")
              for r in results if r.error is not None]
