@@ -6,6 +6,7 @@ import json
 import pytest
 
 import autoplan
+from autoplan.api.inspect import diff, explain
 from autoplan.api.prepare import search_meshes_of
 from autoplan.errors import UsageError
 from autoplan.plan.schema import Plan
@@ -110,3 +111,12 @@ def test_models_whose_positions_apply_cannot_shard_are_refused():
         autoplan.estimate("gpt2-tiny", "shard", gpus=2, seq_len=SEQ, cp=2)
     with pytest.raises(UsageError, match="does not cut into 8 equal chunks"):
         autoplan.search("llama-tiny", "60MB", gpus=4, seq_len=60, cp=4, tp=1)
+
+
+def test_explain_and_diff_name_the_degree(llama, tmp_path):
+    with_cp = autoplan.search(llama, "60MB", gpus=4, profile="cpu-gloo-2", cp=2, tp=1, batch_size=2)
+    without = autoplan.search(llama, "60MB", gpus=4, profile="cpu-gloo-2", cp=1, tp=1, batch_size=2)
+    explanation = explain(with_cp, llama)
+    assert explanation.step_time_s == pytest.approx(with_cp.predicted.step_time_s)  # the plan's own table
+    assert explanation.table().startswith("llama-tiny on 2 data-parallel x 2 context-parallel:")
+    assert "context-parallel degree 1 -> 2" in diff(without, with_cp, llama).table()

@@ -56,9 +56,10 @@ class Explanation(BaseModel):
     micro_batch_size: int
     groups: list[GroupExplanation]
     experts: str = ""  # what the plan's expert parallelism costs and saves (report.expert_line); "" without
+    mesh: str = ""  # the plan's tensor- and context-parallel mesh ("2 data-parallel x 2 context-parallel"), "" for FSDP alone
 
     def table(self) -> str:
-        lines = [f"{self.model}: step {self.step_time_s * 1e3:.2f} ms, peak {format_bytes(self.peak_mem_bytes)} at "
+        lines = [f"{self.model}" + (f" on {self.mesh}" if self.mesh else "") + f": step {self.step_time_s * 1e3:.2f} ms, peak {format_bytes(self.peak_mem_bytes)} at "
                  f"{self.peak_point}, of {format_bytes(self.planned_bytes)} planned ({format_bytes(self.mem_limit_bytes)}"
                  " less headroom" + (f" and {format_bytes(self.margin_bytes)} for the CUDA caching allocator"
                                      if self.margin_bytes else "")
@@ -140,4 +141,10 @@ def explain_plan(plan: Plan, table: CostTable, choices: list[int]) -> Explanatio
                        peak_point=base.peak_point.label, mem_limit_bytes=plan.cluster.mem_limit_bytes,
                        planned_bytes=planned, margin_bytes=kept - planned,
                        micro_batch_size=plan.training.micro_batch_size, groups=groups,
-                       experts=expert_line(plan.experts) if plan.experts is not None else "")
+                       experts=expert_line(plan.experts) if plan.experts is not None else "", mesh=_mesh_text(plan))
+
+
+def _mesh_text(plan: Plan) -> str:
+    dims = plan.cluster.mesh.dims
+    names = {"dp": "data-parallel", "cp": "context-parallel", "tp": "tensor-parallel"}
+    return " x ".join(f"{size} {names.get(name, name)}" for name, size in dims) if len(dims) > 1 else ""
