@@ -41,8 +41,9 @@ from autoplan.errors import InfeasibleError
 from autoplan.run.fake_world import run_fake_world
 
 PROFILE = "cpu-gloo-2"
-KINDS = {"all-shard": {"strategy": "shard", "tp": 1}, "all-shard+ckpt": {"strategy": "shard", "checkpoint": True, "tp": 1},
-         "autoplan": {}, "autoplan-fsdp": {"tp": 1},  # the solver's plan; the same without tensor parallelism
+KINDS = {"all-shard": {"strategy": "shard", "tp": 1, "cp": 1},
+         "all-shard+ckpt": {"strategy": "shard", "checkpoint": True, "tp": 1, "cp": 1},
+         "autoplan": {}, "autoplan-fsdp": {"tp": 1, "cp": 1},  # the solver's plan; the same with FSDP alone
          "all-shard ep1": {"strategy": "shard", "tp": 1, "ep": 1},  # mixtures of experts: FSDP alone,
          "all-shard ep8": {"strategy": "shard", "tp": 1, "ep": 8},  # and the experts split 8-way
          "all-shard+ckpt ep8": {"strategy": "shard", "checkpoint": True, "tp": 1, "ep": 8},
