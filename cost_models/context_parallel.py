@@ -17,6 +17,12 @@ as ring attention (torch.distributed.tensor.experimental.context_parallel, as to
   overlaps the next step's attention (1/c of it again), the last one is waited for at once. Only what
   the attention does not hide is added to the step (`ring_exposed_s`), on the interconnect the group
   spans (inside a node while c x tp ranks fit one: `Mesh.cp_scope`).
+- **The ring's own kernels.** Each ring step's output is merged into the running one in fp32 (a cast, then
+  about eight passes over the output: torch's `_SDPAMerger`), a step on half the queries copies the output
+  whole to update half of it (`_partial_update`), and each step concatenates K and V to send them; the
+  backward accumulates dq, dk and dv in fp32 and concatenates dK/dV for each permute. These run on the
+  compute stream between the attention kernels, memory-bound: `ring_merge_bytes` counts what they read and
+  write (from torch 2.13's code), priced at the profile's memory bandwidth, not hidden.
 - **The ring's buffers.** An attention call holds the gathered K/V (c shards) and fp32 copies of its
   output and log-sum-exp while it merges the steps; its backward the gathered K/V, fp32 gradients of
   q, k and v, and two fp32 K/V-gradient buffers in flight (`ring_buffers`).
@@ -33,7 +39,8 @@ from math import prod
 from cost_models.comm import CommModel
 from cost_models.records import OpRecord
 
-__all__ = ["RingTime", "cp_op", "cp_ops", "is_ring_attention", "kv_shard_bytes", "ring_buffers", "ring_exposed_s"]
+__all__ = ["RingTime", "cp_op", "cp_ops", "is_ring_attention", "kv_shard_bytes", "ring_buffers", "ring_exposed_s",
+           "ring_merge_bytes"]
 
 _BYTE_FIELDS = ("out_bytes", "fwd_bytes", "bwd_bytes", "saved_bytes", "fwd_max_alloc_bytes", "fwd_transient_bytes",
                 "bwd_in_bytes", "bwd_live_bytes")
@@ -70,6 +77,25 @@ def ring_buffers(op: OpRecord, cp: int) -> tuple[int, int]:
     return forward, backward
 
 
+def ring_merge_bytes(op: OpRecord, cp: int) -> tuple[int, int]:
+    """(forward, backward) bytes the ring's own kernels read and write on a rank for one attention call (see the
+    module docstring): forward, per step after the first, the merge (about 8 passes over the fp32 output,
+    partial steps' whole copy averaged in) and the K/V concatenation (read and write), plus the casts of the
+    first and the final output; backward, per step, dq's accumulation and partial update (3.5 passes over
+    fp32 q) and dk/dv's (5.5 passes over fp32 K/V: accumulation, partial update, concatenation to send), plus
+    the K/V concatenation per step after the first."""
+    if cp == 1:
+        return 0, 0
+    q_shape, v_shape = op.input_shapes[0], op.input_shapes[2]
+    out32 = -(-prod(q_shape[:-1]) * v_shape[-1] * _FP32 // cp)
+    q32 = -(-prod(q_shape) * _FP32 // cp)
+    kv = kv_shard_bytes(op, cp)
+    kv32 = kv * max(1, _FP32 // _elem(op))
+    forward = (cp - 1) * (8 * out32 + 2 * kv) + 3 * out32
+    backward = cp * (7 * q32 + 11 * kv32) // 2 + (cp - 1) * 2 * kv
+    return forward, backward
+
+
 def cp_op(op: OpRecord, cp: int) -> OpRecord:
     """The op as one rank of the group runs it: FLOPs and activation bytes 1/c (parameter gradients whole),
     and for a ring-attention call the ring's buffers on top of its transients."""
@@ -102,11 +128,12 @@ class RingTime:
     bwd_exposed_s: float
 
 
-def ring_exposed_s(op: OpRecord, cp: int, comm: CommModel, scope: str, attention_s: tuple[float, float]) -> RingTime:
+def ring_exposed_s(op: OpRecord, cp: int, comm: CommModel, scope: str, attention_s: tuple[float, float],
+                   bandwidth: float = 0.0) -> RingTime:
     """The ring's collectives of one attention call (the traced op; `attention_s` the rank's forward and backward
     attention time) and what of them is exposed: the all-gather beyond the first ring step's attention
     (1/c of it), forward and backward; each but the last gradient permute beyond one step's backward
-    attention, the last one whole."""
+    attention, the last one whole; and the ring's own kernels (`ring_merge_bytes` at `bandwidth` bytes/s)."""
     if cp == 1:
         return RingTime(0.0, 0.0, 0.0, 0.0)
     kv = kv_shard_bytes(op, cp)
@@ -114,6 +141,7 @@ def ring_exposed_s(op: OpRecord, cp: int, comm: CommModel, scope: str, attention
     grad_kv = kv * max(1, _FP32 // _elem(op))
     permute = comm.collective_s("all_gather", 2 * grad_kv, 2, scope)  # a 2-rank all-gather sends and receives one
     fwd_step, bwd_step = attention_s[0] / cp, attention_s[1] / cp
-    fwd = max(0.0, gather - fwd_step)
-    bwd = max(0.0, gather - bwd_step) + (cp - 1) * max(0.0, permute - bwd_step) + permute
+    merge_fwd, merge_bwd = (b / bandwidth for b in ring_merge_bytes(op, cp)) if bandwidth else (0.0, 0.0)
+    fwd = max(0.0, gather - fwd_step) + merge_fwd
+    bwd = max(0.0, gather - bwd_step) + (cp - 1) * max(0.0, permute - bwd_step) + permute + merge_bwd
     return RingTime(gather, permute, fwd, bwd)

@@ -13,7 +13,7 @@ from autoplan.plan.schema import Plan
 from autoplan.settings import EstimateSettings, SearchSettings
 from autoplan.solve.cluster import resolve_cluster
 from autoplan.solve.context_tables import ContextParallelTables, source_of
-from cost_models.context_parallel import is_ring_attention, kv_shard_bytes, ring_buffers
+from cost_models.context_parallel import is_ring_attention, kv_shard_bytes, ring_buffers, ring_merge_bytes
 from cost_models.mesh import Mesh, MeshError
 from cost_models.options import ShardGroup
 from cost_models.training import Training
@@ -69,6 +69,10 @@ def test_a_rank_runs_and_holds_its_share_of_each_sequence(llama):
     assert ring.bwd_live_bytes == -(-attention.bwd_live_bytes // 2) + backward
     # llama-tiny: K and V of 2 heads x 16 wide, micro-batch 2, 64 tokens, bf16; a rank holds half
     assert kv_shard_bytes(attention, 2) == 2 * (2 * 2 * SEQ * 16) * 2 // 2
+    # the ring's merges and copies: forward 8 passes over the fp32 output a step, the K/V concatenation, the casts;
+    # backward 3.5 passes over fp32 q and 5.5 over fp32 K/V a step, the K/V concatenation
+    out32, kv = 2 * 4 * SEQ * 16 * 4 // 2, 2 * (2 * 2 * SEQ * 16) * 2 // 2
+    assert ring_merge_bytes(attention, 2) == (8 * out32 + 2 * kv + 3 * out32, 2 * (7 * out32 + 11 * 2 * kv) // 2 + 2 * kv)
     assert base.keep.keys() == cp.keep.keys()
     assert all(h == -(-w // 2) for mode in base.keep for w, h in zip(base.keep[mode], cp.keep[mode]))
 

@@ -233,7 +233,7 @@ def context_lines(plan: Plan) -> list[str]:
     if chosen is None or without is None:
         return lines
     if not without.fits:
-        return lines + [f"  without context parallelism nothing fits on this mesh ({without.note})"]
+        return lines + [f"  without context parallelism on this mesh: {without.note}"]
     lines.append(f"  against none: {chosen.throughput_samples_s / without.throughput_samples_s:.2f}x the throughput "
                  f"({without.throughput_samples_s:,.2f} samples/s at micro-batch {without.micro_batch_size}), peak "
                  f"{format_bytes(chosen.peak_mem_bytes)} against {format_bytes(without.peak_mem_bytes)}")

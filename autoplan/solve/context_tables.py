@@ -92,6 +92,8 @@ class ContextParallelTables(_Source):
         comm = CommModel(cluster.profile, cluster.mesh.gpus_per_node)
         compute, fsdp = ComputeModel(cluster.profile, compute_dtype), cluster.profile.fsdp
         by_name = {op.name: op for op in inputs.ops}
+        profile = cluster.profile
+        bandwidth = profile.mem_bandwidth_bytes_s * profile.mem_bandwidth_efficiency  # the ring's merges and copies
         times = []
         for unit in inputs.units:
             fwd = bwd = 0.0
@@ -102,7 +104,7 @@ class ContextParallelTables(_Source):
                     continue
                 attention = (compute.ops_time_s([op], "fwd", fsdp.compute_fwd_scale),
                              compute.ops_time_s([op], "bwd", fsdp.compute_bwd_scale))
-                ring = ring_exposed_s(op, self.cp, comm, cluster.mesh.cp_scope, attention)
+                ring = ring_exposed_s(op, self.cp, comm, cluster.mesh.cp_scope, attention, bandwidth)
                 fwd, bwd, calls = fwd + ring.fwd_exposed_s, bwd + ring.bwd_exposed_s, calls + 1
             times.append(TpTime(fwd, bwd, calls, calls * (1 + self.cp)))
         return times
