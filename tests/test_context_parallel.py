@@ -124,3 +124,16 @@ def test_explain_and_diff_name_the_degree(llama, tmp_path):
     assert explanation.step_time_s == pytest.approx(with_cp.predicted.step_time_s)  # the plan's own table
     assert explanation.table().startswith("llama-tiny on 2 data-parallel x 2 context-parallel:")
     assert "context-parallel degree 1 -> 2" in diff(without, with_cp, llama).table()
+
+
+def test_a_torchtitan_config_with_context_parallelism_is_estimated_on_its_mesh(tmp_path, capsys):
+    from autoplan.cli.main import main
+
+    config = tmp_path / "cp.toml"
+    config.write_text('[model]\nname = "llama3"\nflavor = "debugmodel"\n[training]\nlocal_batch_size = 1\n'
+                      'seq_len = 128\n[parallelism]\ncontext_parallel_degree = 2\n[activation_checkpoint]\nmode = "full"\n')
+    code = main(["estimate", "--torchtitan", str(config), "--gpus", "4", "--profile", "cpu-gloo-2"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "FSDP over 2 ranks x context parallel 2" in out  # torchtitan's dp_shard is what cp leaves
+    assert "x 2 data-parallel ranks (tensor-parallel degree 1, context-parallel degree 2) = 2 samples" in out

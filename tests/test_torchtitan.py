@@ -170,7 +170,8 @@ def test_search_beside_a_small_config(tmp_path, capsys):
 
 @pytest.mark.parametrize("change, message", [
     ("[parallelism]\npipeline_parallel_degree = 2\n", "parallelism.pipeline_parallel_degree = 2 asks for pipeline"),
-    ("[parallelism]\ncontext_parallel_degree = 2\n", "context parallelism"),
+    ("[parallelism]\ncontext_parallel_degree = 2\ncontext_parallel_rotate_method = \"alltoall\"\n", "all-to-all"),
+    ("[parallelism]\ncontext_parallel_degree = 3\n", "do not divide the 8 GPUs"),
     ('[model]\nname = "llama3"\nflavor = "8B"\nconverters = ["float8"]\n', "float8 / MX converters"),
     ('[model]\nname = "deepseek_v3"\n', "model.name = 'deepseek_v3'"),
     ('[model]\nname = "llama3"\nflavor = "8B_flex"\n', "FlexAttention"),

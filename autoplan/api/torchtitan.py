@@ -14,15 +14,16 @@ cluster (how many GPUs, which) is torchrun's, so it comes from autoplan's own fl
 - [optimizer] name AdamW or Adam (lr, eps, betas, weight decay change no cost).
 - [parallelism] data_parallel_shard_degree (-1: the ranks left), data_parallel_replicate_degree (DDP:
   replicate; with sharding HSDP: hybrid, whose shard groups must be a node's data-parallel ranks),
-  tensor_parallel_degree (with torchtitan's sequence-parallel norms), fsdp_reshard_after_forward.
+  tensor_parallel_degree (with torchtitan's sequence-parallel norms), context_parallel_degree (ring attention
+  rotating by all-gather, FSDP over dp_shard x cp), fsdp_reshard_after_forward.
 - [activation_checkpoint] mode none, full, or selective with selective_ac_option "op" (autoplan's
   selective) or an integer N (every N-th block fully checkpointed).
 
 The units are torchtitan's: the embedding, each block, the head (torchtitan wraps the final norm with
 the output projection; autoplan's root keeps the norm, a few kilobytes) and the root, with checkpointing on
 the blocks only and, by default, the head kept gathered after its forward (torchtitan's "default" policy):
-pins on top of a uniform strategy. Keys that change what would be costed (pipeline, context or expert
-parallelism, float8 or MX converters, a compiler-chosen memory budget, custom code) are refused by name;
+pins on top of a uniform strategy. Keys that change what would be costed (pipeline or expert parallelism,
+an all-to-all ring rotation, float8 or MX converters, a compiler-chosen memory budget, custom code) are refused by name;
 keys with no bearing on the cost (logging, checkpoints, data, schedules) are read and left; keys torchtitan
 does not have are named in a warning.
 """
@@ -94,7 +95,8 @@ _OPEN = {"training.dataloader", "validation.dataloader", "quantize.linear", "qua
 # keys that change what would run, refused unless at their default
 _REFUSED = {
     "parallelism.pipeline_parallel_degree": (1, "pipeline parallelism"),
-    "parallelism.context_parallel_degree": (1, "context parallelism"),
+    "parallelism.context_parallel_rotate_method": ("allgather", "ring attention rotating by all-to-all (autoplan "
+                                                   "prices torchtitan's default, allgather)"),
     "parallelism.expert_parallel_degree": (1, "expert parallelism"),
     "parallelism.expert_tensor_parallel_degree": (1, "expert tensor parallelism"),
     "model.converters": ([], "float8 / MX converters (low-precision matmuls and all-gathers)"),
@@ -123,6 +125,7 @@ class TorchtitanJob:
     checkpoint: str  # the blocks' mode (none where every N-th block is checkpointed: see `pin`)
     offload: bool
     pin: list[str] = field(default_factory=list)  # the units as torchtitan wraps them
+    cp: int = 1  # context-parallel degree (FSDP over dp_shard x cp, as torchtitan's "dp_shard_cp")
     layout: str = ""  # torchtitan's parallelism in words
     notes: list[str] = field(default_factory=list)  # approximations and unknown keys, said before the costs
 
@@ -131,7 +134,8 @@ class TorchtitanJob:
         return dict(model=self.model, seq_len=self.seq_len, batch_size=self.local_batch_size,
                     global_batch=self.global_batch, dtype=self.dtype, optimizer=self.optimizer, strategy=self.strategy,
                     checkpoint=self.checkpoint, offload=self.offload, tp=self.tp if self.tp > 1 else None,
-                    sequence_parallel="on" if self.tp > 1 else None, pin=tuple(self.pin))
+                    sequence_parallel="on" if self.tp > 1 else None, pin=tuple(self.pin),
+                    cp=self.cp if self.cp > 1 else None)
 
     def search_fields(self) -> dict[str, Any]:
         """What a search keeps of the job: the model, sequence, samples per step, precision and optimizer."""
@@ -247,22 +251,26 @@ def _parallelism(config: dict, job: TorchtitanJob, mesh: Mesh) -> None:
     path, world = job.path, mesh.world_size
     replicate = _positive(config, "parallelism.data_parallel_replicate_degree", 1, job.path)
     job.tp = _positive(config, "parallelism.tensor_parallel_degree", 1, job.path)
+    job.cp = _positive(config, "parallelism.context_parallel_degree", 1, job.path)
+    inner = job.tp * job.cp
     shard = _get(config, "parallelism.data_parallel_shard_degree", -1)
     if shard == -1:
-        if world % (replicate * job.tp):
-            raise UsageError(f"{path}: data_parallel_replicate_degree {replicate} x tensor_parallel_degree {job.tp} "
-                             f"does not divide the {world} GPUs; give `gpus` (and `nodes`) as the job runs")
-        shard = world // (replicate * job.tp)
-    if not isinstance(shard, int) or shard < 1 or replicate * shard * job.tp != world:
-        raise UsageError(f"{path}: replicate {replicate} x shard {shard} x tensor parallel {job.tp} is not the "
-                         f"{world} GPUs of the cluster; give `gpus` (and `nodes`, `gpus_per_node`) as the job runs")
+        if world % (replicate * inner):
+            raise UsageError(f"{path}: data_parallel_replicate_degree {replicate} x context x tensor parallel degrees "
+                             f"{job.cp} x {job.tp} do not divide the {world} GPUs; give `gpus` (and `nodes`) as the "
+                             "job runs")
+        shard = world // (replicate * inner)
+    if not isinstance(shard, int) or shard < 1 or replicate * shard * inner != world:
+        raise UsageError(f"{path}: replicate {replicate} x shard {shard} x context parallel {job.cp} x tensor parallel "
+                         f"{job.tp} is not the {world} GPUs of the cluster; give `gpus` (and `nodes`, "
+                         "`gpus_per_node`) as the job runs")
     job.dp = replicate * shard
     policy = _get(config, "parallelism.fsdp_reshard_after_forward", "default")
     if policy not in ("default", "always", "never"):
         raise UsageError(f"{path}: parallelism.fsdp_reshard_after_forward = {policy!r}: default, always or never")
-    if replicate > 1 and job.tp > 1:
-        raise UsageError(f"{path}: data_parallel_replicate_degree {replicate} beside tensor parallelism: autoplan's "
-                         "data-parallel dimension under TP shards over all its ranks (no replicas)")
+    if replicate > 1 and inner > 1:
+        raise UsageError(f"{path}: data_parallel_replicate_degree {replicate} beside tensor or context parallelism: "
+                         "autoplan's data-parallel dimension under them shards over all its ranks (no replicas)")
     if replicate > 1 and shard > 1 and shard != mesh.gpus_per_node:
         raise UsageError(f"{path}: HSDP with shard degree {shard}: autoplan's hybrid sharding shards within a node "
                          f"(its {mesh.gpus_per_node} GPUs) and replicates across nodes")
@@ -275,6 +283,8 @@ def _parallelism(config: dict, job: TorchtitanJob, mesh: Mesh) -> None:
         head = job.strategy if job.strategy == "hybrid" or policy == "always" else "shard_keep"
         job.layout = (f"{'HSDP' if replicate > 1 else 'FSDP'} over {job.dp} ranks"
                       + (f" ({replicate} replicas of {shard})" if replicate > 1 else ""))
+    if job.cp > 1:
+        job.layout += f" x context parallel {job.cp} (ring attention, FSDP over dp_shard x cp)"
     if job.tp > 1:
         job.layout += f" x tensor parallel {job.tp} (sequence-parallel norms, loss parallel)"
     offload = "+offload" if job.offload else ""

@@ -70,7 +70,8 @@ def beside(job, theirs, plan) -> str:
     over = t.peak_mem_bytes - limit
     fits = "fits" if over <= 0 else f"over {format_bytes(limit)} by {format_bytes(over)}"
     rows = [
-        ("layout", job.layout.split(" (")[0], (f"FSDP over {c.world_size // c.tp_degree} ranks"
+        ("layout", job.layout.split(" (")[0], (f"FSDP over {c.world_size // (c.tp_degree * c.cp_degree)} ranks"
+                                               + (f" x context parallel {c.cp_degree}" if c.cp_degree > 1 else "")
                                                + (f" x tensor parallel {c.tp_degree}" if c.tp_degree > 1 else "")
                                                + (" (sequence parallel)" if c.sequence_parallel else ""))),
         ("units", _decisions(theirs.units), _decisions(plan.units)),
