@@ -137,3 +137,11 @@ def test_a_torchtitan_config_with_context_parallelism_is_estimated_on_its_mesh(t
     assert code == 0
     assert "FSDP over 2 ranks x context parallel 2" in out  # torchtitan's dp_shard is what cp leaves
     assert "x 2 data-parallel ranks (tensor-parallel degree 1, context-parallel degree 2) = 2 samples" in out
+
+
+def test_pins_that_do_not_run_beside_context_parallelism_leave_its_meshes_out(llama):
+    plan = autoplan.search("llama-tiny[max_seq_len=16384]", "1GB", gpus=4, seq_len=16384, tp=1, profile="cpu-gloo-2",
+                           batch_size=1, pin=("layers.0=replicate",))
+    entries = {e.cp_degree: e for e in plan.solver.tp_degrees}
+    assert plan.cluster.cp_degree == 1 and entries[1].fits
+    assert not entries[2].fits and entries[2].note.startswith("not with the pins")

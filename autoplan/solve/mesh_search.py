@@ -94,8 +94,10 @@ class MeshSearch:
 
     @property
     def tensor_parallel_searched(self) -> bool:
-        """Whether some mesh above degree 1 was searched (its layout recognised), so the report lists them."""
-        return any(r.degree > 1 and r.layout is not None or r.mesh.ep > 1 or r.mesh.cp > 1 and r.refused is None
+        """Whether some mesh above degree 1 was searched (its layout recognised, its context parallelism one the
+        model runs), so the report lists them."""
+        return any(r.degree > 1 and r.layout is not None or r.mesh.ep > 1
+                   or r.mesh.cp > 1 and not (r.refused or "").startswith("context parallelism")
                    for r in self.results)
 
     @property
@@ -170,8 +172,8 @@ def _search(request: PlanRequest, mesh: Mesh, progress=None) -> MeshResult:
         result.outcome = sweep(request, result.source, result.cluster, progress)
     except TpRefusal as exc:
         result.refused = str(exc)
-    except UsageError as exc:  # pins asking for options that do not run beside tensor parallelism
-        if mesh.tp == 1:
+    except UsageError as exc:  # pins asking for options that do not run beside tensor or context parallelism
+        if mesh.tp == 1 and mesh.cp == 1:
             raise
         result.refused = f"not with the pins: {exc}"
     except InfeasibleError as exc:
