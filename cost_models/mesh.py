@@ -12,11 +12,11 @@ or parts of a node when there are more stages than nodes), data parallel (what i
 parallel (`tp`, groups of neighbouring ranks inside a node), with context parallel between the last two
 (`cp`: each sequence split over cp ranks, ring attention between them). FSDP shards parameters over dp x cp
 (`fsdp_ranks`: the ranks of a context-parallel group hold the same parameters, so they join the sharding
-group, as torchtitan's "dp_shard_cp"); a batch's rows divide over dp alone. Expert parallelism (`ep`) borrows from the
-data-parallel ranks, as torchtitan's does: it splits them into (dp / ep, ep) for the experts alone. A new
-dimension (pipeline, context, expert) is a field here, with its
-place in `dims`, its share of the world in `dp`, its checks in `__post_init__` and its sub-mesh in
-`split`; the cost models and the search read the derived views, not the fields.
+group, as torchtitan's "dp_shard_cp"); a batch's rows divide over dp alone. Expert parallelism (`ep`) borrows
+from the data-parallel ranks, as torchtitan's does: it splits them into (dp / ep, ep) for the experts alone. A
+new dimension (pipeline, context, expert) is a field here, with its place in `dims`, its share of the world in
+`dp`, its checks in `__post_init__` and its sub-mesh in `split`; the cost models and the search read the
+derived views, not the fields.
 
 The per-unit sharding kinds (cost_models.options) choose how FSDP2 lays a unit over the data-parallel
 ranks: over all of them (a 1-D mesh), replicated (dp, 1), or sharded within a node and replicated across

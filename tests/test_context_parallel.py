@@ -72,7 +72,8 @@ def test_a_rank_runs_and_holds_its_share_of_each_sequence(llama):
     # the ring's merges and copies: forward 8 passes over the fp32 output a step, the K/V concatenation, the casts;
     # backward 3.5 passes over fp32 q and 5.5 over fp32 K/V a step, the K/V concatenation
     out32, kv = 2 * 4 * SEQ * 16 * 4 // 2, 2 * (2 * 2 * SEQ * 16) * 2 // 2
-    assert ring_merge_bytes(attention, 2) == (8 * out32 + 2 * kv + 3 * out32, 2 * (7 * out32 + 11 * 2 * kv) // 2 + 2 * kv)
+    assert ring_merge_bytes(attention, 2) == (8 * out32 + 2 * kv + 3 * out32,
+                                              2 * (7 * out32 + 11 * 2 * kv) // 2 + 2 * kv)
     assert base.keep.keys() == cp.keep.keys()
     assert all(h == -(-w // 2) for mode in base.keep for w, h in zip(base.keep[mode], cp.keep[mode]))
 
@@ -131,7 +132,8 @@ def test_a_torchtitan_config_with_context_parallelism_is_estimated_on_its_mesh(t
 
     config = tmp_path / "cp.toml"
     config.write_text('[model]\nname = "llama3"\nflavor = "debugmodel"\n[training]\nlocal_batch_size = 1\n'
-                      'seq_len = 128\n[parallelism]\ncontext_parallel_degree = 2\n[activation_checkpoint]\nmode = "full"\n')
+                      'seq_len = 128\n[parallelism]\ncontext_parallel_degree = 2\n'
+                      '[activation_checkpoint]\nmode = "full"\n')
     code = main(["estimate", "--torchtitan", str(config), "--gpus", "4", "--profile", "cpu-gloo-2"])
     out = capsys.readouterr().out
     assert code == 0

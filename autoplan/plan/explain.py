@@ -56,10 +56,11 @@ class Explanation(BaseModel):
     micro_batch_size: int
     groups: list[GroupExplanation]
     experts: str = ""  # what the plan's expert parallelism costs and saves (report.expert_line); "" without
-    mesh: str = ""  # the plan's tensor- and context-parallel mesh ("2 data-parallel x 2 context-parallel"), "" for FSDP alone
+    mesh: str = ""  # the plan's tensor- and context-parallel mesh ("2 data-parallel x 2 context-parallel"), or ""
 
     def table(self) -> str:
-        lines = [f"{self.model}" + (f" on {self.mesh}" if self.mesh else "") + f": step {self.step_time_s * 1e3:.2f} ms, peak {format_bytes(self.peak_mem_bytes)} at "
+        on = f" on {self.mesh}" if self.mesh else ""
+        lines = [f"{self.model}{on}: step {self.step_time_s * 1e3:.2f} ms, peak {format_bytes(self.peak_mem_bytes)} at "
                  f"{self.peak_point}, of {format_bytes(self.planned_bytes)} planned ({format_bytes(self.mem_limit_bytes)}"
                  " less headroom" + (f" and {format_bytes(self.margin_bytes)} for the CUDA caching allocator"
                                      if self.margin_bytes else "")
