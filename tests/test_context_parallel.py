@@ -42,16 +42,16 @@ def test_the_mesh_puts_context_between_data_and_tensor_parallelism():
 
 def test_settings_and_the_meshes_searched():
     mesh = Mesh(gpus_per_node=8)
-    short = search_meshes_of(SearchSettings(tp=1), mesh, 8192)
-    long = search_meshes_of(SearchSettings(tp=1), mesh, 16384)
+    short = search_meshes_of(SearchSettings(tp=1), mesh, seq_len=8192)
+    long = search_meshes_of(SearchSettings(tp=1), mesh, seq_len=16384)
     assert [m.cp for m in short] == [1] and [m.cp for m in long] == [1, 2, 4, 8]
-    fixed = search_meshes_of(SearchSettings(cp=4), mesh, 1024)  # every tensor degree it fits beside
+    fixed = search_meshes_of(SearchSettings(cp=4), mesh, seq_len=1024)  # every tensor degree it fits beside
     assert {(m.tp, m.cp) for m in fixed} == {(1, 4), (2, 4)}
     with pytest.raises(UsageError, match="`cp` 3 does not divide"):
-        search_meshes_of(SearchSettings(cp=3), mesh, 1024)
+        search_meshes_of(SearchSettings(cp=3), mesh, seq_len=1024)
     with pytest.raises(UsageError, match="`cp` must be at least 1"):
         SearchSettings(cp=0)
-    with pytest.raises(UsageError, match="`cp` go with a `strategy`"):
+    with pytest.raises(UsageError, match="`cp`, `sequence_parallel` go with a `strategy`"):
         EstimateSettings(plan="plan.json", cp=2)
 
 
