@@ -38,6 +38,8 @@ def test_the_mesh_puts_context_between_data_and_tensor_parallelism():
     assert Mesh(nodes=2, gpus_per_node=8, tp=4, cp=4).cp_scope == "inter_node"
     with pytest.raises(MeshError, match="`cp` 3 does not divide the 8 ranks"):
         Mesh(gpus_per_node=8, cp=3)
+    with pytest.raises(MeshError, match="expert and context parallelism together are not built"):
+        Mesh(gpus_per_node=8, cp=2, ep=2)
 
 
 def test_settings_and_the_meshes_searched():
