@@ -15,11 +15,13 @@ from apply_parity_worker import finish
 from torch.distributed.tensor import DTensor
 
 from autoplan.models.hf import build_hf_model
+from autoplan.models.tp_layout import recognise
 from autoplan.plan.schema import load_plan
 from autoplan.run.apply import apply
 from autoplan.run.attention import planned_attention
 from autoplan.run.data import BatchShape, SyntheticTokens, rank_micro_batches
 from autoplan.run.tp import training_context
+from autoplan.run.tp_styles import restore_sections
 from autoplan.run.worker import next_token_loss
 
 STEPS, SEED = 3, 1234
@@ -59,12 +61,20 @@ def run_case(folder: Path) -> dict:
     model, optimizer = apply(cpu_model(folder), plan)
     losses = train(model, optimizer, plan, shape, rank)
     reference = cpu_model(folder)
+    layout = recognise(reference, mesh.tp, mesh.sequence_parallel)
     ref_losses = train(reference, torch.optim.AdamW(reference.parameters(), lr=1e-3), plan, shape, None)
     params = {n: p.full_tensor() if isinstance(p, DTensor) else p.detach() for n, p in model.named_parameters()}
-    diff = max((params[n].float() - p.detach()).abs().max().item() for n, p in reference.named_parameters())
-    split = [n for n, p in model.named_parameters() if isinstance(p, DTensor) and "tp" in (p.device_mesh.mesh_dim_names or ())]
-    return {"losses": losses, "reference_losses": ref_losses, "max_param_diff": diff, "tp_split": len(split),
-            "units": {u.module: u.tp for u in plan.units}}
+    for name, sections in layout.fused.items():  # rows reordered at apply: back to the model's order
+        params[name] = restore_sections(params[name], sections, layout.split_params[name], mesh.tp)
+    diffs = {n: (params[n].float() - p.detach()).abs().max().item() for n, p in reference.named_parameters()}
+    diff = max(diffs.values())
+    tp = [(n, p) for n, p in model.named_parameters() if isinstance(p, DTensor) and "tp" in (p.device_mesh.mesh_dim_names or ())]
+    split = [n for n, p in tp if any(not pl.is_replicate() for pl in p.placements[-1:])]
+    local = {n: list(p.to_local().shape) if isinstance(p, DTensor) else list(p.shape) for n, p in model.named_parameters()}
+    whole = {n: list(p.shape) for n, p in reference.named_parameters()}
+    return {"losses": losses, "reference_losses": ref_losses, "max_param_diff": diff, "worst_param": max(diffs, key=diffs.get), "tp_split": len(split),
+            "layout_split": len(layout.split_params), "units": {u.module: u.tp for u in plan.units},
+            "local_shapes": {n: local[n] if n in {m for m, _ in tp} else whole[n] for n in whole}}
 
 
 def main(root: str, out_path: str) -> None:
