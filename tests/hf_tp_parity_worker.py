@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from autoplan.models.hf import build_hf_model
 from autoplan.models.inputs import ModelInputs
+from autoplan.models.zoo import build_model, get_config
 from autoplan.models.tp_layout import recognise
 from autoplan.plan.schema import load_plan
 from autoplan.run.apply import apply
@@ -30,6 +31,10 @@ STEPS, SEED = 3, 1234
 
 
 def cpu_model(folder: Path) -> torch.nn.Module:
+    """The folder's Hugging Face config, or the zoo preset its `zoo` file names."""
+    if (folder / "zoo").exists():
+        torch.manual_seed(SEED)
+        return build_model(get_config((folder / "zoo").read_text().strip()), device="cpu").train()
     meta = build_hf_model(folder).module
     torch.manual_seed(SEED)
     return type(meta)(meta.config).train()

@@ -1,10 +1,10 @@
 """Tensor parallelism for Hugging Face layouts (autoplan.models.tp_layout): the Llama family's q/k/v/o and
 gate/up/down projections (Llama, Qwen2 with its biases, Gemma-2 with its soft-capped eager attention),
-GPT-NeoX's head-by-head fused q/k/v, Phi-3's fused
-q-then-k-then-v and gate-then-up projections (with grouped-query attention: sections of unequal widths), and
-mixtures of experts (Mixtral; Qwen2-MoE with its shared expert and the shared expert's gate) with their experts
-split by width, searched at degree 2 and applied with parallelize_module on the model's own module names, train
-on two gloo ranks as one process does on the same global batch."""
+GPT-NeoX's head-by-head fused q/k/v, Phi-3's fused q-then-k-then-v and gate-then-up projections (with
+grouped-query attention: sections of unequal widths), and mixtures of experts (the zoo's moe-tiny; Mixtral;
+Qwen2-MoE with its shared expert and the shared expert's gate) with their experts split by width, searched at
+degree 2 and applied with parallelize_module on the model's own module names, train on two gloo ranks as one
+process does on the same global batch."""
 
 import json
 import os
@@ -16,7 +16,9 @@ import pytest
 
 import autoplan
 from autoplan.models.hf import build_hf_model
+from autoplan.errors import CheckpointError
 from autoplan.models.tp_layout import recognise
+from autoplan.run.tp import check_resume_degree
 from cost_models.tensor_parallel import TpRole
 
 TESTS_DIR = Path(__file__).parent
@@ -42,17 +44,21 @@ FAMILIES = {
                       shared_expert_intermediate_size=64, decoder_sparse_step=1, mlp_only_layers=[],
                       norm_topk_prob=False, **BASE),
 }
-MOE = ("mixtral", "qwen2_moe")  # traced in bf16 (torch's meta _grouped_mm takes no fp32), run in fp32
+MOE = ("mixtral", "qwen2_moe", "moe_zoo")  # traced in bf16 (torch's meta _grouped_mm takes no fp32), run in fp32
+ZOO = {"moe_zoo": "moe-tiny"}  # the zoo's mixture of experts (8 experts of 96, top 2), beside transformers'
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf_tp")
-    for name, config in FAMILIES.items():
+    for name in [*FAMILIES, *ZOO]:
         (root / name).mkdir()
-        (root / name / "config.json").write_text(json.dumps(config))
-        plan = autoplan.search(f"hf:{root / name}", "1GB", gpus=2, seq_len=32, profile="cpu-gloo-2", tp=2,
-                               sequence_parallel="off", strategy="shard", batch_size=2,
+        if name in ZOO:
+            (root / name / "zoo").write_text(ZOO[name])
+        else:
+            (root / name / "config.json").write_text(json.dumps(FAMILIES[name]))
+        plan = autoplan.search(ZOO.get(name, f"hf:{root / name}"), "1GB", gpus=2, seq_len=32, profile="cpu-gloo-2",
+                               tp=2, sequence_parallel="off", strategy="shard", batch_size=2,
                                dtype="bf16-mixed" if name in MOE else "fp32")
         plan.training.dtype = "fp32"  # the layout is the same at any precision; the parity is exact in fp32
         plan.save(root / name / "plan.json")
@@ -66,14 +72,14 @@ def results(tmp_path_factory):
     return json.loads(out.read_text())
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", [*FAMILIES, *ZOO])
 def test_a_tensor_parallel_plan_trains_as_one_process(results, family):
     result = results[family]
     assert "error" not in result, result.get("error")
     assert result["losses"] == pytest.approx(result["reference_losses"], rel=1e-5)
     assert result["max_param_diff"] < 5e-5
     assert result["tp_split"] == result["layout_split"] >= 2 * 4  # every split parameter is a DTensor on "tp"
-    assert {layout for module, layout in result["units"].items() if ".layers." in module} == {"megatron"}
+    assert {layout for module, layout in result["units"].items() if "layers." in module} == {"megatron"}
 
 
 def test_the_experts_and_the_fused_sections_are_split_as_torchtitan_splits_them(results):
@@ -113,3 +119,14 @@ def test_layouts_that_cannot_be_split_say_why(tmp_path, config, message):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(autoplan.UsageError, match=message):
         autoplan.search(f"hf:{tmp_path}", "1GB", gpus=2, seq_len=32, tp=2)
+
+
+def test_a_checkpoint_of_reordered_fused_rows_resumes_at_its_own_degree_only(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(FAMILIES["phi3"]))
+    model = build_hf_model(tmp_path).module
+    check_resume_degree(model, 2, 2, "ckpt/step-3")  # the same order
+    with pytest.raises(CheckpointError, match=r"saved at tensor-parallel degree 2, and its fused projections "
+                                              r"\(model.layers.0.self_attn.qkv_proj.weight and 3 more\)"):
+        check_resume_degree(model, 2, 1, "ckpt/step-3")
+    (tmp_path / "config.json").write_text(json.dumps(FAMILIES["llama"]))
+    check_resume_degree(build_hf_model(tmp_path).module, 2, 1, "ckpt/step-3")  # nothing fused: DCP reshards

@@ -31,7 +31,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from autoplan.errors import PlanFileError
+from autoplan.errors import CheckpointError, PlanFileError
 from autoplan.models.structure import largest_module_list
 from autoplan.models.tp_layout import ATTENTION, MLP, TpRefusal, block_shape, local_heads, recognise
 from autoplan.plan.schema import Plan
@@ -40,7 +40,7 @@ from cost_models.options import SHARDING_KINDS, MeshShape
 from cost_models.records import ParamInfo, Unit
 from cost_models.tensor_parallel import TpLayout, TpRole, unit_layouts
 
-__all__ = ["apply_tp", "local_loss", "parallelize_tp", "training_context"]
+__all__ = ["apply_tp", "check_resume_degree", "local_loss", "parallelize_tp", "training_context"]
 
 
 def training_context(plan: Plan):
@@ -95,6 +95,22 @@ def _block_plan(path: str, layout: TpLayout, norms: list[str], owned: bool) -> d
                                                 desired_input_layouts=(Replicate(), None, None))
         plan[MLP[0]] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
     return plan
+
+
+def check_resume_degree(model: nn.Module, saved: int, degree: int, where: str) -> None:
+    """A checkpoint holds fused projections (Phi-3's q/k/v, experts' gate_up) with their rows in the order of the
+    tensor-parallel degree it was saved at (autoplan.run.tp_styles.order_sections), which DCP cannot reorder:
+    CheckpointError where this run's degree differs and the model has such projections."""
+    if saved == degree:
+        return
+    try:
+        fused = recognise(model, max(saved, degree), False).fused
+    except TpRefusal:
+        return
+    if fused:
+        raise CheckpointError(f"{where} was saved at tensor-parallel degree {saved}, and its fused projections "
+                              f"({next(iter(fused))} and {len(fused) - 1} more) hold their rows in that degree's "
+                              f"order; resume it under a plan of tensor-parallel degree {saved} (this one's is {degree})")
 
 
 def apply_tp(model: nn.Module, plan: Plan, tp_mesh: DeviceMesh) -> None:
