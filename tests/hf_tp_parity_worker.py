@@ -80,15 +80,17 @@ def run_case(folder: Path) -> dict:
     layout = recognise(reference, mesh.tp, mesh.sequence_parallel) if mesh.tp > 1 else None
     ref_losses = train(reference, torch.optim.AdamW(reference.parameters(), lr=1e-3), plan, shape, None)
     params = {n: p.full_tensor() if isinstance(p, DTensor) else p.detach() for n, p in model.named_parameters()}
-    for name, sections in (layout.fused if layout else {}).items():  # rows reordered at apply: back to the model's order
+    for name, sections in (layout.fused if layout else {}).items():  # rows reordered at apply: the model's order
         params[name] = restore_sections(params[name], sections, layout.split_params[name], mesh.tp)
     diffs = {n: (params[n].float() - p.detach()).abs().max().item() for n, p in reference.named_parameters()}
     diff = max(diffs.values())
-    tp = [(n, p) for n, p in model.named_parameters() if isinstance(p, DTensor) and "tp" in (p.device_mesh.mesh_dim_names or ())]
+    tp = [(n, p) for n, p in model.named_parameters()
+          if isinstance(p, DTensor) and "tp" in (p.device_mesh.mesh_dim_names or ())]
     split = [n for n, p in tp if any(not pl.is_replicate() for pl in p.placements[-1:])]
-    local = {n: list(p.to_local().shape) if isinstance(p, DTensor) else list(p.shape) for n, p in model.named_parameters()}
+    local = {n: list((p.to_local() if isinstance(p, DTensor) else p).shape) for n, p in model.named_parameters()}
     whole = {n: list(p.shape) for n, p in reference.named_parameters()}
-    return {"losses": losses, "reference_losses": ref_losses, "max_param_diff": diff, "worst_param": max(diffs, key=diffs.get), "tp_split": len(split),
+    return {"losses": losses, "reference_losses": ref_losses, "max_param_diff": diff,
+            "worst_param": max(diffs, key=diffs.get), "tp_split": len(split),
             "layout_split": len(layout.split_params) if layout else 0, "units": {u.module: u.tp for u in plan.units},
             "local_shapes": {n: local[n] if n in {m for m, _ in tp} else whole[n] for n in whole}}
 

@@ -66,7 +66,8 @@ def block_shape(block: nn.Module) -> str | None:
     """Which of SHAPES the block has (by its attention), if any."""
     for name, (attention, _mlp) in SHAPES.items():
         attn = getattr(block, attention[0], None)
-        if attn is not None and all(isinstance(getattr(attn, n, None), nn.Linear) for n in (*attention[1], attention[2])):
+        names = (*attention[1], attention[2])
+        if attn is not None and all(isinstance(getattr(attn, n, None), nn.Linear) for n in names):
             return name
     return None
 

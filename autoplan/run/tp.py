@@ -110,7 +110,8 @@ def check_resume_degree(model: nn.Module, saved: int, degree: int, where: str) -
     if fused:
         raise CheckpointError(f"{where} was saved at tensor-parallel degree {saved}, and its fused projections "
                               f"({next(iter(fused))} and {len(fused) - 1} more) hold their rows in that degree's "
-                              f"order; resume it under a plan of tensor-parallel degree {saved} (this one's is {degree})")
+                              f"order; resume it under a plan of tensor-parallel degree {saved} (this one's is "
+                              f"{degree})")
 
 
 def apply_tp(model: nn.Module, plan: Plan, tp_mesh: DeviceMesh) -> None:
