@@ -127,3 +127,10 @@ def test_a_checkpoint_of_reordered_fused_rows_resumes_at_its_own_degree_only(tmp
         check_resume_degree(model, 2, 1, "ckpt/step-3")
     (tmp_path / "config.json").write_text(json.dumps(FAMILIES["llama"]))
     check_resume_degree(build_hf_model(tmp_path).module, 2, 1, "ckpt/step-3")  # nothing fused: DCP reshards
+
+
+def test_experts_split_by_width_and_by_expert_at_once_are_refused():
+    with pytest.raises(autoplan.UsageError, match=r"tensor parallelism splits the experts by width, and expert "
+                                                  r"parallelism \(2-way\) by expert: both at once is not built"):
+        autoplan.search("moe-tiny", "1GB", gpus=4, seq_len=32, profile="cpu-gloo-2", tp=2, ep=2,
+                        sequence_parallel="off")

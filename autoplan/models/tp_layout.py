@@ -36,7 +36,7 @@ from autoplan.models.structure import expert_stacks, largest_module_list
 from autoplan.models.tp_experts import TpRefusal, LayoutParts, moe_layout
 from cost_models.tensor_parallel import TpLayout, TpRole
 
-__all__ = ["ATTENTION", "MLP", "SHAPES", "TpRefusal", "block_shape", "local_heads", "recognise"]
+__all__ = ["ATTENTION", "MLP", "SHAPES", "TpRefusal", "block_shape", "check_with_experts", "local_heads", "recognise"]
 
 ATTENTION = ("attn", ("wq", "wk", "wv"), "wo")  # child, column-wise projections, row-wise projection
 MLP = ("mlp", ("w1", "w3"), "w2")
@@ -186,6 +186,14 @@ def _block(block: nn.Module, path: str, t: int, sp: bool) -> LayoutParts:
             raise TpRefusal(f"block {path} has a module the layout does not place: {name} ({type(child).__name__})")
         parts.roles[f"{path}.{name}"] = TpRole.SEQUENCE
     return parts
+
+
+def check_with_experts(layout: TpLayout | None, ep: int) -> None:
+    """TpRefusal where a layout that splits experts by width meets expert parallelism (experts placed on ranks,
+    Mesh.ep): the two would split the same stacked weights both ways, which neither the cost nor apply builds."""
+    if layout is not None and layout.expert_widths and ep > 1:
+        raise TpRefusal(f"tensor parallelism splits the experts by width, and expert parallelism ({ep}-way) by "
+                        "expert: both at once is not built (search one of them)")
 
 
 def local_heads(model: nn.Module, layout: TpLayout) -> None:

@@ -33,7 +33,15 @@ from torch.distributed.tensor.parallel import (
 
 from autoplan.errors import CheckpointError, PlanFileError
 from autoplan.models.structure import largest_module_list
-from autoplan.models.tp_layout import ATTENTION, MLP, TpRefusal, block_shape, local_heads, recognise
+from autoplan.models.tp_layout import (
+    ATTENTION,
+    MLP,
+    TpRefusal,
+    block_shape,
+    check_with_experts,
+    local_heads,
+    recognise,
+)
 from autoplan.plan.schema import Plan
 from autoplan.run.tp_styles import ExpertsParallel, OwnedRowwiseParallel, order_sections
 from cost_models.options import SHARDING_KINDS, MeshShape
@@ -120,6 +128,7 @@ def apply_tp(model: nn.Module, plan: Plan, tp_mesh: DeviceMesh) -> None:
     mesh = plan.cluster.mesh
     try:
         layout = recognise(model, mesh.tp, mesh.sequence_parallel)
+        check_with_experts(layout, mesh.ep)
     except TpRefusal as exc:
         raise PlanFileError(f"the plan's tensor-parallel layout does not fit the model: {exc}") from None
     _check(plan, model, layout)
