@@ -46,8 +46,9 @@ FAMILIES = {
                       shared_expert_intermediate_size=64, decoder_sparse_step=1, mlp_only_layers=[],
                       norm_topk_prob=False, **BASE),
 }
-MOE = ("mixtral", "qwen2_moe", "moe_zoo")  # traced in bf16 (torch's meta _grouped_mm takes no fp32), run in fp32
-ZOO = {"moe_zoo": "moe-tiny"}  # the zoo's mixture of experts (8 experts of 96, top 2), beside transformers'
+MOE = ("mixtral", "qwen2_moe", "moe_zoo", "moe_zoo_ckpt")  # traced in bf16 (torch's meta _grouped_mm: no fp32)
+ZOO = {"moe_zoo": "moe-tiny", "moe_zoo_ckpt": "moe-tiny"}  # the zoo's experts (8 of 96, top 2), beside transformers'
+CHECKPOINTED = ("moe_zoo_ckpt",)  # every block and experts unit fully checkpointed: the experts' hooks run again
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +64,8 @@ def results(tmp_path_factory):
                                tp=2, sequence_parallel="off", strategy="shard", batch_size=2,
                                dtype="bf16-mixed" if name in MOE else "fp32")
         plan.training.dtype = "fp32"  # the layout is the same at any precision; the parity is exact in fp32
+        for unit in plan.units[1:] if name in CHECKPOINTED else ():
+            unit.checkpoint = "full"
         plan.save(root / name / "plan.json")
     out = tmp_path_factory.mktemp("hf_tp_out") / "results.json"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), str(TESTS_DIR)]), "OMP_NUM_THREADS": "1"}
