@@ -28,7 +28,7 @@ from cost_models.options import MeshShape
 from cost_models.records import LOSS_NODE, OpRecord, ParamInfo, Unit
 
 __all__ = [
-    "TpLayout", "TpRole", "UnitLayout", "data_parallel_kinds", "op_role", "owners", "parallelized_modules",
+    "TpLayout", "TpRole", "UnitLayout", "data_parallel_kinds", "expert_op", "op_role", "owners", "parallelized_modules",
     "regions_per_unit", "tp_keep_bytes", "tp_ops", "tp_units", "unit_layouts",
 ]
 
@@ -41,6 +41,9 @@ class TpRole(str, Enum):
     SHARDED = "sharded"  # ops between a column-wise and a row-wise projection (attention heads, the MLP's hidden)
     SEQUENCE = "sequence"  # norms and the residual stream: split along the sequence with sequence parallelism
     VOCAB_EMBED = "vocab_embed"  # embedding table split by vocabulary rows; its output is completed by a collective
+    # a mixture of experts' stacked experts, each split by its hidden width (gate/up by rows, down by columns);
+    # the dispatch and the combine run whole on every rank, the combine's output is a partial sum (`expert_op`)
+    EXPERTS = "experts"
 
 
 class UnitLayout(str, Enum):
@@ -69,6 +72,12 @@ class TpLayout:
     embedding: str | None = None  # the vocabulary-parallel embedding's path
     head: str | None = None  # the vocabulary-parallel head's path (the loss runs loss-parallel)
     notes: tuple[str, ...] = field(default_factory=tuple)  # what stays data-parallel, and why
+    # experts module path -> the hidden widths (whole) its column-wise projections write (gate/up, or the fused
+    # gate_up and its halves): the ops on tensors of these widths hold 1/t of them
+    expert_widths: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    # parameter name -> the sections its split dimension concatenates (a fused q/k/v or gate/up projection):
+    # each section is split over the group, so a rank holds its share of each (its rows reordered at apply)
+    fused: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
 
     def role_of(self, module: str) -> TpRole | None:
         path = module
@@ -135,6 +144,37 @@ def tp_op(op: OpRecord, layout: TpLayout, role: TpRole | None | str = "") -> OpR
         return _divided(op, t, _BYTE_FIELDS + flops) if layout.sequence_parallel else op
     if role is TpRole.VOCAB_EMBED:
         return _divided(op, t, ("param_grad_bytes",))
+    if role is TpRole.EXPERTS:
+        return expert_op(op, layout)
+    return op
+
+
+def _expert_widths(layout: TpLayout, module: str) -> tuple[int, ...]:
+    path = module
+    while path not in layout.expert_widths and path:
+        path = path.rpartition(".")[0]
+    return layout.expert_widths.get(path, ())
+
+
+def expert_op(op: OpRecord, layout: TpLayout) -> OpRecord:
+    """An op of experts split by width (per expert, as torchtitan's TensorParallel for grouped experts without
+    expert parallelism), told apart by its input shapes: a grouped matmul by a stacked weight writing one of
+    the experts' widths is column-wise (its input, the dispatch buffer, whole and saved whole); one by a weight
+    writing the model's width is row-wise (reads 1/t, writes a whole partial sum); the other ops on a stacked
+    weight or on tensors of the experts' widths (the activation, the gate times up) hold 1/t; the router's
+    scores, the dispatch gather and the combine run whole on every rank. Where an expert's width equals the
+    model's, the ops between the projections are priced whole (an over-estimate)."""
+    t, hidden = layout.degree, layout.hidden
+    widths = {w for w in _expert_widths(layout, op.module) if w != hidden}
+    stacked = [shape for shape in op.input_shapes if len(shape) == 3]
+    flops = ("fwd_flops", "bwd_flops")
+    if op.is_matmul and stacked and stacked[0][-1] in widths:
+        return _divided(op, t, tuple(f for f in _BYTE_FIELDS if f != "saved_bytes") + flops + ("param_grad_bytes",))
+    if op.is_matmul and stacked and stacked[0][-1] == hidden:
+        return _divided(op, t, tuple(f for f in _BYTE_FIELDS if f not in ("out_bytes", "fwd_max_alloc_bytes"))
+                        + flops + ("param_grad_bytes",))
+    if stacked or any(shape and shape[-1] in widths for shape in op.input_shapes):
+        return _divided(op, t, _BYTE_FIELDS + flops + ("param_grad_bytes",))
     return op
 
 

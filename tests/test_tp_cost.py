@@ -335,3 +335,27 @@ def test_estimate_costs_a_strategy_beside_tensor_parallelism(llama):
         autoplan.estimate(llama, "replicate", gpus=4, tp=2)
     with pytest.raises(UsageError, match="`sequence_parallel` on needs `tp` above 1"):
         autoplan.estimate(llama, "shard", gpus=4, sequence_parallel="on")
+
+
+def test_experts_split_by_width_are_priced_op_by_op():
+    """moe-tiny at degree 2: the experts' grouped matmuls do half the FLOPs (gate and up column-wise: their
+    input, the dispatch buffer, saved whole; down row-wise: a whole partial sum written), the activation between
+    them holds half, and the router, the dispatch gather and the combine run whole on every rank."""
+    traced = autoplan.trace("moe-tiny", seq_len=SEQ)
+    layout = recognise(traced.module, 2, False)
+    assert layout.expert_widths == {f"layers.{i}.mlp.experts": (96,) for i in range(2)}
+    assert layout.split_params["layers.0.mlp.experts.w1"] == 1 and layout.split_params["layers.0.mlp.experts.w2"] == 2
+    ops = [op for op in traced.traces("bf16").at_1.ops if op.module.startswith("layers.0.mlp")]
+    split = dict(zip((op.name for op in ops), tp_ops(ops, layout)))
+    grouped = [op for op in ops if op.kind == "_grouped_mm"]
+    assert len(grouped) == 3
+    for op in grouped:
+        assert split[op.name].fwd_flops == op.fwd_flops // 2 and split[op.name].bwd_flops == op.bwd_flops // 2
+    gate, _, down = grouped
+    assert split[gate.name].out_bytes == gate.out_bytes // 2 and split[gate.name].saved_bytes == gate.saved_bytes
+    assert split[down.name].out_bytes == down.out_bytes  # a whole partial sum
+    [silu] = [op for op in ops if op.kind == "silu"]
+    assert split[silu.name].out_bytes == silu.out_bytes // 2
+    for kind in ("index_add", "argsort", "Linear"):  # the combine, the dispatch's sort, the router
+        for op in (op for op in ops if op.kind == kind):
+            assert split[op.name].fwd_flops == op.fwd_flops and split[op.name].out_bytes == op.out_bytes

@@ -13,7 +13,7 @@ from typing import Any
 
 from autoplan.api.prepare import load_plan_of, prepare, wrap_policy_of
 from autoplan.errors import UsageError
-from autoplan.models.tp_layout import TpRefusal, recognise
+from autoplan.models.tp_layout import TpRefusal, check_with_experts, recognise
 from autoplan.pins import path_groups
 from autoplan.plan.assemble import model_ref, plan_choices, prediction, training_spec, unit_decisions
 from autoplan.plan.estimate import Estimate
@@ -91,6 +91,7 @@ def request_table(request: PlanRequest, plan: Plan | None = None) -> tuple[CostT
         try:
             check_beside_tensor_parallelism(request.uniform)
             layout = recognise(request.model.module, mesh.tp, mesh.sequence_parallel)
+            check_with_experts(layout, mesh.ep)
         except TpRefusal as exc:
             raise UsageError(f"tensor-parallel degree {mesh.tp}: {exc}") from None
     cluster, uniform, t = request.cluster.with_mesh(mesh), request.uniform, request.training

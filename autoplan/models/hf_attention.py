@@ -145,8 +145,12 @@ def _additive(mask: torch.Tensor | None, site, query: torch.Tensor, key: torch.T
 
 
 def uses_attention_interface(model: nn.Module) -> bool:
-    """Whether a transformers model picks its attention function by name (AttentionInterface)."""
-    check = getattr(type(model), "_can_set_attn_implementation", None)
+    """Whether a transformers model picks its attention function by name (AttentionInterface). Asked of the
+    model's own class: FSDP2's fully_shard swaps it for a subclass made in torch (FSDPFalconForCausalLM), and
+    transformers answers by reading the source of the class's module, which would be torch's; Falcon, which
+    calls SDPA itself and adds its mask in its eager branch, then ran that branch with a boolean mask."""
+    own = next((cls for cls in type(model).__mro__ if not cls.__module__.startswith("torch.")), type(model))
+    check = getattr(own, "_can_set_attn_implementation", None)
     return bool(check is not None and check())
 
 

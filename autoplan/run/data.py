@@ -68,7 +68,11 @@ class AlpacaTokens:
 
 
 def rank_micro_batches(global_tokens: torch.Tensor, rank: int, shape: BatchShape) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(input ids, labels) for each micro-batch of `rank`: rows [(m * world + rank) * mb, ...+ mb)."""
+    """(input ids, labels) for each micro-batch of `rank`: rows [(m * world + rank) * mb, ...+ mb). Named inputs
+    (autoplan.run.named_inputs, whose global batch is (source, step)) are made for the rank alone."""
+    if isinstance(global_tokens, tuple):
+        source, step = global_tokens
+        return source.rank_micro_batches(step, rank, shape)
     batches = []
     for micro in range(shape.grad_accum_steps):
         start = (micro * shape.world_size + rank) * shape.micro_batch_size

@@ -26,6 +26,7 @@ from autoplan.run.checkpoint import (
     step_folder,
 )
 from autoplan.run.data import AlpacaTokens, BatchShape
+from autoplan.run.tp import check_resume_degree
 
 __all__ = ["CheckpointFlags", "Checkpoints", "StepsFrom"]
 
@@ -53,6 +54,7 @@ class CheckpointFlags:
             found = find_checkpoint(self.resume)
             record = read_record(found)
             check_params(record, model, found)
+            check_resume_degree(model, (record.get("plan") or {}).get("tp") or 1, plan.cluster.tp_degree, str(found))
             said.append(f"resumes from {found} (step {record['step']}"
                         + (f", saved under a plan of {record['plan']['world_size']} ranks" if record.get("plan")
                            else "")

@@ -31,14 +31,24 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from autoplan.errors import PlanFileError
-from autoplan.models.tp_layout import ATTENTION, MLP, TpRefusal, recognise
+from autoplan.errors import CheckpointError, PlanFileError
+from autoplan.models.structure import largest_module_list
+from autoplan.models.tp_layout import (
+    ATTENTION,
+    MLP,
+    TpRefusal,
+    block_shape,
+    check_with_experts,
+    local_heads,
+    recognise,
+)
 from autoplan.plan.schema import Plan
+from autoplan.run.tp_styles import ExpertsParallel, OwnedRowwiseParallel, order_sections
 from cost_models.options import SHARDING_KINDS, MeshShape
 from cost_models.records import ParamInfo, Unit
 from cost_models.tensor_parallel import TpLayout, TpRole, unit_layouts
 
-__all__ = ["apply_tp", "local_loss", "parallelize_tp", "training_context"]
+__all__ = ["apply_tp", "check_resume_degree", "local_loss", "parallelize_tp", "training_context"]
 
 
 def training_context(plan: Plan):
@@ -72,13 +82,19 @@ def _check(plan: Plan, model: nn.Module, layout: TpLayout) -> None:
                                 "data-parallel dimension shards: shard, shard_keep; no offload)")
 
 
-def _block_plan(path: str, layout: TpLayout, norms: list[str], sp: bool) -> dict:
-    """The block's column- and row-wise projections, as the layout names them (the zoo's, Hugging Face's)."""
-    plan = {}
+def _block_plan(path: str, layout: TpLayout, norms: list[str], owned: bool) -> dict:
+    """The block's column- and row-wise projections, as the layout names them (the zoo's, Hugging Face's), and
+    its experts split by width; `owned`: row-wise outputs that the block adds into in place (Falcon's)."""
+    plan, sp = {}, layout.sequence_parallel
+    rowwise = OwnedRowwiseParallel if owned else RowwiseParallel
     for module, role in layout.roles.items():
         if module.startswith(path + ".") and role in (TpRole.COLWISE, TpRole.ROWWISE):
             plan[module[len(path) + 1:]] = ColwiseParallel() if role is TpRole.COLWISE else (
-                RowwiseParallel(output_layouts=Shard(1)) if sp else RowwiseParallel())
+                rowwise(output_layouts=Shard(1)) if sp else rowwise())
+        elif module.startswith(path + ".") and role is TpRole.EXPERTS:
+            plan[module[len(path) + 1:]] = ExpertsParallel({name.rpartition(".")[2]: dim for name, dim
+                                                            in layout.split_params.items()
+                                                            if name.rpartition(".")[0] == module})
     if sp:  # the zoo's block only (autoplan.models.tp_layout)
         for norm in norms:
             plan[norm] = SequenceParallel()
@@ -89,12 +105,30 @@ def _block_plan(path: str, layout: TpLayout, norms: list[str], sp: bool) -> dict
     return plan
 
 
+def check_resume_degree(model: nn.Module, saved: int, degree: int, where: str) -> None:
+    """A checkpoint holds fused projections (Phi-3's q/k/v, experts' gate_up) with their rows in the order of the
+    tensor-parallel degree it was saved at (autoplan.run.tp_styles.order_sections), which DCP cannot reorder:
+    CheckpointError where this run's degree differs and the model has such projections."""
+    if saved == degree:
+        return
+    try:
+        fused = recognise(model, max(saved, degree), False).fused
+    except TpRefusal:
+        return
+    if fused:
+        raise CheckpointError(f"{where} was saved at tensor-parallel degree {saved}, and its fused projections "
+                              f"({next(iter(fused))} and {len(fused) - 1} more) hold their rows in that degree's "
+                              f"order; resume it under a plan of tensor-parallel degree {saved} (this one's is "
+                              f"{degree})")
+
+
 def apply_tp(model: nn.Module, plan: Plan, tp_mesh: DeviceMesh) -> None:
     """Apply the plan's tensor-parallel layout to `model` on `tp_mesh` (this rank's tensor-parallel group, the
     "tp" dimension of the plan's mesh: cost_models.mesh.Mesh.split)."""
     mesh = plan.cluster.mesh
     try:
         layout = recognise(model, mesh.tp, mesh.sequence_parallel)
+        check_with_experts(layout, mesh.ep)
     except TpRefusal as exc:
         raise PlanFileError(f"the plan's tensor-parallel layout does not fit the model: {exc}") from None
     _check(plan, model, layout)
@@ -103,19 +137,18 @@ def apply_tp(model: nn.Module, plan: Plan, tp_mesh: DeviceMesh) -> None:
 
 def parallelize_tp(model: nn.Module, layout: TpLayout, tp_mesh: DeviceMesh) -> None:
     """DTensor's `parallelize_module` with the layout's styles on `tp_mesh` (1-D, one tensor-parallel group):
-    the Megatron plan on each block (its attention's head counts set to the heads one rank holds), then the
-    vocabulary-parallel embedding and head and, with sequence parallelism, the final norm. What `apply_tp`
-    runs, and what the profiler times (autoplan.profiling.tp_dispatch)."""
+    the Megatron plan on each block (fused projections' rows reordered first, autoplan.run.tp_styles; its
+    attention's head counts set to the heads one rank holds), then the vocabulary-parallel embedding and head
+    and, with sequence parallelism, the final norm. What `apply_tp` runs, and what the profiler times
+    (autoplan.profiling.tp_dispatch)."""
     t, sp = layout.degree, layout.sequence_parallel
-    blocks = list(dict.fromkeys(region.rpartition(".")[0] for region in layout.regions))
-    for path in blocks:
-        block = model.get_submodule(path)
+    order_sections(model, dict(layout.fused), dict(layout.split_params), t)
+    blocks_path = largest_module_list(model)
+    for index, block in enumerate(model.get_submodule(blocks_path)):
+        path = f"{blocks_path}.{index}"
         norms = [name for name, _ in block.named_children() if layout.roles.get(f"{path}.{name}") is TpRole.SEQUENCE]
-        parallelize_module(block, tp_mesh, _block_plan(path, layout, norms, sp))
-        attention = getattr(block, ATTENTION[0], None)
-        if hasattr(attention, "n_heads"):  # the zoo's: the heads this rank holds (Hugging Face's infer them)
-            attention.n_heads //= t
-            attention.n_kv_heads //= t
+        parallelize_module(block, tp_mesh, _block_plan(path, layout, norms, block_shape(block) == "falcon"))
+    local_heads(model, layout)
     top = {}
     if layout.embedding is not None:
         top[layout.embedding] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1) if sp else Replicate())

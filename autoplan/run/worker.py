@@ -34,9 +34,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from autoplan.fileio import write_text_atomic
+from autoplan.models.inputs import ModelInputs
 from autoplan.plan.schema import load_plan
 from autoplan.run.apply import apply, materialise, model_for_plan
 from autoplan.run.attention import planned_attention
@@ -44,10 +44,11 @@ from autoplan.run.data import AlpacaTokens, BatchShape, SyntheticTokens, rank_mi
 from autoplan.run.fsdp import host_state_bytes, offloaded_params
 from autoplan.run.host_memory import keep_freed_memory
 from autoplan.run.memtrack import RankMemory, allocation_failure
+from autoplan.run.named_inputs import NamedInputs, micro_batch_loss, next_token_loss
 from autoplan.run.node_relay import FirstNodeRelay
 from autoplan.run.procs import die_with_parent, rank_signals
 from autoplan.run.resume import Checkpoints
-from autoplan.run.tp import local_loss, training_context
+from autoplan.run.tp import training_context
 
 __all__ = ["RankResult", "RunSpec", "TrainingRun", "main", "next_token_loss", "train", "train_measured",
            "train_untracked"]
@@ -120,13 +121,6 @@ class RankResult:
             return None
 
 
-def next_token_loss(output, labels: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy in fp32 over logits [B, S, V]: the loss the planner's tracer assumes."""
-    logits = output[0] if isinstance(output, (tuple, list)) else getattr(output, "logits", output)
-    # vocabulary-parallel logits (a tensor-parallel plan) give a replicated DTensor: its local value
-    return local_loss(F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten()))
-
-
 def _peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
@@ -152,6 +146,7 @@ def train(spec: RunSpec, rank: int, world_size: int, result: RankResult, sender:
         running.enter_context(planned_attention(plan, model, device.type))  # the kernels the plan priced
         data = (
             AlpacaTokens(spec.data_path, vocab_size_of(model)) if spec.data_path
+            else NamedInputs(ModelInputs.parse(plan.model.inputs), model, seed=spec.seed) if plan.model.inputs
             else SyntheticTokens(vocab_size_of(model), seed=spec.seed)
         )
         model, optimizer = applied = apply(model, plan, lr=spec.lr, dry_run=spec.dry_run)
@@ -267,7 +262,7 @@ def _batches(run: TrainingRun, step: int):
     # Copies of this rank's rows, so that the global batch is freed at once: a rank of a large world would
     # otherwise hold every rank's tokens through the step (64 ranks x micro-batch 8 x 65 ids: 266 KB), which
     # no training job holds and no prediction counts.
-    return [(ids.clone(), labels.clone())
+    return [(ids if isinstance(ids, dict) else ids.clone(), labels.clone())
             for ids, labels in rank_micro_batches(run.data.global_batch(step, shape), run.rank, shape)]
 
 
@@ -280,11 +275,11 @@ def _train_step(model, optimizer, micro_batches, device: torch.device, phase_don
     result = result or RankResult(rank=-1)
     start_s = time.perf_counter()
     loss_sum = torch.zeros((), device=device)
-    for index, (input_ids, labels) in enumerate(micro_batches, start=1):
-        with context.shard(input_ids.to(device), labels.to(device)) if context else \
-                contextlib.nullcontext((input_ids.to(device), labels.to(device))) as (input_ids, labels):
+    for index, (inputs, labels) in enumerate(micro_batches, start=1):
+        with context.shard(inputs.to(device), labels.to(device)) if context else \
+                contextlib.nullcontext((inputs, labels)) as (inputs, labels):
             result.doing = f"running the forward of micro-batch {index} of {len(micro_batches)}"
-            loss = next_token_loss(model(input_ids), labels) / len(micro_batches)
+            loss = micro_batch_loss(model, inputs, labels, device) / len(micro_batches)
             if phase_done:
                 phase_done("forward")
             result.doing = f"running the backward of micro-batch {index} of {len(micro_batches)}"

@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass, replace
 
 from autoplan.errors import InfeasibleError, SolverTimeout, UsageError
-from autoplan.models.tp_layout import TpRefusal, recognise
+from autoplan.models.tp_layout import TpRefusal, check_with_experts, recognise
 from autoplan.solve.cluster import Cluster
 from autoplan.solve.expert_tables import mesh_source
 from autoplan.solve.request import PlanRequest, Uniform
@@ -161,6 +161,7 @@ def _search(request: PlanRequest, mesh: Mesh, progress=None) -> MeshResult:
         if mesh.tp > 1:
             check_beside_tensor_parallelism(request.uniform)
             result.layout = recognise(request.model.module, mesh.tp, mesh.sequence_parallel)
+            check_with_experts(result.layout, mesh.ep)
         uniform = request.uniform
         if mesh.ep > 1 and uniform is not None and not expert_kind_runs(uniform.strategy, uniform.offload):
             raise TpRefusal(f"`strategy` {uniform.strategy}{' with offload' if uniform.offload else ''} does not "
