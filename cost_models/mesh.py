@@ -226,18 +226,28 @@ class Mesh:
     def split(self, world):
         """`world` (a 1-D DeviceMesh over the ranks running the plan) as (data-parallel mesh, tensor-parallel
         mesh or None): a (world / tp) x tp mesh named ("dp", "tp"), rank r being tensor-parallel rank r % tp of
-        data-parallel rank r // tp, so that a tensor-parallel group is `tp` neighbouring ranks of a node."""
+        data-parallel rank r // tp, so that a tensor-parallel group is `tp` neighbouring ranks of a node. With a
+        pipeline, this rank's stage's data-parallel and tensor-parallel meshes (see `split_pipeline`)."""
+        return self.split_pipeline(world)[1:]
+
+    def split_pipeline(self, world):
+        """`world` as (pipeline mesh or None, data-parallel mesh, tensor-parallel mesh or None): a pp x dp x tp
+        mesh named as `dims`, rank r on pipeline rank r // (world / pp), as torchtitan's ParallelDims lays it out;
+        a stage's data- and tensor-parallel ranks are one contiguous block of the world."""
         from torch._subclasses.fake_tensor import unset_fake_temporarily
         from torch.distributed.device_mesh import DeviceMesh
 
-        if self.tp == 1:
-            return world, None
+        if self.tp == 1 and self.pp == 1:
+            return None, world, None
         size = world.size()
-        if size % self.tp:
-            raise MeshError(f"the plan's tensor-parallel degree {self.tp} does not divide the {size} ranks running it")
+        if size % (self.tp * self.pp):
+            raise MeshError(f"the plan's tensor-parallel degree {self.tp} x pipeline degree {self.pp} does not divide "
+                            f"the {size} ranks running it")
+        names = tuple(name for name, _ in self.dims)
+        shape = tuple(size // (self.tp * self.pp) if name == "dp" else degree for name, degree in self.dims)
         with unset_fake_temporarily():  # real rank numbers, also under a FakeTensorMode (see fsdp_mesh)
-            mesh = DeviceMesh(world.device_type, world.mesh.view(size // self.tp, self.tp), mesh_dim_names=("dp", "tp"))
-            return mesh["dp"], mesh["tp"]
+            mesh = DeviceMesh(world.device_type, world.mesh.view(*shape), mesh_dim_names=names)
+            return (mesh["pp"] if self.pp > 1 else None), mesh["dp"], (mesh["tp"] if self.tp > 1 else None)
 
     def expert_meshes(self, dp_mesh):
         """The data-parallel mesh unflattened as `expert_dims` says: (the experts' FSDP mesh over dp / ep, the

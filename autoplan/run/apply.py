@@ -50,6 +50,7 @@ from autoplan.run.ac import apply_ac
 from autoplan.run.experts import apply_ep, check_experts, expert_placement, expert_stacks_of, fully_shard_experts
 from autoplan.run.fsdp import apply_fsdp, materialise, param_groups  # noqa: F401 - materialise: re-exported
 from autoplan.run.meshes import plan_meshes
+from autoplan.run.pipeline import PipelinedModel, check_pipeline, next_token_loss, rank_stages
 from autoplan.run.tp import apply_tp
 from cost_models.mesh import Mesh
 from cost_models.options import (
@@ -100,6 +101,7 @@ def apply(
     dry_run: bool = False,
     optimizer: OptimizerFactory | None = None,
     scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
+    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None = None,
 ) -> Applied:
     """Shard `model` as `plan` says and build its optimizer; returns (model, optimizer), and `.scheduler`.
 
@@ -113,6 +115,9 @@ def apply(
     with `lr`. `scheduler`: a factory called with the optimizer, e.g.
     `lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1, (step + 1) / 100))`.
     `dry_run=True` accepts fewer data-parallel ranks than the plan's, and applies its decisions there.
+    A pipelined plan (`plan.pipeline`) returns a `PipelinedModel` (autoplan.run.pipeline): this rank's stages
+    and their schedule, trained by `model.step(input_ids, labels)`, the loss `loss_fn(output, labels)` on the
+    last stage (the next-token cross-entropy by default); `mesh` then has the plan's "pp" dimension too.
     Refuses a plan made for another model or world size with a PlanFileError naming the difference.
     """
     units, precision, optimizer_kind = check_plan(model, plan)
@@ -124,27 +129,52 @@ def apply(
     if meshes.tp is not None:  # tensor parallelism first (autoplan.run.tp); FSDP shards over the "dp" sub-mesh
         apply_tp(model, plan, meshes.tp)
     experts = apply_ep(model, plan.cluster.mesh, meshes.dp, plan.model.name)  # None without expert parallelism
-    stacks = expert_stacks_of(model)
-    fsdp_meshes: dict[MeshShape, DeviceMesh] = {}  # each made once, only when a unit's kind asks for it
-
     master = torch_dtype(precision.master_dtype)
     if master != torch.float32:  # models are built in fp32
         model.to(master)
-    mp_policy = mixed_precision_policy(precision)
-    pin_memory = meshes.dp.device_type != "cpu"  # pinned host memory needs an accelerator
-    for decision, kind, module in units:
-        apply_ac(module, _plan_row(CHECKPOINT_MODES, decision.checkpoint))
-        if experts is not None and decision.module in experts.stacks:  # over the dp / ep ranks (run/experts.py)
-            fully_shard_experts(module, experts, kind, mp_policy, decision.offload)
-            continue
-        if kind.mesh not in fsdp_meshes:
-            fsdp_meshes[kind.mesh] = meshes.record.fsdp_mesh(meshes.dp, kind.mesh)
-        placement = expert_placement(fsdp_meshes[kind.mesh]) if decision.module in stacks else None
-        apply_fsdp(module, fsdp_meshes[kind.mesh], kind, mp_policy, offload=decision.offload, pin_memory=pin_memory,
-                   shard_placement_fn=placement)
+    shard = _Sharding(meshes, mixed_precision_policy(precision), experts, expert_stacks_of(model))
+    if plan.pipeline is None:
+        shard(units)
+    else:  # this rank's stages, each sharded as its units say (autoplan.run.pipeline)
+        stages = rank_stages(model, plan, meshes.pp.get_local_rank())
+        roots = [(decision, kind) for decision, kind, _ in units if decision.module == ""]  # each stage's root
+        for stage in stages:
+            shard([(decision, kind, stage.get_submodule(decision.module)) for decision, kind, _ in units
+                   if decision.module and _holds(stage, decision.module)] + [(*root, stage) for root in roots])
+        model = PipelinedModel(stages, plan, meshes.pp, loss_fn or next_token_loss)
     built = (build_optimizer(param_groups(model), optimizer_kind, DEFAULT_LR if lr is None else lr)
              if optimizer is None else _from_factory(optimizer, param_groups(model), optimizer_kind))
     return Applied(model, built, None if scheduler is None else scheduler(built))
+
+
+class _Sharding:
+    """Each unit's checkpointing and `fully_shard`, leaves first, its kind's FSDP mesh made once; expert stacks over
+    the expert-parallel split's ranks where there is one (autoplan.run.experts)."""
+
+    def __init__(self, meshes, mp_policy: MixedPrecisionPolicy, experts, stacks):
+        self.meshes, self.mp_policy, self.experts, self.stacks = meshes, mp_policy, experts, stacks
+        self.fsdp_meshes: dict[MeshShape, DeviceMesh] = {}  # each made once, only when a unit's kind asks for it
+        self.pin_memory = meshes.dp.device_type != "cpu"  # pinned host memory needs an accelerator
+
+    def __call__(self, units: list[tuple[UnitDecision, ShardingKind, nn.Module]]) -> None:
+        for decision, kind, module in units:
+            apply_ac(module, _plan_row(CHECKPOINT_MODES, decision.checkpoint))
+            if self.experts is not None and decision.module in self.experts.stacks:  # over the dp / ep ranks
+                fully_shard_experts(module, self.experts, kind, self.mp_policy, decision.offload)
+                continue
+            if kind.mesh not in self.fsdp_meshes:
+                self.fsdp_meshes[kind.mesh] = self.meshes.record.fsdp_mesh(self.meshes.dp, kind.mesh)
+            mesh = self.fsdp_meshes[kind.mesh]
+            apply_fsdp(module, mesh, kind, self.mp_policy, offload=decision.offload, pin_memory=self.pin_memory,
+                       shard_placement_fn=expert_placement(mesh) if decision.module in self.stacks else None)
+
+
+def _holds(stage: nn.Module, path: str) -> bool:
+    try:
+        stage.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
 
 
 def _from_factory(factory: OptimizerFactory, params, planned: OptimizerKind) -> torch.optim.Optimizer:
@@ -227,6 +257,7 @@ def check_plan(model: nn.Module, plan: Plan) -> tuple[list[tuple[UnitDecision, S
              for decision in _leaves_first(plan.units)]
     check_experts(model, plan.cluster.ep_degree, plan.model.name,
                   {decision.module: (kind, decision.offload) for decision, kind, _ in units})
+    check_pipeline(model, plan)
     optimizer_kind = _plan_row(OPTIMIZERS, plan.training.optimizer)
     cls = getattr(torch.optim, optimizer_kind.torch_class, None)
     if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):

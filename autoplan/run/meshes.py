@@ -7,12 +7,14 @@ context-parallel dimension around the data-parallel ranks, or its own ("dp", "tp
   (`Mesh.split`: a (world / tp) x tp mesh named ("dp", "tp") when the plan is tensor-parallel);
 - a 1-D DeviceMesh over the ranks that run the plan, split the same way;
 - a DeviceMesh of several named dimensions: the plan runs on its "dp" dimension and, for a
-  tensor-parallel plan, its "tp" dimension (the names `Mesh.dims` gives); any other dimension ("pp",
-  "cp", ...) is the script's own, each of its coordinates running one copy of the plan;
+  tensor-parallel plan, its "tp" dimension, for a pipelined plan its "pp" dimension (the names `Mesh.dims`
+  gives); any other dimension ("cp", or "pp" under a plan without a pipeline) is the script's own, each of
+  its coordinates running one copy of the plan;
 - the `Mesh` record (`plan.cluster.mesh`, or one of the same degrees with another node layout): a world
   mesh built from it, its nodes deciding the hybrid sharding kind's groups.
 
-The plan's world is data-parallel ranks x tensor-parallel degree; fewer data-parallel ranks is a dry run.
+The plan's world is pipeline degree x data-parallel ranks x tensor-parallel degree; fewer data-parallel ranks is
+a dry run.
 """
 
 from __future__ import annotations
@@ -32,16 +34,18 @@ __all__ = ["PlanMeshes", "plan_meshes", "world_mesh"]
 @dataclass(frozen=True)
 class PlanMeshes:
     """Where a plan runs on this rank: its data-parallel mesh, its tensor-parallel mesh (None without tensor
-    parallelism), and the mesh record whose node layout the hybrid sharding kind follows."""
+    parallelism), the mesh record whose node layout the hybrid sharding kind follows, and the pipeline mesh
+    (None without a pipeline: this rank's pipeline group, one rank per stage group)."""
 
     dp: DeviceMesh
     tp: DeviceMesh | None
     record: Mesh
+    pp: DeviceMesh | None = None
 
     @property
     def ranks(self) -> int:
-        """The ranks of one copy of the plan: data-parallel ranks x tensor-parallel degree."""
-        return self.dp.size() * (self.tp.size() if self.tp is not None else 1)
+        """The ranks of one copy of the plan: pipeline degree x data-parallel ranks x tensor-parallel degree."""
+        return self.dp.size() * (self.tp.size() if self.tp is not None else 1) * (self.pp.size() if self.pp else 1)
 
 
 def world_mesh() -> DeviceMesh:
@@ -73,14 +77,17 @@ def plan_meshes(plan: Plan, mesh: DeviceMesh | Mesh | None) -> PlanMeshes:
 
 def _split(planned: Mesh, world: DeviceMesh, record: Mesh) -> PlanMeshes:
     try:
-        dp_mesh, tp_mesh = planned.split(world)
+        pp_mesh, dp_mesh, tp_mesh = planned.split_pipeline(world)
     except MeshError as exc:
         raise PlanFileError(str(exc)) from None
-    return PlanMeshes(dp_mesh, tp_mesh, record)
+    return PlanMeshes(dp_mesh, tp_mesh, record, pp_mesh)
 
 
 def _of_record(planned: Mesh, record: Mesh) -> PlanMeshes:
     """The caller's record must have the plan's parallel degrees; its world is this process group's."""
+    if record.pp != planned.pp:
+        raise PlanFileError(f"the mesh record has pipeline degree {record.pp}, the plan {planned.pp}; pass "
+                            "plan.cluster.mesh, or make the plan for these degrees")
     if (record.tp, record.sequence_parallel) != (planned.tp, planned.sequence_parallel):
         raise PlanFileError(f"the mesh record has tensor-parallel degree {record.tp}"
                             f"{' with sequence parallelism' if record.sequence_parallel else ''}, the plan "
@@ -108,4 +115,10 @@ def _named(planned: Mesh, mesh: DeviceMesh) -> PlanMeshes:
     if tp_size != planned.tp:
         raise PlanFileError(f"the mesh's \"tp\" dimension has {tp_size} ranks, the plan's tensor-parallel degree is "
                             f"{planned.tp}; make the plan for this mesh (`autoplan search --tp {tp_size}`)")
-    return PlanMeshes(mesh["dp"], mesh["tp"] if planned.tp > 1 else None, planned)
+    pp_size = mesh.shape[names.index("pp")] if "pp" in names else 1
+    if planned.pp > 1 and pp_size != planned.pp:
+        found = f'a "pp" dimension of {pp_size}' if "pp" in names else 'no "pp" dimension'
+        raise PlanFileError(f"the plan is pipelined over {planned.pp} ranks and the mesh ({shape}) has {found}; "
+                            f"give a mesh with dimensions {tuple(wanted)}")
+    return PlanMeshes(mesh["dp"], mesh["tp"] if planned.tp > 1 else None, planned,
+                      mesh["pp"] if planned.pp > 1 else None)

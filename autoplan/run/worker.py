@@ -34,7 +34,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from autoplan.fileio import write_text_atomic
 from autoplan.plan.schema import load_plan
@@ -45,9 +44,10 @@ from autoplan.run.fsdp import host_state_bytes, offloaded_params
 from autoplan.run.host_memory import keep_freed_memory
 from autoplan.run.memtrack import RankMemory, allocation_failure
 from autoplan.run.node_relay import FirstNodeRelay
+from autoplan.run.pipeline import PipelinedModel, next_token_loss, train_pipeline_step
 from autoplan.run.procs import die_with_parent, rank_signals
 from autoplan.run.resume import Checkpoints
-from autoplan.run.tp import local_loss, training_context
+from autoplan.run.tp import training_context
 
 __all__ = ["RankResult", "RunSpec", "TrainingRun", "main", "next_token_loss", "train", "train_measured",
            "train_untracked"]
@@ -104,6 +104,7 @@ class RankResult:
     mem_source: str = ""  # what peak_mem_bytes counts
     # offloaded units' parameters, gradients and optimizer states (on the host), at the latest optimizer step
     host_state_bytes: int = 0
+    pipeline_rank: int | None = None  # a pipelined plan: the stage group this rank is in
 
     @staticmethod
     def path(run_dir: str | os.PathLike, rank: int) -> Path:
@@ -120,13 +121,6 @@ class RankResult:
             return None
 
 
-def next_token_loss(output, labels: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy in fp32 over logits [B, S, V]: the loss the planner's tracer assumes."""
-    logits = output[0] if isinstance(output, (tuple, list)) else getattr(output, "logits", output)
-    # vocabulary-parallel logits (a tensor-parallel plan) give a replicated DTensor: its local value
-    return local_loss(F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten()))
-
-
 def _peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
@@ -140,8 +134,9 @@ def train(spec: RunSpec, rank: int, world_size: int, result: RankResult, sender:
     if device.type == "cpu":
         keep_freed_memory()  # freed memory stays mapped, as CUDA's caching allocator keeps it (host_memory.py)
     training = plan.training
-    mesh = plan.cluster.mesh  # a tensor-parallel group shares its rows
-    data_rank_, data_world = mesh.data_rank(rank), world_size // mesh.tp
+    mesh = plan.cluster.mesh  # a tensor-parallel group shares its rows, and so do a pipeline's stages
+    data_rank_, data_world = mesh.data_rank(rank), world_size // (mesh.tp * mesh.pp)
+    result.pipeline_rank = mesh.pipeline_rank(rank) if mesh.pp > 1 else None
     shape = BatchShape(training.micro_batch_size, training.grad_accum_steps, data_world, training.seq_len)
 
     memory = RankMemory(device, spec.mem_limit_bytes)
@@ -274,6 +269,8 @@ def _train_step(model, optimizer, micro_batches, device: torch.device, phase_don
     `phase_done(phase)` is called as forward (loss included), backward and the optimizer step end;
     `result.doing` says which is under way."""
     result = result or RankResult(rank=-1)
+    if isinstance(model, PipelinedModel):  # the schedule runs the micro-batches' forwards and backwards
+        return train_pipeline_step(model, optimizer, micro_batches, device, phase_done, result)
     start_s = time.perf_counter()
     loss_sum = torch.zeros((), device=device)
     for index, (input_ids, labels) in enumerate(micro_batches, start=1):
