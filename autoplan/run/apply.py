@@ -298,7 +298,11 @@ def first_difference(model: nn.Module, plan: Plan) -> str:
 
 
 def check_world_size(world_size: int, plan: Plan, dry_run: bool = False) -> None:
-    planned = plan.cluster.world_size
+    planned, group = plan.cluster.world_size, plan.cluster.pp_degree * plan.cluster.tp_degree
+    if plan.cluster.pp_degree > 1 and world_size % group:
+        raise PlanFileError(f"the plan's ranks come in groups of {group} (pipeline degree {plan.cluster.pp_degree} x "
+                            f"tensor degree {plan.cluster.tp_degree}); {world_size} ranks are not a number of them: "
+                            f"launch {planned}, or a multiple of {group} below it as a dry run")
     if world_size == planned or (dry_run and world_size < planned):
         return
     if world_size > planned:
