@@ -5,7 +5,7 @@ import pytest
 from planmaker import make_plan, pipelined
 
 from autoplan.cli.main import main
-from autoplan.errors import PlanFileError, UsageError
+from autoplan.errors import PlanFileError
 from autoplan.models.zoo import build_model, get_config
 from autoplan.run.apply import check_plan
 from autoplan.run.stage_module import StageModule, stage_parts
