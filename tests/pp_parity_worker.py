@@ -48,7 +48,8 @@ CASES = {
                                decisions={f"layers.{i}": "shard" for i in range(4)}),
                           [["tok_embeddings", "layers.0"], ["layers.1"], ["layers.2"], ["layers.3", "lm_head"]],
                           dict(schedule="interleaved_1f1b")),
-    "gpt2_1f1b": (dict(model=GPT2, grad_accum_steps=2, decisions={"transformer.h.0": "shard", "transformer.h.1": "shard"}),
+    "gpt2_1f1b": (dict(model=GPT2, grad_accum_steps=2,
+                       decisions={"transformer.h.0": "shard", "transformer.h.1": "shard"}),
                   [["transformer.wte", "transformer.wpe", "transformer.h.0"], ["transformer.h.1"]], dict()),
     # pipeline x tensor parallelism: 2 stages of 2 tensor-parallel ranks, the head's logits vocabulary-parallel
     "llama_1f1b_tp2": (dict(decisions=LLAMA_UNITS, grad_accum_steps=2),

@@ -27,11 +27,12 @@ import torch.nn.functional as F
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as torch_schedules
 
-from autoplan.errors import PlanFileError
+from autoplan.errors import PlanFileError, UsageError
 from autoplan.plan.pipeline_spec import PipelineSpec
 from autoplan.plan.schema import Plan
 from autoplan.run.stage_module import StageModule, stage_parts
 from autoplan.run.tp import local_loss
+from cost_models.options import PRECISIONS, Dtype
 from cost_models.schedules import SCHEDULES, StagesPerRank
 
 __all__ = ["PipelinedModel", "check_pipeline", "next_token_loss", "rank_stages", "train_pipeline_step"]
@@ -141,6 +142,31 @@ def rank_stages(model: nn.Module, plan: Plan, pipeline_rank: int) -> list[StageM
             if stage.rank == pipeline_rank]
 
 
+class _FakeGroupStage(PipelineStage):
+    """A stage on torch's fake process group (one rank of a big world: autoplan.run.fake_world), where no peer
+    answers: told its inputs' and outputs' shapes, it takes its own vote for static metadata in torch's warm-up
+    (the real ranks' vote is the same: every stage is told them) and receives nothing else but buffers."""
+
+    def _warmup_forward_vote(self, has_backward, received_acc=None):
+        return torch.ones(1, dtype=torch.int32, device=self.device)
+
+    def _warmup_backward_result(self, received_result=None):
+        return torch.ones(1, dtype=torch.int32, device=self.device)
+
+
+def _pipeline_stage(stage: StageModule, plan: Plan, device: torch.device, group) -> PipelineStage:
+    count = len(plan.pipeline.stages)
+    if dist.get_backend(group) != "fake":  # torch infers the shapes sent between stages at the first step
+        return PipelineStage(stage, stage.stage_index, count, device, group=group)
+    if plan.cluster.tp_degree > 1:
+        raise UsageError("a pipelined plan with tensor parallelism does not run on a fake process group (its "
+                         "stages' DTensor shapes are not told to torch here); run it for real")
+    dtype = getattr(torch, Dtype(PRECISIONS[plan.training.dtype].compute_dtype).torch_name)
+    inputs, outputs = stage.example_args(plan.training.micro_batch_size, plan.training.seq_len, dtype)
+    return _FakeGroupStage(stage, stage.stage_index, count, device, input_args=inputs, output_args=outputs,
+                           group=group)
+
+
 class PipelinedModel(nn.Module):
     """What `apply` returns for a pipelined plan: this rank's stages (`stages`, each `fully_shard`ed) and the
     schedule that runs them. Train with `step(input_ids, labels)` (one optimizer step's batch of this rank's
@@ -153,9 +179,7 @@ class PipelinedModel(nn.Module):
         self._group = pp_mesh.get_group()
         device = torch.device("cuda", torch.cuda.current_device()) if pp_mesh.device_type == "cuda" else torch.device(
             "cpu")
-        count = len(plan.pipeline.stages)
-        self.pipeline_stages = [PipelineStage(stage, stage.stage_index, count, device, group=self._group)
-                                for stage in stages]
+        self.pipeline_stages = [_pipeline_stage(stage, plan, device, self._group) for stage in stages]
         self.schedule = _schedule(plan.pipeline, self.pipeline_stages, loss_fn)
         self.has_first = any(stage.stage_index == 0 for stage in stages)
         self.has_last = any(stage.is_last for stage in stages)

@@ -181,6 +181,16 @@ class StageModule(nn.Module):
             x = self.get_submodule(path)(x)
         return x
 
+    def example_args(self, micro_batch: int, seq_len: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Meta tensors of what the stage takes and gives for one micro-batch: token ids or the hidden state in,
+        the hidden state or the logits out (what a stage on a fake process group is told: no peer answers it)."""
+        config = self._root[0].config
+        hidden = torch.empty(micro_batch, seq_len, config.d_model, dtype=dtype, device="meta", requires_grad=True)
+        ids = torch.empty(micro_batch, seq_len, dtype=torch.long, device="meta")
+        holds_head = self._runner.after[-1] in self._after
+        logits = torch.empty(micro_batch, seq_len, config.vocab_size, dtype=dtype, device="meta", requires_grad=True)
+        return (ids if self._embeds else hidden), (logits if holds_head else hidden)
+
     def init_weights(self) -> None:
         """The model's own initialisation, run on the model whose parts this stage holds (its other parts are
         other stages', still on the meta device, where initialising them allocates nothing); the root's buffers

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict
 
-from autoplan.plan.schema import Plan
+from autoplan.plan.schema import Plan, Prediction
 from autoplan.sizes import format_bytes
 
-__all__ = ["StagePeak", "format_stage_peaks", "stage_peaks"]
+__all__ = ["StagePeak", "format_stage_peaks", "stage_peaks", "stage_prediction"]
 
 
 class StagePeak(BaseModel):
@@ -56,3 +56,13 @@ def format_stage_peaks(peaks: list[StagePeak] | None) -> list[str]:
         lines.append(f"{label:24}{format_bytes(pred) if pred else '-':>14}"
                      f"{format_bytes(meas) if meas is not None else '-':>14}{ratio:>21}")
     return lines
+
+
+def stage_prediction(plan: Plan, rank: int) -> Prediction:
+    """The plan's prediction with the peak of the stage(s) global rank `rank` runs (the largest
+    StageSpec.peak_mem_bytes of its pipeline rank's stages): what one rank of a pipelined plan is compared with."""
+    pipeline_rank = plan.cluster.mesh.pipeline_rank(rank)
+    on_rank = [(i, stage) for i, stage in enumerate(plan.pipeline.stages) if stage.rank == pipeline_rank]
+    return plan.predicted.model_copy(update={
+        "peak_mem_bytes": max(stage.peak_mem_bytes for _, stage in on_rank),
+        "peak_point": f"stage {', '.join(str(i) for i, _ in on_rank)}'s busiest point (StageSpec.peak_mem_bytes)"})
