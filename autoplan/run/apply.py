@@ -30,6 +30,7 @@ resets its shards in place), so the optimizer stays valid; it puts offloaded uni
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 from collections.abc import Callable
@@ -228,12 +229,15 @@ def _plan_row(registry, name: str):
         raise PlanFileError(str(exc)) from None
 
 
-def _sharding_kind(decision: UnitDecision) -> ShardingKind:
-    """The unit's registered sharding kind; the plan's reshard_after_forward must be the kind's."""
+def _sharding_kind(decision: UnitDecision, pipelined: bool = False) -> ShardingKind:
+    """The unit's registered sharding kind; the plan's reshard_after_forward must be the kind's, or, in a pipeline,
+    False (every unit gathered once per step, from its first micro-batch's forward to its last's backward)."""
     name = decision.module or "<root>"
     if decision.sharding not in SHARDING_KINDS:
         raise PlanFileError(unknown_message("sharding", decision.sharding, SHARDING_KINDS, f"in unit {name}"))
     kind = SHARDING_KINDS[decision.sharding]
+    if pipelined and not decision.reshard_after_forward:
+        return dataclasses.replace(kind, reshard_after_forward=False)
     if decision.reshard_after_forward != kind.reshard_after_forward:
         raise PlanFileError(f"unit {name}: sharding {kind.name} contradicts "
                             f"reshard_after_forward={str(decision.reshard_after_forward).lower()}")
@@ -253,7 +257,7 @@ def check_plan(model: nn.Module, plan: Plan) -> tuple[list[tuple[UnitDecision, S
     (decision, kind, module; leaves first), the precision row and the optimizer row."""
     check_model_matches(model, plan)
     # Every unit's module is looked up (and every decision checked) before anything is wrapped.
-    units = [(decision, _sharding_kind(decision), _unit_module(model, decision))
+    units = [(decision, _sharding_kind(decision, plan.pipeline is not None), _unit_module(model, decision))
              for decision in _leaves_first(plan.units)]
     check_experts(model, plan.cluster.ep_degree, plan.model.name,
                   {decision.module: (kind, decision.offload) for decision, kind, _ in units})

@@ -88,19 +88,25 @@ def model_parts(model: nn.Module) -> ModelParts:
 
 
 def stage_parts(model: nn.Module, pipeline: PipelineSpec) -> list[list[str]]:
-    """Each stage's parts, in forward order. The plan's `modules` name them (a block list's path stands for all
-    its blocks; "" for the root's own parameters holds nothing); an embedding or final part the plan leaves out
-    goes to the first or last stage. PlanFileError where a stage names a module the model lacks, a module inside
-    a block, a part twice, or parts out of forward order; where a block is in no stage; where tied weights
-    (GPT-2's embedding and head) would be held by two stages."""
+    """Each stage's parts, in forward order. The plan's `modules` name them: a part, or a module holding parts (a
+    block list, GPT-2's `transformer`), which stands for those of its parts no stage names itself; "" and "<root>"
+    (the root's own parameters) hold nothing. An embedding or final part no stage holds goes to the first or last
+    stage. PlanFileError where a stage names a module the model lacks or one inside a part, where two stages hold
+    a part, parts are out of forward order or a block is in no stage, or where tied weights (GPT-2's embedding and
+    head) would be held by two stages."""
     parts = model_parts(model)
+    named = [[(path, _named_parts(model, parts, path, index)) for path in stage.modules if path not in ("", "<root>")]
+             for index, stage in enumerate(pipeline.stages)]
+    itself = {path for paths in named for path, inside in paths if inside == [path]}
     owner: dict[str, int] = {}
-    for index, stage in enumerate(pipeline.stages):
-        for path in stage.modules:
-            for part in _named_parts(model, parts, path, index):
-                if part in owner:
-                    raise PlanFileError(f"pipeline stages {owner[part]} and {index} both hold {part}")
-                owner[part] = index
+    for around in (False, True):  # parts a stage names itself first; then what the modules around parts leave
+        for index, paths in enumerate(named):
+            for path, inside in paths:
+                for part in (inside if around != (inside == [path]) else []):
+                    if around and part in itself:
+                        continue
+                    if owner.setdefault(part, index) != index:
+                        raise PlanFileError(f"pipeline stages {owner[part]} and {index} both hold {part}")
     last = len(pipeline.stages) - 1
     for part in parts.runner.before + parts.runner.after:
         owner.setdefault(part, 0 if part in parts.runner.before else last)
@@ -118,8 +124,6 @@ def stage_parts(model: nn.Module, pipeline: PipelineSpec) -> list[list[str]]:
 
 
 def _named_parts(model: nn.Module, parts: ModelParts, path: str, index: int) -> list[str]:
-    if path == "":
-        return []
     try:
         model.get_submodule(path)
     except AttributeError:
