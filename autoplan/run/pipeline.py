@@ -192,7 +192,10 @@ class PipelinedModel(nn.Module):
         every pipeline rank (the last stage computes it and sends it to the others)."""
         losses: list[torch.Tensor] = []
         args = (input_ids,) if self.has_first else ()
-        self.schedule.step(*args, target=labels if self.has_last else None, losses=losses if self.has_last else None)
+        # return_outputs off: the last stage would keep every micro-batch's logits to the end of the step to hand
+        # them back merged, which no training step needs
+        self.schedule.step(*args, target=labels if self.has_last else None, losses=losses if self.has_last else None,
+                           return_outputs=False)
         loss = (torch.stack([value.detach().float() for value in losses]).mean() if losses
                 else torch.zeros((), device=labels.device))
         dist.all_reduce(loss, group=self._group)  # the last stage's loss; the others add zero
