@@ -89,24 +89,30 @@ def model_parts(model: nn.Module) -> ModelParts:
 
 def stage_parts(model: nn.Module, pipeline: PipelineSpec) -> list[list[str]]:
     """Each stage's parts, in forward order. The plan's `modules` name them: a part, or a module holding parts (a
-    block list, GPT-2's `transformer`), which stands for those of its parts no stage names itself; "" and "<root>"
-    (the root's own parameters) hold nothing. An embedding or final part no stage holds goes to the first or last
-    stage. PlanFileError where a stage names a module the model lacks or one inside a part, where two stages hold
+    block list, GPT-2's `transformer`), which stands for those of its parts no stage names itself (an embedding
+    part named so by several stages is the first's, a final one the last's); "" and "<root>" (the root's own
+    parameters) hold nothing. An embedding or final part no stage holds goes to the first or last stage. PlanFileError where a stage names a module the model lacks or one inside a part, where two stages hold
     a part, parts are out of forward order or a block is in no stage, or where tied weights (GPT-2's embedding and
     head) would be held by two stages."""
     parts = model_parts(model)
     named = [[(path, _named_parts(model, parts, path, index)) for path in stage.modules if path not in ("", "<root>")]
              for index, stage in enumerate(pipeline.stages)]
-    itself = {path for paths in named for path, inside in paths if inside == [path]}
     owner: dict[str, int] = {}
-    for around in (False, True):  # parts a stage names itself first; then what the modules around parts leave
-        for index, paths in enumerate(named):
-            for path, inside in paths:
-                for part in (inside if around != (inside == [path]) else []):
-                    if around and part in itself:
-                        continue
-                    if owner.setdefault(part, index) != index:
-                        raise PlanFileError(f"pipeline stages {owner[part]} and {index} both hold {part}")
+    around: dict[str, list[int]] = {}  # parts no stage names itself -> the stages naming a module around them
+    for index, paths in enumerate(named):
+        for path, inside in paths:
+            if inside != [path]:
+                for part in inside:
+                    around.setdefault(part, []).append(index)
+            elif owner.setdefault(path, index) != index:
+                raise PlanFileError(f"pipeline stages {owner[path]} and {index} both hold {path}")
+    for part, claims in around.items():
+        if part in owner or len(set(claims)) == 1:
+            owner.setdefault(part, claims[0])
+        elif part in parts.blocks:
+            raise PlanFileError(f"pipeline stages {' and '.join(map(str, sorted(set(claims))))} both hold {part}")
+        else:  # an embedding part with the first stage that may hold it, a final one with the last
+            owner[part] = min(claims) if part in parts.runner.before else max(claims)
     last = len(pipeline.stages) - 1
     for part in parts.runner.before + parts.runner.after:
         owner.setdefault(part, 0 if part in parts.runner.before else last)
