@@ -76,6 +76,15 @@ def test_a_schedule_torch_cannot_run_at_the_micro_batch_count_is_refused():
         check_plan(build_model(get_config("llama-tiny", n_layers=4)), looped)
 
 
+@pytest.mark.parametrize("schedule,ranks", [("zero_bubble", [0, 1, 0, 1]), ("zbv", [0, 1, 1, 0])])
+def test_zero_bubble_schedules_are_refused_under_fsdp(schedule, ranks):
+    plan = pipelined(make_plan(get_config("llama-tiny", n_layers=4), {}, world_size=4, grad_accum_steps=2),
+                     [["tok_embeddings", "layers.0"], ["layers.1"], ["layers.2"], ["layers.3"]], schedule=schedule,
+                     ranks=ranks)
+    with pytest.raises(PlanFileError, match=f"schedule {schedule} defers the weight gradients past FSDP2's"):
+        check_plan(build_model(get_config("llama-tiny", n_layers=4)), plan)
+
+
 def test_stages_placed_otherwise_than_the_schedule_runs_them_are_refused():
     model = build_model(get_config("llama-tiny", n_layers=4))
     stages = [["tok_embeddings", "layers.0"], ["layers.1"], ["layers.2"], ["layers.3"]]

@@ -1,6 +1,7 @@
 """Pipelined plans on gloo train exactly like one process on the same global batch: 2 pipeline ranks x 2
 data-parallel ranks (4 processes) through `autoplan.apply`, torch's 1F1B, GPipe and interleaved 1F1B
-schedules, FSDP2 inside each stage, Llama and GPT-2.
+schedules, FSDP2 inside each stage, Llama and GPT-2, and with tensor parallelism. (The zero-bubble schedules
+are refused: test_pipeline_run.py.)
 
 One torchrun launch (pp_parity_worker.py) runs every case; each test checks one case.
 """
