@@ -51,7 +51,7 @@ from autoplan.run.ac import apply_ac
 from autoplan.run.experts import apply_ep, check_experts, expert_placement, expert_stacks_of, fully_shard_experts
 from autoplan.run.fsdp import apply_fsdp, materialise, param_groups  # noqa: F401 - materialise: re-exported
 from autoplan.run.meshes import plan_meshes
-from autoplan.run.pipeline import PipelinedModel, check_pipeline, next_token_loss, rank_stages
+from autoplan.run.pipeline import check_pipeline, next_token_loss, pipelined_model
 from autoplan.run.tp import apply_tp
 from cost_models.mesh import Mesh
 from cost_models.options import (
@@ -136,13 +136,8 @@ def apply(
     shard = _Sharding(meshes, mixed_precision_policy(precision), experts, expert_stacks_of(model))
     if plan.pipeline is None:
         shard(units)
-    else:  # this rank's stages, each sharded as its units say (autoplan.run.pipeline)
-        stages = rank_stages(model, plan, meshes.pp.get_local_rank())
-        roots = [(decision, kind) for decision, kind, _ in units if decision.module == ""]  # each stage's root
-        for stage in stages:
-            shard([(decision, kind, stage.get_submodule(decision.module)) for decision, kind, _ in units
-                   if decision.module and _holds(stage, decision.module)] + [(*root, stage) for root in roots])
-        model = PipelinedModel(stages, plan, meshes.pp, loss_fn or next_token_loss)
+    else:  # this rank's stages, each sharded as its units say, and their schedule (autoplan.run.pipeline)
+        model = pipelined_model(model, plan, meshes.pp, units, shard, loss_fn or next_token_loss)
     built = (build_optimizer(param_groups(model), optimizer_kind, DEFAULT_LR if lr is None else lr)
              if optimizer is None else _from_factory(optimizer, param_groups(model), optimizer_kind))
     return Applied(model, built, None if scheduler is None else scheduler(built))
@@ -168,14 +163,6 @@ class _Sharding:
             mesh = self.fsdp_meshes[kind.mesh]
             apply_fsdp(module, mesh, kind, self.mp_policy, offload=decision.offload, pin_memory=self.pin_memory,
                        shard_placement_fn=expert_placement(mesh) if decision.module in self.stacks else None)
-
-
-def _holds(stage: nn.Module, path: str) -> bool:
-    try:
-        stage.get_submodule(path)
-    except AttributeError:
-        return False
-    return True
 
 
 def _from_factory(factory: OptimizerFactory, params, planned: OptimizerKind) -> torch.optim.Optimizer:

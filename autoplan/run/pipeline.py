@@ -38,7 +38,8 @@ from autoplan.run.tp import local_loss
 from cost_models.options import PRECISIONS, Dtype
 from cost_models.schedules import SCHEDULES, StagesPerRank
 
-__all__ = ["PipelinedModel", "check_pipeline", "next_token_loss", "rank_stages", "train_pipeline_step"]
+__all__ = ["PipelinedModel", "check_pipeline", "next_token_loss", "pipelined_model", "rank_stages",
+           "train_pipeline_step"]
 
 
 def next_token_loss(output, labels: torch.Tensor) -> torch.Tensor:
@@ -148,6 +149,26 @@ def rank_stages(model: nn.Module, plan: Plan, pipeline_rank: int) -> list[StageM
     last = len(pipeline.stages) - 1
     return [StageModule(model, parts[i], i, last) for i, stage in enumerate(pipeline.stages)
             if stage.rank == pipeline_rank]
+
+
+def pipelined_model(model: nn.Module, plan: Plan, pp_mesh, units: list, shard, loss_fn) -> PipelinedModel:
+    """This rank's stages of `model` and their schedule: each unit (`units`: apply's (decision, kind, module),
+    leaves first) `shard`ed (apply's checkpointing and fully_shard) inside the stage holding it, each stage's
+    root as the plan's root unit says."""
+    stages = rank_stages(model, plan, pp_mesh.get_local_rank())
+    roots = [(decision, kind) for decision, kind, _ in units if decision.module == ""]
+    for stage in stages:
+        shard([(decision, kind, stage.get_submodule(decision.module)) for decision, kind, _ in units
+               if decision.module and _holds(stage, decision.module)] + [(*root, stage) for root in roots])
+    return PipelinedModel(stages, plan, pp_mesh, loss_fn)
+
+
+def _holds(stage: nn.Module, path: str) -> bool:
+    try:
+        stage.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
 
 
 class _FakeGroupStage(PipelineStage):
