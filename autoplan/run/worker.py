@@ -135,8 +135,9 @@ def train(spec: RunSpec, rank: int, world_size: int, result: RankResult, sender:
         keep_freed_memory()  # freed memory stays mapped, as CUDA's caching allocator keeps it (host_memory.py)
     training = plan.training
     mesh = plan.cluster.mesh  # a tensor-parallel group shares its rows, and so do a pipeline's stages
-    data_rank_, data_world = mesh.data_rank(rank), world_size // (mesh.tp * mesh.pp)
-    result.pipeline_rank = mesh.pipeline_rank(rank) if mesh.pp > 1 else None
+    stage_ranks = world_size // mesh.pp  # a pipeline stage's ranks (fewer than the plan's on a dry run)
+    data_rank_, data_world = rank % stage_ranks // mesh.tp, stage_ranks // mesh.tp
+    result.pipeline_rank = rank // stage_ranks if mesh.pp > 1 else None
     shape = BatchShape(training.micro_batch_size, training.grad_accum_steps, data_world, training.seq_len)
 
     memory = RankMemory(device, spec.mem_limit_bytes)
