@@ -8,13 +8,15 @@ round (common.execute_many), as the profile's calibration steps do.
     python benchmarks/fidelity.py            # full grid (~10 min on 2 cores)
     python benchmarks/fidelity.py --quick    # one model, one micro-batch
     python benchmarks/fidelity.py --large    # only the real-vocabulary models (LARGE_MODELS)
+    python benchmarks/fidelity.py --pipeline # pipelined plans on 4 ranks: per stage (pipeline_rows.py, ~5 min)
 
 The grid includes real vocabularies (issue 13): gpt2 124M with its 50,257 tokens and a Llama with
 32,000, at micro-batches the profile never timed (it measured gpt2 at 1, 2, 4 and 16), under the
 plan kinds whose costs differ most at that size (all-shard, and the solver's mixed plan); their
 steps take seconds, so they run in one round (--rounds) unless asked for more.
 
-Targets (issue 5): memory error at most 5% median and 10% worst; step time 10% median, 20% worst.
+Targets (issue 5): memory error at most 5% median and 10% worst; step time 10% median, 20% worst. Pipeline
+rows (issue 28): per-stage memory within 3% median.
 """
 
 from __future__ import annotations
@@ -22,7 +24,18 @@ from __future__ import annotations
 import argparse
 from collections import defaultdict
 
-from common import ROUNDS, compared, compared_text, execute_many, group_summary, make_plan, summary_text, write_results
+from common import (
+    ROUNDS,
+    compared,
+    compared_text,
+    execute_many,
+    group_summary,
+    make_plan,
+    summarize,
+    summary_text,
+    write_results,
+)
+from pipeline_rows import HEADER, gloo_rows
 
 from autoplan.plan.schema import Plan
 from autoplan.run.report import predicted_phase_peaks
@@ -59,7 +72,10 @@ def main() -> None:
     parser.add_argument("--large", action="store_true", help="only the real-vocabulary models")
     parser.add_argument("--no-large", action="store_true", help="leave out the real-vocabulary models")
     parser.add_argument("--large-rounds", type=int, default=LARGE_ROUNDS, help="rounds of each large model's plans")
+    parser.add_argument("--pipeline", action="store_true", help="only the pipelined plans' rows, per stage")
     args = parser.parse_args()
+    if args.pipeline:
+        return pipeline_main()
     models, batches = (MODELS[:1], MICRO_BATCHES[:1]) if args.quick else (MODELS, MICRO_BATCHES)
     models, batches = args.model or models, args.batch_size or batches
     grid = [] if args.large else [(model, batch_size, KINDS, ROUNDS) for model in models for batch_size in batches]
@@ -95,6 +111,17 @@ def main() -> None:
         print(summary_text(kind, 16, summary[kind]))
     partial = args.quick or args.model or args.batch_size or args.large or args.no_large
     path = write_results("fidelity" + ("_partial" if partial else ""), {"rows": rows, "summary": summary})
+    print(f"written to {path}")
+
+
+def pipeline_main() -> None:
+    print(HEADER)
+    rows = gloo_rows()
+    median, worst = summarize([row["mem_error"] for row in rows])
+    print(f"\n{len(rows)} pipeline ranks: per-stage memory median |error| {100 * median:.1f}%, worst "
+          f"{100 * worst:.1f}% (target: 3% median)")
+    path = write_results("fidelity_pipeline", {"rows": rows, "summary": {"n": len(rows), "mem_median": median,
+                                                                          "mem_worst": worst}})
     print(f"written to {path}")
 
 

@@ -258,33 +258,44 @@ class Mesh:
 
     def split(self, world):
         """`world` (a 1-D DeviceMesh over the ranks running the plan) as (FSDP mesh, tensor-parallel mesh or
-        None): see `split_context`, whose context-parallel mesh it leaves out."""
-        fsdp, _, tp = self.split_context(world)
+        None): see `split_dims`, whose pipeline and context-parallel meshes it leaves out."""
+        _, fsdp, _, tp = self.split_dims(world)
         return fsdp, tp
 
     def split_context(self, world):
-        """`world` as (FSDP mesh, context-parallel mesh or None, tensor-parallel mesh or None): a
-        (world / (cp tp)) x cp x tp mesh named ("dp", "cp", "tp") (the degrees above 1), rank r being
-        tensor-parallel rank r % tp of context-parallel rank (r // tp) % cp of data-parallel rank r // (cp tp),
-        so that a tensor-parallel group is `tp` neighbouring ranks of a node and a context-parallel group the
+        """`world` as (FSDP mesh, context-parallel mesh or None, tensor-parallel mesh or None): `split_dims`."""
+        _, fsdp, cp, tp = self.split_dims(world)
+        return fsdp, cp, tp
+
+    def split_pipeline(self, world):
+        """`world` as (pipeline mesh or None, FSDP mesh, tensor-parallel mesh or None): `split_dims`."""
+        pp, fsdp, _, tp = self.split_dims(world)
+        return pp, fsdp, tp
+
+    def split_dims(self, world):
+        """`world` as (pipeline mesh or None, FSDP mesh, context-parallel mesh or None, tensor-parallel mesh or
+        None): a pp x dp x cp x tp mesh named as `dims` (the degrees above 1), as torchtitan's ParallelDims lays
+        it out: rank r on pipeline rank r // (world / pp), so that a stage's ranks are one contiguous block of the
+        world; a tensor-parallel group is `tp` neighbouring ranks of a node and a context-parallel group the
         nearest ranks beyond it. FSDP shards over dp x cp (flattened to one dimension "dp_cp")."""
         from torch._subclasses.fake_tensor import unset_fake_temporarily
         from torch.distributed.device_mesh import DeviceMesh
 
-        if self.tp == 1 and self.cp == 1:
-            return world, None, None
-        size, inner = world.size(), self.tp * self.cp
+        if self.tp == 1 and self.cp == 1 and self.pp == 1:
+            return None, world, None, None
+        size, inner = world.size(), self.tp * self.cp * self.pp
         if size % inner:
-            raise MeshError(f"the plan's context x tensor-parallel degrees {self.cp} x {self.tp} do not divide the "
-                            f"{size} ranks running it")
-        names = ("dp",) + (("cp",) if self.cp > 1 else ()) + (("tp",) if self.tp > 1 else ())
-        shape = (size // inner,) + ((self.cp,) if self.cp > 1 else ()) + ((self.tp,) if self.tp > 1 else ())
+            raise MeshError(f"the plan's pipeline x context x tensor-parallel degrees {self.pp} x {self.cp} x "
+                            f"{self.tp} do not divide the {size} ranks running it")
+        names = tuple(name for name, _ in self.dims)
+        shape = tuple(size // inner if name == "dp" else degree for name, degree in self.dims)
         with unset_fake_temporarily():  # real rank numbers, also under a FakeTensorMode (see fsdp_mesh)
             mesh = DeviceMesh(world.device_type, world.mesh.view(*shape), mesh_dim_names=names)
+            pp = mesh["pp"] if self.pp > 1 else None
             tp = mesh["tp"] if self.tp > 1 else None
             if self.cp == 1:
-                return mesh["dp"], None, tp
-            return mesh["dp", "cp"]._flatten("dp_cp"), mesh["cp"], tp
+                return pp, mesh["dp"], None, tp
+            return pp, mesh["dp", "cp"]._flatten("dp_cp"), mesh["cp"], tp
 
     def expert_meshes(self, dp_mesh):
         """The data-parallel mesh unflattened as `expert_dims` says: (the experts' FSDP mesh over dp / ep, the

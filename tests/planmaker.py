@@ -15,6 +15,7 @@ from autoplan.plan.schema import (
     UnitDecision,
     UnitPrediction,
 )
+from autoplan.plan.pipeline_spec import PipelineSpec, StageSpec
 from autoplan.version import __version__
 from cost_models.options import CHECKPOINT_MODES, SHARDING_KINDS
 
@@ -100,3 +101,24 @@ def _numel(shape: list[int]) -> int:
     for dim in shape:
         count *= dim
     return count
+
+
+def pipelined(plan: Plan, stages: list[list[str]], schedule: str = "1f1b", degree: int = 2,
+              microbatches: int | None = None, ranks: list[int] | None = None) -> Plan:
+    """`plan` cut into pipeline stages of `degree` ranks (stage i holds the module paths `stages[i]`, on rank
+    `ranks[i]`: by default i % degree); the step's micro-batches are the plan's accumulation steps unless
+    `microbatches` is given (then both). Stage figures are zeros: a hand-made plan predicts nothing."""
+    training = plan.training
+    microbatches = microbatches or training.grad_accum_steps
+    dp = plan.cluster.world_size // (degree * plan.cluster.tp_degree)
+    ranks = ranks or [i % degree for i in range(len(stages))]
+    spec = PipelineSpec(degree=degree, schedule=schedule, microbatches=microbatches, stages=[
+        StageSpec(rank=rank, modules=modules, units=modules, peak_mem_bytes=0, fwd_s=0.0, bwd_s=0.0)
+        for rank, modules in zip(ranks, stages)])
+    return plan.model_copy(update={
+        "cluster": plan.cluster.model_copy(update={"pp_degree": degree}),
+        "training": training.model_copy(update={
+            "grad_accum_steps": microbatches,
+            "global_batch_size": training.micro_batch_size * microbatches * dp}),
+        "pipeline": spec,
+    })

@@ -19,7 +19,7 @@ from torch import nn
 from autoplan.models.common import init_parameters, merge_heads, split_heads
 from autoplan.models.config import FAMILY_FOLLOWS, ModelConfig
 
-__all__ = ["Llama", "RMSNorm", "rope_tables_at"]
+__all__ = ["Llama", "RMSNorm", "RopeTransformer", "rope_tables", "rope_tables_at"]
 
 
 class RMSNorm(nn.RMSNorm):
@@ -36,7 +36,7 @@ def _inv_freq(config: ModelConfig, device: torch.device | None) -> torch.Tensor:
     return 1.0 / config.rope_theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
 
 
-def _rope_tables(inv_freq: torch.Tensor, seq_len, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(inv_freq: torch.Tensor, seq_len, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin of shape [seq_len, head_dim] in the half-split layout, computed in fp32, returned in `dtype`."""
     return rope_tables_at(inv_freq, torch.arange(seq_len, device=inv_freq.device, dtype=torch.float32), dtype)
 
@@ -137,7 +137,7 @@ class RopeTransformer(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         # the compute dtype from the root's own norm (gathered in it under FSDP2 mixed precision): reading
         # x.dtype would make torch.fx record the rotary tables as reading the embedding's output
-        cos, sin = _rope_tables(self.inv_freq, input_ids.size(1), self.norm.weight.dtype)
+        cos, sin = rope_tables(self.inv_freq, input_ids.size(1), self.norm.weight.dtype)
         x = self.tok_embeddings(input_ids)
         for layer in self.layers:
             x = layer(x, cos, sin)

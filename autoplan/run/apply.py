@@ -30,6 +30,7 @@ resets its shards in place), so the optimizer stays valid; it puts offloaded uni
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 from collections.abc import Callable
@@ -51,6 +52,7 @@ from autoplan.run.context import ContextParallel
 from autoplan.run.experts import apply_ep, check_experts, expert_placement, expert_stacks_of, fully_shard_experts
 from autoplan.run.fsdp import apply_fsdp, materialise, param_groups  # noqa: F401 - materialise: re-exported
 from autoplan.run.meshes import plan_meshes
+from autoplan.run.pipeline import check_pipeline, pipelined_model
 from autoplan.run.tp import apply_tp
 from cost_models.mesh import Mesh
 from cost_models.options import (
@@ -102,6 +104,7 @@ def apply(
     dry_run: bool = False,
     optimizer: OptimizerFactory | None = None,
     scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
+    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None = None,
 ) -> Applied:
     """Shard `model` as `plan` says and build its optimizer; returns (model, optimizer), and `.scheduler`.
 
@@ -115,6 +118,9 @@ def apply(
     with `lr`. `scheduler`: a factory called with the optimizer, e.g.
     `lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1, (step + 1) / 100))`.
     `dry_run=True` accepts fewer data-parallel ranks than the plan's, and applies its decisions there.
+    A pipelined plan (`plan.pipeline`) returns a `PipelinedModel` (autoplan.run.pipeline): this rank's stages
+    and their schedule, trained by `model.step(input_ids, labels)`, the loss `loss_fn(output, labels)` on the
+    last stage (the next-token cross-entropy by default); `mesh` then has the plan's "pp" dimension too.
     Refuses a plan made for another model or world size with a PlanFileError naming the difference.
     """
     units, precision, optimizer_kind = check_plan(model, plan)
@@ -126,28 +132,40 @@ def apply(
     if meshes.tp is not None:  # tensor parallelism first (autoplan.run.tp); FSDP shards over the "dp" sub-mesh
         apply_tp(model, plan, meshes.tp)
     experts = apply_ep(model, plan.cluster.mesh, meshes.dp, plan.model.name)  # None without expert parallelism
-    stacks = expert_stacks_of(model)
     context = ContextParallel(model, meshes.cp, plan) if meshes.cp is not None else None  # hooks before FSDP's
-    fsdp_meshes: dict[MeshShape, DeviceMesh] = {}  # each made once, only when a unit's kind asks for it
-
     master = torch_dtype(precision.master_dtype)
     if master != torch.float32:  # models are built in fp32
         model.to(master)
-    mp_policy = mixed_precision_policy(precision)
-    pin_memory = meshes.dp.device_type != "cpu"  # pinned host memory needs an accelerator
-    for decision, kind, module in units:
-        apply_ac(module, _plan_row(CHECKPOINT_MODES, decision.checkpoint))
-        if experts is not None and decision.module in experts.stacks:  # over the dp / ep ranks (run/experts.py)
-            fully_shard_experts(module, experts, kind, mp_policy, decision.offload)
-            continue
-        if kind.mesh not in fsdp_meshes:
-            fsdp_meshes[kind.mesh] = meshes.record.fsdp_mesh(meshes.dp, kind.mesh)
-        placement = expert_placement(fsdp_meshes[kind.mesh]) if decision.module in stacks else None
-        apply_fsdp(module, fsdp_meshes[kind.mesh], kind, mp_policy, offload=decision.offload, pin_memory=pin_memory,
-                   shard_placement_fn=placement)
+    shard = _Sharding(meshes, mixed_precision_policy(precision), experts, expert_stacks_of(model))
+    if plan.pipeline is None:
+        shard(units)
+    else:  # this rank's stages, each sharded as its units say, and their schedule (autoplan.run.pipeline)
+        model = pipelined_model(model, plan, meshes.pp, units, shard, loss_fn or next_token_loss)
     built = (build_optimizer(param_groups(model), optimizer_kind, DEFAULT_LR if lr is None else lr)
              if optimizer is None else _from_factory(optimizer, param_groups(model), optimizer_kind))
     return Applied(model, built, None if scheduler is None else scheduler(built), context)
+
+
+class _Sharding:
+    """Each unit's checkpointing and `fully_shard`, leaves first, its kind's FSDP mesh made once; expert stacks over
+    the expert-parallel split's ranks where there is one (autoplan.run.experts)."""
+
+    def __init__(self, meshes, mp_policy: MixedPrecisionPolicy, experts, stacks):
+        self.meshes, self.mp_policy, self.experts, self.stacks = meshes, mp_policy, experts, stacks
+        self.fsdp_meshes: dict[MeshShape, DeviceMesh] = {}  # each made once, only when a unit's kind asks for it
+        self.pin_memory = meshes.dp.device_type != "cpu"  # pinned host memory needs an accelerator
+
+    def __call__(self, units: list[tuple[UnitDecision, ShardingKind, nn.Module]]) -> None:
+        for decision, kind, module in units:
+            apply_ac(module, _plan_row(CHECKPOINT_MODES, decision.checkpoint))
+            if self.experts is not None and decision.module in self.experts.stacks:  # over the dp / ep ranks
+                fully_shard_experts(module, self.experts, kind, self.mp_policy, decision.offload)
+                continue
+            if kind.mesh not in self.fsdp_meshes:
+                self.fsdp_meshes[kind.mesh] = self.meshes.record.fsdp_mesh(self.meshes.dp, kind.mesh)
+            mesh = self.fsdp_meshes[kind.mesh]
+            apply_fsdp(module, mesh, kind, self.mp_policy, offload=decision.offload, pin_memory=self.pin_memory,
+                       shard_placement_fn=expert_placement(mesh) if decision.module in self.stacks else None)
 
 
 def _from_factory(factory: OptimizerFactory, params, planned: OptimizerKind) -> torch.optim.Optimizer:
@@ -201,12 +219,15 @@ def _plan_row(registry, name: str):
         raise PlanFileError(str(exc)) from None
 
 
-def _sharding_kind(decision: UnitDecision) -> ShardingKind:
-    """The unit's registered sharding kind; the plan's reshard_after_forward must be the kind's."""
+def _sharding_kind(decision: UnitDecision, pipelined: bool = False) -> ShardingKind:
+    """The unit's registered sharding kind; the plan's reshard_after_forward must be the kind's, or, in a pipeline,
+    False (every unit gathered once per step, from its first micro-batch's forward to its last's backward)."""
     name = decision.module or "<root>"
     if decision.sharding not in SHARDING_KINDS:
         raise PlanFileError(unknown_message("sharding", decision.sharding, SHARDING_KINDS, f"in unit {name}"))
     kind = SHARDING_KINDS[decision.sharding]
+    if pipelined and not decision.reshard_after_forward:
+        return dataclasses.replace(kind, reshard_after_forward=False)
     if decision.reshard_after_forward != kind.reshard_after_forward:
         raise PlanFileError(f"unit {name}: sharding {kind.name} contradicts "
                             f"reshard_after_forward={str(decision.reshard_after_forward).lower()}")
@@ -226,10 +247,11 @@ def check_plan(model: nn.Module, plan: Plan) -> tuple[list[tuple[UnitDecision, S
     (decision, kind, module; leaves first), the precision row and the optimizer row."""
     check_model_matches(model, plan)
     # Every unit's module is looked up (and every decision checked) before anything is wrapped.
-    units = [(decision, _sharding_kind(decision), _unit_module(model, decision))
+    units = [(decision, _sharding_kind(decision, plan.pipeline is not None), _unit_module(model, decision))
              for decision in _leaves_first(plan.units)]
     check_experts(model, plan.cluster.ep_degree, plan.model.name,
                   {decision.module: (kind, decision.offload) for decision, kind, _ in units})
+    check_pipeline(model, plan)
     optimizer_kind = _plan_row(OPTIMIZERS, plan.training.optimizer)
     cls = getattr(torch.optim, optimizer_kind.torch_class, None)
     if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
@@ -270,7 +292,11 @@ def first_difference(model: nn.Module, plan: Plan) -> str:
 
 
 def check_world_size(world_size: int, plan: Plan, dry_run: bool = False) -> None:
-    planned = plan.cluster.world_size
+    planned, group = plan.cluster.world_size, plan.cluster.pp_degree * plan.cluster.tp_degree
+    if plan.cluster.pp_degree > 1 and world_size % group:
+        raise PlanFileError(f"the plan's ranks come in groups of {group} (pipeline degree {plan.cluster.pp_degree} x "
+                            f"tensor degree {plan.cluster.tp_degree}); {world_size} ranks are not a number of them: "
+                            f"launch {planned}, or a multiple of {group} below it as a dry run")
     if world_size == planned or (dry_run and world_size < planned):
         return
     if world_size > planned:

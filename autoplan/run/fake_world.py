@@ -46,6 +46,7 @@ from autoplan.run.attention import check_attention, planned_attention
 from autoplan.run.data import BatchShape, SyntheticTokens, vocab_size_of
 from autoplan.run.memtrack import RankMemory
 from autoplan.run.report import PHASES, predicted_phase_peaks
+from autoplan.run.stage_report import stage_prediction
 from autoplan.run.tp import training_context
 from autoplan.run.worker import RankResult, TrainingRun, train_measured, train_untracked
 from autoplan.sizes import format_bytes
@@ -92,6 +93,7 @@ class FakeWorldResult:
     not_exercised: list[str] = field(default_factory=list)
     predicted_host_bytes: int = 0  # offloaded units' state in host memory (the plan's)
     measured_host_bytes: int = 0  # their storages after the last optimizer step (on the CPU: inside the peak too)
+    rank: int = 0  # the rank of the world that ran (a pipelined plan: of the stage it runs)
 
     @property
     def error(self) -> float:
@@ -125,6 +127,7 @@ class FakeWorldOptions:
     seed: int = 0
     lr: float = DEFAULT_LR
     mem_limit_bytes: int | None = None
+    rank: int = 0  # the rank of the world run here: a pipelined plan's stage is the one this rank runs
 
 
 @dataclass(frozen=True)
@@ -155,7 +158,7 @@ def run_fake_world(plan: Plan | str | os.PathLike, steps: int = 3, model: str | 
     if device not in ("cpu", "cuda") or (device == "cuda" and not torch.cuda.is_available()):
         raise UsageError(f"`device` must be 'cpu' or 'cuda' (with a GPU present), got {device!r}")
     resolved = resolve_plan_model(plan, model, plan_file)  # before the group: a missing factory fails here
-    headline = _headline(plan, resolved, profile_device)
+    headline = _headline(plan, resolved, profile_device, options.rank)
     check_attention(plan, device)
     result, cuda_peaks = _run_rank_zero(plan, resolved.module, device, (warmup, steps), options, log)
 
@@ -177,6 +180,7 @@ def run_fake_world(plan: Plan | str | os.PathLike, steps: int = 3, model: str | 
         step_times_s=result.step_times_s[warmup:], untracked_step_times_s=result.untracked_step_times_s,
         cuda_max_allocated_bytes=cuda_peaks[0], cuda_max_reserved_bytes=cuda_peaks[1],
         predicted_host_bytes=plan.predicted.host_mem_bytes, measured_host_bytes=result.host_state_bytes,
+        rank=options.rank,
         not_exercised=_not_exercised(plan, profile_device, device, headline.gloo_copy_bytes, headline.recosted),
     )
 
@@ -194,9 +198,12 @@ def _check_fake_world(plan: Plan, steps: int, warmup: int) -> None:
                          "(call torch.distributed.destroy_process_group() first)")
 
 
-def _headline(plan: Plan, resolved, profile_device: str) -> _Headline:
+def _headline(plan: Plan, resolved, profile_device: str, rank: int) -> _Headline:
     """On a CPU profile: the plan's decisions costed again with every reduction in place (no gloo on a fake
-    group), where the profile is here; else the plan's own prediction."""
+    group), where the profile is here; else the plan's own prediction. A pipelined plan: the stage's."""
+    if plan.pipeline is not None:
+        return _Headline(plan.model_copy(update={"predicted": stage_prediction(plan, rank)}),
+                         "the plan's prediction for the stage(s) this rank runs", 0, False)
     gloo_copy = _gloo_copy_bytes(plan) if profile_device != "cuda" else 0
     in_place = _costed_in_place(plan, resolved) if gloo_copy else None
     if in_place is None:
@@ -212,28 +219,28 @@ def _run_rank_zero(plan: Plan, module: torch.nn.Module, device: str, warmup_and_
     ranks do; the measurements, and CUDA's max allocated and reserved bytes (None on the CPU)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
-    world, training = plan.cluster.world_size, plan.training
-    data_world = plan.cluster.mesh.dp  # rank 0's context- and tensor-parallel group shares its rows, as in apply
+    world, training, mesh, rank = plan.cluster.world_size, plan.training, plan.cluster.mesh, options.rank
+    data_world = mesh.dp  # a context- or tensor-parallel group and a pipeline's stages share rows, as in apply
     shape = BatchShape(training.micro_batch_size, training.grad_accum_steps, data_world, training.seq_len)
     torch_device = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
-    result = RankResult(rank=0, pid=os.getpid())
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    result = RankResult(rank=rank, pid=os.getpid(), pipeline_rank=mesh.pipeline_rank(rank) if mesh.pp > 1 else None)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
         memory = RankMemory(torch_device, options.mem_limit_bytes)
-        result.mem_source = memory.source + f", rank 0 of a fake {world}-rank world"
+        result.mem_source = memory.source + f", rank {rank} of a fake {world}-rank world"
         with memory, training_context(plan), planned_attention(plan, module, torch_device.type):  # as apply
-            mesh = init_device_mesh(torch_device.type, (world,))
-            module, optimizer = applied = apply(module, plan, mesh, lr=options.lr)
+            data = SyntheticTokens(vocab_size_of(module), seed=options.seed)  # of the whole model: a stage may lack it
+            module, optimizer = applied = apply(module, plan, init_device_mesh(torch_device.type, (world,)),
+                                                lr=options.lr)
             materialise(module, torch_device, options.seed)
-            data = SyntheticTokens(vocab_size_of(module), seed=options.seed)
             result.peak_mem_bytes = memory.peak_and_reset()
 
             def step_done(step: int, label: str, step_s: float, loss: float) -> None:
                 if log is not None:
                     log(f"{label}: {step_s:.3f} s (compute only)")
 
-            run = TrainingRun(module, optimizer, data, 0, shape, memory, result, *warmup_and_steps, step_done,
-                              applied.context)
+            run = TrainingRun(module, optimizer, data, mesh.data_rank(rank), shape, memory, result, *warmup_and_steps,
+                              step_done, applied.context)
             train_measured(run)
         with training_context(plan), planned_attention(plan, module, torch_device.type):
             train_untracked(run)
@@ -308,12 +315,12 @@ def _not_exercised(plan: Plan, profile_device: str, device: str, gloo_copy: int,
 def format_fake_world(r: FakeWorldResult) -> str:
     """The predicted-vs-measured table of a fake-world run."""
     lines = [
-        (f"autoplan apply --fake-world: {r.model} as rank 0 of a fake {r.world_size}-rank world ({r.device}), "
+        (f"autoplan apply --fake-world: {r.model} as rank {r.rank} of a fake {r.world_size}-rank world ({r.device}), "
          f"{r.dtype}, {r.optimizer}, micro-batch {r.micro_batch_size} x {r.grad_accum_steps} accum, "
          f"seq {r.seq_len}, synthetic tokens; {r.warmup_steps} warm-up + {r.steps} measured steps"),
         f"{'':28}{'predicted':>14}{'measured':>14}{'measured/predicted':>21}",
     ]
-    rows = [("peak memory, rank 0", r.predicted_peak_bytes, r.measured_peak_bytes, format_bytes)]
+    rows = [(f"peak memory, rank {r.rank}", r.predicted_peak_bytes, r.measured_peak_bytes, format_bytes)]
     if r.plan_predicted_peak_bytes != r.predicted_peak_bytes:
         rows.append(("  as planned (gloo's copy)", r.plan_predicted_peak_bytes, r.measured_peak_bytes, format_bytes))
     for phase in PHASES:

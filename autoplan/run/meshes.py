@@ -7,14 +7,15 @@ context-parallel dimension around the data-parallel ranks, or its own ("dp", "tp
   (`Mesh.split`: a (world / tp) x tp mesh named ("dp", "tp") when the plan is tensor-parallel);
 - a 1-D DeviceMesh over the ranks that run the plan, split the same way;
 - a DeviceMesh of several named dimensions: the plan runs on its "dp" dimension and, for a
-  tensor-parallel plan, its "tp" dimension, for a context-parallel one its "cp" dimension (the names
-  `Mesh.dims` gives); any other dimension ("pp", ...) is the script's own, each of its coordinates running
-  one copy of the plan;
+  tensor-parallel plan, its "tp" dimension, for a context-parallel one its "cp" dimension, for a pipelined
+  plan its "pp" dimension (the names `Mesh.dims` gives); any other dimension ("pp" under a plan without a
+  pipeline, ...) is the script's own, each of its coordinates running one copy of the plan;
 - the `Mesh` record (`plan.cluster.mesh`, or one of the same degrees with another node layout): a world
   mesh built from it, its nodes deciding the hybrid sharding kind's groups.
 
-The plan's world is data-parallel ranks x context- x tensor-parallel degrees; fewer data-parallel ranks is
-a dry run. FSDP shards over the data x context-parallel ranks (flattened to one dimension, "dp_cp").
+The plan's world is pipeline degree x data-parallel ranks x context- x tensor-parallel degrees; fewer
+data-parallel ranks is a dry run. FSDP shards over the data x context-parallel ranks (flattened to one
+dimension, "dp_cp").
 """
 
 from __future__ import annotations
@@ -34,17 +35,20 @@ __all__ = ["PlanMeshes", "plan_meshes", "world_mesh"]
 @dataclass(frozen=True)
 class PlanMeshes:
     """Where a plan runs on this rank: its data-parallel mesh, its tensor-parallel mesh (None without tensor
-    parallelism), and the mesh record whose node layout the hybrid sharding kind follows."""
+    parallelism), the mesh record whose node layout the hybrid sharding kind follows, and the pipeline mesh
+    (None without a pipeline: this rank's pipeline group, one rank per stage group)."""
 
     dp: DeviceMesh  # the ranks FSDP shards over: data x context parallel ("dp_cp", flattened) with a "cp" mesh
     tp: DeviceMesh | None
     record: Mesh
     cp: DeviceMesh | None = None  # the context-parallel mesh (autoplan.run.context)
+    pp: DeviceMesh | None = None
 
     @property
     def ranks(self) -> int:
-        """The ranks of one copy of the plan: FSDP's ranks (data x context parallel) x tensor-parallel degree."""
-        return self.dp.size() * (self.tp.size() if self.tp is not None else 1)
+        """The ranks of one copy of the plan: pipeline degree x FSDP's ranks (data x context parallel) x
+        tensor-parallel degree."""
+        return self.dp.size() * (self.tp.size() if self.tp is not None else 1) * (self.pp.size() if self.pp else 1)
 
 
 def world_mesh() -> DeviceMesh:
@@ -76,16 +80,19 @@ def plan_meshes(plan: Plan, mesh: DeviceMesh | Mesh | None) -> PlanMeshes:
 
 def _split(planned: Mesh, world: DeviceMesh, record: Mesh) -> PlanMeshes:
     try:
-        fsdp_mesh, cp_mesh, tp_mesh = planned.split_context(world)
+        pp_mesh, fsdp_mesh, cp_mesh, tp_mesh = planned.split_dims(world)
     except MeshError as exc:
         raise PlanFileError(str(exc)) from None
-    return PlanMeshes(fsdp_mesh, tp_mesh, record, cp_mesh)
+    return PlanMeshes(fsdp_mesh, tp_mesh, record, cp_mesh, pp_mesh)
 
 
 def _of_record(planned: Mesh, record: Mesh) -> PlanMeshes:
     """The caller's record must have the plan's parallel degrees; its world is this process group's."""
     if record.cp != planned.cp:
         raise PlanFileError(f"the mesh record has context-parallel degree {record.cp}, the plan {planned.cp}; pass "
+                            "plan.cluster.mesh, or make the plan for these degrees")
+    if record.pp != planned.pp:
+        raise PlanFileError(f"the mesh record has pipeline degree {record.pp}, the plan {planned.pp}; pass "
                             "plan.cluster.mesh, or make the plan for these degrees")
     if (record.tp, record.sequence_parallel) != (planned.tp, planned.sequence_parallel):
         raise PlanFileError(f"the mesh record has tensor-parallel degree {record.tp}"
@@ -118,7 +125,13 @@ def _named(planned: Mesh, mesh: DeviceMesh) -> PlanMeshes:
     if cp_size != planned.cp:
         raise PlanFileError(f"the mesh's \"cp\" dimension has {cp_size} ranks, the plan's context-parallel degree is "
                             f"{planned.cp}; make the plan for this mesh (`autoplan search --cp {cp_size}`)")
+    pp_size = mesh.shape[names.index("pp")] if "pp" in names else 1
+    if planned.pp > 1 and pp_size != planned.pp:
+        found = f'a "pp" dimension of {pp_size}' if "pp" in names else 'no "pp" dimension'
+        raise PlanFileError(f"the plan is pipelined over {planned.pp} ranks and the mesh ({shape}) has {found}; "
+                            f"give a mesh with dimensions {tuple(wanted)}")
     tp = mesh["tp"] if planned.tp > 1 else None
+    pp = mesh["pp"] if planned.pp > 1 else None
     if planned.cp == 1:
-        return PlanMeshes(mesh["dp"], tp, planned)
-    return PlanMeshes(mesh["dp", "cp"]._flatten("dp_cp"), tp, planned, mesh["cp"])
+        return PlanMeshes(mesh["dp"], tp, planned, None, pp)
+    return PlanMeshes(mesh["dp", "cp"]._flatten("dp_cp"), tp, planned, mesh["cp"], pp)

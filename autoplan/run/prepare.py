@@ -117,6 +117,9 @@ def prepare_run(plan_path: str, options: RunOptions | None = None) -> PreparedRu
     shape = BatchShape(plan.training.micro_batch_size, plan.training.grad_accum_steps, world, plan.training.seq_len)
     if options.data is not None:
         AlpacaTokens(options.data, vocab_size_of(resolved.module)).global_batch(0, shape)  # UsageError when unusable
+    if plan.pipeline is not None and (options.checkpoints.save_dir or options.checkpoints.resume):
+        raise UsageError("checkpoints (`--save`, `--resume`) of a pipelined plan's run are not built yet; run it "
+                         "without them")
     said = options.checkpoints.check(plan, resolved.module)
     allocator_conf, allocator_warning = run_allocator_conf(plan.cluster.allocator_conf, device)
     spec = _run_spec(plan_path, plan, options, device, world < plan.cluster.world_size, allocator_conf)

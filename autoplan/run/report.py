@@ -26,6 +26,7 @@ from autoplan.plan.schema import Plan
 from autoplan.profile_store import load_profile
 from autoplan.run.failures import failure_messages
 from autoplan.run.launch import LaunchResult
+from autoplan.run.stage_report import StagePeak, format_stage_peaks, stage_peaks
 from autoplan.run.worker import RunSpec
 from autoplan.sizes import format_bytes
 from cost_models.memory import phase_of
@@ -123,6 +124,8 @@ class RunReport(_Strict):
     launcher_returncode: int  # torch.distributed.run's exit status
     interrupted_by: str | None = None  # the signal that stopped the run (SIGINT, SIGTERM, SIGHUP); None if none did
     failures: list[str]  # one line per rank that did not finish (notes on a teardown hiccup when status is ok)
+    # a pipelined plan: per pipeline rank, its stages' predicted peak beside its ranks' measured one
+    stages: list[StagePeak] | None = Field(default=None, exclude_if=lambda value: value is None)
 
     def to_json(self) -> str:
         return self.model_dump_json(indent=2) + "\n"
@@ -181,8 +184,8 @@ def build_report(plan: Plan, plan_path: str, spec: RunSpec, nproc: int, launched
     """The record of a run of `nproc` ranks in all (on `nodes` nodes); `model` names what ran (by default the
     plan's model name), `model_note` says why that differs from the plan's."""
     training = plan.training
-    # the ranks of a tensor-parallel group share their micro-batches: the data-parallel ranks make the batch
-    ranks_per_row = plan.cluster.tp_degree * plan.cluster.cp_degree  # context and tensor groups share their rows
+    # a tensor- or context-parallel group (and a pipeline's stages) share micro-batches: data-parallel ranks make it
+    ranks_per_row = plan.cluster.tp_degree * plan.cluster.cp_degree * plan.cluster.pp_degree
     global_batch = training.micro_batch_size * training.grad_accum_steps * max(nproc // ranks_per_row, 1)
     results = [r for r in launched.ranks.values() if r is not None]
     all_ok = len(results) == nproc and all(r.status == "ok" for r in results)
@@ -198,7 +201,7 @@ def build_report(plan: Plan, plan_path: str, spec: RunSpec, nproc: int, launched
         profile=plan.cluster.profile, profile_note=profile_note(plan, spec.device),
         measured=_measured(plan, spec.warmup_steps, results, (nproc, nodes), global_batch),
         launcher_returncode=launched.returncode, interrupted_by=launched.interrupted,
-        failures=failure_messages(plan, nproc, launched),
+        failures=failure_messages(plan, nproc, launched), stages=stage_peaks(plan, results),
     )
 
 
@@ -232,10 +235,11 @@ def _measured(plan: Plan, warmup_steps: int, results: list, ranks_and_nodes: tup
         peak_mem_bytes=max((r.peak_mem_bytes for r in results), default=None),
         peak_mem_bytes_per_rank={str(r.rank): r.peak_mem_bytes for r in results},
         peak_mem_bytes_by_step=[max(r.peak_mem_bytes_by_step[i] for r in results) for i in range(steps_all_ranks)],
-        # the last step's phases: optimizer states exist from the second step on
+        # the last step's phases: optimizer states exist from the second step on (a pipeline's schedule interleaves
+        # forwards and backwards: its peaks are per stage instead)
         phase_peak_bytes={
             phase: max(r.phase_peak_bytes_by_step[steps_all_ranks - 1][phase] for r in results) for phase in PHASES
-        } if steps_all_ranks else None,
+        } if steps_all_ranks and plan.pipeline is None else None,
         peak_mem_source=results[0].mem_source if results else None,
         peak_rss_bytes_per_rank={str(r.rank): r.peak_rss_bytes for r in results},
         losses=[statistics.fmean(r.losses[i] for r in results) for i in range(steps_all_ranks)],
@@ -304,6 +308,7 @@ def _comparison(r: RunReport) -> list[str]:
     for label, pred, meas, fmt in rows:
         ratio = f"{meas / pred:.2f}" if meas is not None and pred else "-"
         lines.append(f"{label:24}{_or_dash(pred, fmt):>14}{_or_dash(meas, fmt):>14}{ratio:>21}")
+    lines += format_stage_peaks(r.stages)  # a pipeline: per stage
     if offloaded:
         lines.append("  host memory: offloaded units' parameters, gradients and optimizer states (measured: their "
                      "storages after the last optimizer step)")

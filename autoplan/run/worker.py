@@ -46,6 +46,7 @@ from autoplan.run.host_memory import keep_freed_memory
 from autoplan.run.memtrack import RankMemory, allocation_failure
 from autoplan.run.named_inputs import NamedInputs, micro_batch_loss, next_token_loss
 from autoplan.run.node_relay import FirstNodeRelay
+from autoplan.run.pipeline import PipelinedModel, train_pipeline_step
 from autoplan.run.procs import die_with_parent, rank_signals
 from autoplan.run.resume import Checkpoints
 from autoplan.run.tp import training_context
@@ -105,6 +106,7 @@ class RankResult:
     mem_source: str = ""  # what peak_mem_bytes counts
     # offloaded units' parameters, gradients and optimizer states (on the host), at the latest optimizer step
     host_state_bytes: int = 0
+    pipeline_rank: int | None = None  # a pipelined plan: the stage group this rank is in
 
     @staticmethod
     def path(run_dir: str | os.PathLike, rank: int) -> Path:
@@ -133,11 +135,12 @@ def train(spec: RunSpec, rank: int, world_size: int, result: RankResult, sender:
     device = torch.device("cuda", local_rank) if spec.device == "cuda" else torch.device("cpu")
     if device.type == "cpu":
         keep_freed_memory()  # freed memory stays mapped, as CUDA's caching allocator keeps it (host_memory.py)
-    training = plan.training
-    mesh = plan.cluster.mesh  # a context- and tensor-parallel group shares its rows
-    data_rank_, data_world = mesh.data_rank(rank), world_size // (mesh.tp * mesh.cp)
-    shape = BatchShape(training.micro_batch_size, training.grad_accum_steps, data_world, training.seq_len)
-
+    mesh = plan.cluster.mesh  # a context- or tensor-parallel group shares its rows, and so do a pipeline's stages
+    stage_ranks, per_row = world_size // mesh.pp, mesh.tp * mesh.cp  # a stage's ranks (fewer on a dry run)
+    data_rank_, data_world = rank % stage_ranks // per_row, stage_ranks // per_row
+    result.pipeline_rank = rank // stage_ranks if mesh.pp > 1 else None
+    shape = BatchShape(plan.training.micro_batch_size, plan.training.grad_accum_steps, data_world,
+                       plan.training.seq_len)
     memory = RankMemory(device, spec.mem_limit_bytes)
     result.mem_source = memory.source
     with memory, training_context(plan), contextlib.ExitStack() as running:
@@ -273,6 +276,8 @@ def _train_step(model, optimizer, micro_batches, device: torch.device, phase_don
     `result.doing` says which is under way. `context`: a context-parallel plan's, each micro-batch's
     forward and backward on this rank's chunks of its sequences inside `context.shard`."""
     result = result or RankResult(rank=-1)
+    if isinstance(model, PipelinedModel):  # the schedule runs the micro-batches' forwards and backwards
+        return train_pipeline_step(model, optimizer, micro_batches, device, phase_done, result)
     start_s = time.perf_counter()
     loss_sum = torch.zeros((), device=device)
     for index, (inputs, labels) in enumerate(micro_batches, start=1):

@@ -1,0 +1,55 @@
+"""Pipelined plans on gloo train exactly like one process on the same global batch: 2 pipeline ranks x 2
+data-parallel ranks (4 processes) through `autoplan.apply`, torch's 1F1B, GPipe and interleaved 1F1B
+schedules, FSDP2 inside each stage, Llama and GPT-2, and with tensor parallelism. (The zero-bubble schedules
+are refused: test_pipeline_run.py.)
+
+One torchrun launch (pp_parity_worker.py) runs every case; each test checks one case.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from pp_parity_worker import CASES
+
+TESTS_DIR = Path(__file__).parent
+REPO_ROOT = TESTS_DIR.parent
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # one torchrun launch of 4 ranks (~20 s on 2 cores)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("pp") / "results.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), str(TESTS_DIR)]), "OMP_NUM_THREADS": "1"}
+    completed = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", "--max-restarts=0",
+         str(TESTS_DIR / "pp_parity_worker.py"), str(out)],
+        env=env, capture_output=True, text=True, timeout=900,
+    )
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_matches_single_process_reference(results, case):
+    result = results[case]
+    assert "error" not in result, result.get("error")
+    assert result["losses"] == pytest.approx(result["reference_losses"], rel=1e-5)
+    assert result["max_param_diff"] < 5e-5
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_each_pipeline_rank_holds_its_stages_only(results, case):
+    result = results[case]
+    assert "error" not in result, result.get("error")
+    _, stages, options = CASES[case]
+    per_rank = 2 if options.get("schedule") == "interleaved_1f1b" else 1
+    expected = [[p + 2 * k for k in range(per_rank)] for p in (0, 1)]
+    assert result["stages_by_rank"] == [expected[0], expected[0], expected[1], expected[1]]
+    held = result["params_held"]
+    assert held[0] == held[1] and held[2] == held[3]  # a stage's data-parallel ranks hold the same parameters
+    assert not set(held[0]) & set(held[2])  # no parameter in two pipeline ranks
+    assert sorted(held[0] + held[2]) == result["all_params"]  # and every parameter in one
