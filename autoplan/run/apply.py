@@ -52,6 +52,7 @@ from autoplan.run.context import ContextParallel
 from autoplan.run.experts import apply_ep, check_experts, expert_placement, expert_stacks_of, fully_shard_experts
 from autoplan.run.fsdp import apply_fsdp, materialise, param_groups  # noqa: F401 - materialise: re-exported
 from autoplan.run.meshes import plan_meshes
+from autoplan.run.named_inputs import next_token_loss
 from autoplan.run.pipeline import check_pipeline, pipelined_model
 from autoplan.run.tp import apply_tp
 from cost_models.mesh import Mesh

@@ -32,6 +32,7 @@ from torch.distributed.pipelining import schedules as torch_schedules
 from autoplan.errors import PlanFileError, UsageError
 from autoplan.plan.pipeline_spec import PipelineSpec
 from autoplan.plan.schema import Plan
+from autoplan.run.named_inputs import next_token_loss
 from autoplan.run.stage_module import StageModule, stage_parts
 from cost_models.options import PRECISIONS, Dtype
 from cost_models.schedules import SCHEDULES, StagesPerRank
