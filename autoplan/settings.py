@@ -101,12 +101,12 @@ class _Settings(BaseModel):
 
     @model_validator(mode="after")
     def _check(self):
-        for name in ("gpus", "nodes", "gpus_per_node", "seq_len", "batch_size", "global_batch", "tp", "capacity_factor"):
+        for name in ("gpus", "nodes", "gpus_per_node", "seq_len", "batch_size", "global_batch", "tp", "capacity_factor", "pp"):
             value = getattr(self, name, None)
             if value is not None and value < 1:
                 raise UsageError(f"`{name}` must be at least 1, got {value}")
         for name in ("dtype", "optimizer", "granularity", "strategy", "checkpoint", "sequence_parallel", "fit_to",
-                     "attention"):
+                     "attention", "schedule"):
             value = getattr(self, name, None)
             if value is not None:
                 check_choice(name, value, choices_of(name))
@@ -212,6 +212,12 @@ class PlanningSettings(_Settings):
     sequence_parallel: Annotated[str | None, Flag(kind="choice")] = None
     """with tensor parallelism: norms and residual stream split along the sequence (on) or not (off); default: a
     search tries both, an estimate off"""
+
+    pp: int | None = None
+    """pipeline degree, stages of whole nodes or parts of each (1: none; default: searched where one may pay)"""
+
+    schedule: Annotated[str | None, Flag(kind="choice")] = None
+    """pipeline schedule (gpipe, 1f1b, interleaved_1f1b, zero_bubble, zbv); default: the fastest torch runs"""
 
     example_inputs: Annotated[Any, Flag(api_only=True)] = None
     """inputs of a model whose forward does not take token ids [batch, seq] (a tensor, a tuple or a dict;

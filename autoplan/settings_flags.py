@@ -11,6 +11,7 @@ from pydantic import BaseModel
 from autoplan.errors import UsageError
 from cost_models.attention import KERNEL_ALIASES, AttentionKernel
 from cost_models.options import CHECKPOINT_MODES, OPTIMIZERS, PRECISIONS, SHARDING_KINDS
+from cost_models.schedules import SCHEDULES
 
 __all__ = ["FIT_TO", "GRANULARITIES", "Flag", "check_choice", "choices_of", "field_flag", "flag_name"]
 
@@ -54,4 +55,5 @@ def choices_of(field: str) -> tuple[str, ...] | None:
         "sequence_parallel": lambda: ("on", "off"),
         "fit_to": lambda: FIT_TO,
         "attention": lambda: tuple(AttentionKernel) + tuple(KERNEL_ALIASES),
+        "schedule": lambda: tuple(SCHEDULES),
     }.get(field, lambda: None)()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from autoplan.api.traced import TracedModel, reuse_traced
@@ -32,7 +33,7 @@ from cost_models.mesh import Mesh, MeshError
 from cost_models.options import DEFAULT_SHARDING, SHARDING_KINDS
 from cost_models.training import Training
 
-__all__ = ["allocator_conf", "load_plan_of", "prepare", "search_meshes_of", "wrap_policy_of"]
+__all__ = ["allocator_conf", "load_plan_of", "pipeline_meshes_of", "prepare", "search_meshes_of", "wrap_policy_of"]
 
 
 def prepare(settings: PlanningSettings, plan: Plan | None = None, plan_file: Path | None = None) -> PlanRequest:
@@ -53,6 +54,7 @@ def prepare(settings: PlanningSettings, plan: Plan | None = None, plan_file: Pat
                               settings.host_mem)
     session.price_for(settings, cluster.profile.device_type, plan)  # attention kernels, capacity factor, unpriced ops
     meshes = search_meshes_of(settings, cluster.mesh) if plan is None else (_plan_mesh(plan, cluster.mesh),)
+    pipeline_meshes = pipeline_meshes_of(settings, cluster.mesh) if plan is None else ()
     uniform = _uniform(settings, cluster)
     wrap_policy_of(settings)  # refused before tracing
     mem = settings.mem if settings.mem is not None else cluster.profile.mem_bytes
@@ -63,13 +65,16 @@ def prepare(settings: PlanningSettings, plan: Plan | None = None, plan_file: Pat
               else Limits(mem, allocator_conf=conf))
     batch = Batch(settings.batch_size if searching else settings.batch_size or 1, settings.global_batch)
     batch.candidates(meshes[0].dp)  # a batch that does not divide over the ranks, refused before tracing
+    for mesh in {m.pp: m for m in meshes + pipeline_meshes if m.pp > 1}.values():
+        batch.candidates(mesh.dp)
     training = Training(session.seq_len, settings.dtype_or_default, settings.optimizer_or_default)
     tables, pins = _tables(session, training, settings, plan)
     model = ModelInfo(name=session.name, config=session.resolved.config, n_params=count_params(session.module),
                       fingerprint=model_fingerprint(session.module), module=session.module,
                       notes=session.notes(training.compute_dtype))
     return PlanRequest(model=model, tables=tables, training=training, granularity=settings.granularity_or_default,
-                       cluster=cluster, meshes=meshes, batch=batch, limits=limits, pins=pins, uniform=uniform)
+                       cluster=cluster, meshes=meshes, batch=batch, limits=limits, pins=pins, uniform=uniform,
+                       pipeline_meshes=pipeline_meshes, schedule=settings.schedule)
 
 
 def allocator_conf(settings: PlanningSettings, cluster: Cluster) -> str | None:
@@ -95,26 +100,61 @@ def load_plan_of(plan: Plan | str | Path | None) -> tuple[Plan | None, Path | No
 def search_meshes_of(settings: PlanningSettings, mesh: Mesh) -> tuple[Mesh, ...]:
     """The meshes a search tries on the cluster's `mesh`: each tensor-parallel degree (`tp` itself when given,
     else every degree a node takes), above 1 with and without sequence parallelism (or as
-    `sequence_parallel` says). An estimate runs on one mesh: the cluster's, at its `tp` (sequence parallelism
-    only where asked for)."""
+    `sequence_parallel` says), each with the pipeline degree `pp` where one above 1 is given. An estimate runs
+    on one mesh: the cluster's, at its `tp` (sequence parallelism only where asked for) and `pp`."""
     if not isinstance(settings, SearchSettings):
-        try:
-            return (mesh.with_tensor(settings.tp or 1, settings.sequence_parallel == "on"),)
-        except MeshError as exc:
-            raise UsageError(str(exc)) from None
+        return (_with_pipeline(_tensor(mesh, settings.tp or 1, settings.sequence_parallel == "on"), settings.pp or 1),)
+    degrees = [_tensor(mesh, settings.tp).tp] if settings.tp is not None else mesh.tensor_degrees()
+    variants = (True, False) if settings.sequence_parallel is None else (settings.sequence_parallel == "on",)
+    meshes = tuple(mesh.with_tensor(t, sp) for t in degrees for sp in ((False,) if t == 1 else variants))
+    if settings.pp is None or settings.pp == 1:
+        return meshes
+    pipelined = tuple(_pipelined(m, settings.pp) for m in meshes)
+    if not any(pipelined):
+        _with_pipeline(meshes[0], settings.pp)  # the refusal of the first
+    return tuple(m for m in pipelined if m is not None)
+
+
+def pipeline_meshes_of(settings: PlanningSettings, mesh: Mesh) -> tuple[Mesh, ...]:
+    """The pipelined meshes a search tries after the others where a pipeline may pay (mesh_search.pipeline_pays):
+    with `pp` not given, on two nodes or more, stages of whole nodes (each divisor of the node count above 1),
+    at tensor degree 1 and at the largest a node takes (with sequence parallelism unless `sequence_parallel`
+    is off), or at `tp` where given. Within a node a pipeline's bubble costs more than FSDP's collectives over
+    its GPU links; `pp` fixes a degree, parts of a node included."""
+    if not isinstance(settings, SearchSettings) or settings.pp is not None or mesh.nodes < 2:
+        return ()
+    tensor = [settings.tp] if settings.tp is not None else sorted({1, max(mesh.tensor_degrees())})
+    sp = settings.sequence_parallel != "off"
+    meshes = [_pipelined(mesh.with_tensor(t, sp and t > 1), pp) for pp in range(2, mesh.nodes + 1) if mesh.nodes % pp == 0 for t in tensor]
+    return tuple(m for m in meshes if m is not None)
+
+
+def _tensor(mesh: Mesh, tp: int, sequence_parallel: bool = False) -> Mesh:
     try:
-        degrees = [mesh.with_tensor(settings.tp).tp] if settings.tp is not None else mesh.tensor_degrees()
+        return mesh.with_tensor(tp, sequence_parallel)
     except MeshError as exc:
         raise UsageError(str(exc)) from None
-    variants = (True, False) if settings.sequence_parallel is None else (settings.sequence_parallel == "on",)
-    return tuple(mesh.with_tensor(t, sp) for t in degrees for sp in ((False,) if t == 1 else variants))
+
+
+def _with_pipeline(mesh: Mesh, pp: int) -> Mesh:
+    try:
+        return replace(mesh, pp=pp)
+    except MeshError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _pipelined(mesh: Mesh, pp: int) -> Mesh | None:
+    try:
+        return replace(mesh, pp=pp)
+    except MeshError:
+        return None
 
 
 def _plan_mesh(plan: Plan, cluster_mesh: Mesh) -> Mesh:
     """The plan's own degrees on the cluster asked for (the plan's unless given)."""
     planned = plan.cluster.mesh
     try:
-        return cluster_mesh.with_tensor(planned.tp, planned.sequence_parallel)
+        return replace(cluster_mesh.with_tensor(planned.tp, planned.sequence_parallel), pp=planned.pp)
     except MeshError as exc:
         raise UsageError(f"the plan's tensor-parallel degree does not fit this cluster: {exc}") from None
 

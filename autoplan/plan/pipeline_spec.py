@@ -39,6 +39,8 @@ class StageSpec(StrictRecord):
     peak_mem_bytes: Count  # the busiest point of one of its ranks, its in-flight micro-batches included
     fwd_s: Seconds  # one micro-batch's forward through the stage
     bwd_s: Seconds  # one micro-batch's backward (with recomputation)
+    # micro-batches' worth of its rank's activations held at its peak (the schedule's in-flight count); 0: not said
+    in_flight: Seconds = Field(default=0.0, exclude_if=lambda value: value == 0.0)
 
 
 class PipelineSpec(StrictRecord):
@@ -50,6 +52,8 @@ class PipelineSpec(StrictRecord):
     stages: list[StageSpec] = Field(min_length=2)  # in forward order; degree x stages per rank of them
     bubble_s: Seconds = 0.0  # per step, the time a rank idles while the pipeline fills and drains
     p2p_s: Seconds = 0.0  # per step, the exposed point-to-point sends between stages
+    # per step, the slowest rank's optimizer step after the pipeline drains (0: not said)
+    optimizer_s: Seconds = Field(default=0.0, exclude_if=lambda value: value == 0.0)
 
     @model_validator(mode="after")
     def _stages_on_ranks(self) -> PipelineSpec:
