@@ -18,9 +18,10 @@ each priced here from a schedule's row (cost_models.schedules) and a stage's cos
 - **FSDP under pipelining** (torchtitan; torch's PipelineStage): reshard_after_forward is off and every
   micro-batch's backward but the last keeps the parameters unsharded and does not reduce, so a stage's
   parameters are all-gathered once per step and its gradients reduce-scattered once at the end, while
-  the unsharded parameters and the accumulating unsharded gradients stay on the device all step (not at
-  the optimizer step: the last backward reshards). `pipelined`: the collectives per micro-batch divided
-  by m; the gathered bytes moved from the running units into what every point holds.
+  the unsharded parameters and the unsharded gradients, accumulated in the reduce dtype, stay on the device
+  all step in place of the sharded gradients (not at the optimizer step: the last backward reshards and
+  reduces). `pipelined`: the collectives per micro-batch divided by m; the gathered bytes moved from the
+  running units into what every point holds.
 
 This module imports nothing from autoplan and nothing from torch.
 """
@@ -115,12 +116,16 @@ def pipelined(table: CostTable, microbatches: int, flight: float) -> tuple[CostT
     for seg in table.segments:
         saved[seg.unit] += seg.saved_bytes
     extra_flight = max(0.0, flight - 1)
+    upcast = table.precision.reduce_bytes / table.precision.compute_bytes
     activations, gathered, grads, costs = [], [], [], []
     for u, (options, unit_costs) in enumerate(zip(table.options, table.costs)):
         activations.append([int(extra_flight * (c.activation_bytes if o.mode.checkpoints else saved[u]))
                             for o, c in zip(options, unit_costs)])
         gathered.append([c.gathered_bytes for c in unit_costs])
-        grads.append([c.unsharded_grad_bytes if c.gathered_bytes else 0 for c in unit_costs])
+        # sharded gradients exist only after the last backward: until then the unsharded ones, accumulated in
+        # the reduce dtype (FSDP2 upcasts them to accumulate), in their place
+        grads.append([int(c.unsharded_grad_bytes * upcast) - c.grad_bytes if c.gathered_bytes else 0
+                      for c in unit_costs])
         costs.append([replace(copy.copy(c), gathered_bytes=0, held_bytes=0, comm_fwd_s=c.comm_fwd_s / microbatches,
                               comm_bwd_s=c.comm_bwd_s / microbatches) for c in unit_costs])
     return replace(table, costs=costs), HeldAllStep(activations, gathered, grads)

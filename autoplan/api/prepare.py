@@ -117,15 +117,16 @@ def search_meshes_of(settings: PlanningSettings, mesh: Mesh) -> tuple[Mesh, ...]
 
 def pipeline_meshes_of(settings: PlanningSettings, mesh: Mesh) -> tuple[Mesh, ...]:
     """The pipelined meshes a search tries after the others where a pipeline may pay (mesh_search.pipeline_pays):
-    with `pp` not given, on two nodes or more, stages of whole nodes (each divisor of the node count above 1),
+    with neither `pp` nor a uniform `strategy` given, on two nodes or more, stages of whole nodes (each divisor of the node count above 1),
     at tensor degree 1 and at the largest a node takes (with sequence parallelism unless `sequence_parallel`
     is off), or at `tp` where given. Within a node a pipeline's bubble costs more than FSDP's collectives over
     its GPU links; `pp` fixes a degree, parts of a node included."""
-    if not isinstance(settings, SearchSettings) or settings.pp is not None or mesh.nodes < 2:
+    if not isinstance(settings, SearchSettings) or settings.pp is not None or mesh.nodes < 2 or settings.strategy:
         return ()
     tensor = [settings.tp] if settings.tp is not None else sorted({1, max(mesh.tensor_degrees())})
     sp = settings.sequence_parallel != "off"
-    meshes = [_pipelined(mesh.with_tensor(t, sp and t > 1), pp) for pp in range(2, mesh.nodes + 1) if mesh.nodes % pp == 0 for t in tensor]
+    meshes = [_pipelined(mesh.with_tensor(t, sp and t > 1), pp) for t in tensor
+              for pp in mesh.with_tensor(t).pipeline_degrees() if 1 < pp <= mesh.nodes]
     return tuple(m for m in meshes if m is not None)
 
 

@@ -4,8 +4,8 @@ The pipeline search (autoplan.solve.pipeline) solves each pipeline rank's units 
 on every rank (holding only what the rank's ops use). The plan keeps one decision per unit: each block's
 from the rank that runs it, the root's from the rank holding most of its parameters (the last stage: the
 final norm). Under a pipeline FSDP keeps every unit's parameters gathered from its first forward to the
-last backward (reshard_after_forward off, as torchtitan and torch's PipelineStage run it), which is what
-the units record and what their figures price.
+last backward whatever its sharding kind says (reshard_after_forward off, as torchtitan and torch's
+PipelineStage run it): that is what the figures price, and a unit's kind chooses only its shard group.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ def pipeline_units(outcome: PipelineOutcome, unit_order: list[str], decisions_of
     roots: list[UnitDecision] = []
     for rank in outcome.ranks:
         for decision in decisions_of(rank):
-            decision = decision.model_copy(update={"reshard_after_forward": False})
             if decision.module == "":
                 roots.append(decision)
             else:

@@ -5,7 +5,9 @@ pipeline dimension of `degree` ranks (the outermost: `ClusterSpec.pp_degree`); t
 into contiguous stages, stage i run by pipeline rank `StageSpec.rank`, and every unit keeps its own
 decisions (sharding over its stage's data-parallel ranks, checkpointing, offload, tensor parallelism).
 `apply` builds each stage from `modules`; reports and `diff` read the boundaries and the predicted
-figures.
+figures. Under a pipeline the units' parameters stay gathered from the first forward of a step to its last
+backward, whatever their sharding kinds' reshard_after_forward (torchtitan; torch's PipelineStage keeps
+them unsharded between micro-batches): the kinds choose the shard group, the figures price that.
 """
 
 from __future__ import annotations
