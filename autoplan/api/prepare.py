@@ -119,7 +119,7 @@ def pipeline_meshes_of(settings: PlanningSettings, mesh: Mesh) -> tuple[Mesh, ..
     """The pipelined meshes a search tries after the others where a pipeline may pay (mesh_search.pipeline_pays):
     with neither `pp` nor a uniform `strategy` given, on two nodes or more, stages of whole nodes (each divisor of the node count above 1),
     at tensor degree 1 and at the largest a node takes (with sequence parallelism unless `sequence_parallel`
-    is off), or at `tp` where given. Within a node a pipeline's bubble costs more than FSDP's collectives over
+    is off), or at `tp` where given (the mesh search adds the best plan's degree without a pipeline). Within a node a pipeline's bubble costs more than FSDP's collectives over
     its GPU links; `pp` fixes a degree, parts of a node included."""
     if not isinstance(settings, SearchSettings) or settings.pp is not None or mesh.nodes < 2 or settings.strategy:
         return ()

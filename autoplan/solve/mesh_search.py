@@ -121,9 +121,23 @@ def search_meshes(request: PlanRequest) -> MeshSearch:
     progress = _Progress(len(request.meshes))
     results = _search_all(request, request.meshes, progress)
     if request.pipeline_meshes and pipeline_pays(results):
-        progress.meshes += len(request.pipeline_meshes)
-        results += _search_all(request, request.pipeline_meshes, progress, len(results))
+        meshes = request.pipeline_meshes + _at_best_degree(request.pipeline_meshes, results)
+        progress.meshes += len(meshes)
+        results += _search_all(request, meshes, progress, len(results))
     return MeshSearch(results, best_result(results))
+
+
+def _at_best_degree(pipelined: tuple[Mesh, ...], results: list[MeshResult]) -> tuple[Mesh, ...]:
+    """The pipeline degrees again at the tensor degree (and sequence parallelism) of the best plan without a
+    pipeline, where the pipelined meshes do not have it already."""
+    fitting = [r for r in results if r.outcome is not None]
+    if not fitting:
+        return ()
+    best = max(fitting, key=lambda r: (round(r.throughput, 9), -r.degree, r.sequence_parallel)).mesh
+    have = {(m.tp, m.sequence_parallel) for m in pipelined}
+    if (best.tp, best.sequence_parallel) in have:
+        return ()
+    return tuple(replace(best, pp=pp) for pp in sorted({m.pp for m in pipelined}))
 
 
 def pipeline_pays(results: list[MeshResult]) -> bool:
