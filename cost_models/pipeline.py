@@ -22,6 +22,9 @@ each priced here from a schedule's row (cost_models.schedules) and a stage's cos
   all step in place of the sharded gradients (not at the optimizer step: the last backward reshards and
   reduces). `pipelined`: the collectives per micro-batch divided by m; the gathered bytes moved from the
   running units into what every point holds.
+- **Receive buffers**: torch's PipelineStage allocates, for each micro-batch of the step, a buffer for a
+  stage's input (but the first stage's) and one for its output's gradient (but the last's), held for the
+  step (`HeldAllStep.buffers`, at every point).
 
 This module imports nothing from autoplan and nothing from torch.
 """
@@ -104,6 +107,7 @@ class HeldAllStep:
     activations: list[list[int]]
     gathered: list[list[int]]
     grads: list[list[int]]
+    buffers: int = 0  # held at every point, the optimizer step's too: torch's receive buffers for the step
 
     def total(self, unit: int, option: int) -> int:
         return self.activations[unit][option] + self.gathered[unit][option] + self.grads[unit][option]

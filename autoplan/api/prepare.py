@@ -117,10 +117,11 @@ def search_meshes_of(settings: PlanningSettings, mesh: Mesh) -> tuple[Mesh, ...]
 
 def pipeline_meshes_of(settings: PlanningSettings, mesh: Mesh) -> tuple[Mesh, ...]:
     """The pipelined meshes a search tries after the others where a pipeline may pay (mesh_search.pipeline_pays):
-    with neither `pp` nor a uniform `strategy` given, on two nodes or more, stages of whole nodes (each divisor of the node count above 1),
-    at tensor degree 1 and at the largest a node takes (with sequence parallelism unless `sequence_parallel`
-    is off), or at `tp` where given (the mesh search adds the best plan's degree without a pipeline). Within a node a pipeline's bubble costs more than FSDP's collectives over
-    its GPU links; `pp` fixes a degree, parts of a node included."""
+    with neither `pp` nor a uniform `strategy` given, on two nodes or more, stages of whole nodes (each divisor
+    of the node count above 1), at tensor degree 1 and at the largest a node takes (with sequence parallelism
+    unless `sequence_parallel` is off), or at `tp` where given (the mesh search adds the best plan's degree
+    without a pipeline). Within a node a pipeline's bubble costs more than FSDP's collectives over its GPU
+    links; `pp` fixes a degree, parts of a node included."""
     if not isinstance(settings, SearchSettings) or settings.pp is not None or mesh.nodes < 2 or settings.strategy:
         return ()
     tensor = [settings.tp] if settings.tp is not None else sorted({1, max(mesh.tensor_degrees())})

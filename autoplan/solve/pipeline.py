@@ -254,18 +254,38 @@ def _ranks(search: _Search, row, cuts: list[int], micro_batch_size: int, m: int)
     base = search.request.tables
     order = forward_units(base.units)
     starts = [0] + [base.units[order[c]].first_op for c in cuts[1:]]
+    bounds = _boundaries(search, starts, micro_batch_size)
     ranks = []
     for rank in range(pp):
         mine, chunks = _rank_chunks(row, pp, rank, starts, len(base.trace_1.ops))
         flight = in_flight(row, pp, rank, m)
-        outcome = _solve_rank(search, chunks, micro_batch_size, m, flight)
+        # torch's PipelineStage receives into a buffer per micro-batch: each stage's input (but the first's) and
+        # its output's gradient (but the last's), held for the step
+        buffers = m * sum((bounds[s - 1] if s > 0 else 0) + (bounds[s] if s + 1 < stages else 0) for s in mine)
+        outcome = _solve_rank(search, chunks, micro_batch_size, m, (flight, buffers))
         if outcome is None:
             return ranks, mine[0]
         choices, status, table, held = outcome
+        sends = sum(2 * _send_s(search, bounds[s]) for s in mine if s + 1 < stages)
         ranks.append(RankOutcome(rank, mine, chunks, search.source(chunks)[1], table, choices,
-                                 held_evaluation(table, held, choices), flight, status,
-                                 _sends(search, mine, stages, starts, micro_batch_size), held))
+                                 held_evaluation(table, held, choices), flight, status, sends, held))
     return ranks, None
+
+
+def _boundaries(search: _Search, starts: list[int], micro_batch_size: int) -> list[int]:
+    """Per stage but the last, the bytes one of its ranks sends on per micro-batch (its last op's output; 1/t of it
+    where tensor parallelism splits the sequence)."""
+    ends = starts[1:] + [len(search.request.tables.trace_1.ops)]
+    split = search.layout.degree if search.layout is not None and search.layout.sequence_parallel else 1
+    return [search.source(((first, end - 1),))[0].boundary_bytes(micro_batch_size) // split
+            for first, end in zip(starts[:-1], ends[:-1])]
+
+
+def _send_s(search: _Search, nbytes: int) -> float:
+    """One send between neighbouring stages: inside a node where the stages split one, else across nodes, every
+    rank of a stage's node sending at once."""
+    mesh = search.mesh
+    return send_s(search.cluster.profile, nbytes, mesh.pp > mesh.nodes, min(mesh.gpus_per_node, mesh.world_size // mesh.pp))
 
 
 def fixed_pipelines(request: PlanRequest, mesh: Mesh, layout: TpLayout | None, schedule: str,
@@ -292,14 +312,17 @@ def fixed_pipelines(request: PlanRequest, mesh: Mesh, layout: TpLayout | None, s
     return outcomes
 
 
-def _solve_rank(search: _Search, chunks, micro_batch_size: int, m: int, flight: float):
-    """One rank's units solved (or the uniform strategy evaluated, or the fixed choices taken) with its
-    in-flight bytes; None where nothing fits (kept as the search's InfeasibleError, with how far over)."""
+def _solve_rank(search: _Search, chunks, micro_batch_size: int, m: int, holds: tuple[float, int]):
+    """One rank's units solved (or the uniform strategy evaluated, or the fixed choices taken) with what it holds
+    (`holds`: its micro-batches in flight, its receive buffers' bytes); None where nothing fits (kept as the
+    search's InfeasibleError, with how far over)."""
     request = search.request
+    flight, buffers = holds
     table, held = pipelined(search.table(chunks, micro_batch_size, m), m, flight)
+    held = replace(held, buffers=buffers)
     if search.decide is not None:
         return search.decide(table), SolveStatus.FIXED, table, held
-    key = (search.source(chunks)[0].key, micro_batch_size, m, flight)
+    key = (search.source(chunks)[0].key, micro_batch_size, m, flight, buffers)
     if key not in search.solved:
         search.solved[key] = solve_rank(request, table, held)
     found = search.solved[key]
@@ -311,24 +334,6 @@ def _solve_rank(search: _Search, chunks, micro_batch_size: int, m: int, flight: 
             f"least {format_bytes(found.floor_bytes)} (micro-batch {micro_batch_size})", min_mem_bytes=found.floor_bytes)
         return None
     return found.choices, found.status, table, held
-
-
-def _sends(search: _Search, mine: list[int], stages: int, starts: list[int], micro_batch_size: int) -> float:
-    """A rank's sends per micro-batch: each of its stages' output forward (but the last stage's) and its input's
-    gradient backward (but the first's)."""
-    mesh, profile = search.mesh, search.cluster.profile
-    within = mesh.pp > mesh.nodes
-    senders = min(mesh.gpus_per_node, mesh.world_size // mesh.pp)
-    n_ops, total_s = len(search.request.tables.trace_1.ops), 0.0
-    ends = starts[1:] + [n_ops]
-    for s in mine:
-        if s + 1 < stages:  # forward out of s, and the gradient of the same bytes back into s
-            chunk = ((starts[s], ends[s] - 1),)
-            nbytes = search.source(chunk)[0].boundary_bytes(micro_batch_size)
-            if search.layout is not None and search.layout.sequence_parallel:
-                nbytes //= search.layout.degree
-            total_s += 2 * send_s(profile, nbytes, within, senders)
-    return total_s
 
 
 def _priced(row, pp: int, m: int, micro_batch_size: int, cuts: list[int], ranks: list[RankOutcome]) -> PipelineOutcome:

@@ -46,7 +46,7 @@ def solve_rank(request: PlanRequest, table: CostTable, held: HeldAllStep) -> Ran
     searched = replace(table, options=[[o[i] for i in k] for o, k in zip(table.options, keep)],
                        costs=[[c[i] for i in k] for c, k in zip(table.costs, keep)])
     kept = HeldAllStep(*[[[values[u][i] for i in k] for u, k in enumerate(keep)]
-                         for values in (held.activations, held.gathered, held.grads)])
+                         for values in (held.activations, held.gathered, held.grads)], held.buffers)
     affine = AffineModel.of(searched)
     _add_held(affine, searched, kept)
     offsets = affine.algebra.offsets
@@ -64,6 +64,7 @@ def _add_held(affine: AffineModel, table: CostTable, held: HeldAllStep) -> None:
     """What the rank holds all step added to every forward and backward point's row of the solver's model."""
     labels = [p.label for p in evaluate(table, [0] * len(table.units)).points]
     vector = [held.total(u, o) for u in range(len(table.units)) for o in range(len(table.options[u]))]
+    affine.mem_const += held.buffers
     for row, label in enumerate(labels):
         if phase_of(label) != "optimizer":
             affine.mem_coef[row] += vector
@@ -77,10 +78,11 @@ def held_evaluation(table: CostTable, held: HeldAllStep, choices: list[int]) -> 
     grads = sum(held.grads[u][c] for u, c in enumerate(choices))
     points = []
     for p in e.points:
-        if phase_of(p.label) == "optimizer":
-            points.append(p)
-            continue
         parts = dict(p.parts)
+        parts[MemCategory.ACTIVATIONS] += held.buffers
+        if phase_of(p.label) == "optimizer":
+            points.append(MemoryPoint(p.label, parts))
+            continue
         parts[MemCategory.ACTIVATIONS] += activations
         parts[MemCategory.GATHERED] += gathered
         parts[MemCategory.GRADS] += grads
