@@ -189,17 +189,19 @@ def _undominated(rows: list, fixed: str | None) -> list:
 
 
 def _bound_s(search: _Search, row, cuts: list[int], micro_batch_size: int, m: int) -> float:
-    """The makespan with every unit at its fastest option (memory aside): no plan of this cut beats it."""
+    """The makespan with every unit at its fastest option, no sends and no optimizer step (memory aside): no plan
+    of this cut beats it."""
     pp, base = search.mesh.pp, search.request.tables
     order = forward_units(base.units)
     starts = [0] + [base.units[order[c]].first_op for c in cuts[1:]]
-    slot, optimizer = 0.0, 0.0
+    slot = 0.0
     for rank in range(pp):
         _, chunks = _rank_chunks(row, pp, rank, starts, len(base.trace_1.ops))
         table, _ = pipelined(search.table(chunks, micro_batch_size, m), m, 1.0)
-        per_unit = [unit_step_s(table, u) for u in range(len(table.units))]
-        slot = max(slot, sum(min(v) for v in per_unit) / m)
-        optimizer = max(optimizer, min(c.optimizer_s for c in table.costs[table.root]))
+        # each unit's fastest micro-batch (its step less its optimizer, over the micro-batches)
+        micro = [min((step - cost.optimizer_s) / m for step, cost in zip(unit_step_s(table, u), table.costs[u]))
+                 for u in range(len(table.units))]
+        slot = max(slot, sum(micro))
     return makespan_s(slot, 0.0, row, pp, m)
 
 
