@@ -173,7 +173,7 @@ def assemble_plan(search: MeshSearch, request: PlanRequest) -> Plan:
                                                       step_time_s=s.step_time_s,
                                                       throughput_samples_s=s.throughput_samples_s)
                                            for s in outcome.steps])
-    if tensor_parallel or search.tensor_parallel_searched or len(search.results) > 1:
+    if tensor_parallel or search.tensor_parallel_searched or any(r.pp > 1 for r in search.results):
         solver = solver.model_copy(update={"tp_degrees": [_degree_entry(r) for r in search.results]})
     if best.pipeline is not None:
         return _pipelined_plan(search, request, solver)
