@@ -62,7 +62,9 @@ def pipeline_lines(plan: Plan) -> list[str]:
         searched = [e for e in solver.tp_degrees if e.pp_degree > 1]
         if searched:
             return _why_not(plan, searched)
-        return [NO_PIPELINE_NOTE] if plan.cluster.nodes > 1 and solver.tp_degrees else []
+        mfu = getattr(plan.predicted, "mfu", None)
+        lean = mfu is not None and mfu >= 0.4 and not any(unit.offload for unit in plan.units)
+        return [NO_PIPELINE_NOTE] if plan.cluster.nodes > 1 and solver.tp_degrees and lean else []
     p = plan.predicted
     row = SCHEDULES[pipe.schedule]
     lines = [f"pipeline: {len(pipe.stages)} stages on {pipe.degree} pipeline ranks, schedule {pipe.schedule} "
