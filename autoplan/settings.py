@@ -1,11 +1,10 @@
 """One settings record per request: what `search` and `estimate` are asked, validated in one place.
 
-The Python API and the command line share these records, so they share every default and every
-check: `autoplan.search(model, mem, **fields)` builds a `SearchSettings`, and `autoplan search`'s
-flags are generated from the same fields (`autoplan.cli.flags`), with the docstring under each field
-as the flag's help. A field's name is the API parameter; the CLI flag is `--` + the name with dashes
-(or the `Flag` named in its annotation). Errors name the parameter in backticks (`seq_len`), and
-the CLI shows the flag there instead (`--seq-len`).
+The Python API and the command line share these records, so they share every default and every check:
+`autoplan.search(model, mem, **fields)` builds a `SearchSettings`, and `autoplan search`'s flags are generated from
+the same fields (`autoplan.cli.flags`), with the docstring under each field as the flag's help. A field's name is
+the API parameter; the CLI flag is `--` + the name with dashes (or the `Flag` named in its annotation). Errors name
+the parameter in backticks (`seq_len`), and the CLI shows the flag there instead (`--seq-len`).
 
 The options a field can take (precisions, optimizers, sharding kinds) come from the one registry,
 `cost_models.options`, when the record is validated, so an option registered there is accepted here.
@@ -28,8 +27,7 @@ from cost_models.options import DEFAULT_OPTIMIZER, DEFAULT_PRECISION, checkpoint
 __all__ = [
     "DEFAULT_HEADROOM", "DEFAULT_MODEL", "DEFAULT_PROFILE", "DEFAULT_TIME_LIMIT_S", "FIT_TO", "GRANULARITIES",
     "MAX_GPUS", "MAX_GPUS_PER_NODE", "MAX_HEADROOM", "EstimateSettings", "Flag", "PlanningSettings",
-    "SearchSettings", "check_choice", "check_mem_limit", "choices_of", "mesh_of", "settings_error",
-]
+    "SearchSettings", "check_choice", "check_mem_limit", "choices_of", "mesh_of", "settings_error"]
 
 DEFAULT_MODEL = "gpt2-1.5b"
 DEFAULT_PROFILE = "a100-sxm4-80gb"
@@ -101,7 +99,8 @@ class _Settings(BaseModel):
 
     @model_validator(mode="after")
     def _check(self):
-        for name in ("gpus", "nodes", "gpus_per_node", "seq_len", "batch_size", "global_batch", "tp", "capacity_factor", "pp"):
+        for name in ("gpus", "nodes", "gpus_per_node", "seq_len", "batch_size", "global_batch", "tp", "capacity_factor",
+                     "ep", "pp"):
             value = getattr(self, name, None)
             if value is not None and value < 1:
                 raise UsageError(f"`{name}` must be at least 1, got {value}")
@@ -146,9 +145,9 @@ class PlanningSettings(_Settings):
     """What a search and an estimate are both asked: the model, the cluster and the training setup."""
 
     model: Annotated[Any, Flag()] = None
-    """zoo name (see `autoplan models`), hf:path/to/config.json (a Hugging Face config, nothing
-    downloaded) or package.module:factory; in Python also an nn.Module or a TracedModel (default gpt2-1.5b; for
-    an estimate of a plan, the plan's model)"""
+    """zoo name (see `autoplan models`), hf:path/to/config.json (a Hugging Face config, nothing downloaded) or
+    package.module:factory; in Python also an nn.Module or a TracedModel (default gpt2-1.5b; for an estimate of a
+    plan, the plan's model)"""
 
     gpus: int | None = None
     """total GPUs, the world size (default 8: one node of 8)"""
@@ -213,9 +212,11 @@ class PlanningSettings(_Settings):
     """with tensor parallelism: norms and residual stream split along the sequence (on) or not (off); default: a
     search tries both, an estimate off"""
 
+    ep: int | None = None
+    """expert-parallel degree of a mixture-of-experts model (divides its expert count and the data-parallel ranks);
+    default: a search tries each such degree, an estimate 1"""
     pp: int | None = None
     """pipeline degree, stages of whole nodes or parts of each (1: none; default: searched where one may pay)"""
-
     schedule: Annotated[str | None, Flag(kind="choice")] = None
     """pipeline schedule (gpipe, 1f1b, interleaved_1f1b, zero_bubble, zbv); default: the fastest torch runs"""
 
@@ -332,9 +333,8 @@ class EstimateSettings(PlanningSettings):
     """the option every unit takes (default shard)"""
 
     checkpoint: Annotated[str | None, Flag(kind="choice", bare="full")] = None
-    """checkpoint mode on every unit but the root (none, selective: keep matmul and attention outputs,
-    selective_op: torchtitan's policy, every other matmul's output kept, full: keep inputs only; given without a
-    mode: full)"""
+    """checkpoint mode on every unit but the root (none, selective: keep matmul and attention outputs, selective_op:
+    torchtitan's policy, every other matmul's output kept, full: keep inputs only; given without a mode: full)"""
 
     offload: bool = False
     """parameters, gradients and optimizer states of every unit in host memory (FSDP2 CPUOffloadPolicy)"""
@@ -353,8 +353,8 @@ class EstimateSettings(PlanningSettings):
         if self.plan is not None and (self.strategy is not None or self.checkpoint is not None or self.offload):
             raise UsageError("give either `strategy` (with or without `checkpoint` and `offload`) or `plan`, not both: "
                              "a plan says per unit how it shards, where it checkpoints and what it offloads")
-        if self.plan is not None and (self.tp is not None or self.sequence_parallel is not None):
-            raise UsageError("`tp` and `sequence_parallel` go with a `strategy`; a plan is estimated on its own mesh")
+        if self.plan is not None and (self.tp is not None or self.sequence_parallel is not None or self.ep):
+            raise UsageError("`tp`, `ep` and `sequence_parallel` go with a `strategy`; a plan is estimated on its own mesh")
         if self.sequence_parallel == "on" and (self.tp or 1) == 1:
             raise UsageError("`sequence_parallel` on needs `tp` above 1")
         return self

@@ -8,6 +8,8 @@ Groups of runs (`--groups`, all by default):
 - gpt2: gpt2 124M with its 50,257-token vocabulary, sequence 32, all-shard, worlds 8 and 64;
 - llama-1.1b: a 1.1B Llama (TinyLlama's shape: d 2048, 22 layers, 32 heads, 4 KV heads, FFN 5632, 32,000-token
   vocabulary) at sequence 64, micro-batch 1, world 8, all-shard and all-shard+checkpoint (a few GB, minutes);
+- experts: moe-tiny (8 experts, top-2) at micro-batch 2 and 8, sequence 64, world 64 (8 nodes of 8), all-shard
+  without expert parallelism (ep1) and all-shard (+checkpoint) with the experts split 8-way (`ep` 8: each rank's all-to-alls taken as balanced);
 - long: 16,384-token sequences at micro-batch 1, checkpointed, world 8: a 4-layer llama and gpt2 of width 256
   (512-token vocabulary, so a block's activations and its recompute, not the logits, make the peak),
   all-shard+checkpoint, the solver's plan (`tpN` where it is tensor-parallel) and the solver's plan without tensor
@@ -37,7 +39,10 @@ from autoplan.run.fake_world import run_fake_world
 
 PROFILE = "cpu-gloo-2"
 KINDS = {"all-shard": {"strategy": "shard", "tp": 1}, "all-shard+ckpt": {"strategy": "shard", "checkpoint": True, "tp": 1},
-         "autoplan": {}, "autoplan-fsdp": {"tp": 1}}  # the solver's plan; the same without tensor parallelism
+         "autoplan": {}, "autoplan-fsdp": {"tp": 1},  # the solver's plan; the same without tensor parallelism
+         "all-shard ep1": {"strategy": "shard", "tp": 1, "ep": 1},  # mixtures of experts: FSDP alone,
+         "all-shard ep8": {"strategy": "shard", "tp": 1, "ep": 8},  # and the experts split 8-way
+         "all-shard+ckpt ep8": {"strategy": "shard", "checkpoint": True, "tp": 1, "ep": 8}}
 TIGHT = 1.15  # the solvers' limit: 15% above the leanest plan's (all-shard+checkpoint) predicted peak
 LLAMA_1B = ("llama-1b[n_layers=22,n_kv_heads=4,ffn_hidden=5632,vocab_size=32000,tie_embeddings=false,"
             "rope_theta=10000.0]")
@@ -45,7 +50,7 @@ LONG = 16384
 LONG_MODELS = {f"llama-tiny[n_layers=4,d_model=256,ffn_hidden=704,max_seq_len={LONG}]": "llama 4x256",
                f"gpt2-tiny[n_layers=4,d_model=256,max_seq_len={LONG}]": "gpt2 4x256"}  # peaks in a block's recompute
 LABELS = {"gpt2": "gpt2 124M", LLAMA_1B: "llama 1.1B", **LONG_MODELS}
-GROUPS = ("tiny", "gpt2", "llama-1.1b", "long")
+GROUPS = ("tiny", "gpt2", "llama-1.1b", "long", "experts")
 
 
 def runs_of(group: str) -> list[tuple[str, int, int, str, int]]:
@@ -55,6 +60,8 @@ def runs_of(group: str) -> list[tuple[str, int, int, str, int]]:
                 for k in ("all-shard", "all-shard+ckpt", "autoplan")]
     if group == "gpt2":
         return [("gpt2", w, 2, "all-shard", 32) for w in (8, 64)]
+    if group == "experts":
+        return [("moe-tiny", 64, b, k, 64) for b in (2, 8) for k in ("all-shard ep1", "all-shard ep8", "all-shard+ckpt ep8")]
     if group == "llama-1.1b":
         return [(LLAMA_1B, 8, 1, k, 64) for k in ("all-shard", "all-shard+ckpt")]
     return [(m, 8, 1, k, LONG) for m in LONG_MODELS for k in ("all-shard+ckpt", "autoplan", "autoplan-fsdp")]
@@ -62,7 +69,8 @@ def runs_of(group: str) -> list[tuple[str, int, int, str, int]]:
 
 
 def plan_for(model: str, world: int, batch: int, kind: str, seq_len: int):
-    common = {"gpus": world, "profile": PROFILE, "seq_len": seq_len, "batch_size": batch, "allow_over_device_mem": True}
+    common = {"gpus": world, "profile": PROFILE, "seq_len": seq_len, "batch_size": batch, "allow_over_device_mem": True,
+              "nodes": world // 8 if model == "moe-tiny" else None}  # the experts' groups inside nodes of 8
     if not kind.startswith("autoplan"):
         return autoplan.search(model, "100GB", **common, **KINDS[kind])
     lean = autoplan.search(model, "100GB", **common, **KINDS["all-shard+ckpt"]).predicted.peak_mem_bytes

@@ -9,7 +9,9 @@ more. Like torchtitan's `ParallelDims`: one frozen object, validated once.
 
 The degrees, outermost first: pipeline (`pp`, contiguous groups of ranks, one per stage: whole nodes,
 or parts of a node when there are more stages than nodes), data parallel (what is left: `dp`), tensor
-parallel (`tp`, groups of neighbouring ranks inside a node). A new dimension (pipeline, context, expert) is a field here, with its
+parallel (`tp`, groups of neighbouring ranks inside a node). Expert parallelism (`ep`) borrows from the
+data-parallel ranks, as torchtitan's does: it splits them into (dp / ep, ep) for the experts alone. A new
+dimension (pipeline, context, expert) is a field here, with its
 place in `dims`, its share of the world in `dp`, its checks in `__post_init__` and its sub-mesh in
 `split`; the cost models and the search read the derived views, not the fields.
 
@@ -59,8 +61,13 @@ class Mesh:
     sequence_parallel: bool = False
     """with `tp` above 1: the norms and the residual stream are split along the sequence too"""
 
+    ep: int = 1
+    """expert-parallel degree: borrowed from the data-parallel ranks (as torchtitan's), groups of `ep`
+    neighbouring data-parallel ranks split each mixture-of-experts layer's experts; the experts' FSDP then
+    shards over the dp / ep ranks left (`expert_shard`), every other weight over all of dp as before"""
+
     def __post_init__(self):
-        for name in ("nodes", "gpus_per_node", "tp", "pp"):
+        for name in ("nodes", "gpus_per_node", "tp", "pp", "ep"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise MeshError(f"`{name}` must be at least 1, got {value}")
@@ -70,6 +77,9 @@ class Mesh:
         self._check_pipeline()
         if self.sequence_parallel and self.tp == 1:
             raise MeshError("sequence parallelism needs a tensor-parallel degree above 1")
+        if self.dp % self.ep:
+            raise MeshError(f"`ep` {self.ep} does not divide the {self.dp} data-parallel ranks: expert parallelism "
+                            "borrows its groups from them")
 
     def _check_pipeline(self) -> None:
         stage = self.world_size // self.pp if self.world_size % self.pp == 0 else 0
@@ -123,8 +133,50 @@ class Mesh:
 
     @property
     def dims(self) -> tuple[tuple[str, int], ...]:
-        """(name, size) of each dimension above 1, outermost first ("dp" always): the run's DeviceMesh."""
+        """(name, size) of each dimension above 1, outermost first ("dp" always): the run's DeviceMesh. The
+        expert-parallel degree is no dimension of the world: it unflattens "dp" (`expert_dims`)."""
         return ((("pp", self.pp),) if self.pp > 1 else ()) + (("dp", self.dp),) + ((("tp", self.tp),) if self.tp > 1 else ())
+
+    @property
+    def expert_dims(self) -> tuple[tuple[str, int], ...]:
+        """With `ep` above 1: the data-parallel dimension unflattened into (dp / ep, ep), named as torchtitan's
+        ("dp_mod_ep", "ep"), the expert-parallel groups innermost (neighbouring ranks); () without."""
+        return (("dp_mod_ep", self.dp // self.ep), ("ep", self.ep)) if self.ep > 1 else ()
+
+    @property
+    def expert_shard(self) -> int:
+        """Ranks the experts' FSDP shards over: the data-parallel ranks that hold the same experts."""
+        return self.dp // self.ep
+
+    @property
+    def expert_scope(self) -> str:
+        """Where an expert-parallel group's all-to-all runs: inside a node when its `ep` neighbouring
+        data-parallel ranks are."""
+        return self.scope(self.ep)
+
+    def experts_view(self) -> Mesh:
+        """The mesh as the experts' FSDP sees it: dp / ep ranks, ep x tp groups side by side in a node (a mesh
+        of tensor degree ep x tp); where an expert group spans nodes, its members one per node."""
+        if self.ep == 1:
+            return self
+        degree = self.ep * self.tp
+        if self.gpus_per_node % degree == 0:
+            try:
+                return replace(self, tp=degree, ep=1, sequence_parallel=False)
+            except MeshError:  # pipeline stages that do not split into groups of ep x tp: one rank per node
+                return Mesh(self.expert_shard, 1)
+        if degree % self.gpus_per_node == 0 and self.nodes % (degree // self.gpus_per_node) == 0:
+            return Mesh(self.nodes // (degree // self.gpus_per_node), self.gpus_per_node, tp=self.gpus_per_node)
+        return Mesh(self.expert_shard, 1)
+
+    def with_experts(self, ep: int) -> Mesh:
+        """This mesh with expert-parallel degree `ep` (MeshError where it does not divide dp)."""
+        return replace(self, ep=ep)
+
+    def expert_degrees(self, n_experts: int) -> list[int]:
+        """Expert-parallel degrees for a model of `n_experts` experts: the divisors of the expert count that
+        divide the data-parallel ranks (1 first; [1] for a model without experts)."""
+        return [e for e in range(1, n_experts + 1) if n_experts % e == 0 and self.dp % e == 0] or [1]
 
     def with_tensor(self, tp: int, sequence_parallel: bool = False) -> Mesh:
         """This cluster with tensor-parallel degree `tp` (MeshError where it does not divide a node)."""
@@ -186,6 +238,26 @@ class Mesh:
         with unset_fake_temporarily():  # real rank numbers, also under a FakeTensorMode (see fsdp_mesh)
             mesh = DeviceMesh(world.device_type, world.mesh.view(size // self.tp, self.tp), mesh_dim_names=("dp", "tp"))
             return mesh["dp"], mesh["tp"]
+
+    def expert_meshes(self, dp_mesh):
+        """The data-parallel mesh unflattened as `expert_dims` says: (the experts' FSDP mesh over dp / ep, the
+        expert-parallel mesh over ep); (dp_mesh, None) without expert parallelism."""
+        if self.ep == 1:
+            return dp_mesh, None
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        if dp_mesh.size() % self.ep:
+            raise MeshError(f"the plan's expert-parallel degree {self.ep} does not divide the {dp_mesh.size()} "
+                            "data-parallel ranks running it")
+        from torch.distributed import get_world_size
+        from torch.distributed.device_mesh import DeviceMesh
+
+        names = tuple(name for name, _ in self.expert_dims)
+        shape = (dp_mesh.size() // self.ep, self.ep)
+        with unset_fake_temporarily():  # as fsdp_mesh: a slice of a larger mesh unflattens on every rank together
+            mesh = (dp_mesh._unflatten(0, shape, names) if dp_mesh.size() < get_world_size()
+                    else DeviceMesh(dp_mesh.device_type, dp_mesh.mesh.view(*shape), mesh_dim_names=names))
+            return mesh[names[0]], mesh[names[1]]
 
     def fsdp_mesh(self, dp_mesh, kind_mesh: MeshShape):
         """The DeviceMesh `fully_shard` gets for a sharding kind over `dp_mesh` (the data-parallel ranks)."""

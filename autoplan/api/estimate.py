@@ -22,11 +22,13 @@ from autoplan.plan.pipeline_plan import pipeline_spec, pipeline_units
 from autoplan.plan.schema import ClusterSpec, Plan
 from autoplan.settings import EstimateSettings
 from autoplan.sizes import format_bytes
+from autoplan.solve.expert_tables import mesh_source
 from autoplan.solve.mesh_search import check_beside_tensor_parallelism
 from autoplan.solve.pipeline import PipelineOutcome, fixed_pipelines
 from autoplan.solve.request import PlanRequest
 from autoplan.solve.stages import forward_units
 from cost_models.evaluate import evaluate, uniform_choices
+from cost_models.expert_parallel import expert_kind_runs
 from cost_models.options import CHECKPOINT_MODES, SHARDING_KINDS
 from cost_models.schedules import DEFAULT_SCHEDULE
 from cost_models.table import CostTable
@@ -93,8 +95,12 @@ def request_table(request: PlanRequest, plan: Plan | None = None) -> tuple[CostT
     layout = request_layout(request)
     cluster, uniform, t = request.cluster.with_mesh(mesh), request.uniform, request.training
     offloads = (uniform is not None and uniform.offload) or (plan is not None and any(u.offload for u in plan.units))
-    table = request.tables.for_layout(layout).table(micro_batch.size, micro_batch.grad_accum_steps, cluster, t.seq_len,
-                                                    t.dtype, t.optimizer, offload=offloads or None)
+    if mesh.ep > 1 and uniform is not None and not expert_kind_runs(uniform.strategy, uniform.offload):
+        raise UsageError(f"expert-parallel degree {mesh.ep}: `strategy` {uniform.strategy}"
+                         f"{' with offload' if uniform.offload else ''} does not run beside expert parallelism "
+                         "(the experts shard over their group: shard, shard_keep; no offload)")
+    table = mesh_source(request, mesh, layout).table(micro_batch.size, micro_batch.grad_accum_steps, cluster,
+                                                     t.seq_len, t.dtype, t.optimizer, offload=offloads or None)
     if plan is not None:
         return table, plan_choices(table, plan)
     choices = uniform_choices(table, uniform.strategy, uniform.checkpoint, offload=uniform.offload,

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from autoplan.api.traced import TracedModel, reuse_traced
 from autoplan.errors import PlanFileError, UsageError
+from autoplan.models.experts import ExpertInfo, check_expert_degree, experts_of
 from autoplan.models.fingerprint import model_fingerprint
 from autoplan.models.resolve import check_seq_len, model_from_plan
 from autoplan.models.zoo import count_params
@@ -53,7 +54,9 @@ def prepare(settings: PlanningSettings, plan: Plan | None = None, plan_file: Pat
     cluster = resolve_cluster(settings.gpus, settings.nodes, settings.gpus_per_node, settings.profile,
                               settings.host_mem)
     session.price_for(settings, cluster.profile.device_type, plan)  # attention kernels, capacity factor, unpriced ops
-    meshes = search_meshes_of(settings, cluster.mesh) if plan is None else (_plan_mesh(plan, cluster.mesh),)
+    experts = experts_of(session.module)
+    meshes = (search_meshes_of(settings, cluster.mesh, experts, session.name) if plan is None
+              else (_plan_mesh(plan, cluster.mesh),))
     pipeline_meshes = pipeline_meshes_of(settings, cluster.mesh) if plan is None else ()
     uniform = _uniform(settings, cluster)
     wrap_policy_of(settings)  # refused before tracing
@@ -97,22 +100,46 @@ def load_plan_of(plan: Plan | str | Path | None) -> tuple[Plan | None, Path | No
     return load_plan(plan), Path(plan)
 
 
-def search_meshes_of(settings: PlanningSettings, mesh: Mesh) -> tuple[Mesh, ...]:
+def search_meshes_of(settings: PlanningSettings, mesh: Mesh, experts: ExpertInfo | None = None,
+                     model_name: str = "the model") -> tuple[Mesh, ...]:
     """The meshes a search tries on the cluster's `mesh`: each tensor-parallel degree (`tp` itself when given,
     else every degree a node takes), above 1 with and without sequence parallelism (or as
-    `sequence_parallel` says), each with the pipeline degree `pp` where one above 1 is given. An estimate runs
-    on one mesh: the cluster's, at its `tp` (sequence parallelism only where asked for) and `pp`."""
+    `sequence_parallel` says); for a model with `experts` that `apply` can split, each with every
+    expert-parallel degree that divides the expert count and the data-parallel ranks (`ep` itself when given;
+    refused for a model without them); with a pipeline degree `pp` above 1, each tensor degree's mesh with
+    it (no expert parallelism beside a pipeline yet).
+    An estimate runs on one mesh: the cluster's, at its `tp` (sequence parallelism only where asked for),
+    `ep` and `pp`."""
+    experts = experts or ExpertInfo()
+    check_expert_degree(experts, settings.ep or 1, model_name)
+    pp = settings.pp or 1
+    if pp > 1 and (settings.ep or 1) > 1:
+        raise UsageError("`ep` and `pp` are not combined yet: give one of them")
     if not isinstance(settings, SearchSettings):
-        return (_with_pipeline(_tensor(mesh, settings.tp or 1, settings.sequence_parallel == "on"), settings.pp or 1),)
+        tensor = _tensor(mesh, settings.tp or 1, settings.sequence_parallel == "on")
+        if pp > 1:
+            return (_with_pipeline(tensor, pp),)
+        try:
+            return (tensor.with_experts(settings.ep or 1),)
+        except MeshError as exc:
+            raise UsageError(str(exc)) from None
     degrees = [_tensor(mesh, settings.tp).tp] if settings.tp is not None else mesh.tensor_degrees()
     variants = (True, False) if settings.sequence_parallel is None else (settings.sequence_parallel == "on",)
-    meshes = tuple(mesh.with_tensor(t, sp) for t in degrees for sp in ((False,) if t == 1 else variants))
-    if settings.pp is None or settings.pp == 1:
-        return meshes
-    pipelined = tuple(_pipelined(m, settings.pp) for m in meshes)
-    if not any(pipelined):
-        _with_pipeline(meshes[0], settings.pp)  # the refusal of the first
-    return tuple(m for m in pipelined if m is not None)
+    tensor = [mesh.with_tensor(t, sp) for t in degrees for sp in ((False,) if t == 1 else variants)]
+    if pp > 1:
+        pipelined = [_pipelined(m, pp) for m in tensor]
+        if not any(pipelined):
+            _with_pipeline(tensor[0], pp)  # the refusal of the first
+        return tuple(m for m in pipelined if m is not None)
+    if settings.ep is not None:
+        fitting = [m for m in tensor if m.dp % settings.ep == 0]
+        if not fitting:
+            ranks = ", ".join(str(d) for d in sorted({m.dp for m in tensor}))
+            raise UsageError(f"`ep` {settings.ep} does not divide the data-parallel ranks of any mesh searched "
+                             f"({ranks}): it borrows its groups from them")
+        return tuple(m.with_experts(settings.ep) for m in fitting)
+    splits = experts.n_experts if experts.runs_split else 0  # by default only what `apply` can run
+    return tuple(m.with_experts(e) for m in tensor for e in m.expert_degrees(splits))
 
 
 def pipeline_meshes_of(settings: PlanningSettings, mesh: Mesh) -> tuple[Mesh, ...]:
@@ -122,7 +149,8 @@ def pipeline_meshes_of(settings: PlanningSettings, mesh: Mesh) -> tuple[Mesh, ..
     unless `sequence_parallel` is off), or at `tp` where given (the mesh search adds the best plan's degree
     without a pipeline). Within a node a pipeline's bubble costs more than FSDP's collectives over its GPU
     links; `pp` fixes a degree, parts of a node included."""
-    if not isinstance(settings, SearchSettings) or settings.pp is not None or mesh.nodes < 2 or settings.strategy:
+    if not isinstance(settings, SearchSettings) or settings.pp is not None or mesh.nodes < 2 or settings.strategy \
+            or settings.ep is not None:
         return ()
     tensor = [settings.tp] if settings.tp is not None else sorted({1, max(mesh.tensor_degrees())})
     sp = settings.sequence_parallel != "off"
@@ -156,9 +184,10 @@ def _plan_mesh(plan: Plan, cluster_mesh: Mesh) -> Mesh:
     """The plan's own degrees on the cluster asked for (the plan's unless given)."""
     planned = plan.cluster.mesh
     try:
-        return replace(cluster_mesh.with_tensor(planned.tp, planned.sequence_parallel), pp=planned.pp)
+        return replace(cluster_mesh.with_tensor(planned.tp, planned.sequence_parallel).with_experts(planned.ep),
+                       pp=planned.pp)
     except MeshError as exc:
-        raise UsageError(f"the plan's tensor-parallel degree does not fit this cluster: {exc}") from None
+        raise UsageError(f"the plan's tensor- or expert-parallel degree does not fit this cluster: {exc}") from None
 
 
 def _with_plan_defaults(settings: PlanningSettings, plan: Plan, plan_file: Path | None) -> PlanningSettings:

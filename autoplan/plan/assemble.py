@@ -14,6 +14,7 @@ one's best is in `solver.tp_degrees`, and a plan of degree above 1 is compared w
 from __future__ import annotations
 
 from autoplan.errors import PlanFileError
+from autoplan.plan.expert_spec import ExpertParallelSpec
 from autoplan.plan.schema import (
     Baseline,
     ClusterSpec,
@@ -163,7 +164,7 @@ def assemble_plan(search: MeshSearch, request: PlanRequest) -> Plan:
     outcome, result = best.outcome, best.outcome.result
     table = outcome.table
     source = best.source
-    tensor_parallel = best.degree > 1
+    tensor_parallel = best.degree > 1 or best.mesh.ep > 1  # the units split: recorded whole, FSDP alone compared
     solver = SolverInfo(status=result.status, objective_s=result.objective,
                         bound_s=result.bound if result.bound is not None else result.objective,
                         num_variables=outcome.num_variables,
@@ -189,6 +190,8 @@ def assemble_plan(search: MeshSearch, request: PlanRequest) -> Plan:
         solver=solver,
         baselines=(_fsdp_only(fsdp, limits.planned_bytes) if tensor_parallel and fsdp is not None
                    else baselines(outcome.tables, limits.planned_bytes)),
+        experts=(ExpertParallelSpec(**source.figures(table, outcome.choices, best.cluster)) if best.mesh.ep > 1
+                 else None),
         # wall-clock times, apart: identical searches differ only there
         timing=SearchTiming(solver_s=outcome.wall_time_s,
                             tp_degrees_s=[r.wall_time_s for r in search.results] if solver.tp_degrees else []),
@@ -239,10 +242,11 @@ def _degree_entry(result: MeshResult) -> TpDegreeEntry:
         note = result.refused or ""
         if result.error is not None and result.error.min_mem_bytes:
             note = f"nothing fits (the leanest plan needs a limit of {result.error.min_mem_bytes:,} bytes)"
-        return TpDegreeEntry(degree=result.degree, sequence_parallel=result.sequence_parallel, fits=False,
-                             note=note, **pp)
+        return TpDegreeEntry(degree=result.degree, sequence_parallel=result.sequence_parallel,
+                             ep_degree=result.mesh.ep, fits=False, note=note, **pp)
     evaluation = outcome.evaluation
-    return TpDegreeEntry(degree=result.degree, sequence_parallel=result.sequence_parallel, fits=True, **pp,
+    return TpDegreeEntry(degree=result.degree, sequence_parallel=result.sequence_parallel, ep_degree=result.mesh.ep,
+                         fits=True, **pp,
                          micro_batch_size=outcome.table.micro_batch_size,
                          grad_accum_steps=outcome.table.grad_accum_steps, step_time_s=evaluation.step_time_s,
                          throughput_samples_s=result.throughput, peak_mem_bytes=evaluation.peak_mem_bytes)

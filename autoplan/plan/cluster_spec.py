@@ -34,6 +34,8 @@ class ClusterSpec(BaseModel):
     # pipeline stages: the outermost dimension, pp_degree groups of world / pp_degree ranks (Plan.pipeline holds
     # the stages); written only above 1
     pp_degree: int = Field(default=1, ge=1, exclude_if=lambda value: value == 1)
+    # groups of ep_degree data-parallel ranks split the experts (cost_models.mesh.Mesh.ep); written only above 1
+    ep_degree: int = Field(default=1, ge=1, exclude_if=lambda value: value == 1)
     # CUDA profiles: the PYTORCH_CUDA_ALLOC_CONF the plan was made for (`autoplan apply` runs its ranks with it,
     # and warns when a run's differs); None for other devices and in older plans
     allocator_conf: str | None = Field(default=None, exclude_if=lambda value: value is None)
@@ -50,7 +52,8 @@ class ClusterSpec(BaseModel):
                    profile=cluster.profile_name, device_mem_bytes=cluster.profile.mem_bytes,
                    mem_limit_bytes=limits.mem_limit_bytes, mem_headroom=limits.headroom,
                    host_mem_bytes=cluster.host_mem_bytes if cluster.offload_allowed else None,
-                   tp_degree=mesh.tp, sequence_parallel=mesh.sequence_parallel, pp_degree=mesh.pp, allocator_conf=limits.allocator_conf,
+                   tp_degree=mesh.tp, sequence_parallel=mesh.sequence_parallel, pp_degree=mesh.pp, ep_degree=mesh.ep,
+                   allocator_conf=limits.allocator_conf,
                    mem_fitted_to="needed" if limits.fits_needed else "allocated")
 
     @property
@@ -65,7 +68,7 @@ class ClusterSpec(BaseModel):
         """The mesh the plan runs on; PlanFileError where the file's counts do not make one."""
         try:
             mesh = Mesh(nodes=self.nodes, gpus_per_node=self.gpus_per_node, tp=self.tp_degree,
-                        sequence_parallel=self.sequence_parallel, pp=self.pp_degree)
+                        sequence_parallel=self.sequence_parallel, pp=self.pp_degree, ep=self.ep_degree)
         except MeshError as exc:
             raise PlanFileError(f"the plan's cluster is not a mesh: {exc}") from None
         if mesh.world_size != self.world_size:

@@ -86,7 +86,9 @@ def _settings(a: Plan, b: Plan) -> list[str]:
              ("sequence length", a.training.seq_len, b.training.seq_len), ("dtype", a.training.dtype, b.training.dtype),
              ("optimizer", a.training.optimizer, b.training.optimizer),
              ("granularity", a.training.granularity, b.training.granularity),
-             ("pins", len(a.pins), len(b.pins)), ("pipeline degree", a.cluster.pp_degree, b.cluster.pp_degree),
+             ("pins", len(a.pins), len(b.pins)),
+             ("expert-parallel degree", a.cluster.ep_degree, b.cluster.ep_degree),
+             ("pipeline degree", a.cluster.pp_degree, b.cluster.pp_degree),
              ("schedule", _pipe(a, "schedule"), _pipe(b, "schedule")),
              ("micro-batches per step", _pipe(a, "microbatches"), _pipe(b, "microbatches"))]
     return [f"{name} {x} -> {y}" for name, x, y in pairs if x != y]

@@ -13,6 +13,7 @@ from __future__ import annotations
 from pydantic import BaseModel
 
 from autoplan.pins import Pattern, path_groups
+from autoplan.plan.report import expert_line
 from autoplan.plan.schema import Plan
 from autoplan.sizes import format_bytes
 from cost_models.evaluate import evaluate
@@ -54,6 +55,7 @@ class Explanation(BaseModel):
     margin_bytes: int = 0  # of the limit less the headroom, what is kept for the caching allocator (CUDA plans)
     micro_batch_size: int
     groups: list[GroupExplanation]
+    experts: str = ""  # what the plan's expert parallelism costs and saves (report.expert_line); "" without
     stages: list[str] = []  # a pipelined plan: each stage, and its boundaries moved a unit either way
 
     def table(self) -> str:
@@ -62,7 +64,7 @@ class Explanation(BaseModel):
                  " less headroom" + (f" and {format_bytes(self.margin_bytes)} for the CUDA caching allocator"
                                      if self.margin_bytes else "")
                  + f"); micro-batch {self.micro_batch_size}. Each group below is changed alone, the rest of the plan "
-                 "kept."] + self.stages
+                 "kept."] + ([self.experts] if self.experts else []) + self.stages
         for group in self.groups:
             lines += ["", f"{group.pattern} ({len(group.units)} unit{'s' * (len(group.units) > 1)}): {group.decision}"
                       f" - {group.why}",
@@ -139,4 +141,5 @@ def explain_plan(plan: Plan, table: CostTable, choices: list[int], evaluate=eval
     return Explanation(model=plan.model.name, step_time_s=base.step_time_s, peak_mem_bytes=base.peak_mem_bytes,
                        peak_point=base.peak_point.label, mem_limit_bytes=plan.cluster.mem_limit_bytes,
                        planned_bytes=planned, margin_bytes=kept - planned,
-                       micro_batch_size=plan.training.micro_batch_size, groups=groups)
+                       micro_batch_size=plan.training.micro_batch_size, groups=groups,
+                       experts=expert_line(plan.experts) if plan.experts is not None else "")

@@ -111,7 +111,18 @@ def _setting_lines(plan: Plan, cluster_is_default: bool) -> list[str]:
         lines.append(f"mesh {c.world_size // c.tp_degree} data-parallel x {c.tp_degree} tensor-parallel: the Megatron "
                      "layout inside each group of GPUs of a node" + (" with sequence parallelism" if c.sequence_parallel
                                                                      else "") + ", FSDP over the data-parallel ranks")
+    if plan.experts is not None:
+        lines.append(expert_line(plan.experts))
     return lines
+
+
+def expert_line(e) -> str:
+    """What the plan's expert parallelism costs and saves (autoplan.plan.expert_spec)."""
+    where = "inside a node" if e.scope == "intra_node" else "across nodes"
+    return (f"experts split {e.degree}-way ({e.experts_per_rank} per rank of each of {e.stacks} stacks, FSDP over the "
+            f"{e.expert_shard} rank(s) holding the same): all-to-alls of {format_bytes(e.all_to_all_bytes)} {where}, "
+            f"{e.all_to_all_s * 1e3:.1f} ms per step; a gathered stack {format_bytes(e.gathered_stack_bytes)} "
+            f"instead of {format_bytes(e.gathered_stack_bytes_fsdp_only)}")
 
 
 def _unit_lines(plan: Plan) -> list[str]:
@@ -204,7 +215,8 @@ def _solver_lines(plan: Plan) -> list[str]:
                      + " (the fastest plan that fits of each):")
         for e, wall in zip(s.tp_degrees, plan.tp_degree_wall_times_s(), strict=True):
             name = (f"pp {e.pp_degree} " if e.pp_degree > 1 else "") + f"tp {e.degree}" + \
-                (" +sp" if e.sequence_parallel else "") + (f" {e.schedule}" if e.schedule else "")
+                (" +sp" if e.sequence_parallel else "") + (f" ep {e.ep_degree}" if e.ep_degree > 1 else "") + \
+                (f" {e.schedule}" if e.schedule else "")
             found = (f"micro-batch {e.micro_batch_size} x {e.grad_accum_steps}: {e.step_time_s * 1e3:.1f} ms, "
                      f"{e.throughput_samples_s:.1f} samples/s, peak {format_bytes(e.peak_mem_bytes)}" if e.fits
                      else e.note)

@@ -20,6 +20,7 @@ from autoplan.errors import PlanFileError
 from autoplan.fileio import read_versioned_json, write_text_atomic
 from autoplan.plan.cluster_spec import ClusterSpec
 from autoplan.plan.figures import Count, Seconds, StrictRecord
+from autoplan.plan.expert_spec import ExpertParallelSpec
 from autoplan.plan.pipeline_spec import PipelineSpec
 from autoplan.plan.report import format_plan
 from autoplan.solve.solver import SolveStatus
@@ -204,6 +205,7 @@ class TpDegreeEntry(_Strict):
 
     degree: int = Field(ge=1)
     sequence_parallel: bool
+    ep_degree: int = Field(default=1, ge=1, exclude_if=lambda value: value == 1)  # its expert-parallel degree
     fits: bool
     micro_batch_size: int | None = Field(default=None, ge=1)
     grad_accum_steps: int | None = Field(default=None, ge=1)
@@ -268,6 +270,8 @@ class Plan(_Strict):
     pins: list[PinRecord] = Field(default_factory=list)  # the user's pins it was searched with (none: all free)
     # the pipeline stages, their schedule and micro-batches (None: one stage, no pipeline; older plans)
     pipeline: PipelineSpec | None = Field(default=None, exclude_if=lambda value: value is None)
+    # the experts split over groups of ranks (None: no expert parallelism; older plans)
+    experts: ExpertParallelSpec | None = Field(default=None, exclude_if=lambda value: value is None)
     # wall-clock times, apart from what identical searches reproduce (None: an older plan, or none measured)
     timing: SearchTiming | None = Field(default=None, exclude_if=lambda value: value is None)
 

@@ -47,6 +47,7 @@ from autoplan.models.hf import HF_PREFIX
 from autoplan.models.resolve import ResolvedModel, model_from_plan, resolve_model
 from autoplan.plan.schema import Plan, UnitDecision
 from autoplan.run.ac import apply_ac
+from autoplan.run.experts import apply_ep, check_experts, expert_placement, expert_stacks_of, fully_shard_experts
 from autoplan.run.fsdp import apply_fsdp, materialise, param_groups  # noqa: F401 - materialise: re-exported
 from autoplan.run.meshes import plan_meshes
 from autoplan.run.tp import apply_tp
@@ -122,6 +123,8 @@ def apply(
     check_world_size(meshes.ranks, plan, dry_run=dry_run)
     if meshes.tp is not None:  # tensor parallelism first (autoplan.run.tp); FSDP shards over the "dp" sub-mesh
         apply_tp(model, plan, meshes.tp)
+    experts = apply_ep(model, plan.cluster.mesh, meshes.dp, plan.model.name)  # None without expert parallelism
+    stacks = expert_stacks_of(model)
     fsdp_meshes: dict[MeshShape, DeviceMesh] = {}  # each made once, only when a unit's kind asks for it
 
     master = torch_dtype(precision.master_dtype)
@@ -131,9 +134,14 @@ def apply(
     pin_memory = meshes.dp.device_type != "cpu"  # pinned host memory needs an accelerator
     for decision, kind, module in units:
         apply_ac(module, _plan_row(CHECKPOINT_MODES, decision.checkpoint))
+        if experts is not None and decision.module in experts.stacks:  # over the dp / ep ranks (run/experts.py)
+            fully_shard_experts(module, experts, kind, mp_policy, decision.offload)
+            continue
         if kind.mesh not in fsdp_meshes:
             fsdp_meshes[kind.mesh] = meshes.record.fsdp_mesh(meshes.dp, kind.mesh)
-        apply_fsdp(module, fsdp_meshes[kind.mesh], kind, mp_policy, offload=decision.offload, pin_memory=pin_memory)
+        placement = expert_placement(fsdp_meshes[kind.mesh]) if decision.module in stacks else None
+        apply_fsdp(module, fsdp_meshes[kind.mesh], kind, mp_policy, offload=decision.offload, pin_memory=pin_memory,
+                   shard_placement_fn=placement)
     built = (build_optimizer(param_groups(model), optimizer_kind, DEFAULT_LR if lr is None else lr)
              if optimizer is None else _from_factory(optimizer, param_groups(model), optimizer_kind))
     return Applied(model, built, None if scheduler is None else scheduler(built))
@@ -217,6 +225,8 @@ def check_plan(model: nn.Module, plan: Plan) -> tuple[list[tuple[UnitDecision, S
     # Every unit's module is looked up (and every decision checked) before anything is wrapped.
     units = [(decision, _sharding_kind(decision), _unit_module(model, decision))
              for decision in _leaves_first(plan.units)]
+    check_experts(model, plan.cluster.ep_degree, plan.model.name,
+                  {decision.module: (kind, decision.offload) for decision, kind, _ in units})
     optimizer_kind = _plan_row(OPTIMIZERS, plan.training.optimizer)
     cls = getattr(torch.optim, optimizer_kind.torch_class, None)
     if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):

@@ -25,11 +25,13 @@ __all__ = ["apply_fsdp", "host_state_bytes", "materialise", "offloaded_params", 
 
 
 def apply_fsdp(module: nn.Module, mesh: DeviceMesh, kind: ShardingKind, mp_policy: MixedPrecisionPolicy, *,
-               offload: bool = False, pin_memory: bool = False) -> None:
+               offload: bool = False, pin_memory: bool = False, shard_placement_fn=None) -> None:
     """FSDP2's `fully_shard` on one unit as its sharding kind's row says (`mesh` is the kind's), its
-    parameters, gradients and optimizer states on the host where `offload`."""
+    parameters, gradients and optimizer states on the host where `offload`; `shard_placement_fn`: the
+    dimension each parameter is sharded on (None: the first; autoplan.run.experts for expert stacks)."""
     fully_shard(module, mesh=mesh, reshard_after_forward=kind.reshard_after_forward, mp_policy=mp_policy,
-                offload_policy=CPUOffloadPolicy(pin_memory=pin_memory) if offload else OffloadPolicy())
+                offload_policy=CPUOffloadPolicy(pin_memory=pin_memory) if offload else OffloadPolicy(),
+                shard_placement_fn=shard_placement_fn)
 
 
 def _unit_params(module: nn.Module) -> list[nn.Parameter]:

@@ -29,12 +29,14 @@ from dataclasses import dataclass, replace
 from autoplan.errors import InfeasibleError, SolverTimeout, UsageError
 from autoplan.models.tp_layout import TpRefusal, recognise
 from autoplan.solve.cluster import Cluster
+from autoplan.solve.expert_tables import mesh_source
 from autoplan.solve.pipeline import PipelineOutcome, search_pipeline
 from autoplan.solve.request import PlanRequest, Uniform
 from autoplan.solve.solver import cp_sat
 from autoplan.solve.stages import StageTables
 from autoplan.solve.sweep import SweepOutcome, sweep
 from autoplan.solve.tables import TableSource
+from cost_models.expert_parallel import expert_kind_runs
 from cost_models.mesh import Mesh
 from cost_models.options import SHARDING_KINDS, MeshShape
 from cost_models.tensor_parallel import TpLayout
@@ -87,7 +89,8 @@ class MeshResult:
 
     @property
     def label(self) -> str:
-        return (f"pp {self.pp} " if self.pp > 1 else "") + f"tp {self.degree}" + (" +sp" if self.sequence_parallel else "")
+        return (f"pp {self.pp} " if self.pp > 1 else "") + f"tp {self.degree}" + \
+            (" +sp" if self.sequence_parallel else "") + (f" ep {self.mesh.ep}" if self.mesh.ep > 1 else "")
 
 
 @dataclass
@@ -100,12 +103,12 @@ class MeshSearch:
     @property
     def tensor_parallel_searched(self) -> bool:
         """Whether some mesh above degree 1 was searched (its layout recognised), so the report lists them."""
-        return any(r.degree > 1 and r.layout is not None for r in self.results)
+        return any(r.degree > 1 and r.layout is not None or r.mesh.ep > 1 for r in self.results)
 
     @property
     def data_parallel(self) -> MeshResult | None:
-        """The result of degree 1 (FSDP alone), if it was searched."""
-        return next((r for r in self.results if r.degree == 1 and r.pp == 1), None)
+        """The result of degree 1 without expert parallelism or a pipeline (FSDP alone), if it was searched."""
+        return next((r for r in self.results if r.degree == 1 and r.mesh.ep == 1 and r.pp == 1), None)
 
     @property
     def without_pipeline(self) -> MeshResult | None:
@@ -190,7 +193,7 @@ def _restored(request: PlanRequest, result: MeshResult) -> MeshResult:
             rank.source = StageTables(request.tables, list(rank.chunks)).for_layout(result.layout)
         busiest = result.pipeline.busiest
         return replace(result, source=busiest.source, cluster=request.cluster.with_mesh(result.mesh))
-    return replace(result, source=request.tables.for_layout(result.layout),
+    return replace(result, source=mesh_source(request, result.mesh, result.layout),
                    cluster=request.cluster.with_mesh(result.mesh))
 
 
@@ -221,12 +224,16 @@ def _search(request: PlanRequest, mesh: Mesh, progress=None) -> MeshResult:
         if mesh.tp > 1:
             check_beside_tensor_parallelism(request.uniform)
             result.layout = recognise(request.model.module, mesh.tp, mesh.sequence_parallel)
+        uniform = request.uniform
+        if mesh.ep > 1 and uniform is not None and not expert_kind_runs(uniform.strategy, uniform.offload):
+            raise TpRefusal(f"`strategy` {uniform.strategy}{' with offload' if uniform.offload else ''} does not "
+                            "run beside expert parallelism (shard, shard_keep)")
         result.cluster = request.cluster.with_mesh(mesh)
         if mesh.pp > 1:
             result.pipeline, result.outcome = search_pipeline(request, mesh, result.layout, request.schedule)
             result.source = result.pipeline.busiest.source
         else:
-            result.source = request.tables.for_layout(result.layout)
+            result.source = mesh_source(request, result.mesh, result.layout)
             result.outcome = sweep(request, result.source, result.cluster, progress)
     except TpRefusal as exc:
         result.refused = str(exc)
@@ -258,7 +265,7 @@ def best_result(results: list[MeshResult]) -> MeshResult:
     memory when none fits."""
     fitting = [r for r in results if r.outcome is not None]
     if fitting:
-        return max(fitting, key=lambda r: (round(r.throughput, 9), -r.pp, -r.degree, r.sequence_parallel))
+        return max(fitting, key=lambda r: (round(r.throughput, 9), -r.pp, -r.degree, -r.mesh.ep, r.sequence_parallel))
     errors = [r.error for r in results if r.error is not None]
     timed_out = [r.timed_out for r in results if r.timed_out is not None]
     if timed_out:  # a degree with no verdict might have fitted: say so rather than "nothing fits"
@@ -284,8 +291,8 @@ class _Progress:
     def sweeping(self, index: int, mesh: Mesh):
         """The sweep's progress hook for the `index`-th mesh (autoplan.solve.sweep)."""
         shape = (f"{mesh.pp} pipeline x " if mesh.pp > 1 else "") + f"{mesh.dp} data-parallel" + \
-            (f" x {mesh.tp} tensor-parallel" if mesh.tp > 1 else "") + \
-            (" +sp" if mesh.sequence_parallel else "")
+            (f" x {mesh.tp} tensor-parallel" if mesh.tp > 1 else "") + (" +sp" if mesh.sequence_parallel else "") + \
+            (f", experts {mesh.ep}-way" if mesh.ep > 1 else "")
 
         def step_done(step, best: float | None) -> None:
             elapsed = time.perf_counter() - self.start

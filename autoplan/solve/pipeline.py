@@ -138,8 +138,8 @@ def search_pipeline(request: PlanRequest, mesh: Mesh, layout: TpLayout | None,
                     schedule: str | None = None) -> tuple[PipelineOutcome, SweepOutcome]:
     """The fastest pipelined plan on `mesh` (see the module docstring), and the same in the sweep's terms (the
     busiest rank's table and evaluation, the step the makespan). InfeasibleError where nothing fits."""
-    if request.pins is not None:
-        raise UsageError("pins are not combined with a pipeline (`pp` above 1) yet: give `pp` 1 with pins")
+    if request.pins is not None or mesh.ep > 1:
+        raise UsageError("pins and expert parallelism are not combined with a pipeline (`pp` above 1) yet")
     search = _Search(request, mesh, layout, stage_cluster(request.cluster, mesh))
     start, steps = time.perf_counter(), []
     rows = [SCHEDULES[schedule]] if schedule else sorted(SCHEDULES.values(), key=lambda r: bubble_slots(r, mesh.pp))
