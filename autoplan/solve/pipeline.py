@@ -184,8 +184,7 @@ def _undominated(rows: list, fixed: str | None) -> list:
     """The schedules worth solving: a dominated one only where what beats it does not run, or when asked for."""
     if fixed is not None:
         return rows
-    # apply refuses the schedules that defer weight gradients (under FSDP2 a 2 x 2 gloo run drifted from one
-    # process's parameters): the search offers them only when asked for
+    # apply refuses the schedules deferring weight gradients (they drift under FSDP2): offered only when asked for
     rows = [row for row in rows if not row.splits_backward]
     names = {row.name for row in rows}
     return [row for row in rows if _DOMINATED_BY.get(row.name) not in names]
