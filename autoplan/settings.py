@@ -1,11 +1,10 @@
 """One settings record per request: what `search` and `estimate` are asked, validated in one place.
 
-The Python API and the command line share these records, so they share every default and every
-check: `autoplan.search(model, mem, **fields)` builds a `SearchSettings`, and `autoplan search`'s
-flags are generated from the same fields (`autoplan.cli.flags`), with the docstring under each field
-as the flag's help. A field's name is the API parameter; the CLI flag is `--` + the name with dashes
-(or the `Flag` named in its annotation). Errors name the parameter in backticks (`seq_len`), and
-the CLI shows the flag there instead (`--seq-len`).
+The Python API and the command line share these records, so they share every default and every check:
+`autoplan.search(model, mem, **fields)` builds a `SearchSettings`, and `autoplan search`'s flags are generated from
+the same fields (`autoplan.cli.flags`), with the docstring under each field as the flag's help. A field's name is
+the API parameter; the CLI flag is `--` + the name with dashes (or the `Flag` named in its annotation). Errors name
+the parameter in backticks (`seq_len`), and the CLI shows the flag there instead (`--seq-len`).
 
 The options a field can take (precisions, optimizers, sharding kinds) come from the one registry,
 `cost_models.options`, when the record is validated, so an option registered there is accepted here.
@@ -18,7 +17,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
 from autoplan.errors import UsageError
-from autoplan.settings_flags import FIT_TO, GRANULARITIES, Flag, check_choice, choices_of
+from autoplan.settings_flags import FIT_TO, GRANULARITIES, POSITIVE_SETTINGS, Flag, check_choice, choices_of
 from autoplan.sizes import check_mem_limit, parse_mem_bytes
 from cost_models.allocator_margin import is_expandable
 from cost_models.attention import KERNEL_ALIASES
@@ -28,8 +27,7 @@ from cost_models.options import DEFAULT_OPTIMIZER, DEFAULT_PRECISION, checkpoint
 __all__ = [
     "DEFAULT_HEADROOM", "DEFAULT_MODEL", "DEFAULT_PROFILE", "DEFAULT_TIME_LIMIT_S", "FIT_TO", "GRANULARITIES",
     "MAX_GPUS", "MAX_GPUS_PER_NODE", "MAX_HEADROOM", "EstimateSettings", "Flag", "PlanningSettings",
-    "SearchSettings", "check_choice", "check_mem_limit", "choices_of", "mesh_of", "settings_error",
-]
+    "SearchSettings", "check_choice", "check_mem_limit", "choices_of", "mesh_of", "settings_error"]
 
 DEFAULT_MODEL = "gpt2-1.5b"
 DEFAULT_PROFILE = "a100-sxm4-80gb"
@@ -101,13 +99,12 @@ class _Settings(BaseModel):
 
     @model_validator(mode="after")
     def _check(self):
-        for name in ("gpus", "nodes", "gpus_per_node", "seq_len", "batch_size", "global_batch", "tp", "capacity_factor",
-                     "ep", "cp"):
+        for name in POSITIVE_SETTINGS:
             value = getattr(self, name, None)
             if value is not None and value < 1:
                 raise UsageError(f"`{name}` must be at least 1, got {value}")
         for name in ("dtype", "optimizer", "granularity", "strategy", "checkpoint", "sequence_parallel", "fit_to",
-                     "attention"):
+                     "attention", "schedule"):
             value = getattr(self, name, None)
             if value is not None:
                 check_choice(name, value, choices_of(name))
@@ -146,9 +143,9 @@ class PlanningSettings(_Settings):
     """What a search and an estimate are both asked: the model, the cluster and the training setup."""
 
     model: Annotated[Any, Flag()] = None
-    """zoo name (see `autoplan models`), hf:path/to/config.json (a Hugging Face config, nothing
-    downloaded) or package.module:factory; in Python also an nn.Module or a TracedModel (default gpt2-1.5b; for
-    an estimate of a plan, the plan's model)"""
+    """zoo name (see `autoplan models`), hf:path/to/config.json (a Hugging Face config, nothing downloaded) or
+    package.module:factory; in Python also an nn.Module or a TracedModel (default gpt2-1.5b; for an estimate of a
+    plan, the plan's model)"""
 
     gpus: int | None = None
     """total GPUs, the world size (default 8: one node of 8)"""
@@ -218,6 +215,10 @@ class PlanningSettings(_Settings):
     default: a search tries each such degree, an estimate 1"""
     cp: int | None = None
     """context-parallel degree (ring attention over `cp` ranks a sequence); default: searched from 16k tokens up"""
+    pp: int | None = None
+    """pipeline degree, stages of whole nodes or parts of each (1: none; default: searched where one may pay)"""
+    schedule: Annotated[str | None, Flag(kind="choice")] = None
+    """pipeline schedule (gpipe, 1f1b, interleaved_1f1b, zero_bubble, zbv); default: the fastest torch runs"""
 
     example_inputs: Annotated[Any, Flag(api_only=True)] = None
     """inputs of a model whose forward does not take token ids [batch, seq] (a tensor, a tuple or a dict;
@@ -332,9 +333,8 @@ class EstimateSettings(PlanningSettings):
     """the option every unit takes (default shard)"""
 
     checkpoint: Annotated[str | None, Flag(kind="choice", bare="full")] = None
-    """checkpoint mode on every unit but the root (none, selective: keep matmul and attention outputs,
-    selective_op: torchtitan's policy, every other matmul's output kept, full: keep inputs only; given without a
-    mode: full)"""
+    """checkpoint mode on every unit but the root (none, selective: keep matmul and attention outputs, selective_op:
+    torchtitan's policy, every other matmul's output kept, full: keep inputs only; given without a mode: full)"""
 
     offload: bool = False
     """parameters, gradients and optimizer states of every unit in host memory (FSDP2 CPUOffloadPolicy)"""

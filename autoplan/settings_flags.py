@@ -11,8 +11,14 @@ from pydantic import BaseModel
 from autoplan.errors import UsageError
 from cost_models.attention import KERNEL_ALIASES, AttentionKernel
 from cost_models.options import CHECKPOINT_MODES, OPTIMIZERS, PRECISIONS, SHARDING_KINDS
+from cost_models.schedules import SCHEDULES
 
-__all__ = ["FIT_TO", "GRANULARITIES", "Flag", "check_choice", "choices_of", "field_flag", "flag_name"]
+__all__ = ["FIT_TO", "GRANULARITIES", "POSITIVE_SETTINGS", "Flag", "check_choice", "choices_of", "field_flag",
+           "flag_name"]
+
+# the settings that are counts or degrees: each at least 1 where given
+POSITIVE_SETTINGS = ("gpus", "nodes", "gpus_per_node", "seq_len", "batch_size", "global_batch", "tp", "capacity_factor",
+                     "ep", "cp", "pp")
 
 GRANULARITIES = ("block", "fine", "leaf", "root")
 FIT_TO = ("needed", "allocated")  # what a CUDA plan is fitted to: what the caching allocator needs, or live bytes
@@ -54,4 +60,5 @@ def choices_of(field: str) -> tuple[str, ...] | None:
         "sequence_parallel": lambda: ("on", "off"),
         "fit_to": lambda: FIT_TO,
         "attention": lambda: tuple(AttentionKernel) + tuple(KERNEL_ALIASES),
+        "schedule": lambda: tuple(SCHEDULES),
     }.get(field, lambda: None)()

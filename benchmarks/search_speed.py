@@ -69,6 +69,8 @@ PIN_CASES = [
      [f"layers.{k}=shard+ckpt" for k in range(10)]),
 ]
 PIN_TARGET = 1.2  # pinned / free
+PP_405B = ["--model", "llama3-405b", "--nodes", "8", "--gpus-per-node", "8", "--profile", "h100-sxm-80gb",
+           "--seq-len", "4096"]
 DEEP_LAYERS = 2000
 BARE = "bare import"  # `python -c "import torch; from ortools.sat.python import cp_model"`: the floor
 BARE_ARGV = ["-c", "import torch; from ortools.sat.python import cp_model"]
@@ -82,6 +84,9 @@ COMMANDS = [
     ("search gpt2-1.5b --mem 8GB", "2x", ["search", "--model", "gpt2-1.5b", "--mem", "8GB"]),
     ("search llama3-8b --mem 80GB", 3.0, ["search", "--model", "llama3-8b", "--mem", "80GB"]),
     ("search llama3-405b, 256 H100s, seq 2048", "3x", ["search", *CASES[2][2]]),
+    # issue 28: on 8 x 8 H100s at seq 4096 nothing fits without offload, so pipelines join the search space
+    ("search llama3-405b, 64 H100s, seq 4096, pipelines searched", "3x", ["search", *PP_405B]),
+    ("search llama3-405b, 64 H100s, seq 4096, --pp 1", None, ["search", *PP_405B, "--pp", "1"]),
     (f"search hf: Llama, {DEEP_LAYERS} layers, --mem 1GB", 10.0, ["search", "--model", "hf:{deep}", "--mem", "1GB"]),
     ("explain gpt2-1.5b plan (warm)", 3.0, ["explain", "{plan}"]),
     ("explain gpt2-1.5b plan (cold)", None, ["explain", "{plan}"]),

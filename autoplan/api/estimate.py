@@ -9,24 +9,29 @@ on the same per-rank memory timeline the planner constrains (cost_models.memory)
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from autoplan.api.prepare import load_plan_of, prepare, wrap_policy_of
-from autoplan.errors import UsageError
+from autoplan.errors import PlanFileError, UsageError
 from autoplan.models.tp_layout import TpRefusal, check_with_experts, recognise
 from autoplan.pins import path_groups
 from autoplan.plan.assemble import model_ref, plan_choices, prediction, training_spec, unit_decisions
 from autoplan.plan.estimate import Estimate
+from autoplan.plan.pipeline_plan import pipeline_spec, pipeline_units
 from autoplan.plan.schema import ClusterSpec, Plan
 from autoplan.settings import EstimateSettings
 from autoplan.sizes import format_bytes
 from autoplan.solve.context_tables import context_source
 from autoplan.solve.expert_tables import mesh_source
 from autoplan.solve.mesh_search import check_beside_tensor_parallelism, check_context
+from autoplan.solve.pipeline import PipelineOutcome, fixed_pipelines
 from autoplan.solve.request import PlanRequest
+from autoplan.solve.stages import forward_units
 from cost_models.evaluate import evaluate, uniform_choices
 from cost_models.expert_parallel import expert_kind_runs
 from cost_models.options import CHECKPOINT_MODES, SHARDING_KINDS
+from cost_models.schedules import DEFAULT_SCHEDULE
 from cost_models.table import CostTable
 
 
@@ -53,6 +58,8 @@ def estimate(model: Any = None, strategy: str | None = None, *, settings: Estima
     s = EstimateSettings.create(settings, model=model, strategy=strategy, **fields)
     plan, plan_file = load_plan_of(s.plan)
     request = prepare(s, plan, plan_file)
+    if request.meshes[0].pp > 1:
+        return _pipelined_estimate(request, plan, s)
     table, choices = request_table(request, plan)
     if plan is not None:
         label = "plan"
@@ -86,14 +93,7 @@ def request_table(request: PlanRequest, plan: Plan | None = None) -> tuple[CostT
     decisions, or the uniform strategy's. Offload is priced where the strategy or the plan asks for it."""
     [mesh] = request.meshes
     [micro_batch] = request.batch.candidates(mesh.dp)
-    layout = None
-    if mesh.tp > 1:
-        try:
-            check_beside_tensor_parallelism(request.uniform)
-            layout = recognise(request.model.module, mesh.tp, mesh.sequence_parallel)
-            check_with_experts(layout, mesh.ep)
-        except TpRefusal as exc:
-            raise UsageError(f"tensor-parallel degree {mesh.tp}: {exc}") from None
+    layout = request_layout(request)
     cluster, uniform, t = request.cluster.with_mesh(mesh), request.uniform, request.training
     offloads = (uniform is not None and uniform.offload) or (plan is not None and any(u.offload for u in plan.units))
     if mesh.ep > 1 and uniform is not None and not expert_kind_runs(uniform.strategy, uniform.offload):
@@ -118,4 +118,94 @@ def request_table(request: PlanRequest, plan: Plan | None = None) -> tuple[CostT
     return table, choices
 
 
-__all__ = ["estimate", "request_table"]
+def request_layout(request: PlanRequest):
+    """The tensor-parallel layout of an estimate's mesh (None at degree 1); UsageError where the model or the
+    strategy does not take it."""
+    [mesh] = request.meshes
+    if mesh.tp == 1:
+        return None
+    try:
+        check_beside_tensor_parallelism(request.uniform)
+        layout = recognise(request.model.module, mesh.tp, mesh.sequence_parallel)
+        check_with_experts(layout, mesh.ep)
+        return layout
+    except TpRefusal as exc:
+        raise UsageError(f"tensor-parallel degree {mesh.tp}: {exc}") from None
+
+
+def _pipelined_estimate(request: PlanRequest, plan: Plan | None, settings: EstimateSettings) -> Estimate:
+    """The estimate of a pipelined mesh: the plan's stages and decisions, or the uniform strategy on
+    balanced stages (autoplan.solve.pipeline.fixed_pipeline); the busiest rank's peak and timeline."""
+    if request.pins is not None:
+        raise UsageError("pins are not combined with a pipeline (`pp` above 1) yet")
+    [outcome] = request_pipeline(request, plan)
+    busiest, tensor_parallel = outcome.busiest, request.meshes[0].tp > 1
+    uniform = request.uniform
+    label = "plan" if plan is not None else uniform.strategy + CHECKPOINT_MODES[uniform.checkpoint].label
+    description = (f"the plan's decisions and stages ({request.model.name})" if plan is not None else
+                   f"{SHARDING_KINDS[uniform.strategy].description}; {CHECKPOINT_MODES[uniform.checkpoint].description}"
+                   f"; {len(outcome.cuts)} stages balanced by predicted time, schedule {outcome.schedule}")
+
+    def decisions_of(rank):
+        return unit_decisions(rank.table, rank.choices, rank.source.full_units() if tensor_parallel else None,
+                              rank.source.unit_layouts if tensor_parallel else None)
+
+    evaluation = replace(busiest.evaluation, step_time_s=outcome.step_time_s)
+    return Estimate(
+        model=model_ref(request), strategy=label + f" pp {outcome.degree}", description=description,
+        cluster=ClusterSpec.of(request.cluster.with_mesh(request.meshes[0]), request.limits),
+        training=training_spec(busiest.table, request),
+        units=pipeline_units(outcome, [u.path for u in request.tables.units], decisions_of),
+        predicted=prediction(busiest.table, evaluation, request.limits.allocator_conf),
+        pipeline=pipeline_spec(outcome))
+
+
+def request_pipeline(request: PlanRequest, plan: Plan | None = None, moved: bool = False) -> list[PipelineOutcome]:
+    """An estimate's (or a plan's) pipeline priced with fixed decisions: the plan's stages, schedule and
+    decisions (with `moved`, then each boundary a unit earlier and a unit later), or the uniform strategy on
+    balanced stages under `schedule` (default 1F1B)."""
+    [mesh] = request.meshes
+    if plan is not None and plan.pipeline is not None:
+        cuts = plan_cuts(plan, request)
+        cut_list = [cuts] + ([moved_cut for i in range(1, len(cuts)) for step in (-1, 1)
+                              if (moved_cut := _moved(cuts, i, step, len(forward_units(request.tables.units))))]
+                             if moved else [])
+        return fixed_pipelines(request, mesh, request_layout(request), plan.pipeline.schedule, cut_list,
+                               lambda table: plan_choices(table, _units_of(plan, table)))
+    uniform = request.uniform
+    schedule = request.schedule or DEFAULT_SCHEDULE
+
+    def decide(table):
+        choices = uniform_choices(table, uniform.strategy, uniform.checkpoint, offload=uniform.offload,
+                                  exact=uniform.offload)
+        if choices is None:
+            raise UsageError("`offload` is not priced on this pipeline's stages (its profile has no host link)")
+        return choices
+
+    return fixed_pipelines(request, mesh, request_layout(request), schedule, [None], decide)
+
+
+def plan_cuts(plan: Plan, request: PlanRequest) -> list[int]:
+    """Each of a pipelined plan's stages' first unit, as an index among the model's forward units."""
+    order = [request.tables.units[u].path for u in forward_units(request.tables.units)]
+    try:
+        return [0] + [order.index(next(p for p in stage.units if p)) for stage in plan.pipeline.stages[1:]]
+    except (ValueError, StopIteration):
+        raise PlanFileError("the plan's pipeline stages do not name the model's units in order") from None
+
+
+def _moved(cuts: list[int], index: int, step: int, units: int) -> list[int] | None:
+    """The cuts with boundary `index` a unit earlier (-1) or later (+1); None where a stage would be empty."""
+    moved = list(cuts)
+    moved[index] += step
+    ends = moved[1:] + [units]
+    return moved if all(start < end for start, end in zip(moved, ends)) else None
+
+
+def _units_of(plan: Plan, table: CostTable) -> Plan:
+    """The plan with the units of one rank's table only."""
+    paths = {unit.path for unit in table.units}
+    return plan.model_copy(update={"units": [u for u in plan.units if u.module in paths]})
+
+
+__all__ = ["estimate", "plan_cuts", "request_layout", "request_pipeline", "request_table"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from autoplan.api.traced import TracedModel, reuse_traced
@@ -34,7 +35,7 @@ from cost_models.mesh import Mesh, MeshError
 from cost_models.options import DEFAULT_SHARDING, SHARDING_KINDS
 from cost_models.training import Training
 
-__all__ = ["allocator_conf", "load_plan_of", "prepare", "search_meshes_of", "wrap_policy_of"]
+__all__ = ["allocator_conf", "load_plan_of", "pipeline_meshes_of", "prepare", "search_meshes_of", "wrap_policy_of"]
 
 
 def prepare(settings: PlanningSettings, plan: Plan | None = None, plan_file: Path | None = None) -> PlanRequest:
@@ -57,6 +58,7 @@ def prepare(settings: PlanningSettings, plan: Plan | None = None, plan_file: Pat
     experts = experts_of(session.module)
     meshes = (search_meshes_of(settings, cluster.mesh, experts, session.name, session.seq_len) if plan is None
               else (_plan_mesh(plan, cluster.mesh),))
+    pipeline_meshes = pipeline_meshes_of(settings, cluster.mesh) if plan is None else ()
     uniform = _uniform(settings, cluster)
     wrap_policy_of(settings)  # refused before tracing
     mem = settings.mem if settings.mem is not None else cluster.profile.mem_bytes
@@ -67,13 +69,16 @@ def prepare(settings: PlanningSettings, plan: Plan | None = None, plan_file: Pat
               else Limits(mem, allocator_conf=conf))
     batch = Batch(settings.batch_size if searching else settings.batch_size or 1, settings.global_batch)
     batch.candidates(meshes[0].dp)  # a batch that does not divide over the ranks, refused before tracing
+    for mesh in {m.pp: m for m in meshes + pipeline_meshes if m.pp > 1}.values():
+        batch.candidates(mesh.dp)
     training = Training(session.seq_len, settings.dtype_or_default, settings.optimizer_or_default)
     tables, pins = _tables(session, training, settings, plan)
     model = ModelInfo(name=session.name, config=session.resolved.config, n_params=count_params(session.module),
                       fingerprint=model_fingerprint(session.module), module=session.module,
                       notes=session.notes(training.compute_dtype))
     return PlanRequest(model=model, tables=tables, training=training, granularity=settings.granularity_or_default,
-                       cluster=cluster, meshes=meshes, batch=batch, limits=limits, pins=pins, uniform=uniform)
+                       cluster=cluster, meshes=meshes, batch=batch, limits=limits, pins=pins, uniform=uniform,
+                       pipeline_meshes=pipeline_meshes, schedule=settings.schedule)
 
 
 def allocator_conf(settings: PlanningSettings, cluster: Cluster) -> str | None:
@@ -103,17 +108,28 @@ def search_meshes_of(settings: PlanningSettings, mesh: Mesh, experts: ExpertInfo
     `sequence_parallel` says); for a model with `experts` that `apply` can split, each with every
     expert-parallel degree that divides the expert count and the data-parallel ranks (`ep` itself when given;
     refused for a model without them); each mesh without experts split with every context-parallel degree
-    beside it (`cp` itself when given, else every degree from sequences of MIN_CONTEXT_SEQ tokens up: `seq_len`).
-    An estimate runs on one mesh: the cluster's, at its `tp` (sequence parallelism only where asked for),
-    `ep` and `cp`."""
+    beside it (`cp` itself when given, else every degree from sequences of MIN_CONTEXT_SEQ tokens up: `seq_len`);
+    with a pipeline degree `pp` above 1, each tensor degree's mesh with it (neither expert nor context
+    parallelism beside a pipeline yet). An estimate runs on one mesh: the cluster's, at its `tp` (sequence
+    parallelism only where asked for), `ep`, `cp` and `pp`."""
     experts = experts or ExpertInfo()
     check_expert_degree(experts, settings.ep or 1, model_name)
+    pp = settings.pp or 1
+    if pp > 1 and ((settings.ep or 1) > 1 or (settings.cp or 1) > 1):
+        raise UsageError("`pp` is not combined with `ep` or `cp` yet: give one of them")
     if not isinstance(settings, SearchSettings):
+        tensor = _tensor(mesh, settings.tp or 1, settings.sequence_parallel == "on")
+        if pp > 1:
+            return (_with_pipeline(tensor, pp),)
         try:
-            tensor = mesh.with_tensor(settings.tp or 1, settings.sequence_parallel == "on")
             return (tensor.with_experts(settings.ep or 1).with_context(settings.cp or 1),)
         except MeshError as exc:
             raise UsageError(str(exc)) from None
+    if pp > 1:
+        pipelined = [_pipelined(m, pp) for m in _tensor_variants(settings, mesh)]
+        if not any(pipelined):
+            _with_pipeline(_tensor_variants(settings, mesh)[0], pp)  # the refusal of the first
+        return tuple(m for m in pipelined if m is not None)
     return _with_context(_tensor_meshes(settings, mesh, experts), settings.cp, seq_len)
 
 
@@ -133,13 +149,15 @@ def _with_context(meshes: tuple[Mesh, ...], cp: int | None, seq_len: int | None)
     return tuple(m.with_context(c) for m in meshes for c in (m.context_degrees() if m.ep == 1 else [1]))
 
 
-def _tensor_meshes(settings: SearchSettings, mesh: Mesh, experts: ExpertInfo) -> tuple[Mesh, ...]:
-    try:
-        degrees = [mesh.with_tensor(settings.tp).tp] if settings.tp is not None else mesh.tensor_degrees()
-    except MeshError as exc:
-        raise UsageError(str(exc)) from None
+def _tensor_variants(settings: SearchSettings, mesh: Mesh) -> list[Mesh]:
+    """Each tensor degree searched, above 1 with and without sequence parallelism (or as asked)."""
+    degrees = [_tensor(mesh, settings.tp).tp] if settings.tp is not None else mesh.tensor_degrees()
     variants = (True, False) if settings.sequence_parallel is None else (settings.sequence_parallel == "on",)
-    tensor = [mesh.with_tensor(t, sp) for t in degrees for sp in ((False,) if t == 1 else variants)]
+    return [mesh.with_tensor(t, sp) for t in degrees for sp in ((False,) if t == 1 else variants)]
+
+
+def _tensor_meshes(settings: SearchSettings, mesh: Mesh, experts: ExpertInfo) -> tuple[Mesh, ...]:
+    tensor = _tensor_variants(settings, mesh)
     if settings.ep is not None:
         fitting = [m for m in tensor if m.dp % settings.ep == 0]
         if not fitting:
@@ -151,12 +169,50 @@ def _tensor_meshes(settings: SearchSettings, mesh: Mesh, experts: ExpertInfo) ->
     return tuple(m.with_experts(e) for m in tensor for e in m.expert_degrees(splits))
 
 
+def pipeline_meshes_of(settings: PlanningSettings, mesh: Mesh) -> tuple[Mesh, ...]:
+    """The pipelined meshes a search tries after the others where a pipeline may pay (mesh_search.pipeline_pays):
+    with neither `pp` nor a uniform `strategy` given, on two nodes or more, stages of whole nodes (each divisor
+    of the node count above 1), at tensor degree 1 and at the largest a node takes (with sequence parallelism
+    unless `sequence_parallel` is off), or at `tp` where given (the mesh search adds the best plan's degree
+    without a pipeline). Within a node a pipeline's bubble costs more than FSDP's collectives over its GPU
+    links; `pp` fixes a degree, parts of a node included."""
+    if not isinstance(settings, SearchSettings) or settings.pp is not None or mesh.nodes < 2 or settings.strategy \
+            or settings.ep is not None or settings.cp is not None:
+        return ()
+    tensor = [settings.tp] if settings.tp is not None else sorted({1, max(mesh.tensor_degrees())})
+    sp = settings.sequence_parallel != "off"
+    meshes = [_pipelined(mesh.with_tensor(t, sp and t > 1), pp) for t in tensor
+              for pp in mesh.with_tensor(t).pipeline_degrees() if 1 < pp <= mesh.nodes]
+    return tuple(m for m in meshes if m is not None)
+
+
+def _tensor(mesh: Mesh, tp: int, sequence_parallel: bool = False) -> Mesh:
+    try:
+        return mesh.with_tensor(tp, sequence_parallel)
+    except MeshError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _with_pipeline(mesh: Mesh, pp: int) -> Mesh:
+    try:
+        return replace(mesh, pp=pp)
+    except MeshError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _pipelined(mesh: Mesh, pp: int) -> Mesh | None:
+    try:
+        return replace(mesh, pp=pp)
+    except MeshError:
+        return None
+
+
 def _plan_mesh(plan: Plan, cluster_mesh: Mesh) -> Mesh:
     """The plan's own degrees on the cluster asked for (the plan's unless given)."""
     planned = plan.cluster.mesh
     try:
-        return (cluster_mesh.with_tensor(planned.tp, planned.sequence_parallel).with_experts(planned.ep)
-                .with_context(planned.cp))
+        return replace(cluster_mesh.with_tensor(planned.tp, planned.sequence_parallel).with_experts(planned.ep)
+                       .with_context(planned.cp), pp=planned.pp)
     except MeshError as exc:
         raise UsageError(f"the plan's tensor-, expert- or context-parallel degree does not fit this cluster: {exc}") \
             from None

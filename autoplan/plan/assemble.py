@@ -31,6 +31,7 @@ from autoplan.plan.schema import (
     UnitDecision,
     UnitPrediction,
 )
+from autoplan.plan.pipeline_plan import pipeline_spec, pipeline_units
 from autoplan.solve.mesh_search import MeshResult, MeshSearch
 from autoplan.solve.request import PlanRequest
 from autoplan.version import __version__
@@ -41,10 +42,11 @@ from cost_models.records import Unit
 from cost_models.table import CostTable
 from cost_models.tensor_parallel import UnitLayout
 
-__all__ = ["BASELINES", "FSDP_ONLY", "assemble_plan", "baselines", "model_ref", "plan_choices", "prediction", "training_spec",
+__all__ = ["BASELINES", "FSDP_ONLY", "NO_PIPELINE", "assemble_plan", "baselines", "model_ref", "plan_choices", "prediction", "training_spec",
            "unit_decisions"]
 
 FSDP_ONLY = "fsdp-only"  # the baseline a tensor-parallel plan is compared with: the best plan of degree 1
+NO_PIPELINE = "no-pipeline"  # the baseline a pipelined plan is compared with: the best plan without a pipeline
 # the uniform plans every search is compared with: (name, sharding kind, checkpoint mode)
 BASELINES = (("all-shard", "shard", "none"), ("all-shard+sel", "shard", "selective"), ("all-shard+ckpt", "shard", "full"),
              ("all-replicate", "replicate", "none"))
@@ -164,7 +166,8 @@ def assemble_plan(search: MeshSearch, request: PlanRequest) -> Plan:
     source = best.source
     tensor_parallel = best.degree > 1 or best.mesh.ep > 1  # the units split: recorded whole, FSDP alone compared
     parallel = tensor_parallel or best.mesh.cp > 1  # beside FSDP alone: compared with its best plan
-    solver = SolverInfo(status=result.status, objective_s=result.objective, bound_s=result.bound,
+    solver = SolverInfo(status=result.status, objective_s=result.objective,
+                        bound_s=result.bound if result.bound is not None else result.objective,
                         num_variables=outcome.num_variables,
                         num_constraints=outcome.num_constraints,
                         micro_batch_sweep=[SweepEntry(micro_batch_size=s.micro_batch_size,
@@ -172,8 +175,10 @@ def assemble_plan(search: MeshSearch, request: PlanRequest) -> Plan:
                                                       step_time_s=s.step_time_s,
                                                       throughput_samples_s=s.throughput_samples_s)
                                            for s in outcome.steps])
-    if parallel or search.tensor_parallel_searched:
+    if parallel or search.tensor_parallel_searched or any(r.pp > 1 for r in search.results):
         solver = solver.model_copy(update={"tp_degrees": [_degree_entry(r) for r in search.results]})
+    if best.pipeline is not None:
+        return _pipelined_plan(search, request, solver)
     fsdp = search.data_parallel
     return Plan(
         autoplan_version=__version__,
@@ -194,17 +199,55 @@ def assemble_plan(search: MeshSearch, request: PlanRequest) -> Plan:
     )
 
 
+def _pipelined_plan(search: MeshSearch, request: PlanRequest, solver: SolverInfo) -> Plan:
+    """The plan of a pipelined best mesh: every rank's units, the stages, the best plan without a pipeline
+    (and its baselines) to compare with."""
+    best, limits = search.best, request.limits
+    outcome, pipeline = best.outcome, best.pipeline
+    tensor_parallel = best.degree > 1
+
+    def decisions_of(rank):
+        return unit_decisions(rank.table, rank.choices, rank.source.full_units() if tensor_parallel else None,
+                              rank.source.unit_layouts if tensor_parallel else None)
+
+    predicted = prediction(outcome.table, outcome.evaluation, limits.allocator_conf)
+    flops = sum(r.table.model_flops for r in pipeline.ranks) / len(pipeline.ranks)
+    if flops and outcome.table.peak_flops:
+        predicted = predicted.model_copy(update={"mfu": flops * pipeline.microbatches
+                                                 / (pipeline.step_time_s * outcome.table.peak_flops)})
+    plain = search.without_pipeline
+    return Plan(
+        autoplan_version=__version__, model=model_ref(request), cluster=ClusterSpec.of(best.cluster, limits),
+        training=training_spec(outcome.table, request),
+        units=pipeline_units(pipeline, [u.path for u in request.tables.units], decisions_of),
+        predicted=predicted, solver=solver,
+        baselines=_no_pipeline(plain, limits.planned_bytes) if plain is not None else [],
+        pipeline=pipeline_spec(pipeline),
+        timing=SearchTiming(solver_s=outcome.wall_time_s, tp_degrees_s=[r.wall_time_s for r in search.results]),
+    )
+
+
+def _no_pipeline(result: MeshResult, planned_bytes: int) -> list[Baseline]:
+    """The best plan without a pipeline as a baseline (NO_PIPELINE), then its own mesh's uniform baselines."""
+    outcome = result.outcome
+    best = Baseline(name=NO_PIPELINE, fits=True, micro_batch_size=outcome.table.micro_batch_size,
+                    peak_mem_bytes=outcome.evaluation.peak_mem_bytes, step_time_s=outcome.evaluation.step_time_s,
+                    throughput_samples_s=result.throughput)
+    return [best] + baselines(outcome.tables, planned_bytes)
+
+
 def _degree_entry(result: MeshResult) -> TpDegreeEntry:
     outcome = result.outcome
+    pp = {"pp_degree": result.pp, "schedule": result.pipeline.schedule if result.pipeline else None}
     if outcome is None:
         note = result.refused or ""
         if result.error is not None and result.error.min_mem_bytes:
             note = f"nothing fits (the leanest plan needs a limit of {result.error.min_mem_bytes:,} bytes)"
         return TpDegreeEntry(degree=result.degree, sequence_parallel=result.sequence_parallel,
-                             ep_degree=result.mesh.ep, cp_degree=result.mesh.cp, fits=False, note=note)
+                             ep_degree=result.mesh.ep, cp_degree=result.mesh.cp, fits=False, note=note, **pp)
     evaluation = outcome.evaluation
     return TpDegreeEntry(degree=result.degree, sequence_parallel=result.sequence_parallel, ep_degree=result.mesh.ep,
-                         cp_degree=result.mesh.cp, fits=True,
+                         cp_degree=result.mesh.cp, fits=True, **pp,
                          micro_batch_size=outcome.table.micro_batch_size,
                          grad_accum_steps=outcome.table.grad_accum_steps, step_time_s=evaluation.step_time_s,
                          throughput_samples_s=result.throughput, peak_mem_bytes=evaluation.peak_mem_bytes)

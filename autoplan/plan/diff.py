@@ -34,6 +34,7 @@ class UnitChange(BaseModel):
 class PlanDiff(BaseModel):
     model: str
     settings: list[str]  # settings that differ, "micro-batch 8 -> 4"
+    stages: list[str] = []  # pipelined plans: the stages whose modules differ, "stage 1: layers.10-19 -> layers.11-19"
     changes: list[UnitChange]
     only_in_a: list[str]  # units of one plan only (pins can make modules units)
     only_in_b: list[str]
@@ -49,6 +50,7 @@ class PlanDiff(BaseModel):
                  f"B step {self.b_step_time_s * 1e3:.2f} ms, peak {format_bytes(self.b_peak_mem_bytes)}"]
         if self.settings:
             lines.append("settings that differ (the changes below are at A's): " + "; ".join(self.settings))
+        lines += self.stages
         for name, paths in (("only in A", self.only_in_a), ("only in B", self.only_in_b)):
             if paths:
                 lines.append(f"units {name}: {', '.join(paths)}")
@@ -87,12 +89,20 @@ def _settings(a: Plan, b: Plan) -> list[str]:
              ("pins", len(a.pins), len(b.pins)),
              ("expert-parallel degree", a.cluster.ep_degree, b.cluster.ep_degree),
              ("tensor-parallel degree", a.cluster.tp_degree, b.cluster.tp_degree),
-             ("context-parallel degree", a.cluster.cp_degree, b.cluster.cp_degree)]
+             ("context-parallel degree", a.cluster.cp_degree, b.cluster.cp_degree),
+             ("pipeline degree", a.cluster.pp_degree, b.cluster.pp_degree),
+             ("schedule", _pipe(a, "schedule"), _pipe(b, "schedule")),
+             ("micro-batches per step", _pipe(a, "microbatches"), _pipe(b, "microbatches"))]
     return [f"{name} {x} -> {y}" for name, x, y in pairs if x != y]
 
 
-def diff_plans(a: Plan, b: Plan, table: CostTable, choices: list[int]) -> PlanDiff:
-    """The differences of `b` from `a`, whose decisions are `choices` into `table` (A's own settings' table)."""
+def _pipe(plan: Plan, field: str):
+    return getattr(plan.pipeline, field) if plan.pipeline is not None else None
+
+
+def diff_plans(a: Plan, b: Plan, table: CostTable, choices: list[int], evaluate=evaluate) -> PlanDiff:
+    """The differences of `b` from `a`, whose decisions are `choices` into `table` (A's own settings' table);
+    `evaluate(table, choices)` prices a trial (a pipeline rank's adds what the rank holds all step)."""
     planned = a.cluster.planned_bytes
     base = evaluate(table, choices)
     index = {unit.path: u for u, unit in enumerate(table.units)}

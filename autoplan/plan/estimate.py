@@ -6,6 +6,8 @@ searched: the per-rank peak by category, the memory timeline and the step time.
 
 from __future__ import annotations
 
+from autoplan.plan.pipeline_report import pipeline_lines
+from autoplan.plan.pipeline_spec import PipelineSpec
 from autoplan.plan.report import mfu_text, pricing_lines, sequence_text, throughput_text
 from autoplan.plan.schema import ClusterSpec, ModelRef, Prediction, TrainingSpec, UnitDecision, _Strict
 from autoplan.sizes import format_bytes
@@ -33,6 +35,7 @@ class Estimate(_Strict):
     training: TrainingSpec
     units: list[UnitDecision]
     predicted: Prediction
+    pipeline: PipelineSpec | None = None  # a pipelined mesh's stages (`pp` above 1)
 
     @property
     def fits(self) -> bool:
@@ -70,7 +73,8 @@ def format_estimate(est: Estimate, timeline: bool = False) -> str:
         f"strategy {est.strategy}: {est.description}",
         f"{c.nodes} node(s) x {c.gpus_per_node} GPU(s), profile {c.profile}; micro-batch {t.micro_batch_size} x "
         f"{t.grad_accum_steps} accumulation x "
-        + (f"{c.world_size} GPUs" if c.tp_degree == c.cp_degree == 1 else
+        + (f"{c.world_size // c.pp_degree} data-parallel ranks x {c.pp_degree} pipeline stages" if c.pp_degree > 1
+           else f"{c.world_size} GPUs" if c.tp_degree == c.cp_degree == 1 else
            f"{c.world_size // (c.tp_degree * c.cp_degree)} data-parallel ranks (tensor-parallel degree {c.tp_degree}"
            + (", sequence parallel" if c.sequence_parallel else "")
            + (f", context-parallel degree {c.cp_degree}" if c.cp_degree > 1 else "") + ")")
@@ -105,6 +109,7 @@ def format_estimate(est: Estimate, timeline: bool = False) -> str:
         f"step time {p.step_time_s * 1e3:.1f} ms; "
         + throughput_text(est.model, p.throughput_samples_s, p.throughput_tokens_s) + mfu_text(p),
     ]
+    lines += pipeline_lines(est)
     if timeline:
         header = f"{'time point':<36} {'total':>11}" + "".join(f" {k.removesuffix('_bytes'):>11}" for k in CATEGORY_LABELS)
         lines += ["", header, "-" * len(header)]

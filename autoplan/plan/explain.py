@@ -57,6 +57,7 @@ class Explanation(BaseModel):
     groups: list[GroupExplanation]
     experts: str = ""  # what the plan's expert parallelism costs and saves (report.expert_line); "" without
     mesh: str = ""  # the plan's tensor- and context-parallel mesh ("2 data-parallel x 2 context-parallel"), or ""
+    stages: list[str] = []  # a pipelined plan: each stage, and its boundaries moved a unit either way
 
     def table(self) -> str:
         on = f" on {self.mesh}" if self.mesh else ""
@@ -65,7 +66,7 @@ class Explanation(BaseModel):
                  " less headroom" + (f" and {format_bytes(self.margin_bytes)} for the CUDA caching allocator"
                                      if self.margin_bytes else "")
                  + f"); micro-batch {self.micro_batch_size}. Each group below is changed alone, the rest of the plan "
-                 "kept."] + ([self.experts] if self.experts else [])
+                 "kept."] + ([self.experts] if self.experts else []) + self.stages
         for group in self.groups:
             lines += ["", f"{group.pattern} ({len(group.units)} unit{'s' * (len(group.units) > 1)}): {group.decision}"
                       f" - {group.why}",
@@ -106,8 +107,9 @@ def _why(chosen: OptionOutcome, outcomes: list[OptionOutcome], pinned_by: list[s
     return "a faster option fits when this group changes alone (the solver stopped within its gap, or its time limit)"
 
 
-def explain_plan(plan: Plan, table: CostTable, choices: list[int]) -> Explanation:
-    """The explanation of `plan`, whose decisions are `choices` into `table` (its own settings' table)."""
+def explain_plan(plan: Plan, table: CostTable, choices: list[int], evaluate=evaluate) -> Explanation:
+    """The explanation of `plan`, whose decisions are `choices` into `table` (its own settings' table);
+    `evaluate(table, choices)` prices a trial (a pipeline rank's adds what the rank holds all step)."""
     kept, planned = int(plan.cluster.mem_limit_bytes * (1 - plan.cluster.mem_headroom)), plan.cluster.planned_bytes
     base = evaluate(table, choices)
     index = {unit.path: u for u, unit in enumerate(table.units)}

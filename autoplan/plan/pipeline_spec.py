@@ -5,7 +5,9 @@ pipeline dimension of `degree` ranks (the outermost: `ClusterSpec.pp_degree`); t
 into contiguous stages, stage i run by pipeline rank `StageSpec.rank`, and every unit keeps its own
 decisions (sharding over its stage's data-parallel ranks, checkpointing, offload, tensor parallelism).
 `apply` builds each stage from `modules`; reports and `diff` read the boundaries and the predicted
-figures.
+figures. Under a pipeline the units' parameters stay gathered from the first forward of a step to its last
+backward, whatever their sharding kinds' reshard_after_forward (torchtitan; torch's PipelineStage keeps
+them unsharded between micro-batches): the kinds choose the shard group, the figures price that.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ class StageSpec(StrictRecord):
     peak_mem_bytes: Count  # the busiest point of one of its ranks, its in-flight micro-batches included
     fwd_s: Seconds  # one micro-batch's forward through the stage
     bwd_s: Seconds  # one micro-batch's backward (with recomputation)
+    # micro-batches' worth of its rank's activations held at its peak (the schedule's in-flight count); 0: not said
+    in_flight: Seconds = Field(default=0.0, exclude_if=lambda value: value == 0.0)
 
 
 class PipelineSpec(StrictRecord):
@@ -50,6 +54,8 @@ class PipelineSpec(StrictRecord):
     stages: list[StageSpec] = Field(min_length=2)  # in forward order; degree x stages per rank of them
     bubble_s: Seconds = 0.0  # per step, the time a rank idles while the pipeline fills and drains
     p2p_s: Seconds = 0.0  # per step, the exposed point-to-point sends between stages
+    # per step, the slowest rank's optimizer step after the pipeline drains (0: not said)
+    optimizer_s: Seconds = Field(default=0.0, exclude_if=lambda value: value == 0.0)
 
     @model_validator(mode="after")
     def _stages_on_ranks(self) -> PipelineSpec:

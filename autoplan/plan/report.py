@@ -11,6 +11,7 @@ import re
 from typing import Any
 
 from autoplan.pins import path_groups
+from autoplan.plan.pipeline_report import pipeline_lines
 from autoplan.sizes import format_bytes
 
 Plan = UnitDecision = ModelRef = Any  # autoplan.plan.schema's records, read by their fields
@@ -82,7 +83,7 @@ def pricing_lines(model: ModelRef) -> list[str]:
 def format_plan(plan: Plan, cluster_is_default: bool = False) -> str:
     """The plan as the CLI prints it: the setting, the decisions, memory, time, baselines and the solver."""
     lines = _setting_lines(plan, cluster_is_default) + [""] + _unit_lines(plan) + [""] + _memory_lines(plan)
-    return "\n".join(lines + _time_lines(plan) + _solver_lines(plan))
+    return "\n".join(lines + _time_lines(plan) + pipeline_lines(plan) + _solver_lines(plan))
 
 
 def _setting_lines(plan: Plan, cluster_is_default: bool) -> list[str]:
@@ -96,12 +97,17 @@ def _setting_lines(plan: Plan, cluster_is_default: bool) -> list[str]:
         + (f" (above the device's {format_bytes(c.device_mem_bytes)}: `allow_over_device_mem`)"
            if c.mem_limit_bytes > c.device_mem_bytes else "") + f"; {sequence_text(plan.model, t.seq_len)}; micro-batch "
         f"{t.micro_batch_size} x {t.grad_accum_steps} accumulation x "
-        + (f"{c.world_size} GPUs" if c.tp_degree == c.cp_degree == 1
-           else f"{c.world_size // (c.tp_degree * c.cp_degree)} data-parallel ranks")
+        + (f"{c.world_size} GPUs" if c.tp_degree == c.cp_degree == c.pp_degree == 1
+           else f"{c.world_size // (c.tp_degree * c.cp_degree * c.pp_degree)} data-parallel ranks")
         + f" = {t.global_batch_size} samples per step; {t.dtype}, {t.optimizer}",
         *pricing_lines(plan.model),
     ]
-    if c.tp_degree > 1:
+    if c.pp_degree > 1:
+        lines.append(f"mesh {c.pp_degree} pipeline x {c.world_size // c.pp_degree // c.tp_degree} data-parallel"
+                     + (f" x {c.tp_degree} tensor-parallel" if c.tp_degree > 1 else "") + ": stages of "
+                     + ("whole nodes" if c.world_size // c.pp_degree >= c.gpus_per_node else "parts of a node")
+                     + ", FSDP over each stage's data-parallel ranks, gathered once per step")
+    elif c.tp_degree > 1:
         lines.append(f"mesh {c.world_size // c.tp_degree} data-parallel x {c.tp_degree} tensor-parallel: the Megatron "
                      "layout inside each group of GPUs of a node" + (" with sequence parallelism" if c.sequence_parallel
                                                                      else "") + ", FSDP over the data-parallel ranks")
@@ -207,8 +213,9 @@ def _solver_lines(plan: Plan) -> list[str]:
     if s.tp_degrees:
         lines.append("meshes (the fastest plan that fits of each):")
         for e, wall in zip(s.tp_degrees, plan.tp_degree_wall_times_s(), strict=True):
-            name = f"tp {e.degree}" + (" +sp" if e.sequence_parallel else "") + \
-                (f" ep {e.ep_degree}" if e.ep_degree > 1 else "") + (f" cp {e.cp_degree}" if e.cp_degree > 1 else "")
+            name = (f"pp {e.pp_degree} " if e.pp_degree > 1 else "") + f"tp {e.degree}" + \
+                (" +sp" if e.sequence_parallel else "") + (f" ep {e.ep_degree}" if e.ep_degree > 1 else "") + \
+                (f" cp {e.cp_degree}" if e.cp_degree > 1 else "") + (f" {e.schedule}" if e.schedule else "")
             found = (f"micro-batch {e.micro_batch_size} x {e.grad_accum_steps}: {e.step_time_s * 1e3:.1f} ms, "
                      f"{e.throughput_samples_s:.1f} samples/s, peak {format_bytes(e.peak_mem_bytes)}" if e.fits
                      else e.note)

@@ -216,6 +216,9 @@ class TpDegreeEntry(_Strict):
     # older plans: the degree's sweep in wall-clock seconds (newer ones keep it in Plan.timing, apart)
     wall_time_s: Seconds | None = Field(default=None, exclude_if=lambda value: value is None)
     note: str = ""  # why it was not searched, or what does not fit
+    # the mesh's pipeline degree and, where one fits, its schedule (written only above 1)
+    pp_degree: int = Field(default=1, ge=1, exclude_if=lambda value: value == 1)
+    schedule: str | None = Field(default=None, exclude_if=lambda value: value is None)
 
 
 class SolverInfo(_Strict):

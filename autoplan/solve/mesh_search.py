@@ -30,8 +30,10 @@ from autoplan.errors import InfeasibleError, SolverTimeout, UsageError
 from autoplan.models.tp_layout import TpRefusal, check_with_experts, recognise
 from autoplan.solve.cluster import Cluster
 from autoplan.solve.expert_tables import mesh_source
+from autoplan.solve.pipeline import PipelineOutcome, search_pipeline
 from autoplan.solve.request import PlanRequest, Uniform
 from autoplan.solve.solver import cp_sat
+from autoplan.solve.stages import StageTables
 from autoplan.solve.sweep import SweepOutcome, sweep
 from autoplan.solve.context_tables import context_refusal, context_source
 from autoplan.solve.tables import TableSource
@@ -40,14 +42,17 @@ from cost_models.mesh import Mesh
 from cost_models.options import SHARDING_KINDS, MeshShape
 from cost_models.tensor_parallel import TpLayout
 
-__all__ = ["PARALLEL_MIN_UNITS", "PROGRESS_DELAY_S", "MeshResult", "MeshSearch", "best_result",
-           "check_beside_tensor_parallelism", "check_context", "search_meshes"]
+__all__ = ["PARALLEL_MIN_UNITS", "PIPELINE_MFU", "PROGRESS_DELAY_S", "MeshResult", "MeshSearch", "best_result",
+           "check_beside_tensor_parallelism", "check_context", "pipeline_pays", "search_meshes"]
 
 PROGRESS_DELAY_S = 2.0  # a search that answers sooner prints nothing on stderr
 # worker processes only for models of this many units: forking a process that holds a traced model and sending
 # its results back costs a tenth of a second or so, a model's search grows with its units (the zoo's 7B Llama
 # has 34, GPT-2 1.5B 50)
 PARALLEL_MIN_UNITS = 24
+# pipelines are searched (unless `pp` is given) where the best plan without one leaves them something to win:
+# nothing fits, it offloads, or its model FLOPs use is below this (its collectives or recomputation exposed)
+PIPELINE_MFU = 0.4
 
 
 @dataclass
@@ -63,10 +68,15 @@ class MeshResult:
     error: InfeasibleError | None = None
     timed_out: SolverTimeout | None = None  # the solver's time ran out before any verdict at every micro-batch
     wall_time_s: float = 0.0
+    pipeline: PipelineOutcome | None = None  # a pipelined mesh's stages, schedule and figures
 
     @property
     def degree(self) -> int:
         return self.mesh.tp
+
+    @property
+    def pp(self) -> int:
+        return self.mesh.pp
 
     @property
     def sequence_parallel(self) -> bool:
@@ -80,8 +90,8 @@ class MeshResult:
 
     @property
     def label(self) -> str:
-        return f"tp {self.degree}" + (" +sp" if self.sequence_parallel else "") + \
-            (f" ep {self.mesh.ep}" if self.mesh.ep > 1 else "") + \
+        return (f"pp {self.pp} " if self.pp > 1 else "") + f"tp {self.degree}" + \
+            (" +sp" if self.sequence_parallel else "") + (f" ep {self.mesh.ep}" if self.mesh.ep > 1 else "") + \
             (f" cp {self.mesh.cp}" if self.mesh.cp > 1 else "")
 
 
@@ -102,40 +112,95 @@ class MeshSearch:
 
     @property
     def data_parallel(self) -> MeshResult | None:
-        """The result of degree 1 without expert or context parallelism (FSDP alone), if it was searched."""
-        return next((r for r in self.results if r.degree == 1 and r.mesh.ep == 1 and r.mesh.cp == 1), None)
+        """The result of degree 1 without expert or context parallelism or a pipeline (FSDP alone), if searched."""
+        return next((r for r in self.results if r.degree == 1 and r.mesh.ep == 1 and r.mesh.cp == 1 and r.pp == 1),
+                    None)
+
+    @property
+    def without_pipeline(self) -> MeshResult | None:
+        """The fastest result without a pipeline that fits (the plan a pipelined one is compared with)."""
+        fitting = [r for r in self.results if r.pp == 1 and r.outcome is not None]
+        return best_result(fitting) if fitting else None
 
 
 def search_meshes(request: PlanRequest) -> MeshSearch:
-    """Every mesh of the request searched, the fastest plan that fits chosen (`best_result`). Raises the
-    InfeasibleError needing the least memory when nothing fits anywhere."""
+    """Every mesh of the request searched, then its pipelined meshes where a pipeline can pay
+    (`pipeline_pays`), the fastest plan that fits chosen (`best_result`). Raises the InfeasibleError needing
+    the least memory when nothing fits anywhere."""
     progress = _Progress(len(request.meshes))
-    first, *rest = request.meshes
+    results = _search_all(request, request.meshes, progress)
+    if request.pipeline_meshes and pipeline_pays(results):
+        meshes = request.pipeline_meshes + _at_best_degree(request.pipeline_meshes, results)
+        progress.meshes += len(meshes)
+        results += _search_all(request, meshes, progress, len(results))
+    return MeshSearch(results, best_result(results))
+
+
+def _at_best_degree(pipelined: tuple[Mesh, ...], results: list[MeshResult]) -> tuple[Mesh, ...]:
+    """The pipeline degrees again at the tensor degree (and sequence parallelism) of the best plan without a
+    pipeline, where the pipelined meshes do not have it already."""
+    fitting = [r for r in results if r.outcome is not None]
+    if not fitting:
+        return ()
+    best = max(fitting, key=lambda r: (round(r.throughput, 9), -r.degree, r.sequence_parallel)).mesh
+    have = {(m.tp, m.sequence_parallel) for m in pipelined}
+    if (best.tp, best.sequence_parallel) in have:
+        return ()
+    return tuple(replace(best, pp=pp) for pp in sorted({m.pp for m in pipelined}))
+
+
+def pipeline_pays(results: list[MeshResult]) -> bool:
+    """Whether the best plan without a pipeline leaves a pipeline something to win: none fits, it offloads, or
+    its model FLOPs use is below PIPELINE_MFU."""
+    fitting = [r for r in results if r.outcome is not None]
+    if not fitting:
+        return True
+    best = max(fitting, key=lambda r: r.throughput)
+    table, evaluation = best.outcome.table, best.outcome.evaluation
+    if any(table.options[u][c].offload for u, c in enumerate(best.outcome.choices)):
+        return True
+    if not table.peak_flops or not table.model_flops:
+        return False
+    return table.model_flops * table.grad_accum_steps / (evaluation.step_time_s * table.peak_flops) < PIPELINE_MFU
+
+
+def _search_all(request: PlanRequest, meshes: tuple[Mesh, ...], progress, offset: int = 0) -> list[MeshResult]:
+    """`meshes` searched, the first in this process, the rest in forked workers where it pays."""
+    first, *rest = meshes
     workers = _workers(request, len(rest))
+    results: list[MeshResult] = []
     if not workers:
-        results = []
-        for mesh in request.meshes:
-            results.append(_search(request, mesh, progress.sweeping(len(results), mesh)))
+        for mesh in meshes:
+            results.append(_search(request, mesh, progress.sweeping(offset + len(results), mesh)))
             progress.done(results)
-        return MeshSearch(results, best_result(results))
+        return results
     global _REQUEST
     _REQUEST = request  # inherited by the workers forked now, never pickled
     cp_sat()  # imported once, before the fork, not by every worker
     try:
         with multiprocessing.get_context("fork").Pool(workers) as pool:
             pending = pool.imap(_search_in_worker, rest)  # under way while this process searches the first
-            results = [_search(request, first, progress.sweeping(0, first))]
+            results.append(_search(request, first, progress.sweeping(offset, first)))
             progress.done(results)
             for result in pending:
                 # the worker sent its result without its tables and cluster: made again here, the model's
                 # traces stay out of the pipes
-                results.append(replace(result, source=context_source(mesh_source(request, result.mesh, result.layout),
-                                                                     result.mesh.cp),
-                                       cluster=request.cluster.with_mesh(result.mesh)))
+                results.append(_restored(request, result))
                 progress.done(results)
     finally:
         _REQUEST = None
-    return MeshSearch(results, best_result(results))
+    return results
+
+
+def _restored(request: PlanRequest, result: MeshResult) -> MeshResult:
+    """A worker's result with its tables and cluster made again in this process."""
+    if result.pipeline is not None:
+        for rank in result.pipeline.ranks:
+            rank.source = StageTables(request.tables, list(rank.chunks)).for_layout(result.layout)
+        busiest = result.pipeline.busiest
+        return replace(result, source=busiest.source, cluster=request.cluster.with_mesh(result.mesh))
+    return replace(result, source=context_source(mesh_source(request, result.mesh, result.layout), result.mesh.cp),
+                   cluster=request.cluster.with_mesh(result.mesh))
 
 
 def _workers(request: PlanRequest, meshes: int) -> int:
@@ -151,7 +216,11 @@ _REQUEST: PlanRequest | None = None  # the request a forked worker searches
 
 
 def _search_in_worker(mesh: Mesh) -> MeshResult:
-    return replace(_search(_REQUEST, mesh), source=None, cluster=None)
+    result = _search(_REQUEST, mesh)
+    if result.pipeline is not None:
+        for rank in result.pipeline.ranks:
+            rank.source = None
+    return replace(result, source=None, cluster=None)
 
 
 def _search(request: PlanRequest, mesh: Mesh, progress=None) -> MeshResult:
@@ -168,15 +237,19 @@ def _search(request: PlanRequest, mesh: Mesh, progress=None) -> MeshResult:
                             "run beside expert parallelism (shard, shard_keep)")
         if mesh.cp > 1:
             check_context(request, mesh)
-        result.source = context_source(mesh_source(request, result.mesh, result.layout), mesh.cp)
         result.cluster = request.cluster.with_mesh(mesh)
-        result.outcome = sweep(request, result.source, result.cluster, progress)
+        if mesh.pp > 1:
+            result.pipeline, result.outcome = search_pipeline(request, mesh, result.layout, request.schedule)
+            result.source = result.pipeline.busiest.source
+        else:
+            result.source = context_source(mesh_source(request, result.mesh, result.layout), mesh.cp)
+            result.outcome = sweep(request, result.source, result.cluster, progress)
     except TpRefusal as exc:
         result.refused = str(exc)
     except UsageError as exc:  # pins asking for options that do not run beside tensor or context parallelism
-        if mesh.tp == 1 and mesh.cp == 1:
+        if mesh.tp == 1 and mesh.cp == 1 and mesh.pp == 1:
             raise
-        result.refused = f"not with the pins: {exc}"
+        result.refused = str(exc) if mesh.pp > 1 else f"not with the pins: {exc}"
     except InfeasibleError as exc:
         result.refused, result.error = "nothing fits", exc
     except SolverTimeout as exc:
@@ -212,7 +285,7 @@ def best_result(results: list[MeshResult]) -> MeshResult:
     memory when none fits."""
     fitting = [r for r in results if r.outcome is not None]
     if fitting:
-        return max(fitting, key=lambda r: (round(r.throughput, 9), -r.degree, -r.mesh.ep, -r.mesh.cp,
+        return max(fitting, key=lambda r: (round(r.throughput, 9), -r.pp, -r.degree, -r.mesh.ep, -r.mesh.cp,
                                            r.sequence_parallel))
     errors = [r.error for r in results if r.error is not None]
     timed_out = [r.timed_out for r in results if r.timed_out is not None]
@@ -238,9 +311,10 @@ class _Progress:
 
     def sweeping(self, index: int, mesh: Mesh):
         """The sweep's progress hook for the `index`-th mesh (autoplan.solve.sweep)."""
-        shape = f"{mesh.dp} data-parallel" + (f" x {mesh.cp} context-parallel" if mesh.cp > 1 else "") + \
-            (f" x {mesh.tp} tensor-parallel" if mesh.tp > 1 else "") + \
-            (" +sp" if mesh.sequence_parallel else "") + (f", experts {mesh.ep}-way" if mesh.ep > 1 else "")
+        shape = (f"{mesh.pp} pipeline x " if mesh.pp > 1 else "") + f"{mesh.dp} data-parallel" + \
+            (f" x {mesh.cp} context-parallel" if mesh.cp > 1 else "") + \
+            (f" x {mesh.tp} tensor-parallel" if mesh.tp > 1 else "") + (" +sp" if mesh.sequence_parallel else "") + \
+            (f", experts {mesh.ep}-way" if mesh.ep > 1 else "")
 
         def step_done(step, best: float | None) -> None:
             elapsed = time.perf_counter() - self.start

@@ -110,3 +110,8 @@ class PlanRequest:
     pins: PinResolution | None = None
     uniform: Uniform | None = None
     """a uniform strategy in place of the solver"""
+    pipeline_meshes: tuple[Mesh, ...] = ()
+    """meshes with a pipeline degree, searched after `meshes` where their best plan leaves room for a pipeline
+    to pay (autoplan.solve.mesh_search.pipeline_pays)"""
+    schedule: str | None = None
+    """the pipeline schedule asked for (None: each pipelined mesh picks among those torch runs there)"""

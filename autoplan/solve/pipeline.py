@@ -1,0 +1,360 @@
+"""The search of one pipelined mesh: micro-batches, schedules, stage boundaries and each stage's own plan.
+
+A mesh with a pipeline degree pp runs the world as pp groups of ranks; each group runs one stage (or, for a
+looped schedule, v stages) of contiguous units, and its ranks shard them over the group's data-parallel
+ranks (with tensor parallelism inside a node as on any mesh). For each micro-batch size (the micro-batches
+per step from the global batch: global / (dp x micro-batch); without one, `DEFAULT_MICROBATCHES_PER_STAGE`
+x pp) and each schedule torch can run there (`--schedule` fixes one), the units are cut where the predicted
+time balances (autoplan.solve.stages), and every pipeline rank's units are solved by the same CP-SAT
+per-unit solver as a whole model, on the rank's tables as the pipeline runs them (cost_models.pipeline:
+its micro-batches in flight, FSDP gathering once per step) under the rank's memory limit. A rank that does
+not fit gives a unit to its neighbour and the ranks are solved again. The step is the pipeline's makespan
+(the slowest rank's micro-batch and sends, times the micro-batches plus the bubble, then the optimizer).
+
+Stages of the same blocks share their tables and, at the same micro-batches in flight, their solves
+(keyed by `StageTables.key`), so the pipeline dimension adds about one whole-model pricing per mesh and
+micro-batch rather than one per stage. A schedule whose makespan cannot beat the best found with every
+unit at its fastest option is not solved.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+
+from autoplan.errors import InfeasibleError, UsageError
+from autoplan.sizes import format_bytes
+from autoplan.solve.cluster import Cluster
+from autoplan.solve.request import PlanRequest
+from autoplan.solve.solver import SolveResult, SolveStatus
+from autoplan.solve.stage_solve import held_evaluation, solve_rank
+from autoplan.solve.stages import StageTables, balanced_cuts, forward_units, shifted, stage_cluster, unit_weights
+from autoplan.solve.sweep import SweepOutcome, SweepStep
+from cost_models.evaluate import Evaluation
+from cost_models.mesh import Mesh
+from cost_models.pipeline import HeldAllStep, bubble_slots, in_flight, makespan_s, pipelined, refusal, send_s, \
+    stages_per_rank
+from cost_models.schedules import SCHEDULES, StagesPerRank
+from cost_models.step import unit_step_s
+from cost_models.table import CostTable
+from cost_models.tensor_parallel import TpLayout
+
+__all__ = ["DEFAULT_MICROBATCHES_PER_STAGE", "PipelineOutcome", "RankOutcome", "fixed_pipelines",
+           "search_pipeline"]
+
+DEFAULT_MICROBATCHES_PER_STAGE = 4  # without a global batch: 4 pp micro-batches per step, a bubble under a fifth
+
+
+@dataclass
+class RankOutcome:
+    """One pipeline rank's units solved: its stages, tables, choices and figures (its in-flight bytes in)."""
+
+    rank: int
+    stages: list[int]  # the stage indices it runs, in forward order
+    chunks: tuple[tuple[int, int], ...]  # their op ranges [first, last] in the model's trace
+    source: object  # its TableSource (StageTables, or their tensor-parallel view); None out of a worker
+    table: CostTable  # as the pipeline runs it (cost_models.pipeline.pipelined)
+    choices: list[int]
+    evaluation: Evaluation  # with what it holds all step added (micro-batches in flight, unsharded parameters)
+    flight: float
+    status: SolveStatus
+    send_s: float  # its sends per micro-batch
+    held: HeldAllStep | None = None  # what it holds all step beyond one micro-batch's timeline
+
+    @property
+    def slot_s(self) -> float:
+        return self.evaluation.micro_batch_s + self.send_s
+
+    @property
+    def positions(self) -> list[int]:
+        """Its ops' positions in the model's trace, in its tables' order."""
+        return [p for first, last in self.chunks for p in range(first, last + 1)]
+
+    @property
+    def trace_ops(self) -> list:
+        """Its ops as traced (their module paths)."""
+        stage = self.source if isinstance(self.source, StageTables) else self.source.base
+        return stage.trace_1.ops
+
+
+@dataclass
+class PipelineOutcome:
+    """A pipelined mesh's best plan: the schedule, the cut, every rank's plan and the step's figures."""
+
+    schedule: str
+    degree: int
+    microbatches: int
+    micro_batch_size: int
+    cuts: list[int]  # per stage, its first unit (an index into stages.forward_units)
+    ranks: list[RankOutcome]
+    step_time_s: float
+    bubble_s: float
+    p2p_s: float
+    steps: list[SweepStep] = field(default_factory=list)
+
+    @property
+    def busiest(self) -> RankOutcome:
+        """The rank with the highest peak (the plan's predicted peak)."""
+        return max(self.ranks, key=lambda r: (r.evaluation.peak_mem_bytes, -r.rank))
+
+    @property
+    def samples_per_step(self) -> int:
+        return self.ranks[0].table.samples_per_step
+
+
+@dataclass
+class _Search:
+    """What one pipelined mesh's search shares: the request, mesh, layout, stage cluster, caches."""
+
+    request: PlanRequest
+    mesh: Mesh
+    layout: TpLayout | None
+    cluster: Cluster
+    sources: dict = field(default_factory=dict)  # chunks -> (StageTables, its TableSource)
+    tables: dict = field(default_factory=dict)  # (key, micro-batch, m) -> CostTable
+    solved: dict = field(default_factory=dict)  # (key, micro-batch, m, flight) -> (choices, status) or None
+    best: PipelineOutcome | None = None
+    lean: InfeasibleError | None = None
+    decide: object = None  # fixed choices in place of the solves: a function of a rank's table
+    over: float = 0.0  # the last rank that did not fit: its floor over the planned bytes
+
+    def source(self, chunks: tuple[tuple[int, int], ...]):
+        if chunks not in self.sources:
+            stage = StageTables(self.request.tables, list(chunks))
+            self.sources[chunks] = (stage, stage.for_layout(self.layout))
+        return self.sources[chunks]
+
+    def table(self, chunks, micro_batch_size: int, microbatches: int) -> CostTable:
+        stage, source = self.source(chunks)
+        key = (stage.key, micro_batch_size, microbatches)
+        if key not in self.tables:
+            t = self.request.training
+            self.tables[key] = source.table(micro_batch_size, microbatches, self.cluster, t.seq_len, t.dtype,
+                                            t.optimizer)
+        return replace(self.tables[key], units=source.units)
+
+
+def search_pipeline(request: PlanRequest, mesh: Mesh, layout: TpLayout | None,
+                    schedule: str | None = None) -> tuple[PipelineOutcome, SweepOutcome]:
+    """The fastest pipelined plan on `mesh` (see the module docstring), and the same in the sweep's terms (the
+    busiest rank's table and evaluation, the step the makespan). InfeasibleError where nothing fits."""
+    if request.pins is not None or mesh.ep > 1:
+        raise UsageError("pins and expert parallelism are not combined with a pipeline (`pp` above 1) yet")
+    search = _Search(request, mesh, layout, stage_cluster(request.cluster, mesh))
+    start, steps = time.perf_counter(), []
+    rows = [SCHEDULES[schedule]] if schedule else sorted(SCHEDULES.values(), key=lambda r: bubble_slots(r, mesh.pp))
+    units = len(forward_units(request.tables.units))
+    weights = unit_weights(request.tables.units, request.tables.inputs(1).ops, request.cluster.profile,
+                           request.training.compute_dtype)
+    refusals: list[str] = []
+    for micro_batch_size, accum in request.batch.candidates(search.cluster.mesh.dp):
+        m = accum if request.batch.global_batch is not None else DEFAULT_MICROBATCHES_PER_STAGE * mesh.pp
+        tried = _undominated([row for row in rows if _runs(row, mesh.pp, m, units, refusals)], schedule)
+        outcomes = [_schedule(search, row, weights, micro_batch_size, m) for row in tried]
+        found = [o for o in outcomes if isinstance(o, PipelineOutcome)]
+        best = min(found, key=lambda o: (o.step_time_s, o.schedule), default=None)
+        if best is not None and (search.best is None or _faster(best, search.best)):
+            search.best = best
+        infeasible = tried and all(o is None for o in outcomes)
+        steps.append(SweepStep(micro_batch_size, m, SolveStatus.OPTIMAL if best else
+                               SolveStatus.INFEASIBLE if infeasible else SolveStatus.PRUNED,
+                               best.step_time_s if best else None,
+                               best.samples_per_step / best.step_time_s if best else None))
+        if infeasible:
+            break  # a larger micro-batch needs more memory still
+    if search.best is None:
+        raise search.lean or UsageError(f"no schedule runs on pipeline degree {mesh.pp}: " + "; ".join(refusals[:3]))
+    search.best.steps = steps
+    return search.best, _as_sweep(search.best, time.perf_counter() - start)
+
+
+def _runs(row, pp: int, m: int, units: int, refusals: list[str]) -> bool:
+    why = refusal(row, pp, m, units)
+    if why is not None:
+        refusals.append(why)
+    return why is None
+
+
+# schedule -> the one that beats it wherever both run, under this cost model: 1F1B has GPipe's bubble with fewer
+# micro-batches in flight; zero bubble has interleaved 1F1B's stages, in-flight count and sends, and a third of its bubble
+_DOMINATED_BY = {"gpipe": "1f1b", "interleaved_1f1b": "zero_bubble"}
+
+
+def _undominated(rows: list, fixed: str | None) -> list:
+    """The schedules worth solving: a dominated one only where what beats it does not run, or when asked for."""
+    if fixed is not None:
+        return rows
+    # apply refuses the schedules deferring weight gradients (they drift under FSDP2): offered only when asked for
+    rows = [row for row in rows if not row.splits_backward]
+    names = {row.name for row in rows}
+    return [row for row in rows if _DOMINATED_BY.get(row.name) not in names]
+
+
+def _bound_s(search: _Search, row, cuts: list[int], micro_batch_size: int, m: int) -> float:
+    """The makespan with every unit at its fastest option, no sends and no optimizer step (memory aside): no plan
+    of this cut beats it."""
+    pp, base = search.mesh.pp, search.request.tables
+    order = forward_units(base.units)
+    starts = [0] + [base.units[order[c]].first_op for c in cuts[1:]]
+    slot = 0.0
+    for rank in range(pp):
+        _, chunks = _rank_chunks(row, pp, rank, starts, len(base.trace_1.ops))
+        table, _ = pipelined(search.table(chunks, micro_batch_size, m), m, 1.0)
+        # each unit's fastest micro-batch (its step less its optimizer, over the micro-batches)
+        micro = [min((step - cost.optimizer_s) / m for step, cost in zip(unit_step_s(table, u), table.costs[u]))
+                 for u in range(len(table.units))]
+        slot = max(slot, sum(micro))
+    return makespan_s(slot, 0.0, row, pp, m)
+
+
+def _faster(a: PipelineOutcome, b: PipelineOutcome) -> bool:
+    return a.samples_per_step / a.step_time_s > b.samples_per_step / b.step_time_s * (1 + 1e-9)
+
+
+def _rank_chunks(row, pp: int, rank: int, starts: list[int], n_ops: int) -> tuple[list[int], tuple]:
+    """The stages pipeline rank `rank` runs under `row`, and their op ranges."""
+    stages = len(starts)
+    if row.stages_per_rank is StagesPerRank.ONE:
+        mine = [rank]
+    elif row.stages_per_rank is StagesPerRank.V_SHAPE:
+        mine = [rank, 2 * pp - 1 - rank]
+    else:
+        mine = list(range(rank, stages, pp))
+    ends = starts[1:] + [n_ops]
+    return mine, tuple((starts[s], ends[s] - 1) for s in mine)
+
+
+_PRUNED = "pruned"  # a schedule not solved at a micro-batch: it cannot beat the best found
+
+
+def _schedule(search: _Search, row, weights: list[float], micro_batch_size: int, m: int) -> PipelineOutcome | str | None:
+    """The pipeline under `row` at one micro-batch: balanced cuts, each rank solved, a unit moved off a rank
+    that does not fit (at most once per stage); None where no cut fits, _PRUNED where its bound cannot beat
+    the best found."""
+    stages = search.mesh.pp * stages_per_rank(row)
+    units = len(forward_units(search.request.tables.units))
+    cuts = balanced_cuts(weights, stages)
+    best = search.best
+    if best is not None:
+        samples = micro_batch_size * m * search.cluster.mesh.dp
+        if samples / _bound_s(search, row, cuts, micro_batch_size, m) <= best.samples_per_step / best.step_time_s:
+            return _PRUNED  # cannot beat the best found even with no memory limit
+    for _ in range(stages):  # a unit moved off a rank that does not fit, at most once per stage
+        ranks, failed = _ranks(search, row, cuts, micro_batch_size, m)
+        if failed is None:
+            return _priced(row, search.mesh.pp, m, micro_batch_size, cuts, ranks)
+        if search.over > 1 + stages / units:
+            return None  # over by more than a unit of its stage: moving one cannot make it fit
+        cuts = shifted(cuts, failed, units)
+        if cuts is None:
+            return None
+    return None
+
+
+def _ranks(search: _Search, row, cuts: list[int], micro_batch_size: int, m: int) -> tuple[list[RankOutcome], int | None]:
+    """Every rank of the cut priced (solved, or the fixed choices evaluated), and the first stage of the first
+    rank where nothing fits (None: all fit)."""
+    pp, stages = search.mesh.pp, search.mesh.pp * stages_per_rank(row)
+    base = search.request.tables
+    order = forward_units(base.units)
+    starts = [0] + [base.units[order[c]].first_op for c in cuts[1:]]
+    bounds = _boundaries(search, starts, micro_batch_size)
+    ranks = []
+    for rank in range(pp):
+        mine, chunks = _rank_chunks(row, pp, rank, starts, len(base.trace_1.ops))
+        flight = in_flight(row, pp, rank, m)
+        # torch's PipelineStage receives into a buffer per micro-batch: each stage's input (but the first's) and
+        # its output's gradient (but the last's), held for the step
+        buffers = m * sum((bounds[s - 1] if s > 0 else 0) + (bounds[s] if s + 1 < stages else 0) for s in mine)
+        outcome = _solve_rank(search, chunks, micro_batch_size, m, (flight, buffers))
+        if outcome is None:
+            return ranks, mine[0]
+        choices, status, table, held = outcome
+        sends = sum(2 * _send_s(search, bounds[s]) for s in mine if s + 1 < stages)
+        ranks.append(RankOutcome(rank, mine, chunks, search.source(chunks)[1], table, choices,
+                                 held_evaluation(table, held, choices), flight, status, sends, held))
+    return ranks, None
+
+
+def _boundaries(search: _Search, starts: list[int], micro_batch_size: int) -> list[int]:
+    """Per stage but the last, the bytes one of its ranks sends on per micro-batch (its last op's output; 1/t of it
+    where tensor parallelism splits the sequence)."""
+    ends = starts[1:] + [len(search.request.tables.trace_1.ops)]
+    split = search.layout.degree if search.layout is not None and search.layout.sequence_parallel else 1
+    return [search.source(((first, end - 1),))[0].boundary_bytes(micro_batch_size) // split
+            for first, end in zip(starts[:-1], ends[:-1])]
+
+
+def _send_s(search: _Search, nbytes: int) -> float:
+    """One send between neighbouring stages: inside a node where the stages split one, else across nodes, every
+    rank of a stage's node sending at once."""
+    mesh = search.mesh
+    return send_s(search.cluster.profile, nbytes, mesh.pp > mesh.nodes, min(mesh.gpus_per_node, mesh.world_size // mesh.pp))
+
+
+def fixed_pipelines(request: PlanRequest, mesh: Mesh, layout: TpLayout | None, schedule: str,
+                    cut_list: list[list[int] | None], decide) -> list[PipelineOutcome]:
+    """Pipelines of fixed decisions on `mesh` (an estimate; a plan explained, its boundaries moved), one per cut
+    of `cut_list` (each stage's first unit among stages.forward_units; None: balanced), `decide(table)` each
+    rank's choices into its table; the tables are built once for all. Whether they fit is the caller's to say
+    (their ranks' evaluations)."""
+    search = _Search(request, mesh, layout, stage_cluster(request.cluster, mesh), decide=decide)
+    row = SCHEDULES[schedule]
+    [(micro_batch_size, accum)] = request.batch.candidates(search.cluster.mesh.dp)
+    m = accum if request.batch.global_batch is not None else DEFAULT_MICROBATCHES_PER_STAGE * mesh.pp
+    units = len(forward_units(request.tables.units))
+    why = refusal(row, mesh.pp, m, units)
+    if why is not None:
+        raise UsageError(why)
+    weights = unit_weights(request.tables.units, request.tables.inputs(1).ops, request.cluster.profile,
+                           request.training.compute_dtype)
+    outcomes = []
+    for cuts in cut_list:
+        cuts = balanced_cuts(weights, mesh.pp * stages_per_rank(row)) if cuts is None else cuts
+        ranks, _ = _ranks(search, row, cuts, micro_batch_size, m)
+        outcomes.append(_priced(row, mesh.pp, m, micro_batch_size, cuts, ranks))
+    return outcomes
+
+
+def _solve_rank(search: _Search, chunks, micro_batch_size: int, m: int, holds: tuple[float, int]):
+    """One rank's units solved (or the uniform strategy evaluated, or the fixed choices taken) with what it holds
+    (`holds`: its micro-batches in flight, its receive buffers' bytes); None where nothing fits (kept as the
+    search's InfeasibleError, with how far over)."""
+    request = search.request
+    flight, buffers = holds
+    table, held = pipelined(search.table(chunks, micro_batch_size, m), m, flight)
+    held = replace(held, buffers=buffers)
+    if search.decide is not None:
+        return search.decide(table), SolveStatus.FIXED, table, held
+    key = (search.source(chunks)[0].key, micro_batch_size, m, flight, buffers)
+    if key not in search.solved:
+        search.solved[key] = solve_rank(request, table, held)
+    found = search.solved[key]
+    if found.choices is None:
+        search.over = found.floor_bytes / request.limits.planned_bytes
+        search.lean = InfeasibleError(
+            f"no pipelined plan for {request.model.name} fits in {format_bytes(request.limits.mem_limit_bytes)} per "
+            f"GPU on pipeline degree {search.mesh.pp}: a rank with {flight:g} micro-batches in flight needs at "
+            f"least {format_bytes(found.floor_bytes)} (micro-batch {micro_batch_size})", min_mem_bytes=found.floor_bytes)
+        return None
+    return found.choices, found.status, table, held
+
+
+def _priced(row, pp: int, m: int, micro_batch_size: int, cuts: list[int], ranks: list[RankOutcome]) -> PipelineOutcome:
+    slot = max(r.slot_s for r in ranks)
+    optimizer = max(r.evaluation.optimizer_s for r in ranks)
+    step = makespan_s(slot, optimizer, row, pp, m)
+    bubble = bubble_slots(row, pp) * slot
+    p2p = (m + bubble_slots(row, pp)) * max(r.send_s for r in ranks)
+    return PipelineOutcome(row.name, pp, m, micro_batch_size, cuts, ranks, step, bubble, p2p)
+
+
+def _as_sweep(outcome: PipelineOutcome, wall_s: float) -> SweepOutcome:
+    """The pipeline in the sweep's terms: the busiest rank's table and evaluation, its step the makespan."""
+    busiest = outcome.busiest
+    evaluation = replace(busiest.evaluation, step_time_s=outcome.step_time_s,
+                         optimizer_s=max(r.evaluation.optimizer_s for r in outcome.ranks))
+    status = SolveStatus.FIXED if all(r.status == SolveStatus.FIXED for r in outcome.ranks) else busiest.status
+    result = SolveResult(status, busiest.choices, outcome.step_time_s, None, wall_s, 0, 0, 0)
+    return SweepOutcome(table=busiest.table, choices=busiest.choices, evaluation=evaluation, result=result,
+                        steps=outcome.steps, tables=[], wall_time_s=wall_s)

@@ -1,0 +1,219 @@
+"""Pipeline stages: where the units are cut, and each stage's (or pipeline rank's) cost tables.
+
+A stage is a contiguous run of the model's units in forward order (the root's own ops before the first
+block go with the first stage, those after the last, the loss among them, with the last); its boundaries
+balance the predicted time of one micro-batch (each unit's FLOPs at the profile's matmul rate plus its
+bytes at its memory bandwidth, as one rank runs them) across the stages, and `shifted` moves a unit off a
+stage that does not fit its memory into its neighbour. A rank's units are those of its stages (one, or
+several for a looped schedule); `StageTables` is the model's tables restricted to them: a TableSource
+the per-unit solver reads as it reads the whole model's, with the root holding only the parameters the
+rank's ops use (the final norm on the last stage), and its tensor-parallel view restricted alike.
+
+Stages of the same blocks give the same tables, so the search keys them by the units' classes
+(`StageTables.key`) and prices each kind of stage once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from functools import cached_property
+
+from autoplan.solve.cluster import Cluster
+from autoplan.solve.tables import CostTables, TableSource, TensorParallelTables, _Source
+from cost_models.mesh import Mesh
+from cost_models.profile import DeviceProfile
+from cost_models.records import LOSS_NODE, OpRecord, Unit
+from cost_models.table import TableInputs, unit_classes
+from cost_models.tensor_parallel import TpLayout
+from cost_models.training import Training
+
+__all__ = ["StageTables", "balanced_cuts", "forward_units", "shifted", "stage_cluster", "stage_modules", "unit_weights"]
+
+
+def forward_units(units: list[Unit]) -> list[int]:
+    """The units a pipeline cuts, in forward order: the root's direct children (a nested unit goes with its
+    parent)."""
+    return sorted((u for u, unit in enumerate(units) if unit.parent == ""), key=lambda u: units[u].first_op)
+
+
+def unit_weights(units: list[Unit], ops: list[OpRecord], profile: DeviceProfile, compute_dtype: str) -> list[float]:
+    """Per unit of `forward_units`: seconds of one micro-batch's forward and backward, roughly (FLOPs at the
+    profile's matmul rate, bytes at its memory bandwidth); the root's ops count with the first and the last."""
+    flop_s = (profile.peak_flops.get(compute_dtype) or min(profile.peak_flops.values())) * profile.matmul_efficiency
+    byte_s = profile.mem_bandwidth_bytes_s * profile.mem_bandwidth_efficiency
+
+    def seconds(op: OpRecord) -> float:
+        return (op.fwd_flops + op.bwd_flops) / flop_s + (op.fwd_bytes + op.bwd_bytes) / byte_s + profile.op_overhead_s
+
+    order = forward_units(units)
+    weights = [sum(seconds(op) for op in ops[units[u].first_op:units[u].last_op + 1]) for u in order]
+    weights[0] += sum(seconds(op) for op in ops[:units[order[0]].first_op])
+    weights[-1] += sum(seconds(op) for op in ops[units[order[-1]].last_op + 1:])
+    return weights
+
+
+def balanced_cuts(weights: list[float], stages: int) -> list[int]:
+    """Where each of `stages` contiguous runs of `weights` starts (the first at 0), the heaviest run as light
+    as it can be; among equally light cuts, the earliest boundaries (deterministic)."""
+    n = len(weights)
+    prefix = [0.0]
+    for w in weights:
+        prefix.append(prefix[-1] + w)
+    # best[k][i]: the lightest heaviest run cutting the first i weights into k runs
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    start = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0.0
+    for k in range(1, stages + 1):
+        for i in range(k, n - (stages - k) + 1):
+            for j in range(k - 1, i):
+                value = max(best[k - 1][j], prefix[i] - prefix[j])
+                if value < best[k][i] - 1e-15:
+                    best[k][i], start[k][i] = value, j
+    cuts, i = [], n
+    for k in range(stages, 0, -1):
+        i = start[k][i]
+        cuts.append(i)
+    return cuts[::-1]
+
+
+def shifted(cuts: list[int], stage: int, units: int) -> list[int] | None:
+    """The cuts with one unit moved off `stage` into the neighbour that can take it (the later one first:
+    the earlier stages hold more micro-batches in flight); None where the stage has one unit left."""
+    ends = cuts[1:] + [units]
+    if ends[stage] - cuts[stage] < 2:
+        return None
+    moved = list(cuts)
+    if stage + 1 < len(cuts):
+        moved[stage + 1] -= 1
+    else:
+        moved[stage] += 1
+    return moved
+
+
+def stage_modules(units: list[Unit], ops: list[OpRecord], positions: list[int]) -> list[str]:
+    """The module paths a stage holds, in forward order: its units', and the root's children its root ops
+    run in (the final norm)."""
+    owner_paths = [u.path for u in units]
+    modules: list[str] = []
+    for position in positions:
+        module = ops[position].module
+        if not module:
+            continue
+        path = next((p for p in owner_paths if p and (module == p or module.startswith(p + "."))), None)
+        path = path or module.split(".")[0]
+        if path not in modules:
+            modules.append(path)
+    return modules
+
+
+def stage_cluster(cluster: Cluster, mesh: Mesh) -> Cluster:
+    """The cluster one pipeline stage's ranks make (whole nodes, or a part of each node), with its tensor
+    degree: what their data-parallel groups span and share, their host memory."""
+    stage_gpus = mesh.world_size // mesh.pp
+    nodes = max(1, stage_gpus // mesh.gpus_per_node)
+    sub = Mesh(nodes=nodes, gpus_per_node=min(mesh.gpus_per_node, stage_gpus), tp=mesh.tp,
+               sequence_parallel=mesh.sequence_parallel)
+    host = cluster.host_mem_bytes
+    if host is not None and stage_gpus < mesh.gpus_per_node:
+        host = host * stage_gpus // mesh.gpus_per_node
+    return replace(cluster, host_mem_bytes=host).with_mesh(sub)
+
+
+@dataclass
+class _Trace:
+    ops: list[OpRecord]
+
+
+class StageTables(_Source):
+    """The tables of a pipeline rank's units (`chunks`: its stages' op ranges [first, last] of the base's
+    trace), from the model's `CostTables`."""
+
+    def __init__(self, base: CostTables, chunks: list[tuple[int, int]]):
+        self.base, self.chunks = base, chunks
+        self.tracer = base.tracer
+        self.positions = [p for first, last in chunks for p in range(first, last + 1)]
+        kept = set(self.positions)
+        new_index = {old: new for new, old in enumerate(self.positions)}
+        self.unit_index = [u for u, unit in enumerate(base.units) if unit.is_root or unit.first_op in kept]
+        ops = base.trace_1.ops
+        names = {ops[p].name for p in self.positions}
+        root_modules = {ops[p].module for p in self.positions}
+        self.units = [self._unit(base.units[u], new_index, names, root_modules, chunks) for u in self.unit_index]
+        self.trace_1 = _Trace([ops[p] for p in self.positions])
+        self.op_ids = [base.op_ids[p] for p in self.positions]
+        self._inputs: dict[int, TableInputs] = {}
+
+    def _unit(self, unit: Unit, new_index: dict[int, int], names: set[str], modules: set[str],
+              chunks: list[tuple[int, int]]) -> Unit:
+        paths = {self.base.units[u].path for u in self.unit_index}
+        if not unit.is_root:
+            return replace(unit, first_op=new_index[unit.first_op], last_op=new_index[unit.last_op],
+                           children=[c for c in unit.children if c in paths])
+        last_stage = chunks[-1][1] == len(self.base.trace_1.ops) - 1
+        params = [p for p in unit.params if p.name.rpartition(".")[0] in modules
+                  or last_stage and not _used(p.name, self.base.trace_1.ops)]
+        return replace(unit, params=params, children=[c for c in unit.children if c in paths],
+                       ops=[name for name in unit.ops if name in names], first_op=0, last_op=len(new_index) - 1)
+
+    def inputs(self, micro_batch_size: int, training: Training | None = None) -> TableInputs:
+        if micro_batch_size not in self._inputs:
+            base = self.base.inputs(micro_batch_size)
+            self._inputs[micro_batch_size] = TableInputs(
+                units=self.units, ops=[base.ops[p] for p in self.positions],
+                keep={mode: [values[u] for u in self.unit_index] for mode, values in base.keep.items()},
+                backward_keep={mode: [values[u] for u in self.unit_index] for mode, values in base.backward_keep.items()},
+                kept_saved=base.kept_saved, op_ids=self.op_ids)
+        return self._inputs[micro_batch_size]
+
+    def for_layout(self, layout: TpLayout | None) -> TableSource:
+        """These tables under a tensor-parallel layout, restricted to the rank's modules."""
+        if layout is None or layout.degree == 1:
+            return self
+        return TensorParallelTables(self, _restricted(layout, self.units))
+
+    def full_units(self) -> list[Unit]:
+        return self.units
+
+    @cached_property
+    def key(self) -> tuple:
+        """Equal for ranks whose tables are equal: their units' classes (a model's repeated blocks are one)."""
+        classes = _classes(self.base)
+        root = set(next(unit for unit in self.units if unit.is_root).ops)
+        root_ops = tuple(self.op_ids[i] for i, op in enumerate(self.trace_1.ops) if op.name in root)
+        return tuple(classes[u] for u in self.unit_index), root_ops, len(self.chunks)
+
+    def boundary_bytes(self, micro_batch_size: int) -> int:
+        """What the rank sends on at each of its boundaries: its last op's output (before the loss)."""
+        ops = [op for op in self.inputs(micro_batch_size).ops if op.name != LOSS_NODE]
+        return ops[-1].out_bytes if ops else 0
+
+
+def _used(name: str, ops: list[OpRecord]) -> bool:
+    module = name.rpartition(".")[0]
+    return any(op.module == module for op in ops)
+
+
+_CLASSES: dict[int, list[int]] = {}
+
+
+def _classes(base: CostTables) -> list[int]:
+    """The base's unit classes (cached per tables object)."""
+    if id(base) not in _CLASSES:
+        _CLASSES.clear()
+        _CLASSES[id(base)] = unit_classes(base.inputs(1))
+    return _CLASSES[id(base)]
+
+
+def _restricted(layout: TpLayout, units: list[Unit]) -> TpLayout:
+    """The layout's regions, embedding and head that lie in `units` (others would fall to the root)."""
+    paths = [u.path for u in units if not u.is_root]
+    params = {p.name for u in units for p in u.params}
+
+    def inside(path: str | None) -> bool:
+        return path is not None and (any(path == p or path.startswith(p + ".") for p in paths)
+                                     or f"{path}.weight" in params)
+
+    return replace(layout, regions=tuple(r for r in layout.regions if inside(r)),
+                   embedding=layout.embedding if inside(layout.embedding) else None,
+                   head=layout.head if inside(layout.head) else None)

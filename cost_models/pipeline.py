@@ -1,0 +1,141 @@
+"""What a pipeline costs and holds: the formulas the search prices each stage and the whole step with.
+
+A pipeline of degree pp runs a step's m micro-batches through stages of contiguous units, one (or, for a
+looped schedule, v) per pipeline rank. Against running every unit on every rank it changes four things,
+each priced here from a schedule's row (cost_models.schedules) and a stage's cost table:
+
+- **Activations in flight.** A rank holds the saved activations of every micro-batch whose forward it ran
+  and whose backward it has not: GPipe all m; 1F1B pp - r on pipeline rank r; interleaved 1F1B
+  Megatron's count, (pp - r - 1) x 2 + (v - 1) x pp + 1 chunks of 1/v of the rank's units (rank 0:
+  pp (1 + (pp - 1) / (pp v)) micro-batches' worth, Narayanan et al. 2021); ZB-V as 1F1B's rank 0 on every
+  rank (its V balances them: Qi et al. 2024). `in_flight`.
+- **The bubble**, in slots of the slowest rank's time per micro-batch: pp - 1 for GPipe and 1F1B, divided
+  by v when looped, and a third of that left when the weight gradients are deferred into it (ZB-H1's
+  (pp - 1)(F + B - W) against 1F1B's (pp - 1)(F + B + W) with F = B = W). `bubble_slots`.
+- **Point-to-point sends**: a stage's output forward and its input's gradient backward, each of the
+  stage's last op's output bytes, over the node's GPU links when the stages are parts of one node, else
+  over the node's NICs, shared by the stage's ranks of that node that send at once. `send_s`.
+- **FSDP under pipelining** (torchtitan; torch's PipelineStage): reshard_after_forward is off and every
+  micro-batch's backward but the last keeps the parameters unsharded and does not reduce, so a stage's
+  parameters are all-gathered once per step and its gradients reduce-scattered once at the end, while
+  the unsharded parameters and the unsharded gradients, accumulated in the reduce dtype, stay on the device
+  all step in place of the sharded gradients (not at the optimizer step: the last backward reshards and
+  reduces). `pipelined`: the collectives per micro-batch divided by m; the gathered bytes moved from the
+  running units into what every point holds.
+- **Receive buffers**: torch's PipelineStage allocates, for each micro-batch of the step, a buffer for a
+  stage's input (but the first stage's) and one for its output's gradient (but the last's), held for the
+  step (`HeldAllStep.buffers`, at every point).
+
+This module imports nothing from autoplan and nothing from torch.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, replace
+
+from cost_models.profile import DeviceProfile
+from cost_models.schedules import InFlight, ScheduleRow, StagesPerRank
+from cost_models.table import CostTable
+
+__all__ = ["LOOPED_STAGES", "ZERO_BUBBLE_LEFT", "HeldAllStep", "bubble_slots", "in_flight", "makespan_s",
+           "pipelined", "refusal", "send_s", "stages_per_rank"]
+
+LOOPED_STAGES = 2  # stages per rank of a looped schedule: the most the bubble gains for the fewest extra sends
+ZERO_BUBBLE_LEFT = 1 / 3  # of the looped bubble, what a schedule deferring the weight gradients leaves
+
+
+def stages_per_rank(row: ScheduleRow) -> int:
+    return 1 if row.stages_per_rank is StagesPerRank.ONE else LOOPED_STAGES
+
+
+def refusal(row: ScheduleRow, pp: int, microbatches: int, units: int) -> str | None:
+    """Why torch.distributed.pipelining cannot run `row` on `pp` ranks with `microbatches` per step and
+    `units` to cut into stages (None: it can)."""
+    stages = pp * stages_per_rank(row)
+    if units < stages:
+        return f"{row.name} needs {stages} stages of at least one unit; the model has {units}"
+    if row.in_flight is not InFlight.ALL and microbatches < pp:
+        # torch's 1F1B refuses fewer; the others' bubble (and so their pricing) assumes a full steady state
+        return f"{row.name} needs at least {pp} micro-batches per step, got {microbatches}"
+    if row.stages_per_rank is StagesPerRank.LOOPED and microbatches % max(1, microbatches // pp):
+        return (f"{row.name} needs the micro-batches ({microbatches}) to be a multiple of its rounds "
+                f"({microbatches // pp})")
+    return None
+
+
+def in_flight(row: ScheduleRow, pp: int, rank: int, microbatches: int) -> float:
+    """Micro-batches' worth of pipeline rank `rank`'s saved activations (all its stages) held at its peak."""
+    if row.in_flight is InFlight.ALL:
+        return float(microbatches)
+    if row.stages_per_rank is StagesPerRank.ONE:
+        return float(min(microbatches, pp - rank))
+    if row.stages_per_rank is StagesPerRank.V_SHAPE:
+        return float(min(microbatches, pp))
+    v = LOOPED_STAGES
+    return min(microbatches * v, (pp - rank - 1) * 2 + (v - 1) * pp + 1) / v
+
+
+def bubble_slots(row: ScheduleRow, pp: int) -> float:
+    """The step's idle time on a rank, in its time per micro-batch (all its stages, forward and backward)."""
+    slots = (pp - 1) / stages_per_rank(row)
+    return slots * ZERO_BUBBLE_LEFT if row.splits_backward else slots
+
+
+def send_s(profile: DeviceProfile, nbytes: int, within_node: bool, senders_per_node: int) -> float:
+    """One point-to-point send of `nbytes` between neighbouring stages: over the node's GPU links when the
+    stages share a node, else over its NICs, `senders_per_node` ranks of a node sending at once."""
+    if nbytes <= 0:
+        return 0.0
+    topology = profile.topology
+    if topology is not None:
+        if within_node:
+            return topology.base_latency_s + nbytes / topology.intra_bus_bytes_s
+        share = topology.nics_per_node * topology.nic_bytes_s / max(1, senders_per_node)
+        return topology.base_latency_s + topology.inter_hop_latency_s + nbytes / share
+    link = profile.links.get("intra_node" if within_node else "inter_node") or profile.links["intra_node"]
+    bandwidth = link.bus_bandwidth_bytes_s / (1 if within_node else max(1, senders_per_node))
+    return link.latency_s + nbytes / bandwidth
+
+
+@dataclass(frozen=True)
+class HeldAllStep:
+    """Per unit and option, bytes a pipelined stage holds at every forward and backward point beyond one
+    micro-batch's timeline: the other micro-batches' activations in flight, the parameters FSDP keeps
+    unsharded and their accumulating unsharded gradients."""
+
+    activations: list[list[int]]
+    gathered: list[list[int]]
+    grads: list[list[int]]
+    buffers: int = 0  # held at every point, the optimizer step's too: torch's receive buffers for the step
+
+    def total(self, unit: int, option: int) -> int:
+        return self.activations[unit][option] + self.gathered[unit][option] + self.grads[unit][option]
+
+
+def pipelined(table: CostTable, microbatches: int, flight: float) -> tuple[CostTable, HeldAllStep]:
+    """A stage's table (built at `microbatches` per step) as the pipeline runs it, and what it holds beside
+    one micro-batch's timeline with `flight` micro-batches in flight (see the module docstring)."""
+    saved = [0] * len(table.units)
+    for seg in table.segments:
+        saved[seg.unit] += seg.saved_bytes
+    extra_flight = max(0.0, flight - 1)
+    upcast = table.precision.reduce_bytes / table.precision.compute_bytes
+    activations, gathered, grads, costs = [], [], [], []
+    for u, (options, unit_costs) in enumerate(zip(table.options, table.costs)):
+        activations.append([int(extra_flight * (c.activation_bytes if o.mode.checkpoints else saved[u]))
+                            for o, c in zip(options, unit_costs)])
+        gathered.append([c.gathered_bytes for c in unit_costs])
+        # sharded gradients exist only after the last backward: until then the unsharded ones, accumulated in
+        # the reduce dtype (FSDP2 upcasts them to accumulate), in their place
+        grads.append([int(c.unsharded_grad_bytes * upcast) - c.grad_bytes if c.gathered_bytes else 0
+                      for c in unit_costs])
+        costs.append([replace(copy.copy(c), gathered_bytes=0, held_bytes=0, comm_fwd_s=c.comm_fwd_s / microbatches,
+                              comm_bwd_s=c.comm_bwd_s / microbatches) for c in unit_costs])
+    return replace(table, costs=costs), HeldAllStep(activations, gathered, grads)
+
+
+def makespan_s(slot_s: float, optimizer_s: float, row: ScheduleRow, pp: int, microbatches: int) -> float:
+    """The step: m micro-batches plus the bubble, each a slot of the slowest rank (sends included), then the
+    slowest rank's optimizer step."""
+    return (microbatches + bubble_slots(row, pp)) * slot_s + optimizer_s

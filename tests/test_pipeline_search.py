@@ -1,0 +1,138 @@
+"""Pipelines in the search: `pp` and `schedule`, the stages a plan records, their report, explain, diff and
+estimate (the search side of issue 28; the run is autoplan.run's)."""
+
+import json
+
+import pytest
+
+import autoplan
+from autoplan.api.inspect import diff, explain
+from autoplan.plan.schema import Plan, load_plan
+from cost_models.pipeline import bubble_slots, in_flight, refusal
+from cost_models.schedules import SCHEDULES
+
+TOY = dict(seq_len=128, profile="h100-sxm-80gb", fit_to="allocated")
+
+
+@pytest.fixture(scope="module")
+def pipelined() -> Plan:
+    return autoplan.search("llama-tiny", "80GB", gpus=4, pp=2, tp=1, batch_size=2, global_batch=32, **TOY)
+
+
+def _modules(plan: Plan) -> list[str]:
+    return [module for stage in plan.pipeline.stages for module in stage.modules]
+
+
+def test_fixed_degree_plans_a_pipeline_of_whole_units(pipelined):
+    pipe = pipelined.pipeline
+    assert pipelined.cluster.pp_degree == 2 and pipe.degree == 2
+    # global batch 32 over 4 GPUs in 2 stages: 2 data-parallel ranks, micro-batch 2, so 8 micro-batches per step
+    assert pipe.microbatches == 8 and pipelined.training.global_batch_size == 32
+    assert sorted({stage.rank for stage in pipe.stages}) == [0, 1]
+    blocks = ["tok_embeddings", "layers.0", "layers.1", "norm", "lm_head"]
+    assert _modules(pipelined) == blocks  # every module once, in forward order
+    planned = {unit.module for unit in pipelined.units}
+    assert {u for stage in pipe.stages for u in stage.units} <= planned
+    assert max(stage.peak_mem_bytes for stage in pipe.stages) == pipelined.predicted.peak_mem_bytes
+    assert pipe.bubble_s > 0 and pipe.p2p_s > 0
+
+
+def test_plan_file_round_trip_and_estimate_of_it(pipelined, tmp_path):
+    path = tmp_path / "pp.json"
+    path.write_text(pipelined.to_json())
+    loaded = load_plan(path)
+    assert loaded.to_json() == pipelined.to_json()
+    est = autoplan.estimate(plan=path)
+    assert est.pipeline == pipelined.pipeline
+    assert est.predicted.peak_mem_bytes == pipelined.predicted.peak_mem_bytes
+    assert est.predicted.step_time_s == pytest.approx(pipelined.predicted.step_time_s, rel=1e-9)
+
+
+def test_search_is_deterministic(pipelined):
+    again = autoplan.search("llama-tiny", "80GB", gpus=4, pp=2, tp=1, batch_size=2, global_batch=32, **TOY)
+    strip = lambda plan: {k: v for k, v in json.loads(plan.to_json()).items() if k != "timing"}  # noqa: E731
+    assert strip(again) == strip(pipelined)
+
+
+def test_fixed_schedule_holds_every_micro_batch_under_gpipe():
+    plan = autoplan.search("llama-tiny", "80GB", gpus=4, pp=2, tp=1, schedule="gpipe", batch_size=1,
+                           global_batch=8, **TOY)
+    pipe = plan.pipeline
+    assert pipe.schedule == "gpipe" and pipe.microbatches == 4
+    assert all(stage.in_flight == 4 for stage in pipe.stages)
+
+
+def test_four_stages_on_parts_of_a_node():
+    plan = autoplan.search("llama-tiny", "80GB", gpus=4, pp=4, tp=1, schedule="1f1b", batch_size=1, **TOY)
+    pipe = plan.pipeline
+    assert [stage.rank for stage in pipe.stages] == [0, 1, 2, 3]
+    assert [stage.in_flight for stage in pipe.stages] == [4, 3, 2, 1]  # 1F1B: pp - rank in flight
+    assert len(set(_modules(plan))) == len(_modules(plan))
+
+
+def test_report_shows_stages_and_what_the_pipeline_costs(pipelined):
+    text = pipelined.table()
+    assert "mesh 2 pipeline x 2 data-parallel" in text
+    assert "pipeline: " in text and "costs: bubble" in text and "in flight" in text
+
+
+def test_default_search_on_two_nodes_tries_pipelines_beside_the_rest():
+    plan = autoplan.search("llama-tiny", "80GB", nodes=2, gpus_per_node=2, tp=1, global_batch=16, **TOY)
+    degrees = {entry.pp_degree for entry in plan.solver.tp_degrees}
+    assert degrees == {1, 2}  # a toy's low MFU leaves a pipeline room to pay
+    text = plan.table()
+    if plan.pipeline is None:
+        assert "no pipeline:" in text
+    else:
+        assert any(b.name == "no-pipeline" for b in plan.baselines)
+
+
+def test_explain_covers_the_stages_and_their_boundaries():
+    plan = autoplan.search("llama-tiny", "80GB", gpus=2, pp=2, tp=1, schedule="1f1b", batch_size=1, **TOY)
+    why = explain(plan)
+    text = why.table()
+    assert "stage 0 (rank 0)" in text and "stage 1 (rank 1)" in text
+    assert "boundary 0|1 a unit earlier" in text and "boundary 0|1 a unit later" in text
+    assert {group.pattern for group in why.groups} >= {"layers.0", "layers.1"} or \
+        any(group.pattern == "layers.0-1" for group in why.groups)
+
+
+def test_diff_names_the_stages_that_differ(pipelined):
+    other = autoplan.search("llama-tiny", "80GB", gpus=4, pp=2, tp=1, schedule="1f1b", batch_size=2,
+                            global_batch=32, **TOY)
+    found = diff(pipelined, other)
+    if pipelined.pipeline.schedule != "1f1b":
+        assert any("schedule" in line for line in found.settings)
+    assert "stage 0:" in found.table() or _modules(pipelined) == _modules(other)
+    flat = autoplan.search("llama-tiny", "80GB", gpus=4, tp=1, batch_size=2, global_batch=32, **TOY)
+    assert "pipeline degree 1 -> 2" in diff(flat, pipelined).table()
+
+
+def test_estimate_with_pp_balances_a_uniform_strategy():
+    est = autoplan.estimate("llama-tiny", "shard", gpus=4, pp=2, seq_len=128, profile="h100-sxm-80gb")
+    pipe = est.pipeline
+    assert pipe.schedule == "1f1b" and len(pipe.stages) == 2 and pipe.microbatches == 8
+    assert all(unit.sharding == "shard" for unit in est.units if unit.module)
+    assert "pipeline: 2 stages" in est.table()
+
+
+def test_bad_pipeline_degree_and_schedule_are_usage_errors(run_cli, tmp_path):
+    result = run_cli("search", "--model", "llama-tiny", "--gpus", "4", "--pp", "3", "--seq-len", "64")
+    assert result.returncode == 2 and "--pp 3 does not cut" in result.stderr and "1, 2, 4" in result.stderr
+    result = run_cli("search", "--model", "llama-tiny", "--gpus", "4", "--pp", "2", "--schedule", "nope")
+    assert result.returncode == 2 and "1f1b" in result.stderr
+    assert not (tmp_path / "plan.json").exists()
+
+
+def test_schedule_formulas():
+    one, gpipe, looped, zero, zbv = (SCHEDULES[name] for name in
+                                     ("1f1b", "gpipe", "interleaved_1f1b", "zero_bubble", "zbv"))
+    assert [in_flight(one, 4, r, 16) for r in range(4)] == [4, 3, 2, 1]
+    assert in_flight(gpipe, 4, 2, 16) == 16
+    # Megatron: rank 0 of an interleaved pipeline holds pp (1 + (pp - 1) / (pp v)) micro-batches' worth
+    assert in_flight(looped, 4, 0, 16) == pytest.approx(4 * (1 + 3 / 8))
+    assert bubble_slots(one, 4) == 3 and bubble_slots(looped, 4) == 1.5
+    assert bubble_slots(zero, 4) == pytest.approx(0.5) and bubble_slots(zbv, 4) == pytest.approx(0.5)
+    assert "at least 4 micro-batches" in refusal(one, 4, 2, 10)
+    assert refusal(gpipe, 4, 2, 10) is None
+    assert "needs 8 stages" in refusal(looped, 4, 8, 6)
