@@ -3,7 +3,7 @@
 The solver's memory rows are one micro-batch's timeline (cost_models.memory); a pipelined rank holds more
 at every forward and backward point (cost_models.pipeline.HeldAllStep: other micro-batches' activations,
 the unsharded parameters and gradients FSDP keeps through the step), each a constant of the unit's option.
-They are added to the solver's model's rows (`AffineModel.mem_coef`) and to the evaluation's points, the
+They are added to the solver's model's rows (`AffineModel.rows`) and to the evaluation's points, the
 optimizer step's points excepted (the last backward reshards and frees them), so the solver and the
 evaluation price one memory timeline.
 """
@@ -11,6 +11,8 @@ evaluation price one memory timeline.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+
+import numpy as np
 
 from autoplan.solve.request import PlanRequest
 from autoplan.solve.solver import AffineModel, SolveResult, SolveStatus, solve_min_time
@@ -49,9 +51,7 @@ def solve_rank(request: PlanRequest, table: CostTable, held: HeldAllStep) -> Ran
                          for values in (held.activations, held.gathered, held.grads)], held.buffers)
     affine = AffineModel.of(searched)
     _add_held(affine, searched, kept)
-    offsets = affine.algebra.offsets
-    floor = int((affine.mem_const + sum(affine.mem_coef[:, offsets[u]:offsets[u + 1]].min(axis=1)
-                                        for u in range(len(offsets) - 1))).max())
+    floor = affine.rows.floor(affine.algebra.offsets)
     if floor > limit:
         return RankSolve(None, SolveStatus.INFEASIBLE, floor)
     result: SolveResult = solve_min_time(searched, limit, request.limits.time_limit_s, affine=affine)
@@ -63,11 +63,10 @@ def solve_rank(request: PlanRequest, table: CostTable, held: HeldAllStep) -> Ran
 def _add_held(affine: AffineModel, table: CostTable, held: HeldAllStep) -> None:
     """What the rank holds all step added to every forward and backward point's row of the solver's model."""
     labels = [p.label for p in evaluate(table, [0] * len(table.units)).points]
-    vector = [held.total(u, o) for u in range(len(table.units)) for o in range(len(table.options[u]))]
-    affine.mem_const += held.buffers
-    for row, label in enumerate(labels):
-        if phase_of(label) != "optimizer":
-            affine.mem_coef[row] += vector
+    vector = np.array([held.total(u, o) for u in range(len(table.units)) for o in range(len(table.options[u]))],
+                      dtype=np.int64)
+    affine.rows.add([row for row, label in enumerate(labels) if phase_of(label) != "optimizer"], vector,
+                    held.buffers)
 
 
 def held_evaluation(table: CostTable, held: HeldAllStep, choices: list[int]) -> Evaluation:
