@@ -183,14 +183,26 @@ def refusal(plan, **kwargs) -> str | None:
     return None
 
 
-def main(out_path: str) -> None:
-    dist.init_process_group("gloo")
+def run_cases(cases: dict, run) -> dict:
+    """`run(case)` of each named case, or the traceback of its failure (recorded and asserted on by the test)."""
     results: dict = {}
-    for name, case in CASES.items():
+    for name, case in cases.items():
         try:
-            results[name] = run_case(case)
+            results[name] = run(case)
         except Exception:  # noqa: BLE001 - recorded and asserted on by the test
             results[name] = {"error": traceback.format_exc()}
+    return results
+
+
+def parity_record(losses, params, reference_losses, reference_params, **probe) -> dict:
+    """A case's result: its losses beside the reference's, the largest parameter difference, what it probed."""
+    diff = max((params[n].float() - reference_params[n]).abs().max().item() for n in reference_params)
+    return {"losses": losses, "reference_losses": reference_losses, "max_param_diff": diff, **probe}
+
+
+def main(out_path: str) -> None:
+    dist.init_process_group("gloo")
+    results = run_cases(CASES, run_case)
     results["refused_world_size"] = refusal(make_plan("gpt2-tiny", world_size=4))
     finish(results, out_path)
 

@@ -11,12 +11,12 @@ rank holds and the length of the sequence a rank's attention saw. Rank 0 writes 
 
 from __future__ import annotations
 
+import functools
 import sys
-import traceback
 
 import torch
 import torch.distributed as dist
-from apply_parity_worker import finish
+from apply_parity_worker import finish, parity_record, run_cases
 from planmaker import make_plan
 from torch.distributed.tensor import DTensor
 from tp_parity_worker import SEED, STEPS, UNITS, cpu_model, reference_run, tp_plan
@@ -81,8 +81,7 @@ def run_case(world_size: int, case: tuple) -> dict:
     shape = BatchShape(t.micro_batch_size, t.grad_accum_steps, mesh.dp, t.seq_len)
     losses, params, probe = applied_run(plan, shape, mesh.data_rank(dist.get_rank()))
     ref_losses, ref_params = reference_run(plan, shape)
-    diff = max((params[n].float() - ref_params[n]).abs().max().item() for n in ref_params)
-    return {"losses": losses, "reference_losses": ref_losses, "max_param_diff": diff, **probe}
+    return parity_record(losses, params, ref_losses, ref_params, **probe)
 
 
 def refusal(plan) -> str | None:
@@ -96,12 +95,7 @@ def refusal(plan) -> str | None:
 def main(out_path: str) -> None:
     dist.init_process_group("gloo")
     world_size = dist.get_world_size()
-    results: dict = {}
-    for name, case in CASES[world_size].items():
-        try:
-            results[name] = run_case(world_size, case)
-        except Exception:  # noqa: BLE001 - recorded and asserted on by the test
-            results[name] = {"error": traceback.format_exc()}
+    results = run_cases(CASES[world_size], functools.partial(run_case, world_size))
     if world_size == 2:
         results["refused_kind"] = refusal(cp_plan(2, 1, decisions={**UNITS, "layers.0": "replicate"}))
     finish(results, out_path)

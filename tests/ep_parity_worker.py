@@ -9,13 +9,13 @@ its weights are laid on. Rank 0 writes the results as JSON.
 
 from __future__ import annotations
 
+import functools
 import sys
-import traceback
 from dataclasses import replace
 
 import torch
 import torch.distributed as dist
-from apply_parity_worker import finish
+from apply_parity_worker import finish, parity_record, run_cases
 from planmaker import make_plan
 from torch.distributed.tensor import DTensor
 
@@ -112,8 +112,7 @@ def run_case(world_size: int, case: tuple) -> dict:
     shape = BatchShape(t.micro_batch_size, t.grad_accum_steps, world_size, t.seq_len)
     losses, params, probe = applied_run(plan, shape, dist.get_rank())
     ref_losses, ref_params = reference_run(plan, shape)
-    diff = max((params[n].float() - ref_params[n]).abs().max().item() for n in ref_params)
-    return {"losses": losses, "reference_losses": ref_losses, "max_param_diff": diff, **probe}
+    return parity_record(losses, params, ref_losses, ref_params, **probe)
 
 
 def refusal(plan, model: torch.nn.Module | None = None) -> str | None:
@@ -127,12 +126,7 @@ def refusal(plan, model: torch.nn.Module | None = None) -> str | None:
 def main(out_path: str) -> None:
     dist.init_process_group("gloo")
     world_size = dist.get_world_size()
-    results: dict = {}
-    for name, case in CASES[world_size].items():
-        try:
-            results[name] = run_case(world_size, case)
-        except Exception:  # noqa: BLE001 - recorded and asserted on by the test
-            results[name] = {"error": traceback.format_exc()}
+    results = run_cases(CASES[world_size], functools.partial(run_case, world_size))
     if world_size == 2:
         results["refused_kind"] = refusal(ep_plan(2, 2, decisions={**UNITS, EXPERTS[1]: "replicate"}))
         dense = make_plan("llama-tiny", {}, world_size=2)

@@ -11,12 +11,11 @@ rank holds. Rank 0 writes the results as JSON.
 from __future__ import annotations
 
 import sys
-import traceback
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from apply_parity_worker import finish
+from apply_parity_worker import finish, run_cases
 from planmaker import make_plan, pipelined
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
@@ -128,12 +127,7 @@ def run_case(name: str) -> dict:
 
 def main(out_path: str) -> None:
     dist.init_process_group("gloo")
-    results: dict = {}
-    for name in CASES:
-        try:
-            results[name] = run_case(name)
-        except Exception:  # noqa: BLE001 - recorded and asserted on by the test
-            results[name] = {"error": traceback.format_exc()}
+    results = run_cases({name: name for name in CASES}, run_case)
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, {name: r.get("stages") for name, r in results.items()})
     for name in results:

@@ -3,17 +3,10 @@
 One torchrun launch (apply_parity_worker.py) runs every case; each test here checks one case.
 """
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 from apply_parity_worker import CASES
+from parity_launch import launch
 
-TESTS_DIR = Path(__file__).parent
-REPO_ROOT = TESTS_DIR.parent
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # one torchrun launch for the module (~8 s)
 
 # What each case's probed unit must look like: (fraction of a weight held locally, parameters left
@@ -41,15 +34,7 @@ OFFLOADED = {"offload": (("tok_embeddings.", "layers.0.", "layers.1."), 19, [2, 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("parity") / "results.json"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), str(TESTS_DIR)]), "OMP_NUM_THREADS": "1"}
-    completed = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=0",
-         str(TESTS_DIR / "apply_parity_worker.py"), str(out)],
-        env=env, capture_output=True, text=True, timeout=900,
-    )
-    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
-    return json.loads(out.read_text())
+    return launch(tmp_path_factory, "apply_parity_worker.py", 2)
 
 
 @pytest.mark.parametrize("case", list(CASES))

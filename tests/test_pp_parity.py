@@ -6,31 +6,16 @@ are refused: test_pipeline_run.py.)
 One torchrun launch (pp_parity_worker.py) runs every case; each test checks one case.
 """
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 from pp_parity_worker import CASES
+from parity_launch import launch
 
-TESTS_DIR = Path(__file__).parent
-REPO_ROOT = TESTS_DIR.parent
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # one torchrun launch of 4 ranks (~20 s on 2 cores)
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("pp") / "results.json"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), str(TESTS_DIR)]), "OMP_NUM_THREADS": "1"}
-    completed = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", "--max-restarts=0",
-         str(TESTS_DIR / "pp_parity_worker.py"), str(out)],
-        env=env, capture_output=True, text=True, timeout=900,
-    )
-    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
-    return json.loads(out.read_text())
+    return launch(tmp_path_factory, "pp_parity_worker.py", 4)
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -5,35 +5,16 @@ parallelism, checkpointing, kept-gathered units, gradient accumulation and bf16.
 One torchrun launch per world size (tp_parity_worker.py) runs every case; each test checks one case.
 """
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 from tp_parity_worker import CASES
+from parity_launch import assert_matches_reference, launch
 
-TESTS_DIR = Path(__file__).parent
-REPO_ROOT = TESTS_DIR.parent
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # two torchrun launches (~15 s on 2 cores)
-
-
-def _launch(tmp_path_factory, nproc: int) -> dict:
-    out = tmp_path_factory.mktemp(f"tp{nproc}") / "results.json"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), str(TESTS_DIR)]), "OMP_NUM_THREADS": "1"}
-    completed = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-         "--max-restarts=0", str(TESTS_DIR / "tp_parity_worker.py"), str(out)],
-        env=env, capture_output=True, text=True, timeout=900,
-    )
-    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
-    return json.loads(out.read_text())
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    return {**_launch(tmp_path_factory, 2), **_launch(tmp_path_factory, 4)}
+    return {**launch(tmp_path_factory, "tp_parity_worker.py", 2), **launch(tmp_path_factory, "tp_parity_worker.py", 4)}
 
 
 CASE_WORLD = [(name, world) for world, cases in CASES.items() for name in cases]
@@ -41,11 +22,7 @@ CASE_WORLD = [(name, world) for world, cases in CASES.items() for name in cases]
 
 @pytest.mark.parametrize("case,world", CASE_WORLD)
 def test_matches_single_process_reference(results, case, world):
-    result = results[case]
-    assert "error" not in result, result.get("error")
-    loss_tol, param_tol = (1e-2, 2e-2) if "bf16" in case else (1e-5, 5e-5)
-    assert result["losses"] == pytest.approx(result["reference_losses"], rel=loss_tol)
-    assert result["max_param_diff"] < param_tol
+    assert_matches_reference(results[case], case)
 
 
 @pytest.mark.parametrize("case,world", CASE_WORLD)

@@ -11,12 +11,12 @@ the results as JSON.
 
 from __future__ import annotations
 
+import functools
 import sys
-import traceback
 
 import torch
 import torch.distributed as dist
-from apply_parity_worker import finish
+from apply_parity_worker import finish, parity_record, run_cases
 from planmaker import make_plan
 from torch.distributed.tensor import DTensor
 
@@ -116,8 +116,7 @@ def run_case(world_size: int, case: tuple) -> dict:
     shape = BatchShape(t.micro_batch_size, t.grad_accum_steps, dp, t.seq_len)
     losses, params, probe = applied_run(plan, shape, rank)
     ref_losses, ref_params = reference_run(plan, shape)
-    diff = max((params[n].float() - ref_params[n]).abs().max().item() for n in ref_params)
-    return {"losses": losses, "reference_losses": ref_losses, "max_param_diff": diff, **probe}
+    return parity_record(losses, params, ref_losses, ref_params, **probe)
 
 
 def refusal(plan) -> str | None:
@@ -131,12 +130,7 @@ def refusal(plan) -> str | None:
 def main(out_path: str) -> None:
     dist.init_process_group("gloo")
     world_size = dist.get_world_size()
-    results: dict = {}
-    for name, case in CASES[world_size].items():
-        try:
-            results[name] = run_case(world_size, case)
-        except Exception:  # noqa: BLE001 - recorded and asserted on by the test
-            results[name] = {"error": traceback.format_exc()}
+    results = run_cases(CASES[world_size], functools.partial(run_case, world_size))
     if world_size == 2:
         wrong = tp_plan(2, True, decisions=UNITS)
         wrong = wrong.model_copy(update={"units": [u.model_copy(update={"tp": None}) for u in wrong.units]})
