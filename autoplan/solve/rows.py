@@ -19,6 +19,7 @@ What the solver asks of them:
 
 from __future__ import annotations
 
+import heapq
 from itertools import chain
 
 import numpy as np
@@ -31,7 +32,7 @@ __all__ = ["DENSE_LIMIT", "MemoryRows"]
 # the largest model the benchmarks plan, is 4e7; a stack of 1000 tiny layers 7e7, which CP-SAT solves faster sparse)
 DENSE_LIMIT = 50_000_000
 SAMPLED_ROWS = 256
-EXPAND_CHUNK = 10_000_000  # coefficients expanded at once  # rows expanded for `column_max` above DENSE_LIMIT
+EXPAND_CHUNK = 10_000_000  # coefficients expanded at once (rows x literals) for `column_max` above DENSE_LIMIT
 
 
 class _Sparse:
@@ -78,6 +79,7 @@ class MemoryRows:
         self.size, self.points, self.const = size, len(const), const
         self._dense, self._defs, self._rows = dense, defs, rows
         self._expanded: dict[int, np.ndarray] = {}
+        self._column_max: np.ndarray | None = None  # sparse rows' column_max, once
 
     @classmethod
     def of_dense(cls, rows: list[Affine]) -> "MemoryRows":
@@ -137,22 +139,33 @@ class MemoryRows:
         return list(zip(defs.lit_col[lo:hi].tolist(), defs.lit_val[lo:hi].tolist())), defs.sums[k]
 
     def _expand(self, point: int) -> np.ndarray:
-        """The point's row over the literals: its named sums' weights pushed down to earlier sums, latest first."""
-        literals, sums = self.terms(point)
-        coef = np.zeros(self.size, dtype=np.int64)
-        for col, c in literals:
-            coef[col] += c
-        weights: dict[int, int] = {}
-        for k, c in sums:
-            weights[k] = weights.get(k, 0) + c
-        defs = self._defs
-        while weights:
-            k = max(weights)
+        return self._expand_many([point])[0]
+
+    def _expand_many(self, points: list[int]) -> np.ndarray:
+        """The points' rows over the literals, together: each named sum's weights (one per row) pushed down to the
+        earlier sums it refers to, latest sum first (a heap of the sums reached: each is visited once, so a row
+        costs its sums' terms, not their number squared as a scan for the latest did)."""
+        rows, defs = self._rows, self._defs
+        coef = np.zeros((len(points), self.size), dtype=np.int64)
+        weights: dict[int, np.ndarray] = {}
+        for i, point in enumerate(points):
+            literals, sums = self.terms(point)
+            for col, c in literals:
+                coef[i, col] += c
+            for k, c in sums:
+                weights.setdefault(k, np.zeros(len(points), dtype=np.int64))[i] += c
+        heap = [-k for k in weights]
+        heapq.heapify(heap)
+        while heap:
+            k = -heapq.heappop(heap)
             w = weights.pop(k)
             lo, hi = defs.lit_ptr[k], defs.lit_ptr[k + 1]
-            np.add.at(coef, defs.lit_col[lo:hi], w * defs.lit_val[lo:hi])
-            for j, c in defs.sums[k]:
-                weights[j] = weights.get(j, 0) + w * c
+            coef[:, defs.lit_col[lo:hi]] += w[:, None] * defs.lit_val[None, lo:hi]  # a sum's literals are distinct
+            for j, c in defs.sums[k]:  # earlier sums (j < k)
+                if j not in weights:
+                    weights[j] = np.zeros(len(points), dtype=np.int64)
+                    heapq.heappush(heap, -j)
+                weights[j] += c * w
         return coef
 
     def _expand_all(self) -> np.ndarray:
@@ -192,8 +205,13 @@ class MemoryRows:
         """Per literal, its largest coefficient over the points (above DENSE_LIMIT: over a sample of points)."""
         if self._dense is not None:
             return self._dense.max(axis=0)
-        sample = np.unique(np.linspace(0, self.points - 1, min(SAMPLED_ROWS, self.points)).astype(int))
-        return np.max([self.row(int(p)) for p in sample], axis=0)
+        if self._column_max is not None:  # asked by each solve's seeds
+            return self._column_max
+        sample = np.unique(np.linspace(0, self.points - 1, min(SAMPLED_ROWS, self.points)).astype(int)).tolist()
+        step = max(1, EXPAND_CHUNK // self.size)
+        self._column_max = np.max([self._expand_many(sample[i:i + step]).max(axis=0)
+                                   for i in range(0, len(sample), step)], axis=0)
+        return self._column_max
 
     def horizon(self) -> int:
         """At least every point's bytes under any plan: exact rows' largest absolute sum below DENSE_LIMIT, above

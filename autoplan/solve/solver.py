@@ -19,10 +19,11 @@ a leaner option to the earlier of two identical units never raises a time point 
 argument, adjacent or not); parameters, gradients, optimizer and host state do not depend on the
 position.
 
-A model of thousands of units (over DENSE_LIMIT time points x literals: a stack of 1000 tiny layers) is built
-sparse (autoplan.solve.rows): the prefix sums its memory rows share are integer variables of their own, each row a
-few terms, so the model grows linearly with the units; CP-SAT's probing and substitutions, quadratic there, are
-off, and the first round starts from a seed plan that fits. Smaller models are solved exactly as before.
+A table with such runs is solved as counts (autoplan.solve.counts: per run, where each option's segment of the
+canonical order ends), with the same plans and optimum as the per-unit model below, to a proven optimum; a table
+without runs keeps the per-unit model. Its rows are built sparse above DENSE_LIMIT time points x literals
+(autoplan.solve.rows): the prefix sums they share are then integer variables of their own, CP-SAT's probing and
+substitutions, quadratic there, are off, and the first round starts from a seed plan that fits.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from enum import Enum
 import numpy as np
 
 from autoplan.settings import DEFAULT_TIME_LIMIT_S
+from autoplan.solve.counts import COUNTS_GAP_LIMIT, CountsModel, counted
 from autoplan.solve.rows import DENSE_LIMIT, MemoryRows
 from autoplan.solve.symmetry import canonical, identical_runs
 from cost_models.algebra import AffineAlgebra, SparseAlgebra
@@ -47,7 +49,7 @@ NS_PER_S = 1_000_000_000
 # the same plan, byte for byte.
 NUM_WORKERS = 1
 POINTS_ADDED_PER_ROUND = 4
-# Stop once the plan is proven within 0.1% of the optimum: far below the cost model's own error,
+# The per-unit model stops once the plan is proven within 0.1% of the optimum: far below the cost model's own error,
 # and it spares the search from proving optimality across many identical blocks (CP-SAT sees them
 # as an orbitope it cannot break). The gap (objective - bound) is reported with every plan.
 RELATIVE_GAP_LIMIT = 1e-3
@@ -102,6 +104,7 @@ class AffineModel:
     # groups of identical units, and per unit the rank of each option in the canonical order
     runs: list[list[int]] | None = None
     order: list[list[int]] | None = None
+    counted: bool = False  # solved as counts per run (autoplan.solve.counts), not per unit
 
     @classmethod
     def of(cls, table: CostTable) -> "AffineModel":
@@ -120,7 +123,7 @@ class AffineModel:
         return cls(
             alg, rows, np.round(step_coef * NS_PER_S).astype(np.int64), int(round(step_const * NS_PER_S)),
             host if offloads else None, table.host_limit_bytes if offloads else None, runs, order,
-        )
+            counted(runs))
 
     @property
     def mem_const(self) -> np.ndarray:
@@ -160,10 +163,6 @@ def cp_sat():
 
         cp_model = imported
     return cp_model
-
-
-def _top_points(memory: np.ndarray, count: int) -> list[int]:
-    return [int(p) for p in np.argsort(-memory, kind="stable")[:count]]
 
 
 class _Model:
@@ -250,7 +249,7 @@ def _solve_lazily(affine: AffineModel, build, check, time_limit_s: float, seeds:
     work = 0.0
     active: set[int] = set()
     for seed in seeds:
-        active.update(_top_points(affine.memory(seed), 2))
+        active.update(int(p) for p in np.argsort(-affine.memory(seed), kind="stable")[:2])  # its top 2 points
     while True:
         model, objective_scale = build(sorted(active))
         if hint is not None:  # start from the last round's plan (it violates only the new points) or the given one
@@ -260,8 +259,8 @@ def _solve_lazily(affine: AffineModel, build, check, time_limit_s: float, seeds:
         if work_limit is not None:
             solver.parameters.max_deterministic_time = max(0.001, work_limit - work)
         solver.parameters.num_workers = NUM_WORKERS
-        solver.parameters.relative_gap_limit = RELATIVE_GAP_LIMIT
-        if not affine.rows.dense:  # thousands of units: presolve's probing and substitutions grow quadratic in them
+        solver.parameters.relative_gap_limit = COUNTS_GAP_LIMIT if affine.counted else RELATIVE_GAP_LIMIT
+        if not affine.rows.dense and not affine.counted:  # thousands of units: probing, substitutions quadratic
             solver.parameters.cp_model_probing_level = 0
             solver.parameters.presolve_substitution_level = 0
         status = solver.solve(model.model)
@@ -291,7 +290,7 @@ def solve_min_time(table: CostTable, mem_limit_bytes: int, time_limit_s: float =
     affine = affine or AffineModel.of(table)
 
     def build(points):
-        model = _Model(affine)
+        model = CountsModel(affine, cp_sat()) if affine.counted else _Model(affine)  # solve/counts.py
         for point in points:
             model.add_point(point, mem_limit_bytes)
         model.model.minimize(model.step_ns())
@@ -338,7 +337,7 @@ def solve_min_memory(table: CostTable, time_limit_s: float = DEFAULT_TIME_LIMIT_
     state = {}
 
     def build(points):
-        model = _Model(affine)
+        model = CountsModel(affine, cp_sat()) if affine.counted else _Model(affine)  # solve/counts.py
         peak = model.model.new_int_var(0, mem_limit_bytes if mem_limit_bytes is not None else horizon, "peak")
         for point in points:
             model.add_point(point, peak)
