@@ -14,8 +14,8 @@ Not seen by a replay (fake tensors run no kernel): cuBLAS/cuDNN workspaces and k
 as the allocator model's SEGMENT_SLACK, and memory outside the allocator (CUDA context, NCCL buffers).
 Plans that cannot be replayed yet are refused with the reason: units sharded within a node and replicated
 across nodes (a 2-D mesh). Units offloaded to the host replay with their host state left out (on fake tensors the
-host and the device are one memory: autoplan.run.host_storage tells them apart). Tensor-parallel plans replay (FSDP2's join of the data- and tensor-parallel meshes runs outside the
-fake mode: autoplan.run.torch_tracker). A replay of llama2-70b's rank 0 (80 layers) takes about 30 s here.
+host and the device are one memory: autoplan.run.host_storage tells them apart). Tensor-parallel plans replay
+(FSDP2's join of the data- and tensor-parallel meshes runs outside the fake mode: autoplan.run.torch_tracker). A replay of llama2-70b's rank 0 (80 layers) takes about 30 s here.
 """
 
 from __future__ import annotations

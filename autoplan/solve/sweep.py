@@ -88,11 +88,11 @@ def sweep(request: PlanRequest, source: TableSource, cluster: Cluster,
             swept.seen.append(table)
             _tell(progress, swept.steps, swept.best)
             continue
-        affine = AffineModel.of(table)
+        affine, planned = AffineModel.of(table), request.limits.planned_for(table)
         if request.uniform is None:
-            result = solve_min_time(table, request.limits.planned_for(table), request.limits.time_limit_s, affine=affine)
+            result = solve_min_time(table, planned, request.limits.time_limit_s, affine=affine)
         else:
-            result = _fixed_strategy(table, affine, request.uniform, request.limits.planned_for(table), request.pins)
+            result = _fixed_strategy(table, affine, request.uniform, planned, request.pins)
         swept.wall_s += result.wall_time_s
         swept.num_vars, swept.num_cons = result.num_variables, result.num_constraints
         if result.choices is None:
