@@ -18,11 +18,11 @@ import torch.nn as nn
 from autoplan.settings import DEFAULT_TIME_LIMIT_S
 from autoplan.solve.cluster import Cluster
 from autoplan.solve.pins import PinResolution
-from autoplan.solve.tables import CostTables, micro_batch_candidates
-from cost_models.table import CostTable
 from autoplan.solve.rows import sparse_rows
+from autoplan.solve.tables import CostTables, micro_batch_candidates
 from cost_models.allocator_margin import allocated_within, is_expandable, margin_of, needed_bytes, point_margin
 from cost_models.mesh import Mesh
+from cost_models.table import CostTable
 from cost_models.training import MicroBatch, Training
 
 __all__ = ["Batch", "Limits", "ModelInfo", "PlanRequest", "Uniform"]

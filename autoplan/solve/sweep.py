@@ -182,8 +182,8 @@ def _nothing_found(request: PlanRequest, cluster: Cluster, steps: list[SweepStep
             "give `batch_size` to try a single micro-batch size")
     pinned = pins is not None and request.uniform is None
     if pinned:
-        explained = pins.explain_infeasible(table, limits.planned_bytes, request.model.name, limits.mem_limit_bytes,
-                                            limits.headroom, limits.time_limit_s)
+        explained = pins.explain_infeasible(table, limits.planned_for(table), request.model.name,
+                                            limits.mem_limit_bytes, limits.headroom, limits.time_limit_s)
         if explained is not None:
             return explained
     error = _infeasible(table, limits, request.model.name, cluster, request.batch.fixed)
