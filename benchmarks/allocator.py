@@ -41,7 +41,7 @@ import autoplan
 from autoplan.profile_store import load_profile
 from autoplan.run.allocator_fit import record_step
 from cost_models.allocator import SEGMENT_SLACK
-from cost_models.allocator_margin import needed_bytes
+from cost_models.allocator_margin import needed_of_parts
 from cost_models.allocator_replay import min_limit, replay
 
 PROFILE = "h100-sxm-80gb"
@@ -59,6 +59,8 @@ GRID = [
     ("llama3-8b", "none", 1, 4096, None),
     ("llama3-8b", "full", 2, 8192, None, 2),  # tensor-parallel (degree 2, sequence parallel off)
     ("llama2-7b", "selective", 2, 4096, None, 4),
+    ("llama2-7b", "full", 2, 4096, None, 1, True),  # every unit offloaded to the host (its state left out)
+    ("llama3-8b", "none", 1, 4096, None, 1, True),
 ]
 # (model, sequence, limit): the solver's plan (tensor parallelism off, micro-batch searched) with and without
 # search_fitting_allocator
@@ -78,6 +80,13 @@ SEARCH_TIME_CASES = [
                                       "--gpus-per-node", "8", "--mem", "80GB"]),
 ]
 LIVE_FIT = ["--fit-to", "allocated", "--fit-allocator", "off"]
+
+
+def plan_needed_bytes(plan, conf: str) -> int:
+    """The needed bound of `plan`'s predicted timeline under `conf` (cost_models.allocator_margin: per time point
+    natively, flat with expandable segments), whichever configuration the plan was made for."""
+    return needed_of_parts([{k.removesuffix("_bytes"): v for k, v in p.breakdown.model_dump().items()}
+                            for p in plan.predicted.timeline], conf)
 
 
 def search_times(repeats: int) -> list[dict]:
@@ -106,11 +115,13 @@ def search_times(repeats: int) -> list[dict]:
     return rows
 
 
-def plan_for(model: str, checkpoint: str | None, batch: int | None, seq_len: int, limit: str | None, tp: int = 1):
+def plan_for(model: str, checkpoint: str | None, batch: int | None, seq_len: int, limit: str | None, tp: int = 1,
+             offload: bool = False):
     if limit is not None:
         return autoplan.search(model, limit, gpus=WORLD, profile=PROFILE, seq_len=seq_len)
     return autoplan.search(model, "1000GB", gpus=WORLD, profile=PROFILE, seq_len=seq_len, batch_size=batch,
-                           strategy="shard", checkpoint=checkpoint, allow_over_device_mem=True, tp=tp)
+                           strategy="shard", checkpoint=checkpoint, allow_over_device_mem=True, tp=tp,
+                           offload=offload)
 
 
 def fit_cases(cases) -> list[dict]:
@@ -148,7 +159,7 @@ def fit_cases(cases) -> list[dict]:
     return rows
 
 
-def default_rows(cases) -> list[dict]:
+def default_rows(cases, configs=CONFIGS) -> list[dict]:
     """Each default plan (fitted to what the allocator needs, per configuration) replayed under its configuration:
     what the step needs against the limit, and how much of the limit it leaves unused."""
     from autoplan.errors import UsageError
@@ -157,7 +168,7 @@ def default_rows(cases) -> list[dict]:
     gib, rows = 2 ** 30, []
     for model, seq_len, limits in cases:
         for limit in limits:
-            for conf in CONFIGS:
+            for conf in configs:
                 started = time.perf_counter()
                 plan = autoplan.search(model, limit, gpus=WORLD, profile=PROFILE, seq_len=seq_len,
                                        allocator_conf=conf)  # tensor degrees searched, as a user runs it
@@ -222,6 +233,7 @@ def main() -> None:
     parser.add_argument("--kit", type=Path, metavar="DIR", help="replay the GPU kit's plans in DIR (its --out)")
     parser.add_argument("--default", action="store_true", help="the default search's plans, per allocator configuration")
     parser.add_argument("--only", help="with --default: the models whose name contains this")
+    parser.add_argument("--conf", choices=("expandable", "native"), help="with --default: one configuration only")
     parser.add_argument("--search-time", type=int, nargs="?", const=3, metavar="REPEATS",
                         help="search wall time fitted to needed against allocated (default 3 repeats)")
     args = parser.parse_args()
@@ -235,7 +247,8 @@ def main() -> None:
         print(f"written to {path}")
         return
     if args.default:
-        rows = default_rows([case for case in DEFAULT_CASES if not args.only or args.only in case[0]])
+        configs = [c for c in CONFIGS if not args.conf or c.endswith("True") == (args.conf == "expandable")]
+        rows = default_rows([case for case in DEFAULT_CASES if not args.only or args.only in case[0]], configs)
         replayed = [r for r in rows if "fits" in r]
         print(f"fit: {sum(r['fits'] for r in replayed)} of {len(replayed)} replayed ({len(rows) - len(replayed)} not "
               f"replayable); used {min(r['used'] for r in replayed):.1%}-{max(r['used'] for r in replayed):.1%} of the "
@@ -249,30 +262,33 @@ def main() -> None:
         return
     gib = 2 ** 30
     print(f"{'plan':<34} {'mb':>2} {'seq':>5} {'predicted':>9} {'live':>7} {'alloc':>7} {'reserved':>8} "
-          f"{'needed':>7} {'need/pred':>9} {'exp. res':>8} {'exp. need':>9} {'need/pred':>9} {'exp. bound':>10}  (GiB)")
+          f"{'needed':>7} {'need/pred':>9} {'exp. res':>8} {'exp. need':>9} {'need/pred':>9} {'exp. bound':>10} "
+          f"{'nat. bound':>10}  (GiB)")
     rows = []
-    for model, checkpoint, batch, seq_len, limit, *tp in QUICK if args.quick else GRID:
+    for model, checkpoint, batch, seq_len, limit, *more in QUICK if args.quick else GRID:
         started = time.perf_counter()
-        plan = plan_for(model, checkpoint, batch, seq_len, limit, *tp)
+        plan = plan_for(model, checkpoint, batch, seq_len, limit, *more)
         events, starts = record_step(plan)
         free_run, expandable_run = replay(events), replay(events, expandable=True)
         # as a plan's needed bound counts them: the kernel workspaces a replay cannot see on top
         needed = min_limit(events) + SEGMENT_SLACK
         needed_expandable = min_limit(events, expandable=True) + SEGMENT_SLACK
         predicted = plan.predicted.peak_mem_bytes
-        bound = needed_bytes(predicted, CONFIGS[0])
+        bound, native_bound = (plan_needed_bytes(plan, conf) for conf in CONFIGS)
         label = f"{model} " + (f"shard+{checkpoint}" if limit is None else f"solver@{limit}") + \
-            (f" tp{plan.cluster.tp_degree}" if plan.cluster.tp_degree > 1 else "")
+            (f" tp{plan.cluster.tp_degree}" if plan.cluster.tp_degree > 1 else "") + \
+            (" offload" if any(u.offload for u in plan.units) else "")
         mb = plan.training.micro_batch_size
         print(f"{label:<34} {mb:>2} {seq_len:>5} {predicted / gib:>9.2f} {free_run.peak_requested / gib:>7.2f} "
               f"{free_run.peak_allocated / gib:>7.2f} {free_run.peak_reserved / gib:>8.2f} {needed / gib:>7.2f} "
               f"{needed / predicted:>9.4f} {expandable_run.peak_reserved / gib:>8.2f} {needed_expandable / gib:>9.2f} "
-              f"{needed_expandable / predicted:>9.4f} {bound / gib:>10.2f}  ({time.perf_counter() - started:.0f} s, "
+              f"{needed_expandable / predicted:>9.4f} {bound / gib:>10.2f} {native_bound / gib:>10.2f}  "
+              f"({time.perf_counter() - started:.0f} s, "
               f"{len(events)} events, {free_run.segments} segments)", flush=True)
         rows.append({"model": model, "plan": label, "micro_batch": mb, "seq_len": seq_len,
                      "predicted_peak_bytes": predicted, "live_peak_bytes": free_run.peak_requested,
                      "allocated_peak_bytes": free_run.peak_allocated, "reserved_peak_bytes": free_run.peak_reserved,
-                     "needed_limit_bytes": needed, "native_bound_bytes": needed_bytes(predicted, CONFIGS[1]),
+                     "needed_limit_bytes": needed, "native_bound_bytes": native_bound,
                      "expandable_reserved_bytes": expandable_run.peak_reserved,
                      "expandable_needed_bytes": needed_expandable, "expandable_bound_bytes": bound,
                      "events": len(events), "segments": free_run.segments})

@@ -275,7 +275,7 @@ def _run_under(plan, device: str, conf: str | None, gpu_mem: int | None) -> dict
     from autoplan.errors import AutoplanError
     from autoplan.run.fake_world import run_fake_world
     from autoplan.run.memtrack import allocation_failure
-    from cost_models.allocator_margin import needed_bytes, reserved_bytes
+    from cost_models.allocator_margin import needed_bytes, needed_of_parts, reserved_bytes
 
     summary: dict = {}
     if device == "cuda":
@@ -283,7 +283,9 @@ def _run_under(plan, device: str, conf: str | None, gpu_mem: int | None) -> dict
         torch.cuda.empty_cache()
         torch.cuda.memory._set_allocator_settings(conf)  # new segments follow it; the cache is empty
         peak = plan.predicted.peak_mem_bytes
-        bound = needed_bytes(peak, conf)
+        bound = needed_of_parts([{k.removesuffix("_bytes"): v for k, v in p.breakdown.model_dump().items()}
+                                 for p in plan.predicted.timeline], conf) if plan.predicted.timeline else \
+            needed_bytes(peak, conf)
         summary.update(needed_bound_bytes=bound, predicted_reserved_bytes=reserved_bytes(peak, conf))
         if gpu_mem is not None:  # None: uncapped
             torch.cuda.set_per_process_memory_fraction(min(1.0, bound / gpu_mem))

@@ -9,8 +9,15 @@ partly used pages per stream and kernel workspaces; natively each request of 10 
 own and blocks of one size interleave with another's, so the need is 1-19% above the live bytes depending on
 the plan. Both are measured by replaying real plans' allocation sequences through the allocator's models
 (cost_models.allocator, cost_models.expandable_segments; benchmarks/allocator.py, benchmarks/RESULTS.md
-section 11), and bounded here as `needed <= allocated x (1 + factor) + slack`, which keeps the search linear:
-the solver plans the live bytes to `allocated_within(limit)`.
+section 11), and bounded here. With expandable segments the bound is flat, `needed <= allocated x (1 + factor) +
+slack`, and the solver plans the live bytes to `allocated_within(limit)`. Natively a flat factor wastes memory: the
+excess comes from blocks that a smaller request splits and strands (a layer's saved activations in segments its
+larger transients left, the optimizer's foreach temporaries in the backward's segments, a step's largest block,
+the loss's fp32 logits, in its own segment that the next step cannot reuse once smaller blocks split it), so it
+follows what the step holds, not its total. The native bound is per time point: each memory category's bytes times
+its weight (`PointMargin`: 1.35 for temporaries, 1.15 for activations, 1 for the optimizer states, which keep
+their blocks all step); a table that carries it (`CostTable.allocator`) has solver rows of these figures
+(`fitted_totals`), so the search stays linear and each plan pays for what it holds.
 
 Three figures per plan: allocated (live bytes, the memory timeline's peak), needed (the smallest limit the step
 runs in; what a plan is fitted to by default) and reserved (what torch.cuda.max_memory_reserved shows with
@@ -22,10 +29,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from cost_models.allocator import FRAGMENTATION, SEGMENT_SLACK
+import numpy as np
 
-__all__ = ["ALLOC_CONF_ENV", "DEFAULT_ALLOC_CONF", "Margin", "allocated_within", "is_expandable", "margin_of",
-           "needed_bytes", "reserved_bytes"]
+from cost_models.algebra import Affine
+from cost_models.allocator import FRAGMENTATION, SEGMENT_SLACK
+from cost_models.memory import CATEGORIES, MemoryPoint, total
+
+__all__ = ["ALLOC_CONF_ENV", "DEFAULT_ALLOC_CONF", "NATIVE", "Margin", "PointMargin", "allocated_within",
+           "fitted_totals", "is_expandable", "margin_of", "needed_bytes", "needed_of_parts", "needed_of_points",
+           "point_margin",
+           "reserved_bytes"]
 
 ALLOC_CONF_ENV = "PYTORCH_CUDA_ALLOC_CONF"
 DEFAULT_ALLOC_CONF = "expandable_segments:True"
@@ -88,3 +101,71 @@ def reserved_bytes(allocated_bytes: int, conf: str) -> int:
     """At most what torch.cuda.max_memory_reserved shows for this allocated peak with memory to spare (never below
     what the step needs: with room, the allocator keeps what it took)."""
     return max(needed_bytes(allocated_bytes, conf), math.ceil(allocated_bytes * margin_of(conf).reserved))
+
+
+@dataclass(frozen=True)
+class PointMargin:
+    """The native allocator's bound at each time point: the sum over memory categories of bytes x weight; the
+    slack (Margin.slack) comes on top, once."""
+
+    weights: dict[str, float]  # MemCategory value -> bytes needed per live byte (at least 1)
+
+
+# Native, per time point: the smallest weights (a linear programme over the replays, each replay's peak point made to
+# reach its needed limit x 1.01) that bound every replay of benchmarks/allocator.py, the grid's uniform and
+# tensor-parallel plans and the default search's plans (benchmarks/RESULTS.md section 11b), rounded up. The
+# stranding follows activations (a layer's saved tensors in segments its larger transients left) and temporaries
+# (the loss's fp32 logits in a segment of their own that smaller blocks then split; the optimizer's foreach
+# temporaries in the backward's segments); the parameters' weight stands for the optimizer step's stranding, whose
+# temporaries are as many as the parameters' shards.
+NATIVE = PointMargin({"params": 1.13, "grads": 1.04, "optimizer": 1.0, "activations": 1.15, "gathered": 1.05,
+                      "temporaries": 1.35})
+
+
+def point_margin(conf: str) -> PointMargin | None:
+    """The per-point bound for a configuration (None with expandable segments: their bound is flat)."""
+    return None if is_expandable(conf) else NATIVE
+
+
+def _weighted(parts: dict, margin: PointMargin):
+    """A point's parts (memory category -> bytes or expression) summed with the margin's weights."""
+    expr = 0
+    for category in CATEGORIES:
+        weight = margin.weights[category.value]
+        expr = expr + (parts[category] if weight == 1 else parts[category] * weight)
+    return expr
+
+
+def fitted_totals(table, points: list[MemoryPoint]) -> list:
+    """Each point's bytes as the plan is fitted to them: its total, or where `table` carries the native
+    allocator's margin (`table.allocator`), what the allocator needs there less the slack, rounded up to whole
+    bytes (numbers, or dense affine rows: a table whose rows are written sparse carries no margin)."""
+    margin = table.allocator
+    if margin is None:
+        return [total(point) for point in points]
+    rows = []
+    for point in points:
+        expr = _weighted(point.parts, margin)
+        if isinstance(expr, Affine):
+            expr = Affine(np.ceil(expr.coef).astype(np.int64), math.ceil(expr.const))
+        elif isinstance(expr, (int, float)):
+            expr = math.ceil(expr)
+        else:
+            raise TypeError(f"the allocator's margin needs dense rows, got {type(expr).__name__}")
+        rows.append(expr)
+    return rows
+
+
+def needed_of_points(points: list[MemoryPoint], conf: str) -> int:
+    """What one plan's step needs under `conf`, from its numeric timeline: natively the per-point bound's highest
+    point plus the slack; with expandable segments the flat bound of the highest total."""
+    return needed_of_parts([point.parts for point in points], conf)
+
+
+def needed_of_parts(parts: list[dict], conf: str) -> int:
+    """As `needed_of_points`, from each point's bytes by memory category (a plan file's timeline breakdowns,
+    keyed by the categories' values: "params", ...)."""
+    margin = point_margin(conf)
+    if margin is None:
+        return needed_bytes(int(max(sum(p[c.value] for c in CATEGORIES) for p in parts)), conf)
+    return math.ceil(max(_weighted({c: p[c.value] for c in CATEGORIES}, margin) for p in parts)) + margin_of(conf).slack

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from cost_models.options import DEFAULT_CHECKPOINT, DEFAULT_SHARDING, SHARDING_KINDS, checkpoint_of_bool
 
 from .algebra import NumericAlgebra
+from .allocator_margin import fitted_totals
 from .memory import CATEGORIES, MemCategory, MemoryPoint, timeline, total
 from .step import step_time
 from .table import CostTable
@@ -21,6 +22,7 @@ class Evaluation:
     micro_batch_s: float
     optimizer_s: float
     host_bytes: int = 0  # offloaded state in host memory, per rank
+    fit_bytes: int | None = None  # where the table carries the allocator's margin: its highest point less the slack
 
     @property
     def peak_mem_bytes(self) -> int:
@@ -32,7 +34,8 @@ class Evaluation:
 
     def fits(self, mem_limit_bytes: int, host_limit_bytes: int | None = None) -> bool:
         """Device peak within `mem_limit_bytes` and, given a host limit (per rank), offloaded state within it."""
-        return self.peak_mem_bytes <= mem_limit_bytes and (host_limit_bytes is None
+        fitted = self.peak_mem_bytes if self.fit_bytes is None else self.fit_bytes
+        return fitted <= mem_limit_bytes and (host_limit_bytes is None
                                                             or self.host_bytes <= host_limit_bytes)
 
 
@@ -43,8 +46,9 @@ def evaluate(table: CostTable, choices: list[int]) -> Evaluation:
     peak = max(range(len(points)), key=lambda i: totals[i])
     step = step_time(table, alg)
     host = sum(table.costs[u][c].host_bytes for u, c in enumerate(choices))
+    fit = max(fitted_totals(table, points)) if table.allocator is not None else None
     return Evaluation(list(choices), points, peak, float(step.step_s), float(step.micro_batch_s),
-                      float(step.optimizer_s), host)
+                      float(step.optimizer_s), host, fit)
 
 
 def checkpoint_name(checkpoint: str | bool | None) -> str:

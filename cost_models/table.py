@@ -43,6 +43,9 @@ class CostTable:
     model_flops: float = 0.0  # a rank's FLOPs of one micro-batch's forward and backward, no recompute (MFU's)
     peak_flops: float = 0.0  # the profile's peak FLOP/s in the compute dtype
     host_limit_bytes: int | None = None  # host memory per rank for offloaded state (node's / GPUs per node)
+    # the native caching allocator's margin per time point that the plan is fitted to (cost_models.allocator_margin.
+    # PointMargin: the solver's rows and `evaluate`'s fit figure include it); None: the live bytes
+    allocator: object | None = None
 
     @property
     def samples_per_step(self) -> int:

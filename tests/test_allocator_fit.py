@@ -39,7 +39,6 @@ def test_a_plan_that_fits_as_it_is_is_kept_unchanged(run_cli, tmp_path):
 
 @pytest.mark.parametrize("extra, message", [
     (["--profile", "cpu-gloo-2", "--mem", "520MB", "--allow-over-device-mem"], "not a CUDA profile"),
-    (["--mem", "600MB", "--strategy", "shard", "--offload"], "units offloaded to the host"),
     (["--mem", "600MB", "--nodes", "2", "--strategy", "hybrid"], "2-D mesh"),
 ])
 def test_what_cannot_be_replayed_is_refused_before_any_plan_is_written(run_cli, tmp_path, extra, message):
@@ -57,3 +56,32 @@ def test_a_tensor_parallel_plan_is_fitted_by_replay_too(run_cli, tmp_path):
     plan = json.loads((tmp_path / "plan.json").read_text())
     assert plan["cluster"]["tp_degree"] == 2
     assert 0 < plan["predicted"]["allocator_needed_bytes"] <= plan["cluster"]["mem_limit_bytes"]
+
+
+def test_an_offloading_plan_replays_with_its_host_state_left_out(run_cli, tmp_path):
+    """Offloaded units keep their sharded parameters, gradients and optimizer states on the host: on fake tensors
+    host and device are one memory, so the recording tells them apart, and the replay counts the device's alone."""
+    flags = ["--mem", "600MB", "--strategy", "shard", "--tp", "1"]
+    result = run_cli("search", *ARGS, *flags, "--offload", "--fit-allocator", "-o", "plan.json")
+    assert result.returncode == 0, result.stderr
+    plan = autoplan.load_plan(tmp_path / "plan.json")
+    assert all(unit.offload for unit in plan.units if unit.params)
+    kept = autoplan.search(MODEL, "600MB", gpus=8, profile="h100-sxm-80gb", seq_len=128, batch_size=4, tp=1,
+                           strategy="shard")
+    offloaded, on_device = replay_plan(plan), replay_plan(kept)
+    state = kept.predicted.breakdown.params_bytes + kept.predicted.breakdown.optimizer_bytes
+    assert offloaded.needed_bytes == plan.predicted.allocator_needed_bytes <= plan.cluster.mem_limit_bytes
+    assert offloaded.allocated_bytes < on_device.allocated_bytes - state / 2  # the host's state is not the device's
+    # the device's peak as the prediction has it, within 10% (the prediction holds each staged shard all gather)
+    assert abs(offloaded.allocated_bytes / plan.predicted.peak_mem_bytes - 1) < 0.10
+
+
+@pytest.mark.parametrize("mem", ["450MB", "600MB"])
+def test_a_native_plans_needed_bound_holds_its_replay(run_cli, tmp_path, mem):
+    """Natively the bound is per time point (cost_models.allocator_margin.NATIVE): each plan's replayed step needs
+    at most its bound, and the bound at most the limit less the headroom."""
+    result = run_cli("search", *ARGS, "--mem", mem, "--allocator-conf", "expandable_segments:False", "-o", "plan.json")
+    assert result.returncode == 0, result.stderr
+    plan = autoplan.load_plan(tmp_path / "plan.json")
+    replayed = replay_plan(plan)
+    assert replayed.needed_bytes <= plan.predicted.needed_bytes <= plan.cluster.mem_limit_bytes * 0.98

@@ -23,7 +23,6 @@ def table():
 
 
 def _affine(table, monkeypatch, limit: int) -> solver.AffineModel:
-    monkeypatch.setattr(solver, "DENSE_LIMIT", limit)
     monkeypatch.setattr(rows, "DENSE_LIMIT", limit)
     return solver.AffineModel.of(table)
 
@@ -46,7 +45,6 @@ def test_sparse_rows_hold_the_dense_rows_bytes(table, monkeypatch):
 def test_a_search_on_sparse_rows_finds_the_same_fastest_plan(monkeypatch):
     args = dict(gpus=2, seq_len=64, profile="cpu-gloo-2", tp=1)
     dense = autoplan.search("gpt2-tiny", "40MB", **args)
-    monkeypatch.setattr(solver, "DENSE_LIMIT", 0)
     monkeypatch.setattr(rows, "DENSE_LIMIT", 0)
     sparse = autoplan.search("gpt2-tiny", "40MB", **args)
     assert sparse.training.micro_batch_size == dense.training.micro_batch_size

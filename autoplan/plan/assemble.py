@@ -35,7 +35,7 @@ from autoplan.plan.pipeline_plan import pipeline_spec, pipeline_units
 from autoplan.solve.mesh_search import MeshResult, MeshSearch
 from autoplan.solve.request import PlanRequest
 from autoplan.version import __version__
-from cost_models.allocator_margin import needed_bytes, reserved_bytes
+from cost_models.allocator_margin import needed_of_points, reserved_bytes
 from cost_models.evaluate import Evaluation, evaluate, uniform_choices
 from cost_models.memory import MemCategory, total
 from cost_models.records import Unit
@@ -60,6 +60,7 @@ def prediction(table: CostTable, result: Evaluation, allocator_conf: str | None 
     """The plan's predicted figures; on a CUDA profile (an `allocator_conf`) with what the caching allocator
     needs and reserves for the allocated peak (cost_models.allocator_margin)."""
     samples = table.samples_per_step
+    needed = needed_of_points(result.points, allocator_conf) if allocator_conf else 0
     return Prediction(
         peak_mem_bytes=result.peak_mem_bytes,
         peak_point=result.peak_point.label,
@@ -71,8 +72,8 @@ def prediction(table: CostTable, result: Evaluation, allocator_conf: str | None 
                   for p in result.points],
         host_mem_bytes=result.host_bytes,
         host_mem_per_node_bytes=result.host_bytes * table.mesh.gpus_per_node,
-        needed_bytes=needed_bytes(result.peak_mem_bytes, allocator_conf) if allocator_conf else None,
-        reserved_bytes=reserved_bytes(result.peak_mem_bytes, allocator_conf) if allocator_conf else None,
+        needed_bytes=needed if allocator_conf else None,
+        reserved_bytes=max(needed, reserved_bytes(result.peak_mem_bytes, allocator_conf)) if allocator_conf else None,
         mfu=table.model_flops * table.grad_accum_steps / (result.step_time_s * table.peak_flops)
         if table.peak_flops and table.model_flops else None,
     )

@@ -64,8 +64,17 @@ class ClusterSpec(BaseModel):
     def planned_bytes(self) -> int:
         """What the plan's live peak was made to fit: the limit less the headroom, less the caching allocator's
         margin where the plan is fitted to what it needs."""
+        return self.limits.planned_bytes
+
+    def planned_for(self, table) -> int:
+        """What `table`'s solver rows (the live bytes, or with the native allocator's margin per time point what
+        that allocator needs) were made to fit."""
+        return self.limits.planned_for(table)
+
+    @property
+    def limits(self) -> Limits:
         return Limits(self.mem_limit_bytes, self.mem_headroom, allocator_conf=self.allocator_conf,
-                      fit_to=self.mem_fitted_to).planned_bytes
+                      fit_to=self.mem_fitted_to)
 
     @property
     def mesh(self) -> Mesh:

@@ -34,6 +34,7 @@ class OptionOutcome(BaseModel):
     fits: bool  # peak within the planned limit (the limit less the headroom), host memory within its limit
     peak_point: str  # where the peak is: the point the limit binds at when it does not fit
     over_bytes: int  # peak beyond the planned limit (0 when it fits)
+    allocator_bytes: int = 0  # fitted per time point to the native allocator's need: what its margin adds there
 
 
 class GroupExplanation(BaseModel):
@@ -100,9 +101,9 @@ def _why(chosen: OptionOutcome, outcomes: list[OptionOutcome], pinned_by: list[s
         best = min(faster, key=lambda o: o.step_time_s)
         why = (f"faster options do not fit: the limit binds at {best.peak_point} (with {best.option} the peak is "
                f"{format_bytes(best.peak_mem_bytes)}, {format_bytes(best.over_bytes)} over)")
-        if best.over_bytes <= margin_bytes:
-            why += (f"; the live bytes would fit, it is the {format_bytes(margin_bytes)} kept for the CUDA caching "
-                    "allocator that binds")
+        if best.over_bytes <= margin_bytes + best.allocator_bytes:
+            why += (f"; the live bytes would fit, it is the {format_bytes(margin_bytes + best.allocator_bytes)} kept "
+                    "for the CUDA caching allocator that binds")
         return why
     return "a faster option fits when this group changes alone (the solver stopped within its gap, or its time limit)"
 
@@ -110,7 +111,7 @@ def _why(chosen: OptionOutcome, outcomes: list[OptionOutcome], pinned_by: list[s
 def explain_plan(plan: Plan, table: CostTable, choices: list[int], evaluate=evaluate) -> Explanation:
     """The explanation of `plan`, whose decisions are `choices` into `table` (its own settings' table);
     `evaluate(table, choices)` prices a trial (a pipeline rank's adds what the rank holds all step)."""
-    kept, planned = int(plan.cluster.mem_limit_bytes * (1 - plan.cluster.mem_headroom)), plan.cluster.planned_bytes
+    kept, planned = int(plan.cluster.mem_limit_bytes * (1 - plan.cluster.mem_headroom)), plan.cluster.planned_for(table)
     base = evaluate(table, choices)
     index = {unit.path: u for u, unit in enumerate(table.units)}
     pins = [(Pattern(p.pattern), f"{p.pattern}: {p.decision}") for p in plan.pins]
@@ -135,7 +136,8 @@ def explain_plan(plan: Plan, table: CostTable, choices: list[int], evaluate=eval
                 option=option.label, chosen=trial == choices, step_time_s=result.step_time_s,
                 step_change_s=result.step_time_s - base.step_time_s, peak_mem_bytes=peak,
                 fits=result.fits(planned, table.host_limit_bytes), peak_point=result.peak_point.label,
-                over_bytes=max(0, peak - planned)))
+                over_bytes=max(0, (peak if result.fit_bytes is None else result.fit_bytes) - planned),
+                allocator_bytes=0 if result.fit_bytes is None else result.fit_bytes - peak))
         outcomes.sort(key=lambda o: (o.step_time_s, o.peak_mem_bytes))
         chosen = next(o for o in outcomes if o.chosen)
         groups.append(GroupExplanation(pattern=pattern, units=paths, decision=label, pinned_by=list(pinned_by),

@@ -29,7 +29,7 @@ AUTO_REPLAY_SHARE = 0.15
 
 def replay_within(plan: Plan, budget_s: float) -> AllocatorReplay | None:
     """`replay_plan` in a forked process given `budget_s` seconds: None when it takes longer (the process is
-    stopped) or the plan cannot be replayed (a tensor-parallel or offloading plan). Linux only (fork with torch
+    stopped) or the plan cannot be replayed (a 2-D mesh across nodes, a CPU profile). Linux only (fork with torch
     imported); None elsewhere."""
     if not sys.platform.startswith("linux"):
         return None

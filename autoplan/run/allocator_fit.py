@@ -13,9 +13,9 @@ and its plan is replayed, until one fits: the headroom each plan gets is what it
 Not seen by a replay (fake tensors run no kernel): cuBLAS/cuDNN workspaces and kernel scratch, counted
 as the allocator model's SEGMENT_SLACK, and memory outside the allocator (CUDA context, NCCL buffers).
 Plans that cannot be replayed yet are refused with the reason: units sharded within a node and replicated
-across nodes (a 2-D mesh), and units offloaded to the host (on fake tensors the host and the device are one
-memory). Tensor-parallel plans replay (FSDP2's join of the data- and tensor-parallel meshes runs outside the
-fake mode: autoplan.run.torch_tracker). A replay of llama2-70b's rank 0 (80 layers) takes about 30 s here.
+across nodes (a 2-D mesh). Units offloaded to the host replay with their host state left out (on fake tensors the
+host and the device are one memory: autoplan.run.host_storage tells them apart). Tensor-parallel plans replay
+(FSDP2's join of the data- and tensor-parallel meshes runs outside the fake mode: autoplan.run.torch_tracker). A replay of llama2-70b's rank 0 (80 layers) takes about 30 s here.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from autoplan.errors import InfeasibleError
 from autoplan.plan.schema import Plan
 from autoplan.run.apply import materialise
 from autoplan.run.data import vocab_size_of
+from autoplan.run.host_storage import HostStorage
 from autoplan.run.memtrack import LiveTensorTracker
 from autoplan.run.replayable import check_replayable
 from autoplan.run.torch_tracker import fake_rank
@@ -70,6 +71,13 @@ class _AllocationRecorder(LiveTensorTracker):
         self.events: list[tuple] = []
         self._event_key: dict[int, tuple[int, int]] = {}
         self._generation = 0
+        self.host = HostStorage(lambda storage: self._event_key.get(storage._cdata))  # offloaded state
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        self.host.outputs(func, args, kwargs, out)
+        return out
+
 
     def _set_size(self, key: int, nbytes: int) -> None:
         if self._bytes_by_storage[key]:  # a resize frees the old block and takes a new one
@@ -105,11 +113,13 @@ class _AllocationRecorder(LiveTensorTracker):
 def record_step(plan: Plan, steps: int = 3) -> tuple[list[tuple], list[int]]:
     """The allocation events of materialisation and `steps` training steps of rank 0 of `plan`'s world, on
     fake tensors, the optimizer stepping foreach as on CUDA; and the event index at the start of each step
-    (negative: the start of a backward or an optimizer step within it)."""
+    (negative: the start of a backward or an optimizer step within it). Only the device's: offloaded state on the
+    host is left out (autoplan.run.host_storage)."""
     recorder = _AllocationRecorder()
     starts: list[int] = []
-    with fake_rank(plan) as (_, module, optimizer), recorder, training_context(plan):  # loss_parallel under TP
-        materialise(module, "cpu", 0)
+    with fake_rank(plan) as (_, module, optimizer), recorder, training_context(plan), recorder.host.copies():
+        materialise(module, "cpu", 0)  # (loss_parallel under TP; FSDP2's host copies made real where offloaded)
+        recorder.host.tag_offloaded(module)
         shape = (plan.training.micro_batch_size, plan.training.seq_len)
         vocab = vocab_size_of(module)
         ids, labels = torch.randint(0, vocab, shape), torch.randint(0, vocab, shape)
@@ -124,7 +134,11 @@ def record_step(plan: Plan, steps: int = 3) -> tuple[list[tuple], list[int]]:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         events = list(recorder.events)  # not the frees of tearing the model down
-    return events, starts
+    host = recorder.host.keys
+    before = [0]  # device events before each event index
+    for event in events:
+        before.append(before[-1] + (event[1] not in host))
+    return [event for event in events if event[1] not in host], [before[s] if s >= 0 else -before[-s] for s in starts]
 
 
 @dataclass

@@ -17,12 +17,6 @@ def check_replayable(plan: Plan) -> None:
         raise UsageError(f"the plan is costed with {plan.cluster.profile!r}, not a CUDA profile: only CUDA has the "
                          "caching allocator a replay models (pick a GPU profile with --profile, or leave out "
                          "--fit-allocator)")
-    offloaded = [u.module or "<root>" for u in plan.units if u.offload]
-    if offloaded:
-        raise UsageError(f"units offloaded to the host ({', '.join(offloaded[:3])}{', ...' if len(offloaded) > 3 else ''}): "
-                         "on fake tensors the host and the device are one memory, so a replay cannot tell their "
-                         "allocations apart yet; search without --fit-allocator (the report gives the reserved bound), "
-                         "or with more memory or GPUs so that nothing is offloaded")
     node_sharded = [u.module or "<root>" for u in plan.units
                     if SHARDING_KINDS[u.sharding].shard_group == ShardGroup.NODE]
     if node_sharded and plan.cluster.nodes > 1:

@@ -10,7 +10,7 @@ boundary, and a new setting is a field here rather than a keyword threaded throu
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch.nn as nn
@@ -18,9 +18,11 @@ import torch.nn as nn
 from autoplan.settings import DEFAULT_TIME_LIMIT_S
 from autoplan.solve.cluster import Cluster
 from autoplan.solve.pins import PinResolution
+from autoplan.solve.rows import sparse_rows
 from autoplan.solve.tables import CostTables, micro_batch_candidates
-from cost_models.allocator_margin import allocated_within
+from cost_models.allocator_margin import allocated_within, is_expandable, margin_of, needed_bytes, point_margin
 from cost_models.mesh import Mesh
+from cost_models.table import CostTable
 from cost_models.training import MicroBatch, Training
 
 __all__ = ["Batch", "Limits", "ModelInfo", "PlanRequest", "Uniform"]
@@ -66,6 +68,31 @@ class Limits:
         the caching allocator's margin when fitting to what it needs."""
         kept = int(self.mem_limit_bytes * (1 - self.headroom))
         return allocated_within(kept, self.allocator_conf) if self.fits_needed else kept
+
+    def with_margin(self, table: CostTable) -> CostTable:
+        """`table` carrying the native allocator's margin per time point where the plan is fitted to what that
+        allocator needs (cost_models.allocator_margin; not on a table whose rows are written sparse: that keeps
+        the flat bound of `planned_bytes`)."""
+        if not self.fits_needed or is_expandable(self.allocator_conf) or sparse_rows(table):
+            return table
+        return replace(table, allocator=point_margin(self.allocator_conf))
+
+    def fitted_of(self, evaluation) -> int:
+        """What a plan (a cost_models.evaluate.Evaluation) is fitted to: its live peak, or what the caching
+        allocator needs to run it."""
+        peak = evaluation.peak_mem_bytes
+        if not self.fits_needed:
+            return peak
+        if evaluation.fit_bytes is not None:
+            return evaluation.fit_bytes + margin_of(self.allocator_conf).slack
+        return needed_bytes(peak, self.allocator_conf)
+
+    def planned_for(self, table: CostTable) -> int:
+        """What `table`'s solver rows may reach: `planned_bytes`, or for a table carrying the allocator's margin
+        (its rows are what the allocator needs) the limit less the headroom and the margin's slack."""
+        if table.allocator is None:
+            return self.planned_bytes
+        return int(self.mem_limit_bytes * (1 - self.headroom)) - margin_of(self.allocator_conf).slack
 
 
 @dataclass(frozen=True)

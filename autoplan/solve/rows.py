@@ -25,14 +25,22 @@ from itertools import chain
 import numpy as np
 
 from cost_models.algebra import Affine, SparseAffine, SparseAlgebra
+from cost_models.memory import MAX_SCRATCH_POINTS
 
-__all__ = ["DENSE_LIMIT", "MemoryRows"]
+__all__ = ["DENSE_LIMIT", "MemoryRows", "sparse_rows"]
 
 # time points x literals up to which a table's rows are dense (int64: 400 MB at the limit; llama2-70b by leaf units,
 # the largest model the benchmarks plan, is 4e7; a stack of 1000 tiny layers 7e7, which CP-SAT solves faster sparse)
 DENSE_LIMIT = 50_000_000
 SAMPLED_ROWS = 256
 EXPAND_CHUNK = 10_000_000  # coefficients expanded at once (rows x literals) for `column_max` above DENSE_LIMIT
+
+
+def sparse_rows(table) -> bool:
+    """Whether a cost table's rows are written sparse: its time points (a forward and a backward per segment, a
+    copy-out and a reduction per unit, the optimizer's) x its literals pass DENSE_LIMIT."""
+    most_points = 2 * (len(table.segments) + len(table.units)) + MAX_SCRATCH_POINTS
+    return most_points * sum(len(options) for options in table.options) > DENSE_LIMIT
 
 
 class _Sparse:

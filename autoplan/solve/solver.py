@@ -37,10 +37,11 @@ import numpy as np
 
 from autoplan.settings import DEFAULT_TIME_LIMIT_S
 from autoplan.solve.counts import COUNTS_GAP_LIMIT, CountsModel, counted
-from autoplan.solve.rows import DENSE_LIMIT, MemoryRows
+from autoplan.solve.rows import MemoryRows, sparse_rows
 from autoplan.solve.symmetry import canonical, identical_runs
 from cost_models.algebra import AffineAlgebra, SparseAlgebra
-from cost_models.memory import MAX_SCRATCH_POINTS, timeline, total
+from cost_models.allocator_margin import fitted_totals
+from cost_models.memory import timeline
 from cost_models.step import step_time
 from cost_models.table import CostTable
 
@@ -109,11 +110,9 @@ class AffineModel:
     @classmethod
     def of(cls, table: CostTable) -> "AffineModel":
         options = [len(options) for options in table.options]
-        # time points: a forward and a backward per segment, a copy-out and a reduction per unit, the optimizer's
-        most_points = 2 * (len(table.segments) + len(table.units)) + MAX_SCRATCH_POINTS
-        sparse = most_points * sum(options) > DENSE_LIMIT  # thousands of units: rows linear in them (solve/rows.py)
+        sparse = sparse_rows(table)  # thousands of units: rows linear in them (solve/rows.py)
         alg = SparseAlgebra(options) if sparse else AffineAlgebra(options)
-        points = [total(point) for point in timeline(table, alg)]
+        points = fitted_totals(table, timeline(table, alg))  # live bytes, or the allocator's need (allocator_margin)
         rows = MemoryRows.of_sparse(alg, points) if sparse else MemoryRows.of_dense(points)
         step = step_time(table, alg).step_s
         step_coef, step_const = alg.dense(step) if sparse else step.coef, step.const

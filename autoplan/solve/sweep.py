@@ -20,7 +20,6 @@ from autoplan.solve.pins import PinResolution
 from autoplan.solve.request import Limits, PlanRequest, Uniform
 from autoplan.solve.solver import AffineModel, SolveResult, SolveStatus, solve_min_memory, solve_min_time
 from autoplan.solve.tables import TableSource
-from cost_models.allocator_margin import needed_bytes
 from cost_models.choices import searched_options
 from cost_models.evaluate import Evaluation, evaluate, uniform_choices
 from cost_models.step import lower_bound_step_s
@@ -89,11 +88,11 @@ def sweep(request: PlanRequest, source: TableSource, cluster: Cluster,
             swept.seen.append(table)
             _tell(progress, swept.steps, swept.best)
             continue
-        affine = AffineModel.of(table)
+        affine, planned = AffineModel.of(table), request.limits.planned_for(table)
         if request.uniform is None:
-            result = solve_min_time(table, request.limits.planned_bytes, request.limits.time_limit_s, affine=affine)
+            result = solve_min_time(table, planned, request.limits.time_limit_s, affine=affine)
         else:
-            result = _fixed_strategy(table, affine, request.uniform, request.limits.planned_bytes, request.pins)
+            result = _fixed_strategy(table, affine, request.uniform, planned, request.pins)
         swept.wall_s += result.wall_time_s
         swept.num_vars, swept.num_cons = result.num_variables, result.num_constraints
         if result.choices is None:
@@ -134,6 +133,7 @@ def _tables(request: PlanRequest, source: TableSource, cluster: Cluster, micro_b
     uniform, training = request.uniform, request.training
     table = source.table(micro_batch_size, accum, cluster, training.seq_len, training.dtype, training.optimizer,
                          offload=True if uniform is not None and uniform.offload else None)
+    table = request.limits.with_margin(table)  # the native allocator's margin per time point, where fitted to it
     searched = table
     if request.pins is not None and uniform is None:
         searched = request.pins.restrict(searched)
@@ -166,7 +166,7 @@ def _tell(progress, steps: list[SweepStep], best) -> None:
 def _leanest(table: CostTable, affine: AffineModel, fastest: SolveResult, limits: Limits) -> SolveResult:
     """Among plans as fast as `fastest`, the one with the lowest peak memory (a best-effort, short solve)."""
     return solve_min_memory(table, time_limit_s=limits.time_limit_s, max_step_s=fastest.objective,
-                            mem_limit_bytes=limits.planned_bytes, affine=affine, start_from=fastest.choices,
+                            mem_limit_bytes=limits.planned_for(table), affine=affine, start_from=fastest.choices,
                             work_limit=TIE_BREAK_WORK)
 
 
@@ -182,8 +182,8 @@ def _nothing_found(request: PlanRequest, cluster: Cluster, steps: list[SweepStep
             "give `batch_size` to try a single micro-batch size")
     pinned = pins is not None and request.uniform is None
     if pinned:
-        explained = pins.explain_infeasible(table, limits.planned_bytes, request.model.name, limits.mem_limit_bytes,
-                                            limits.headroom, limits.time_limit_s)
+        explained = pins.explain_infeasible(table, limits.planned_for(table), request.model.name,
+                                            limits.mem_limit_bytes, limits.headroom, limits.time_limit_s)
         if explained is not None:
             return explained
     error = _infeasible(table, limits, request.model.name, cluster, request.batch.fixed)
@@ -214,11 +214,11 @@ def _infeasible(table: CostTable, limits: Limits, model_name: str, cluster: Clus
                 fixed_batch: bool) -> InfeasibleError:
     mem_limit_bytes, headroom = limits.mem_limit_bytes, limits.headroom
     smallest = solve_min_memory(table, time_limit_s=limits.time_limit_s)
-    peak = int(smallest.objective) if smallest.objective is not None else None
-    # the limit that leaves the headroom (and, fitting to what the caching allocator needs, its margin)
-    wanted = needed_bytes(peak, limits.allocator_conf) if peak is not None and limits.fits_needed else peak
-    needed = math.ceil(wanted / (1 - headroom)) if peak is not None else None
     lean = evaluate(table, smallest.choices) if smallest.choices else None
+    peak = lean.peak_mem_bytes if lean is not None else None
+    # the limit that leaves the headroom (and, fitting to what the caching allocator needs, its margin)
+    wanted = limits.fitted_of(lean) if lean is not None else None
+    needed = math.ceil(wanted / (1 - headroom)) if peak is not None else None
     state = ""
     if lean is not None:
         parts = lean.peak_point.parts
