@@ -35,7 +35,8 @@ each priced here from a schedule's row (cost_models.schedules) and a stage's cos
   reductions: those points keep every micro-batch in flight (a bound).
 - **Receive buffers**: torch's PipelineStage allocates, for each micro-batch of the step, a buffer for a
   stage's input (but the first stage's) and one for its output's gradient (but the last's), held for the
-  step (`HeldAllStep.buffers`, at every point).
+  step (`HeldAllStep.buffers`, at every point). It also keeps each micro-batch's stage output (the last
+  stage's: the logits) from its forward to its backward (`HeldAllStep.outputs`, per micro-batch in flight).
 
 This module imports nothing from autoplan and nothing from torch.
 """
@@ -121,6 +122,9 @@ class HeldAllStep:
     buffers: int = 0  # held at every point, the optimizer step's too: torch's receive buffers for the step
     drained: bool = False  # its reductions run with no micro-batch in flight (one stage per rank)
     first: list[list[int]] | None = None  # until its first backward is done, where more are in flight then
+    # its stages' outputs, which PipelineStage keeps for each micro-batch's backward: for those in flight once the
+    # first backward is done, and before (at the points holding `activations`, and `first`)
+    outputs: tuple[int, int] = (0, 0)
 
     def total(self, unit: int, option: int) -> int:
         flight = (self.first or self.activations)[unit][option]

@@ -61,7 +61,8 @@ def solve_rank(request: PlanRequest, table: CostTable, held: HeldAllStep) -> Ran
                        costs=[[c[i] for i in k] for c, k in zip(table.costs, keep)])
     kept = HeldAllStep(*[[[values[u][i] for i in k] for u, k in enumerate(keep)]
                          for values in (held.activations, held.gathered, held.grads)], held.buffers, held.drained,
-                       [[held.first[u][i] for i in k] for u, k in enumerate(keep)] if held.first else None)
+                       [[held.first[u][i] for i in k] for u, k in enumerate(keep)] if held.first else None,
+                       held.outputs)
     affine = AffineModel.of(searched)
     _add_held(affine, searched, kept)
     floor = affine.rows.floor(affine.algebra.offsets)
@@ -116,6 +117,11 @@ def _sources(table: CostTable, layout: list[_Point]) -> dict[str, CostTable]:
     return {name: variants[name]() for name in {source for _, source, _, _, _, _ in layout}}
 
 
+def _outputs(held: HeldAllStep, flight: str | None) -> int:
+    """The stage outputs a point holds: those of the micro-batches in flight it holds."""
+    return {"later": held.outputs[0], "first": held.outputs[1]}.get(flight, 0)
+
+
 def _add_held(affine: AffineModel, table: CostTable, held: HeldAllStep) -> None:
     """The solver's model's rows as the rank runs its units (`_layout`)."""
     layout = _layout(table, held)
@@ -133,7 +139,7 @@ def _add_held(affine: AffineModel, table: CostTable, held: HeldAllStep) -> None:
         row = rows[source].row(i).copy()
         row += (flights[flight] if flight else 0) + (gathered if with_gathered else 0) + (grads if with_grads else 0)
         dense.append(row)
-        const.append(int(rows[source].const[i]) + held.buffers)
+        const.append(int(rows[source].const[i]) + held.buffers + _outputs(held, flight))
     affine.rows = MemoryRows(affine.rows.size, np.array(const, dtype=np.int64), dense=np.stack(dense))
 
 
@@ -151,7 +157,7 @@ def held_evaluation(table: CostTable, held: HeldAllStep, choices: list[int]) -> 
     for i, source, flight, with_gathered, with_grads, suffix in layout:
         p = timelines[source][i]
         parts = dict(p.parts)
-        parts[MemCategory.ACTIVATIONS] += held.buffers + (flights[flight] if flight else 0)
+        parts[MemCategory.ACTIVATIONS] += held.buffers + (flights[flight] if flight else 0) + _outputs(held, flight)
         parts[MemCategory.GATHERED] += gathered if with_gathered else 0
         parts[MemCategory.GRADS] += grads if with_grads else 0
         points.append(MemoryPoint(p.label + suffix, parts))
