@@ -78,7 +78,7 @@ def solve_rank(request: PlanRequest, table: CostTable, held: HeldAllStep) -> Ran
 # from, which micro-batches in flight it holds (None: none beside its own), whether it holds the parameters gathered
 # for the step, whether the gradients accumulated for the step, its label's suffix)
 _Point = tuple[int, str, str | None, bool, bool, str]
-FIRST = ", before the first backward is done"
+_FIRST = ", before the first backward is done"
 
 
 def _layout(table: CostTable, held: HeldAllStep) -> list[_Point]:
@@ -97,7 +97,7 @@ def _layout(table: CostTable, held: HeldAllStep) -> list[_Point]:
             points.append((i, "base", None if held.drained else "later", True, True, ""))
         else:
             if held.first is not None:
-                points.append((i, "first", "first", True, kind == "bwd", FIRST))
+                points.append((i, "first", "first", True, kind == "bwd", _FIRST))
             points.append((i, "backward" if kind == "bwd" else "base", "later", True, True, ""))
     return points
 
