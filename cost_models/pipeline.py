@@ -1,7 +1,7 @@
 """What a pipeline costs and holds: the formulas the search prices each stage and the whole step with.
 
 A pipeline of degree pp runs a step's m micro-batches through stages of contiguous units, one (or, for a
-looped schedule, v) per pipeline rank. Against running every unit on every rank it changes four things,
+looped schedule, v) per pipeline rank. Against running every unit on every rank it changes these things,
 each priced here from a schedule's row (cost_models.schedules) and a stage's cost table:
 
 - **Activations in flight.** A rank holds the saved activations of every micro-batch whose forward it ran
@@ -156,7 +156,7 @@ def pipelined(table: CostTable, microbatches: int, flight: float, drained: bool 
         activations.append([int(max(0.0, later - 1) * h) for h in held])
         first.append([int(max(0.0, flight - 1) * h) for h in held])
         gathered.append([c.gathered_bytes for c in unit_costs])
-        # sharded gradients exist only after the last backward: until then the unsharded ones, accumulated in
+        # sharded gradients exist only after the reductions: until then the unsharded ones, accumulated in
         # the reduce dtype (FSDP2 upcasts them to accumulate), in their place
         grads.append([int(c.unsharded_grad_bytes * upcast) - c.grad_bytes if c.gathered_bytes else 0
                       for c in unit_costs])
