@@ -209,6 +209,11 @@ class Mesh:
         """This mesh with context-parallel degree `cp` (MeshError where it does not divide the ranks beside tp)."""
         return replace(self, cp=cp)
 
+    def with_pipeline(self, pp: int) -> Mesh:
+        """This mesh with pipeline degree `pp` (MeshError where its stages would not be whole nodes or equal parts
+        of a node's ranks beside tp: `pipeline_degrees`)."""
+        return replace(self, pp=pp)
+
     def context_degrees(self) -> list[int]:
         """Context-parallel degrees the ranks beside `tp` take: their divisors that are powers of two (the
         load-balanced causal sharding cuts a sequence into 2 x cp chunks)."""

@@ -20,6 +20,11 @@ def test_pipeline_stages_take_whole_nodes_or_equal_parts_of_each_node():
         Mesh(nodes=1, gpus_per_node=8, tp=8, pp=2)
     with pytest.raises(MeshError, match="`pp` 3"):
         Mesh(nodes=2, gpus_per_node=8, pp=3)
+    # the pipeline degree set as the others are: the other degrees kept, a degree that does not cut refused
+    assert Mesh(nodes=2, gpus_per_node=8).with_tensor(4, True).with_pipeline(2) == Mesh(
+        nodes=2, gpus_per_node=8, tp=4, sequence_parallel=True, pp=2)
+    with pytest.raises(MeshError, match="`pp` 2 does not cut"):
+        Mesh(nodes=1, gpus_per_node=8).with_tensor(8).with_pipeline(2)
 
 
 def _stage(rank, modules):

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 from autoplan.api.traced import TracedModel, reuse_traced
@@ -126,10 +125,9 @@ def search_meshes_of(settings: PlanningSettings, mesh: Mesh, experts: ExpertInfo
         except MeshError as exc:
             raise UsageError(str(exc)) from None
     if pp > 1:
-        pipelined = [_pipelined(m, pp) for m in _tensor_variants(settings, mesh)]
-        if not any(pipelined):
-            _with_pipeline(_tensor_variants(settings, mesh)[0], pp)  # the refusal of the first
-        return tuple(m for m in pipelined if m is not None)
+        variants = _tensor_variants(settings, mesh)
+        pipelined = tuple(m for m in (_pipelined(v, pp) for v in variants) if m is not None)
+        return pipelined or (_with_pipeline(variants[0], pp),)  # none cut: the first's refusal (UsageError)
     return _with_context(_tensor_meshes(settings, mesh, experts), settings.cp, seq_len)
 
 
@@ -195,14 +193,14 @@ def _tensor(mesh: Mesh, tp: int, sequence_parallel: bool = False) -> Mesh:
 
 def _with_pipeline(mesh: Mesh, pp: int) -> Mesh:
     try:
-        return replace(mesh, pp=pp)
+        return mesh.with_pipeline(pp)
     except MeshError as exc:
         raise UsageError(str(exc)) from None
 
 
 def _pipelined(mesh: Mesh, pp: int) -> Mesh | None:
     try:
-        return replace(mesh, pp=pp)
+        return mesh.with_pipeline(pp)
     except MeshError:
         return None
 
@@ -211,8 +209,8 @@ def _plan_mesh(plan: Plan, cluster_mesh: Mesh) -> Mesh:
     """The plan's own degrees on the cluster asked for (the plan's unless given)."""
     planned = plan.cluster.mesh
     try:
-        return replace(cluster_mesh.with_tensor(planned.tp, planned.sequence_parallel).with_experts(planned.ep)
-                       .with_context(planned.cp), pp=planned.pp)
+        return (cluster_mesh.with_tensor(planned.tp, planned.sequence_parallel).with_experts(planned.ep)
+                .with_context(planned.cp).with_pipeline(planned.pp))
     except MeshError as exc:
         raise UsageError(f"the plan's tensor-, expert- or context-parallel degree does not fit this cluster: {exc}") \
             from None

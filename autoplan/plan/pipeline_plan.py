@@ -5,7 +5,10 @@ on every rank (holding only what the rank's ops use). The plan keeps one decisio
 from the rank that runs it, the root's from the rank holding most of its parameters (the last stage: the
 final norm). Under a pipeline FSDP keeps every unit's parameters gathered from its first forward to the
 last backward whatever its sharding kind says (reshard_after_forward off, as torchtitan and torch's
-PipelineStage run it): that is what the figures price, and a unit's kind chooses only its shard group.
+PipelineStage run it): that is what the figures price, and a unit's kind chooses only its shard group. So
+every decision records reshard_after_forward=false, which apply follows (it takes false whatever the kind under a
+pipeline): with the kind's true, FSDP2 would free a unit's parameters after each micro-batch's forward and gather
+them again for its backward: more collectives than priced and another memory timeline than the one priced.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ def pipeline_units(outcome: PipelineOutcome, unit_order: list[str], decisions_of
     roots: list[UnitDecision] = []
     for rank in outcome.ranks:
         for decision in decisions_of(rank):
+            decision = decision.model_copy(update={"reshard_after_forward": False})  # gathered once per step
             if decision.module == "":
                 roots.append(decision)
             else:

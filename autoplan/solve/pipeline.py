@@ -32,8 +32,8 @@ from autoplan.solve.stages import StageTables, balanced_cuts, forward_units, shi
 from autoplan.solve.sweep import SweepOutcome, SweepStep
 from cost_models.evaluate import Evaluation
 from cost_models.mesh import Mesh
-from cost_models.pipeline import HeldAllStep, bubble_slots, in_flight, makespan_s, pipelined, refusal, send_s, \
-    stages_per_rank
+from cost_models.pipeline import HeldAllStep, bubble_slots, in_flight, later_flight, makespan_s, pipelined, refusal, \
+    send_s, stages_per_rank
 from cost_models.schedules import SCHEDULES, StagesPerRank
 from cost_models.step import unit_step_s
 from cost_models.table import CostTable
@@ -255,18 +255,17 @@ def _ranks(search: _Search, row, cuts: list[int], micro_batch_size: int, m: int)
     """Every rank of the cut priced (solved, or the fixed choices evaluated), and the first stage of the first
     rank where nothing fits (None: all fit)."""
     pp, stages = search.mesh.pp, search.mesh.pp * stages_per_rank(row)
-    base = search.request.tables
+    base, ranks = search.request.tables, []
     order = forward_units(base.units)
     starts = [0] + [base.units[order[c]].first_op for c in cuts[1:]]
     bounds = _boundaries(search, starts, micro_batch_size)
-    ranks = []
     for rank in range(pp):
         mine, chunks = _rank_chunks(row, pp, rank, starts, len(base.trace_1.ops))
-        flight = in_flight(row, pp, rank, m)
-        # torch's PipelineStage receives into a buffer per micro-batch: each stage's input (but the first's) and
-        # its output's gradient (but the last's), held for the step
+        flight, drained = in_flight(row, pp, rank, m), row.stages_per_rank is StagesPerRank.ONE
+        # PipelineStage's receive buffers, one per micro-batch: each stage's input (not the first's), output grad
         buffers = m * sum((bounds[s - 1] if s > 0 else 0) + (bounds[s] if s + 1 < stages else 0) for s in mine)
-        outcome = _solve_rank(search, chunks, micro_batch_size, m, (flight, buffers))
+        holds = (flight, buffers, drained, later_flight(row, flight, m), sum(bounds[s] for s in mine))
+        outcome = _solve_rank(search, chunks, micro_batch_size, m, holds)
         if outcome is None:
             return ranks, mine[0]
         choices, status, table, held = outcome
@@ -277,12 +276,13 @@ def _ranks(search: _Search, row, cuts: list[int], micro_batch_size: int, m: int)
 
 
 def _boundaries(search: _Search, starts: list[int], micro_batch_size: int) -> list[int]:
-    """Per stage but the last, the bytes one of its ranks sends on per micro-batch (its last op's output; 1/t of it
-    where tensor parallelism splits the sequence)."""
+    """Per stage, its last op's output per micro-batch: what one of its ranks sends on (1/t of it where tensor
+    parallelism splits the sequence), the last stage's the logits (1/t: its head vocabulary-parallel)."""
     ends = starts[1:] + [len(search.request.tables.trace_1.ops)]
-    split = search.layout.degree if search.layout is not None and search.layout.sequence_parallel else 1
-    return [search.source(((first, end - 1),))[0].boundary_bytes(micro_batch_size) // split
-            for first, end in zip(starts[:-1], ends[:-1])]
+    tp = search.layout.degree if search.layout is not None else 1
+    split = tp if search.layout is not None and search.layout.sequence_parallel else 1
+    return [search.source(((a, b - 1),))[0].boundary_bytes(micro_batch_size) // (split if b < ends[-1] else tp)
+            for a, b in zip(starts, ends)]
 
 
 def _send_s(search: _Search, nbytes: int) -> float:
@@ -316,17 +316,17 @@ def fixed_pipelines(request: PlanRequest, mesh: Mesh, layout: TpLayout | None, s
     return outcomes
 
 
-def _solve_rank(search: _Search, chunks, micro_batch_size: int, m: int, holds: tuple[float, int]):
-    """One rank's units solved (or the uniform strategy evaluated, or the fixed choices taken) with what it holds
-    (`holds`: its micro-batches in flight, its receive buffers' bytes); None where nothing fits (kept as the
-    search's InfeasibleError, with how far over)."""
+def _solve_rank(search: _Search, chunks, micro_batch_size: int, m: int, holds: tuple):
+    """One rank's units solved (or the uniform strategy evaluated, or fixed choices taken) with what it holds (`holds`:
+    `pipelined`'s flight, drained and later, its receive buffers' bytes and its stages' outputs per micro-batch); None
+    where nothing fits (the search's InfeasibleError, with how far over)."""
     request = search.request
-    flight, buffers = holds
-    table, held = pipelined(search.table(chunks, micro_batch_size, m), m, flight)
-    held = replace(held, buffers=buffers)
+    flight, buffers, drained, later, outputs = holds
+    table, held = pipelined(search.table(chunks, micro_batch_size, m), m, flight, drained, later)
+    held = replace(held, buffers=buffers, outputs=(int(outputs * later), int(outputs * flight)))
     if search.decide is not None:
         return search.decide(table), SolveStatus.FIXED, table, held
-    key = (search.source(chunks)[0].key, micro_batch_size, m, flight, buffers)
+    key = (search.source(chunks)[0].key, micro_batch_size, m, holds)
     if key not in search.solved:
         search.solved[key] = solve_rank(request, table, held)
     found = search.solved[key]

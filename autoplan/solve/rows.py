@@ -195,14 +195,6 @@ class MemoryRows:
             dense[owners[lo:hi]] += vals[lo:hi, None] * expanded[cols[lo]]
         return dense
 
-    def add(self, points: list[int], coef: np.ndarray, const: int) -> None:
-        """Add `coef` (bytes over the literals) to the rows of `points` and `const` bytes to every point's row: what
-        a pipeline rank holds all step (autoplan.solve.stage_solve). Sparse rows are expanded first."""
-        if self._dense is None:
-            self._dense = self._expand_all()
-        self._dense[points] += coef
-        self.const += const
-
     def floor(self, offsets) -> int:
         """The largest point's bytes when every unit takes, at each point, its smallest option there (units'
         literals between `offsets`): a lower bound on any plan's peak."""
