@@ -124,6 +124,20 @@ def test_bad_pipeline_degree_and_schedule_are_usage_errors(run_cli, tmp_path):
     assert not (tmp_path / "plan.json").exists()
 
 
+def test_a_limit_the_allocator_margin_takes_whole_is_infeasible_with_the_limit_that_would_fit(run_cli, tmp_path):
+    # 60 MB on a CUDA profile: the caching allocator's margin alone is over it, so no rank of any pipeline fits
+    # (this divided by the zero bytes left to plan); the answer is the search's infeasible exit and what would fit
+    out = tmp_path / "plan.json"
+    result = run_cli("search", "--model", "llama-tiny", "--mem", "60MB", "--nodes", "2", "--gpus-per-node", "2",
+                     "--seq-len", "64", "--batch-size", "4", "-o", str(out))
+    assert result.returncode == 3, result.stderr
+    assert "allocator's margin is what does not" in result.stderr and "a limit of at least" in result.stderr
+    assert "Traceback" not in result.stderr and not out.exists()
+    result = run_cli("search", "--model", "llama-tiny", "--mem", "60MB", "--nodes", "2", "--gpus-per-node", "2",
+                     "--seq-len", "64", "--batch-size", "4", "--pp", "2", "-o", str(out))
+    assert result.returncode == 3 and "pipeline degree 2" in result.stderr and "a limit of at least" in result.stderr
+
+
 def test_schedule_formulas():
     one, gpipe, looped, zero, zbv = (SCHEDULES[name] for name in
                                      ("1f1b", "gpipe", "interleaved_1f1b", "zero_bubble", "zbv"))

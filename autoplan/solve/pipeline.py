@@ -19,6 +19,7 @@ unit at its fastest option is not solved.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field, replace
 
@@ -39,8 +40,7 @@ from cost_models.step import unit_step_s
 from cost_models.table import CostTable
 from cost_models.tensor_parallel import TpLayout
 
-__all__ = ["DEFAULT_MICROBATCHES_PER_STAGE", "PipelineOutcome", "RankOutcome", "fixed_pipelines",
-           "search_pipeline"]
+__all__ = ["DEFAULT_MICROBATCHES_PER_STAGE", "PipelineOutcome", "RankOutcome", "fixed_pipelines", "search_pipeline"]
 
 DEFAULT_MICROBATCHES_PER_STAGE = 4  # without a global batch: 4 pp micro-batches per step, a bubble under a fifth
 
@@ -327,15 +327,15 @@ def _solve_rank(search: _Search, chunks, micro_batch_size: int, m: int, holds: t
     if search.decide is not None:
         return search.decide(table), SolveStatus.FIXED, table, held
     key = (search.source(chunks)[0].key, micro_batch_size, m, holds)
-    if key not in search.solved:
-        search.solved[key] = solve_rank(request, table, held)
-    found = search.solved[key]
+    found = search.solved[key] = search.solved[key] if key in search.solved else solve_rank(request, table, held)
     if found.choices is None:
-        search.over = found.floor_bytes / request.limits.planned_bytes
+        limits = request.limits  # planned_bytes is 0 where the allocator's margin takes the whole limit
+        search.over = found.floor_bytes / limits.planned_bytes if limits.planned_bytes > 0 else math.inf
         search.lean = InfeasibleError(
-            f"no pipelined plan for {request.model.name} fits in {format_bytes(request.limits.mem_limit_bytes)} per "
+            f"no pipelined plan for {request.model.name} fits in {format_bytes(limits.mem_limit_bytes)} per "
             f"GPU on pipeline degree {search.mesh.pp}: a rank with {flight:g} micro-batches in flight needs at "
-            f"least {format_bytes(found.floor_bytes)} (micro-batch {micro_batch_size})", min_mem_bytes=found.floor_bytes)
+            f"least {format_bytes(found.floor_bytes)} (micro-batch {micro_batch_size}): a limit of at least "
+            f"{format_bytes(limits.limit_for(found.floor_bytes))}", min_mem_bytes=limits.limit_for(found.floor_bytes))
         return None
     return found.choices, found.status, table, held
 

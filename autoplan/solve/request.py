@@ -10,6 +10,7 @@ boundary, and a new setting is a field here rather than a keyword threaded throu
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -86,6 +87,12 @@ class Limits:
         if evaluation.fit_bytes is not None:
             return evaluation.fit_bytes + margin_of(self.allocator_conf).slack
         return needed_bytes(peak, self.allocator_conf)
+
+    def limit_for(self, peak_bytes: int) -> int:
+        """The `--mem` a plan of this live peak needs: its headroom and, fitting to what the caching allocator
+        needs, that allocator's margin (flat, as `planned_bytes`) added back."""
+        wanted = needed_bytes(peak_bytes, self.allocator_conf) if self.fits_needed else peak_bytes
+        return math.ceil(wanted / (1 - self.headroom))
 
     def planned_for(self, table: CostTable) -> int:
         """What `table`'s solver rows may reach: `planned_bytes`, or for a table carrying the allocator's margin

@@ -153,7 +153,7 @@ class MemoryRows:
         """The points' rows over the literals, together: each named sum's weights (one per row) pushed down to the
         earlier sums it refers to, latest sum first (a heap of the sums reached: each is visited once, so a row
         costs its sums' terms, not their number squared as a scan for the latest did)."""
-        rows, defs = self._rows, self._defs
+        defs = self._defs
         coef = np.zeros((len(points), self.size), dtype=np.int64)
         weights: dict[int, np.ndarray] = {}
         for i, point in enumerate(points):
