@@ -20,8 +20,10 @@ install: $(VENV)/.installed
 demo: $(VENV)/.installed
 	$(VENV)/bin/autoplan search --model gpt2-1.5b --mem 8GB
 
+# the suite on 2 processes (pytest-xdist), a test file per process at a time: a file's module-scoped launches and
+# measurements run once; the torchrun tests start their own ranks beside the other process's tests
 test: $(VENV)/.installed
-	$(PY) -m pytest
+	$(PY) -m pytest -n 2 --dist loadfile
 
 # on a machine with a GPU: profile it, run the fake-world memory grid and single-GPU runs (at most 20 min);
 # results in benchmarks/results/gpu_truth/ (see benchmarks/gpu_truth.py for a machine without a package index)

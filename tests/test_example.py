@@ -35,10 +35,10 @@ def test_the_example_trains_saves_and_resumes_under_another_plan(tmp_path):
     other.save(tmp_path / "other.json")
     assert [u.label for u in other.units] != [u.label for u in planned.units]
 
-    whole = _train(tmp_path, tmp_path / "plan.json", 2, "--steps", 6)
+    # one run is both the uninterrupted curve and the saved one: a save that changed the run's state would make
+    # the run resumed from it leave this curve
+    whole = _train(tmp_path, tmp_path / "plan.json", 2, "--steps", 6, "--save", "ckpt", "--save-every", 3)
     assert sorted(whole) == [1, 2, 3, 4, 5, 6] and whole[6] < whole[1]
-    first = _train(tmp_path, tmp_path / "plan.json", 2, "--steps", 3, "--save", "ckpt", "--save-every", 3)
-    assert first == pytest.approx({k: whole[k] for k in (1, 2, 3)}, rel=1e-6)
     assert (tmp_path / "ckpt" / "step-3" / "autoplan-checkpoint.json").is_file()
     resumed = _train(tmp_path, tmp_path / "other.json", 2, "--steps", 6, "--resume", "ckpt/step-3")
     assert sorted(resumed) == [4, 5, 6]

@@ -97,11 +97,13 @@ def test_quick_profile_calibrates_on_whole_training_steps(quick):
         # checkpointed: every block's forward ops again in the backward (the root is not checkpointed)
         assert (0 < case["ops_recompute_s"] < case["ops_fwd_s"]) if case["checkpoint"] else case["ops_recompute_s"] == 0
         assert all(case["measured"][phase] > 0 for phase in ("fwd", "bwd", "step"))
-        # a real step is never faster than its ops timed one by one would allow by much (a quick profile
-        # times each op 3 times: on a shared host a burst can inflate one case's ops, so the bound is loose
-        # per case and tighter over all cases)
-        assert case["measured"]["bwd"] > 0.25 * case["ops_bwd_s"]
-    assert sum(c["measured"]["bwd"] for c in cases) > 0.5 * sum(c["ops_bwd_s"] for c in cases)
+    # a real step is never faster than its ops timed one by one would allow by much. A quick profile times
+    # each op 3 times, and on a loaded host a burst inflates some cases' ops (seen: one case's ops 2.04 s
+    # against its measured backward 0.28 s, with two CPU hogs beside the suite), and a sum is carried by such
+    # a case: so the bound holds for most cases and for the median case, not for every case or the sum
+    ratios = sorted(c["measured"]["bwd"] / c["ops_bwd_s"] for c in cases)
+    assert sum(ratio > 0.25 for ratio in ratios) >= 0.75 * len(ratios), ratios
+    assert ratios[len(ratios) // 2] > 0.5, ratios
     assert fsdp.compute_fwd_scale > 0 and fsdp.compute_bwd_scale > 0 and fsdp.compute_recompute_scale > 0
     assert min(fsdp.unit_fwd_s, fsdp.unit_bwd_s, fsdp.collective_fwd_s, fsdp.collective_bwd_s) >= 0
     assert fsdp.calibration["compute_fwd_scale"] == fsdp.compute_fwd_scale
