@@ -146,7 +146,7 @@ def _at_best_degree(pipelined: tuple[Mesh, ...], results: list[MeshResult]) -> t
     have = {(m.tp, m.sequence_parallel) for m in pipelined}
     if (best.tp, best.sequence_parallel) in have:
         return ()
-    return tuple(replace(best, pp=pp) for pp in sorted({m.pp for m in pipelined}))
+    return tuple(best.with_pipeline(pp) for pp in sorted({m.pp for m in pipelined}))
 
 
 def pipeline_pays(results: list[MeshResult]) -> bool:
