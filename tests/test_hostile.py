@@ -169,6 +169,15 @@ SLEEPY = textwrap.dedent("""
 """)
 
 
+def _dispositions(background: bool) -> None:
+    """The child's signals as a shell gives them: SIGTERM and SIGHUP at their defaults whatever this test runs
+    under (under `nohup` SIGHUP is inherited ignored, and a command that ignores it rightly keeps running), and
+    SIGINT ignored for a command started in the background."""
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN if background else signal.SIG_DFL)
+
+
 def _stopped_while_tracing(tmp_path, command, sig, background=False) -> subprocess.CompletedProcess:
     """Run `command` on the sleepy model, send `sig` once its forward is running, return how it ended."""
     (tmp_path / "sleepy.py").write_text(SLEEPY)
@@ -176,7 +185,7 @@ def _stopped_while_tracing(tmp_path, command, sig, background=False) -> subproce
     started = subprocess.Popen(
         [sys.executable, "-m", "autoplan", *command, "--model", "sleepy:build", "--seq-len", "16", "--gpus", "2",
          "--mem", "1GB"], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if background else None)  # noqa: PLW1509
+        preexec_fn=lambda: _dispositions(background))  # noqa: PLW1509
     try:
         lines = []
         for line in started.stderr:
