@@ -175,9 +175,10 @@ def run_case(case: dict) -> dict:
     }
 
 
-def refusal(plan, **kwargs) -> str | None:
+def refusal(plan, model: torch.nn.Module | None = None, **kwargs) -> str | None:
+    """What apply says refusing `plan` on `model` (default: the plan's zoo model), None where it applies."""
     try:
-        apply(build_model(plan.model.name), plan, **kwargs)
+        apply(model if model is not None else build_model(plan.model.name), plan, **kwargs)
     except PlanFileError as exc:
         return str(exc)
     return None

@@ -16,12 +16,11 @@ import sys
 
 import torch
 import torch.distributed as dist
-from apply_parity_worker import finish, parity_record, run_cases
+from apply_parity_worker import finish, parity_record, refusal, run_cases
 from planmaker import make_plan
 from torch.distributed.tensor import DTensor
 from tp_parity_worker import SEED, STEPS, UNITS, cpu_model, reference_run, tp_plan
 
-from autoplan.errors import PlanFileError
 from autoplan.run.apply import apply
 from autoplan.run.data import BatchShape, SyntheticTokens, rank_micro_batches
 from autoplan.run.tp import training_context
@@ -84,20 +83,12 @@ def run_case(world_size: int, case: tuple) -> dict:
     return parity_record(losses, params, ref_losses, ref_params, **probe)
 
 
-def refusal(plan) -> str | None:
-    try:
-        apply(cpu_model(), plan)
-    except PlanFileError as exc:
-        return str(exc)
-    return None
-
-
 def main(out_path: str) -> None:
     dist.init_process_group("gloo")
     world_size = dist.get_world_size()
     results = run_cases(CASES[world_size], functools.partial(run_case, world_size))
     if world_size == 2:
-        results["refused_kind"] = refusal(cp_plan(2, 1, decisions={**UNITS, "layers.0": "replicate"}))
+        results["refused_kind"] = refusal(cp_plan(2, 1, decisions={**UNITS, "layers.0": "replicate"}), cpu_model())
     finish(results, out_path)
 
 

@@ -15,11 +15,10 @@ from dataclasses import replace
 
 import torch
 import torch.distributed as dist
-from apply_parity_worker import finish, parity_record, run_cases
+from apply_parity_worker import finish, parity_record, refusal, run_cases
 from planmaker import make_plan
 from torch.distributed.tensor import DTensor
 
-from autoplan.errors import PlanFileError
 from autoplan.models.config import ModelConfig
 from autoplan.models.zoo import build_model, get_config
 from autoplan.run.apply import apply
@@ -115,20 +114,12 @@ def run_case(world_size: int, case: tuple) -> dict:
     return parity_record(losses, params, ref_losses, ref_params, **probe)
 
 
-def refusal(plan, model: torch.nn.Module | None = None) -> str | None:
-    try:
-        apply(model if model is not None else cpu_model(), plan)
-    except PlanFileError as exc:
-        return str(exc)
-    return None
-
-
 def main(out_path: str) -> None:
     dist.init_process_group("gloo")
     world_size = dist.get_world_size()
     results = run_cases(CASES[world_size], functools.partial(run_case, world_size))
     if world_size == 2:
-        results["refused_kind"] = refusal(ep_plan(2, 2, decisions={**UNITS, EXPERTS[1]: "replicate"}))
+        results["refused_kind"] = refusal(ep_plan(2, 2, decisions={**UNITS, EXPERTS[1]: "replicate"}), cpu_model())
         dense = make_plan("llama-tiny", {}, world_size=2)
         dense = dense.model_copy(update={"cluster": dense.cluster.model_copy(update={"ep_degree": 2})})
         results["refused_dense"] = refusal(dense, build_model(get_config("llama-tiny"), device="cpu"))

@@ -16,11 +16,10 @@ import sys
 
 import torch
 import torch.distributed as dist
-from apply_parity_worker import finish, parity_record, run_cases
+from apply_parity_worker import finish, parity_record, refusal, run_cases
 from planmaker import make_plan
 from torch.distributed.tensor import DTensor
 
-from autoplan.errors import PlanFileError
 from autoplan.models.tp_layout import recognise
 from autoplan.models.zoo import build_model, get_config
 from autoplan.run.apply import apply
@@ -119,14 +118,6 @@ def run_case(world_size: int, case: tuple) -> dict:
     return parity_record(losses, params, ref_losses, ref_params, **probe)
 
 
-def refusal(plan) -> str | None:
-    try:
-        apply(cpu_model(), plan)
-    except PlanFileError as exc:
-        return str(exc)
-    return None
-
-
 def main(out_path: str) -> None:
     dist.init_process_group("gloo")
     world_size = dist.get_world_size()
@@ -134,9 +125,9 @@ def main(out_path: str) -> None:
     if world_size == 2:
         wrong = tp_plan(2, True, decisions=UNITS)
         wrong = wrong.model_copy(update={"units": [u.model_copy(update={"tp": None}) for u in wrong.units]})
-        results["refused_layout"] = refusal(wrong)
+        results["refused_layout"] = refusal(wrong, cpu_model())
         hybrid = tp_plan(2, False, decisions={**UNITS, "layers.0": "replicate"})
-        results["refused_kind"] = refusal(hybrid)
+        results["refused_kind"] = refusal(hybrid, cpu_model())
     finish(results, out_path)
 
 
