@@ -37,12 +37,19 @@ def _why_not(plan: Plan, searched: list) -> list[str]:
     fitting = [e for e in searched if e.fits]
     world, seq = plan.cluster.world_size, plan.training.seq_len
     ours = plan.predicted.throughput_tokens_s / world
+    pruned = sum(e.note.startswith("pruned") for e in searched)
+    # the meshes and schedules whose bound (every unit at its fastest option, no memory limit) cannot beat this plan
+    unsolved = (f"; {pruned} pipelined mesh{'es' if pruned > 1 else ''} not searched: no plan of theirs beats this one "
+                "even with every unit at its fastest option and no memory limit") if pruned else ""
     if fitting:
         best = max(fitting, key=lambda e: e.throughput_samples_s)
         theirs = best.throughput_samples_s * seq / world
-        return [f"no pipeline: the fastest pipelined plan ({_name(best)}, {best.schedule}) runs {theirs:,.0f} "
+        return [f"no pipeline: the fastest pipelined plan found ({_name(best)}, {best.schedule}) runs {theirs:,.0f} "
                 f"tokens/s/GPU against this plan's {ours:,.0f} ({theirs / ours:.2f}x): its bubble, sends and "
-                "unsharded stage parameters cost more than the collectives it saves"]
+                "unsharded stage parameters cost more than the collectives it saves" + unsolved]
+    if pruned:
+        return [f"no pipeline: no pipelined plan beats this one ({ours:,.0f} tokens/s/GPU){unsolved}"
+                + ("; the others do not fit" if pruned < len(searched) else "")]
     needs = [(e.note.split("limit of ")[-1].split(" ")[0].replace(",", ""), e) for e in searched]
     needs = [(int(n), e) for n, e in needs if n.isdigit()]
     lines = ["no pipeline: no pipelined mesh fits (a pipeline cuts the layers but not the parameter, gradient and "

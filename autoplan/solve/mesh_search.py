@@ -34,7 +34,7 @@ from autoplan.solve.pipeline import PipelineOutcome, search_pipeline
 from autoplan.solve.request import PlanRequest, Uniform
 from autoplan.solve.solver import cp_sat
 from autoplan.solve.stages import StageTables
-from autoplan.solve.sweep import SweepOutcome, sweep
+from autoplan.solve.sweep import MeshPruned, SweepOutcome, sweep
 from autoplan.solve.context_tables import context_refusal, context_source
 from autoplan.solve.tables import TableSource
 from cost_models.expert_parallel import expert_kind_runs
@@ -132,7 +132,9 @@ def search_meshes(request: PlanRequest) -> MeshSearch:
     if request.pipeline_meshes and pipeline_pays(results):
         meshes = request.pipeline_meshes + _at_best_degree(request.pipeline_meshes, results)
         progress.meshes += len(meshes)
-        results += _search_all(request, meshes, progress, len(results))
+        # a pipelined schedule whose bound cannot beat the best plan without a pipeline is not solved
+        beat = max((r.throughput for r in results if r.outcome is not None), default=0.0)
+        results += _search_all(request, meshes, progress, len(results), beat)
     return MeshSearch(results, best_result(results))
 
 
@@ -164,14 +166,16 @@ def pipeline_pays(results: list[MeshResult]) -> bool:
     return table.model_flops * table.grad_accum_steps / (evaluation.step_time_s * table.peak_flops) < PIPELINE_MFU
 
 
-def _search_all(request: PlanRequest, meshes: tuple[Mesh, ...], progress, offset: int = 0) -> list[MeshResult]:
-    """`meshes` searched, the first in this process, the rest in forked workers where it pays."""
+def _search_all(request: PlanRequest, meshes: tuple[Mesh, ...], progress, offset: int = 0,
+                beat: float = 0.0) -> list[MeshResult]:
+    """`meshes` searched, the first in this process, the rest in forked workers where it pays; a pipelined one
+    only where it can beat `beat` samples/s."""
     first, *rest = meshes
     workers = _workers(request, len(rest))
     results: list[MeshResult] = []
     if not workers:
         for mesh in meshes:
-            results.append(_search(request, mesh, progress.sweeping(offset + len(results), mesh)))
+            results.append(_search(request, mesh, progress.sweeping(offset + len(results), mesh), beat))
             progress.done(results)
         return results
     global _REQUEST
@@ -179,8 +183,9 @@ def _search_all(request: PlanRequest, meshes: tuple[Mesh, ...], progress, offset
     cp_sat()  # imported once, before the fork, not by every worker
     try:
         with multiprocessing.get_context("fork").Pool(workers) as pool:
-            pending = pool.imap(_search_in_worker, rest)  # under way while this process searches the first
-            results.append(_search(request, first, progress.sweeping(offset, first)))
+            # under way while this process searches the first
+            pending = pool.imap(_search_in_worker, [(mesh, beat) for mesh in rest])
+            results.append(_search(request, first, progress.sweeping(offset, first), beat))
             progress.done(results)
             for result in pending:
                 # the worker sent its result without its tables and cluster: made again here, the model's
@@ -215,15 +220,16 @@ def _workers(request: PlanRequest, meshes: int) -> int:
 _REQUEST: PlanRequest | None = None  # the request a forked worker searches
 
 
-def _search_in_worker(mesh: Mesh) -> MeshResult:
-    result = _search(_REQUEST, mesh)
+def _search_in_worker(task: tuple[Mesh, float]) -> MeshResult:
+    mesh, beat = task
+    result = _search(_REQUEST, mesh, beat=beat)
     if result.pipeline is not None:
         for rank in result.pipeline.ranks:
             rank.source = None
     return replace(result, source=None, cluster=None)
 
 
-def _search(request: PlanRequest, mesh: Mesh, progress=None) -> MeshResult:
+def _search(request: PlanRequest, mesh: Mesh, progress=None, beat: float = 0.0) -> MeshResult:
     result = MeshResult(mesh)
     start = time.perf_counter()
     try:
@@ -239,12 +245,12 @@ def _search(request: PlanRequest, mesh: Mesh, progress=None) -> MeshResult:
             check_context(request, mesh)
         result.cluster = request.cluster.with_mesh(mesh)
         if mesh.pp > 1:
-            result.pipeline, result.outcome = search_pipeline(request, mesh, result.layout, request.schedule)
+            result.pipeline, result.outcome = search_pipeline(request, mesh, result.layout, request.schedule, beat)
             result.source = result.pipeline.busiest.source
         else:
             result.source = context_source(mesh_source(request, result.mesh, result.layout), mesh.cp)
             result.outcome = sweep(request, result.source, result.cluster, progress)
-    except TpRefusal as exc:
+    except (TpRefusal, MeshPruned) as exc:
         result.refused = str(exc)
     except UsageError as exc:  # pins asking for options that do not run beside tensor or context parallelism
         if mesh.tp == 1 and mesh.cp == 1 and mesh.pp == 1:

@@ -13,8 +13,8 @@ not fit gives a unit to its neighbour and the ranks are solved again. The step i
 
 Stages of the same blocks share their tables and, at the same micro-batches in flight, their solves
 (keyed by `StageTables.key`), so the pipeline dimension adds about one whole-model pricing per mesh and
-micro-batch rather than one per stage. A schedule whose makespan cannot beat the best found with every
-unit at its fastest option is not solved.
+micro-batch rather than one per stage. A schedule whose makespan with every unit at its fastest option
+cannot beat the best found (on the mesh, or without a pipeline: `beat`) is not solved.
 """
 
 from __future__ import annotations
@@ -28,15 +28,15 @@ from autoplan.sizes import format_bytes
 from autoplan.solve.cluster import Cluster
 from autoplan.solve.request import PlanRequest
 from autoplan.solve.solver import SolveResult, SolveStatus
-from autoplan.solve.stage_solve import held_evaluation, solve_rank
-from autoplan.solve.stages import StageTables, balanced_cuts, forward_units, shifted, stage_cluster, unit_weights
-from autoplan.solve.sweep import SweepOutcome, SweepStep
+from autoplan.solve.stage_solve import RankSolve, held_evaluation, rank_floor, solve_rank
+from autoplan.solve.stages import StageTables, balanced_cuts, boundary_bytes, forward_units, rank_chunks, shifted, \
+    slot_bounds, stage_cluster, unit_weights
+from autoplan.solve.sweep import MeshPruned, SweepOutcome, SweepStep
 from cost_models.evaluate import Evaluation
 from cost_models.mesh import Mesh
 from cost_models.pipeline import HeldAllStep, bubble_slots, in_flight, later_flight, makespan_s, pipelined, refusal, \
     send_s, stages_per_rank
 from cost_models.schedules import SCHEDULES, StagesPerRank
-from cost_models.step import unit_step_s
 from cost_models.table import CostTable
 from cost_models.tensor_parallel import TpLayout
 
@@ -117,6 +117,8 @@ class _Search:
     lean: InfeasibleError | None = None
     decide: object = None  # fixed choices in place of the solves: a function of a rank's table
     over: float = 0.0  # the last rank that did not fit: its floor over the planned bytes
+    beat: float = 0.0  # samples/s of the best plan without a pipeline; `pruned`: schedules whose bound cannot beat it
+    pruned: int = 0
 
     def source(self, chunks: tuple[tuple[int, int], ...]):
         if chunks not in self.sources:
@@ -134,19 +136,20 @@ class _Search:
         return replace(self.tables[key], units=source.units)
 
 
-def search_pipeline(request: PlanRequest, mesh: Mesh, layout: TpLayout | None,
-                    schedule: str | None = None) -> tuple[PipelineOutcome, SweepOutcome]:
-    """The fastest pipelined plan on `mesh` (see the module docstring), and the same in the sweep's terms (the
-    busiest rank's table and evaluation, the step the makespan). InfeasibleError where nothing fits."""
+def search_pipeline(request: PlanRequest, mesh: Mesh, layout: TpLayout | None, schedule: str | None = None,
+                    beat: float = 0.0) -> tuple[PipelineOutcome, SweepOutcome]:
+    """The fastest pipelined plan on `mesh` (see the module docstring) faster than `beat` samples/s where its
+    bound can beat that, and the same in the sweep's terms (the busiest rank's table and evaluation, the step the
+    makespan). InfeasibleError where nothing fits, MeshPruned where no schedule's bound beats `beat`."""
     if request.pins is not None or mesh.ep > 1:
         raise UsageError("pins and expert parallelism are not combined with a pipeline (`pp` above 1) yet")
-    search = _Search(request, mesh, layout, stage_cluster(request.cluster, mesh))
+    search = _Search(request, mesh, layout, stage_cluster(request.cluster, mesh), beat=beat)
     start, steps = time.perf_counter(), []
     rows = [SCHEDULES[schedule]] if schedule else sorted(SCHEDULES.values(), key=lambda r: bubble_slots(r, mesh.pp))
     units = len(forward_units(request.tables.units))
     weights = unit_weights(request.tables.units, request.tables.inputs(1).ops, request.cluster.profile,
                            request.training.compute_dtype)
-    refusals: list[str] = []
+    refusals: list[str | None] = []
     for micro_batch_size, accum in request.batch.candidates(search.cluster.mesh.dp):
         m = accum if request.batch.global_batch is not None else DEFAULT_MICROBATCHES_PER_STAGE * mesh.pp
         tried = _undominated([row for row in rows if _runs(row, mesh.pp, m, units, refusals)], schedule)
@@ -162,17 +165,19 @@ def search_pipeline(request: PlanRequest, mesh: Mesh, layout: TpLayout | None,
                                best.samples_per_step / best.step_time_s if best else None))
         if infeasible:
             break  # a larger micro-batch needs more memory still
+    if search.best is None and search.pruned:  # what was not pruned did not fit: it might have, so say pruned
+        raise MeshPruned(f"pruned: no pipelined plan beats {beat:,.2f} samples/s (the best without a pipeline): with "
+                         "every unit at its fastest option and no memory limit, every schedule tried is slower")
     if search.best is None:
-        raise search.lean or UsageError(f"no schedule runs on pipeline degree {mesh.pp}: " + "; ".join(refusals[:3]))
+        why = "; ".join([r for r in refusals if r][:3])
+        raise search.lean or UsageError(f"no schedule runs on pipeline degree {mesh.pp}: {why}")
     search.best.steps = steps
     return search.best, _as_sweep(search.best, time.perf_counter() - start)
 
 
-def _runs(row, pp: int, m: int, units: int, refusals: list[str]) -> bool:
-    why = refusal(row, pp, m, units)
-    if why is not None:
-        refusals.append(why)
-    return why is None
+def _runs(row, pp: int, m: int, units: int, refusals: list[str | None]) -> bool:
+    refusals.append(refusal(row, pp, m, units))
+    return refusals[-1] is None
 
 
 # schedule -> the one that beats it wherever both run, under this cost model: 1F1B has GPipe's bubble with fewer
@@ -190,38 +195,18 @@ def _undominated(rows: list, fixed: str | None) -> list:
     return [row for row in rows if _DOMINATED_BY.get(row.name) not in names]
 
 
-def _bound_s(search: _Search, row, cuts: list[int], micro_batch_size: int, m: int) -> float:
+def _bound_s(search: _Search, row, cuts: list[int], micro_batch_size: int, m: int) -> tuple[float, float]:
     """The makespan with every unit at its fastest option, no sends and no optimizer step (memory aside): no plan
-    of this cut beats it."""
+    of this cut beats the first, no plan of any cut the second (stages.slot_bounds)."""
     pp, base = search.mesh.pp, search.request.tables
-    order = forward_units(base.units)
-    starts = [0] + [base.units[order[c]].first_op for c in cuts[1:]]
-    slot = 0.0
-    for rank in range(pp):
-        _, chunks = _rank_chunks(row, pp, rank, starts, len(base.trace_1.ops))
-        table, _ = pipelined(search.table(chunks, micro_batch_size, m), m, 1.0)
-        # each unit's fastest micro-batch (its step less its optimizer, over the micro-batches)
-        micro = [min((step - cost.optimizer_s) / m for step, cost in zip(unit_step_s(table, u), table.costs[u]))
-                 for u in range(len(table.units))]
-        slot = max(slot, sum(micro))
-    return makespan_s(slot, 0.0, row, pp, m)
+    starts = [0] + [base.units[forward_units(base.units)[c]].first_op for c in cuts[1:]]
+    tables = [pipelined(search.table(rank_chunks(row, pp, rank, starts, len(base.trace_1.ops))[1], micro_batch_size,
+                                     m), m, 1.0)[0] for rank in range(pp)]
+    return tuple(makespan_s(slot, 0.0, row, pp, m) for slot in slot_bounds(tables, m))
 
 
 def _faster(a: PipelineOutcome, b: PipelineOutcome) -> bool:
     return a.samples_per_step / a.step_time_s > b.samples_per_step / b.step_time_s * (1 + 1e-9)
-
-
-def _rank_chunks(row, pp: int, rank: int, starts: list[int], n_ops: int) -> tuple[list[int], tuple]:
-    """The stages pipeline rank `rank` runs under `row`, and their op ranges."""
-    stages = len(starts)
-    if row.stages_per_rank is StagesPerRank.ONE:
-        mine = [rank]
-    elif row.stages_per_rank is StagesPerRank.V_SHAPE:
-        mine = [rank, 2 * pp - 1 - rank]
-    else:
-        mine = list(range(rank, stages, pp))
-    ends = starts[1:] + [n_ops]
-    return mine, tuple((starts[s], ends[s] - 1) for s in mine)
 
 
 _PRUNED = "pruned"  # a schedule not solved at a micro-batch: it cannot beat the best found
@@ -234,11 +219,19 @@ def _schedule(search: _Search, row, weights: list[float], micro_batch_size: int,
     stages = search.mesh.pp * stages_per_rank(row)
     units = len(forward_units(search.request.tables.units))
     cuts = balanced_cuts(weights, stages)
-    best = search.best
-    if best is not None:
-        samples = micro_batch_size * m * search.cluster.mesh.dp
-        if samples / _bound_s(search, row, cuts, micro_batch_size, m) <= best.samples_per_step / best.step_time_s:
+    best, samples = search.best, micro_batch_size * m * search.cluster.mesh.dp
+    if best is not None or search.beat > 0:
+        this_cut, any_cut = (samples / bound for bound in _bound_s(search, row, cuts, micro_batch_size, m))
+        if best is not None and this_cut <= best.samples_per_step / best.step_time_s:
             return _PRUNED  # cannot beat the best found even with no memory limit
+        # nor the best without a pipeline, which wins a tie (best_result: the lower pipeline degree); unless a
+        # rank's floor says, as a solve would (below), that no cut fits: a larger micro-batch fits no better
+        if any_cut <= search.beat:
+            _, failed = _ranks(search, row, cuts, micro_batch_size, m, solve=False)
+            if failed is not None and search.over > 1 + stages / units:
+                return None
+            search.pruned += 1
+            return _PRUNED
     for _ in range(stages):  # a unit moved off a rank that does not fit, at most once per stage
         ranks, failed = _ranks(search, row, cuts, micro_batch_size, m)
         if failed is None:
@@ -251,23 +244,26 @@ def _schedule(search: _Search, row, weights: list[float], micro_batch_size: int,
     return None
 
 
-def _ranks(search: _Search, row, cuts: list[int], micro_batch_size: int, m: int) -> tuple[list[RankOutcome], int | None]:
+def _ranks(search: _Search, row, cuts: list[int], micro_batch_size: int, m: int,
+           solve: bool = True) -> tuple[list[RankOutcome], int | None]:
     """Every rank of the cut priced (solved, or the fixed choices evaluated), and the first stage of the first
-    rank where nothing fits (None: all fit)."""
+    rank where nothing fits (None: all fit). Not `solve`: no ranks, the first stage whose rank's floor is over."""
     pp, stages = search.mesh.pp, search.mesh.pp * stages_per_rank(row)
     base, ranks = search.request.tables, []
     order = forward_units(base.units)
     starts = [0] + [base.units[order[c]].first_op for c in cuts[1:]]
     bounds = _boundaries(search, starts, micro_batch_size)
     for rank in range(pp):
-        mine, chunks = _rank_chunks(row, pp, rank, starts, len(base.trace_1.ops))
+        mine, chunks = rank_chunks(row, pp, rank, starts, len(base.trace_1.ops))
         flight, drained = in_flight(row, pp, rank, m), row.stages_per_rank is StagesPerRank.ONE
         # PipelineStage's receive buffers, one per micro-batch: each stage's input (not the first's), output grad
         buffers = m * sum((bounds[s - 1] if s > 0 else 0) + (bounds[s] if s + 1 < stages else 0) for s in mine)
         holds = (flight, buffers, drained, later_flight(row, flight, m), sum(bounds[s] for s in mine))
-        outcome = _solve_rank(search, chunks, micro_batch_size, m, holds)
+        outcome = _solve_rank(search, chunks, micro_batch_size, m, holds, solve)
         if outcome is None:
             return ranks, mine[0]
+        if not solve:
+            continue
         choices, status, table, held = outcome
         sends = sum(2 * _send_s(search, bounds[s]) for s in mine if s + 1 < stages)
         ranks.append(RankOutcome(rank, mine, chunks, search.source(chunks)[1], table, choices,
@@ -281,7 +277,7 @@ def _boundaries(search: _Search, starts: list[int], micro_batch_size: int) -> li
     ends = starts[1:] + [len(search.request.tables.trace_1.ops)]
     tp = search.layout.degree if search.layout is not None else 1
     split = tp if search.layout is not None and search.layout.sequence_parallel else 1
-    return [search.source(((a, b - 1),))[0].boundary_bytes(micro_batch_size) // (split if b < ends[-1] else tp)
+    return [boundary_bytes(search.request.tables, a, b - 1, micro_batch_size) // (split if b < ends[-1] else tp)
             for a, b in zip(starts, ends)]
 
 
@@ -316,7 +312,7 @@ def fixed_pipelines(request: PlanRequest, mesh: Mesh, layout: TpLayout | None, s
     return outcomes
 
 
-def _solve_rank(search: _Search, chunks, micro_batch_size: int, m: int, holds: tuple):
+def _solve_rank(search: _Search, chunks, micro_batch_size: int, m: int, holds: tuple, solve: bool = True):
     """One rank's units solved (or the uniform strategy evaluated, or fixed choices taken) with what it holds (`holds`:
     `pipelined`'s flight, drained and later, its receive buffers' bytes and its stages' outputs per micro-batch); None
     where nothing fits (the search's InfeasibleError, with how far over)."""
@@ -327,7 +323,11 @@ def _solve_rank(search: _Search, chunks, micro_batch_size: int, m: int, holds: t
     if search.decide is not None:
         return search.decide(table), SolveStatus.FIXED, table, held
     key = (search.source(chunks)[0].key, micro_batch_size, m, holds)
-    found = search.solved[key] = search.solved[key] if key in search.solved else solve_rank(request, table, held)
+    if not solve and key not in search.solved and request.uniform is None:  # the floor alone, no solve
+        floor = rank_floor(table, held)
+        found = RankSolve(None if floor > request.limits.planned_bytes else [], SolveStatus.PRUNED, floor)
+    else:
+        found = search.solved[key] = search.solved[key] if key in search.solved else solve_rank(request, table, held)
     if found.choices is None:
         limits = request.limits  # planned_bytes is 0 where the allocator's margin takes the whole limit
         search.over = found.floor_bytes / limits.planned_bytes if limits.planned_bytes > 0 else math.inf

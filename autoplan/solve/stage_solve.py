@@ -34,7 +34,7 @@ from cost_models.memory import MemCategory, MemoryPoint, phase_of, total
 from cost_models.pipeline import HeldAllStep
 from cost_models.table import CostTable
 
-__all__ = ["RankSolve", "held_evaluation", "leanest", "solve_rank"]
+__all__ = ["RankSolve", "held_evaluation", "leanest", "rank_floor", "solve_rank"]
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,23 @@ def solve_rank(request: PlanRequest, table: CostTable, held: HeldAllStep) -> Ran
         choices = uniform_choices(table, u.strategy, u.checkpoint, offload=u.offload)
         peak = held_evaluation(table, held, choices).peak_mem_bytes if choices is not None else limit + 1
         return RankSolve(choices if peak <= limit else None, SolveStatus.FIXED, peak)
+    searched, keep, affine, floor = _floor(table, held)
+    if floor > limit:
+        return RankSolve(None, SolveStatus.INFEASIBLE, floor)
+    result: SolveResult = solve_min_time(searched, limit, request.limits.time_limit_s, affine=affine)
+    if result.choices is None:
+        return RankSolve(None, result.status, floor)
+    return RankSolve([k[c] for k, c in zip(keep, result.choices)], result.status, floor)
+
+
+def rank_floor(table: CostTable, held: HeldAllStep) -> int:
+    """The least any plan of the rank's units (among the options the search offers) can peak at: each point's
+    smallest bytes, unit by unit, with what the rank holds all step."""
+    return _floor(table, held)[3]
+
+
+def _floor(table: CostTable, held: HeldAllStep) -> tuple[CostTable, list[list[int]], AffineModel, int]:
+    """The table cut to the options searched, their indices, its solver model with the held bytes, and its floor."""
     keep = [searched_options(options) for options in table.options]
     searched = replace(table, options=[[o[i] for i in k] for o, k in zip(table.options, keep)],
                        costs=[[c[i] for i in k] for c, k in zip(table.costs, keep)])
@@ -65,13 +82,7 @@ def solve_rank(request: PlanRequest, table: CostTable, held: HeldAllStep) -> Ran
                        held.outputs)
     affine = AffineModel.of(searched)
     _add_held(affine, searched, kept)
-    floor = affine.rows.floor(affine.algebra.offsets)
-    if floor > limit:
-        return RankSolve(None, SolveStatus.INFEASIBLE, floor)
-    result: SolveResult = solve_min_time(searched, limit, request.limits.time_limit_s, affine=affine)
-    if result.choices is None:
-        return RankSolve(None, result.status, floor)
-    return RankSolve([k[c] for k, c in zip(keep, result.choices)], result.status, floor)
+    return searched, keep, affine, affine.rows.floor(affine.algebra.offsets)
 
 
 # a point of the rank's timeline: (its point in the one-micro-batch timeline, the table whose timeline it is taken

@@ -16,18 +16,21 @@ Stages of the same blocks give the same tables, so the search keys them by the u
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from functools import cached_property
+from functools import cached_property, lru_cache
 
 from autoplan.solve.cluster import Cluster
 from autoplan.solve.tables import CostTables, TableSource, TensorParallelTables, _Source
 from cost_models.mesh import Mesh
 from cost_models.profile import DeviceProfile
 from cost_models.records import LOSS_NODE, OpRecord, Unit
-from cost_models.table import TableInputs, unit_classes
+from cost_models.schedules import StagesPerRank
+from cost_models.step import unit_step_s
+from cost_models.table import CostTable, TableInputs, unit_classes
 from cost_models.tensor_parallel import TpLayout
 from cost_models.training import Training
 
-__all__ = ["StageTables", "balanced_cuts", "forward_units", "shifted", "stage_cluster", "stage_modules", "unit_weights"]
+__all__ = ["StageTables", "balanced_cuts", "boundary_bytes", "forward_units", "rank_chunks", "shifted", "slot_bounds", "stage_cluster",
+           "stage_modules", "unit_weights"]
 
 
 def forward_units(units: list[Unit]) -> list[int]:
@@ -55,6 +58,11 @@ def unit_weights(units: list[Unit], ops: list[OpRecord], profile: DeviceProfile,
 def balanced_cuts(weights: list[float], stages: int) -> list[int]:
     """Where each of `stages` contiguous runs of `weights` starts (the first at 0), the heaviest run as light
     as it can be; among equally light cuts, the earliest boundaries (deterministic)."""
+    return list(_balanced_cuts(tuple(weights), stages))
+
+
+@lru_cache(maxsize=64)  # every pipelined mesh of a search cuts the same weights into its stages: once per count
+def _balanced_cuts(weights: tuple[float, ...], stages: int) -> tuple[int, ...]:
     n = len(weights)
     prefix = [0.0]
     for w in weights:
@@ -74,7 +82,30 @@ def balanced_cuts(weights: list[float], stages: int) -> list[int]:
     for k in range(stages, 0, -1):
         i = start[k][i]
         cuts.append(i)
-    return cuts[::-1]
+    return tuple(cuts[::-1])
+
+
+def rank_chunks(row, pp: int, rank: int, starts: list[int], n_ops: int) -> tuple[list[int], tuple]:
+    """The stages pipeline rank `rank` runs under `row`, and their op ranges."""
+    stages = len(starts)
+    if row.stages_per_rank is StagesPerRank.ONE:
+        mine = [rank]
+    elif row.stages_per_rank is StagesPerRank.V_SHAPE:
+        mine = [rank, 2 * pp - 1 - rank]
+    else:
+        mine = list(range(rank, stages, pp))
+    ends = starts[1:] + [n_ops]
+    return mine, tuple((starts[s], ends[s] - 1) for s in mine)
+
+
+def slot_bounds(tables: list[CostTable], m: int) -> tuple[float, float]:
+    """Lower bounds on a pipeline's slot (its slowest rank's micro-batch) from its ranks' tables as pipelined with
+    `m` micro-batches, every unit at its fastest option (its step less its optimizer, over the micro-batches): the
+    slowest rank's sum (this cut), and the ranks' mean (any cut: each unit's fastest time is its own wherever it is
+    cut, and the slowest rank holds at least the mean)."""
+    sums = [sum(min((step - cost.optimizer_s) / m for step, cost in zip(unit_step_s(table, u), table.costs[u]))
+                for u in range(len(table.units))) for table in tables]
+    return max(sums), sum(sums) / len(sums)
 
 
 def shifted(cuts: list[int], stage: int, units: int) -> list[int] | None:
@@ -183,10 +214,12 @@ class StageTables(_Source):
         root_ops = tuple(self.op_ids[i] for i, op in enumerate(self.trace_1.ops) if op.name in root)
         return tuple(classes[u] for u in self.unit_index), root_ops, len(self.chunks)
 
-    def boundary_bytes(self, micro_batch_size: int) -> int:
-        """What the rank sends on at each of its boundaries: its last op's output (before the loss)."""
-        ops = [op for op in self.inputs(micro_batch_size).ops if op.name != LOSS_NODE]
-        return ops[-1].out_bytes if ops else 0
+
+
+def boundary_bytes(base: CostTables, first: int, last: int, micro_batch_size: int) -> int:
+    """What a stage of the base's ops [first, last] sends on: its last op's output (before the loss)."""
+    ops = base.inputs(micro_batch_size).ops
+    return next((ops[p].out_bytes for p in range(last, first - 1, -1) if ops[p].name != LOSS_NODE), 0)
 
 
 def _used(name: str, ops: list[OpRecord]) -> bool:

@@ -25,7 +25,7 @@ from cost_models.evaluate import Evaluation, evaluate, uniform_choices
 from cost_models.step import lower_bound_step_s
 from cost_models.table import CostTable
 
-__all__ = ["SweepStep", "SweepOutcome", "sweep", "TIE_BREAK_WORK"]
+__all__ = ["MeshPruned", "SweepStep", "SweepOutcome", "sweep", "TIE_BREAK_WORK"]
 
 # the tie-break towards lower memory is best-effort: proving the leanest of many equally fast plans
 # over near-identical blocks can take CP-SAT any time limit (405B: all 10 s); without it the fastest
@@ -33,6 +33,11 @@ __all__ = ["SweepStep", "SweepOutcome", "sweep", "TIE_BREAK_WORK"]
 # clock: a wall-clock second ran out or not with the machine's load (and with the meshes searched side by
 # side), so the same search on a busy machine chose another of the equally fast plans
 TIE_BREAK_WORK = 1.0
+
+
+class MeshPruned(Exception):
+    """A mesh not searched to the end: no plan of it can beat the best plan another mesh found (the message says
+    why), so it cannot be chosen."""
 
 
 @dataclass

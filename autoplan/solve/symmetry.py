@@ -22,7 +22,7 @@ def identical_runs(table: CostTable) -> tuple[list[list[int]], list[list[int]]]:
                        seg.saved_bytes,
                        seg.fwd_temp_bytes, seg.outer_grad_bytes) for seg in segments)
         # not the parent: what the units around a unit hold adds the same to each of its options
-        return tuple(o.label for o in table.options[u]), tuple(map(repr, table.costs[u])), peaks
+        return tuple(o.label for o in table.options[u]), tuple(map(_cost_key, table.costs[u])), peaks
 
     order = []
     for u in range(len(table.units)):
@@ -38,6 +38,12 @@ def identical_runs(table: CostTable) -> tuple[list[list[int]], list[list[int]]]:
         if len(segments_of.get(u, [])) == 1 and u != table.root and not unit.children:
             groups.setdefault(signature(u), []).append(u)
     return [group for group in groups.values() if len(group) > 1], order
+
+
+def _cost_key(cost) -> tuple:
+    """An option's costs, equal where their reprs are (each field's type and value; a float's exact bits, so 0.0
+    and -0.0 differ), at a fraction of a dataclass repr's time."""
+    return tuple(value.hex() if type(value) is float else (type(value), value) for value in vars(cost).values())
 
 
 def canonical(choices: list[int], runs: list[list[int]] | None, order: list[list[int]] | None) -> list[int]:
