@@ -87,6 +87,27 @@ def test_default_search_on_two_nodes_tries_pipelines_beside_the_rest():
         assert any(b.name == "no-pipeline" for b in plan.baselines)
 
 
+def test_pipelined_meshes_that_cannot_beat_the_plan_without_one_are_pruned_to_the_same_plan(monkeypatch):
+    from autoplan.plan.pipeline_report import pipeline_lines
+    from autoplan.solve import mesh_search
+
+    settings = dict(nodes=4, gpus_per_node=2, tp=1, global_batch=32, **TOY)
+    pruned = autoplan.search("llama-tiny", "80GB", **settings)
+    notes = {entry.pp_degree: entry.note for entry in pruned.solver.tp_degrees}
+    assert notes[4].startswith("pruned: no pipelined plan beats") and notes[2] == "" and notes[1] == ""
+    assert any("1 pipelined mesh not searched" in line for line in pipeline_lines(pruned))
+    searched = mesh_search.search_pipeline
+    monkeypatch.setattr(mesh_search, "search_pipeline",
+                        lambda request, mesh, layout, schedule, beat: searched(request, mesh, layout, schedule))
+    full = autoplan.search("llama-tiny", "80GB", **settings)
+    entries = {entry.pp_degree: entry for entry in full.solver.tp_degrees}
+    assert entries[4].note == "" and entries[4].throughput_samples_s < pruned.predicted.throughput_samples_s
+    strip = lambda plan: {k: v for k, v in json.loads(plan.to_json()).items() if k not in ("timing", "solver")}  # noqa: E731
+    assert strip(full) == strip(pruned)  # the same plan: only the pruned mesh's entry differs
+    assert [e for e in full.solver.tp_degrees if e.pp_degree < 4] == \
+        [e for e in pruned.solver.tp_degrees if e.pp_degree < 4]
+
+
 def test_explain_covers_the_stages_and_their_boundaries():
     plan = autoplan.search("llama-tiny", "80GB", gpus=2, pp=2, tp=1, schedule="1f1b", batch_size=1, **TOY)
     why = explain(plan)

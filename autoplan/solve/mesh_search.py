@@ -20,6 +20,7 @@ does not recognise (autoplan.models.tp_layout) keeps its plans of degree 1.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import sys
@@ -181,6 +182,7 @@ def _search_all(request: PlanRequest, meshes: tuple[Mesh, ...], progress, offset
     global _REQUEST
     _REQUEST = request  # inherited by the workers forked now, never pickled
     cp_sat()  # imported once, before the fork, not by every worker
+    _extrapolated(request, meshes)
     try:
         with multiprocessing.get_context("fork").Pool(workers) as pool:
             # under way while this process searches the first
@@ -195,6 +197,14 @@ def _search_all(request: PlanRequest, meshes: tuple[Mesh, ...], progress, offset
     finally:
         _REQUEST = None
     return results
+
+
+def _extrapolated(request: PlanRequest, meshes: tuple[Mesh, ...]) -> None:
+    """The model's ops at each micro-batch the meshes try, made before the fork: once, not once per worker."""
+    for mesh in meshes:
+        with contextlib.suppress(UsageError):  # a global batch this mesh cannot divide: its search says so
+            for size, _ in request.batch.candidates(mesh.dp):
+                request.tables.inputs(size)
 
 
 def _restored(request: PlanRequest, result: MeshResult) -> MeshResult:
