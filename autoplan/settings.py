@@ -289,7 +289,7 @@ class SearchSettings(PlanningSettings):
     98% of `mem`)"""
 
     time_limit_s: Annotated[float, Flag(name="--time-limit")] = DEFAULT_TIME_LIMIT_S
-    """solver seconds per micro-batch size"""
+    """solver seconds per micro-batch size, in CP-SAT's deterministic time (the plan does not depend on the load)"""
 
     strategy: Annotated[str | None, Flag(kind="choice")] = None
     """no solver: every unit takes this sharding (a uniform plan to run or compare)"""

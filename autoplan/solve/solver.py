@@ -50,6 +50,9 @@ NS_PER_S = 1_000_000_000
 # the same plan, byte for byte.
 NUM_WORKERS = 1
 POINTS_ADDED_PER_ROUND = 4
+# `time_limit_s` is CP-SAT's deterministic time (about a second of an idle core), so a plan never depends on how busy
+# the machine is; the clock stops a solve only at this many times it, a safety net
+WALL_SAFETY = 10
 # The per-unit model stops once the plan is proven within 0.1% of the optimum: far below the cost model's own error,
 # and it spares the search from proving optimality across many identical blocks (CP-SAT sees them
 # as an orbitope it cannot break). The gap (objective - bound) is reported with every plan.
@@ -241,11 +244,11 @@ class _Model:
 
 def _solve_lazily(affine: AffineModel, build, check, time_limit_s: float, seeds: list[list[int]],
                   hint: list[int] | None = None, work_limit: float | None = None) -> SolveResult:
-    """Solve, check the solution against every point, add violated points, repeat. `hint`: a plan
-    known to satisfy every constraint, to start the first round from. `work_limit`: CP-SAT's deterministic
-    time over all rounds, where the answer must not depend on how busy the machine is."""
+    """Solve, check the solution against every point, add violated points, repeat. `hint`: a plan known to satisfy
+    every constraint, to start the first round from. `time_limit_s` (`work_limit`: a shorter budget): CP-SAT's
+    deterministic time over all rounds, so the answer does not depend on the machine's load (WALL_SAFETY)."""
     start = time.perf_counter()
-    work = 0.0
+    work, work_limit = 0.0, time_limit_s if work_limit is None else min(work_limit, time_limit_s)
     active: set[int] = set()
     for seed in seeds:
         active.update(int(p) for p in np.argsort(-affine.memory(seed), kind="stable")[:2])  # its top 2 points
@@ -254,9 +257,8 @@ def _solve_lazily(affine: AffineModel, build, check, time_limit_s: float, seeds:
         if hint is not None:  # start from the last round's plan (it violates only the new points) or the given one
             model.hint(hint)
         solver = cp_sat().CpSolver()
-        solver.parameters.max_time_in_seconds = max(0.01, time_limit_s - (time.perf_counter() - start))
-        if work_limit is not None:
-            solver.parameters.max_deterministic_time = max(0.001, work_limit - work)
+        solver.parameters.max_time_in_seconds = max(0.01, WALL_SAFETY * time_limit_s - (time.perf_counter() - start))
+        solver.parameters.max_deterministic_time = max(0.001, work_limit - work)
         solver.parameters.num_workers = NUM_WORKERS
         solver.parameters.relative_gap_limit = COUNTS_GAP_LIMIT if affine.counted else RELATIVE_GAP_LIMIT
         if not affine.rows.dense and not affine.counted:  # thousands of units: probing, substitutions quadratic
@@ -277,7 +279,7 @@ def _solve_lazily(affine: AffineModel, build, check, time_limit_s: float, seeds:
         if not new_points:
             return SolveResult(name, choices, solver.objective_value / objective_scale,
                                solver.best_objective_bound / objective_scale, wall, *stats)
-        if wall >= time_limit_s or (work_limit is not None and work >= work_limit):
+        if work >= work_limit or wall >= WALL_SAFETY * time_limit_s:
             return SolveResult(SolveStatus.UNKNOWN, None, None, None, wall, *stats)
         active.update(new_points)
         hint = choices
