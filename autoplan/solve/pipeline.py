@@ -30,7 +30,7 @@ from autoplan.solve.request import PlanRequest
 from autoplan.solve.solver import SolveResult, SolveStatus
 from autoplan.solve.stage_solve import RankSolve, held_evaluation, rank_floor, solve_rank
 from autoplan.solve.stages import StageTables, balanced_cuts, boundary_bytes, forward_units, rank_chunks, shifted, \
-    slot_bounds, stage_cluster, unit_weights
+    slot_bounds, stage_cluster, undominated, unit_weights
 from autoplan.solve.sweep import MeshPruned, SweepOutcome, SweepStep
 from cost_models.evaluate import Evaluation
 from cost_models.mesh import Mesh
@@ -112,7 +112,9 @@ class _Search:
     cluster: Cluster
     sources: dict = field(default_factory=dict)  # chunks -> (StageTables, its TableSource)
     tables: dict = field(default_factory=dict)  # (key, micro-batch, m) -> CostTable
+    priced: dict = field(default_factory=dict)  # (key, micro-batch, m, flight...) -> `pipelined`'s table and held
     solved: dict = field(default_factory=dict)  # (key, micro-batch, m, flight) -> (choices, status) or None
+    floors: dict = field(default_factory=dict)  # the same -> a rank's floor, where it was not solved
     best: PipelineOutcome | None = None
     lean: InfeasibleError | None = None
     decide: object = None  # fixed choices in place of the solves: a function of a rank's table
@@ -125,6 +127,15 @@ class _Search:
             stage = StageTables(self.request.tables, list(chunks))
             self.sources[chunks] = (stage, stage.for_layout(self.layout))
         return self.sources[chunks]
+
+    def pipelined(self, chunks, micro_batch_size: int, m: int, *flight) -> tuple[CostTable, HeldAllStep]:
+        """`cost_models.pipeline.pipelined` of the rank's table (`flight`: its flight, drained, later), once per kind
+        of stage."""
+        stage, source = self.source(chunks)
+        key = (stage.key, micro_batch_size, m, *flight)
+        if key not in self.priced:
+            self.priced[key] = pipelined(self.table(chunks, micro_batch_size, m), m, *flight)
+        return replace(self.priced[key][0], units=source.units), self.priced[key][1]
 
     def table(self, chunks, micro_batch_size: int, microbatches: int) -> CostTable:
         stage, source = self.source(chunks)
@@ -152,7 +163,7 @@ def search_pipeline(request: PlanRequest, mesh: Mesh, layout: TpLayout | None, s
     refusals: list[str | None] = []
     for micro_batch_size, accum in request.batch.candidates(search.cluster.mesh.dp):
         m = accum if request.batch.global_batch is not None else DEFAULT_MICROBATCHES_PER_STAGE * mesh.pp
-        tried = _undominated([row for row in rows if _runs(row, mesh.pp, m, units, refusals)], schedule)
+        tried = undominated([row for row in rows if _runs(row, mesh.pp, m, units, refusals)], schedule)
         outcomes = [_schedule(search, row, weights, micro_batch_size, m) for row in tried]
         found = [o for o in outcomes if isinstance(o, PipelineOutcome)]
         best = min(found, key=lambda o: (o.step_time_s, o.schedule), default=None)
@@ -180,28 +191,13 @@ def _runs(row, pp: int, m: int, units: int, refusals: list[str | None]) -> bool:
     return refusals[-1] is None
 
 
-# schedule -> the one that beats it wherever both run, under this cost model: 1F1B has GPipe's bubble with fewer
-# micro-batches in flight; zero bubble has interleaved 1F1B's stages, in-flight count and sends, and a third of its bubble
-_DOMINATED_BY = {"gpipe": "1f1b", "interleaved_1f1b": "zero_bubble"}
-
-
-def _undominated(rows: list, fixed: str | None) -> list:
-    """The schedules worth solving: a dominated one only where what beats it does not run, or when asked for."""
-    if fixed is not None:
-        return rows
-    # apply refuses the schedules deferring weight gradients (they drift under FSDP2): offered only when asked for
-    rows = [row for row in rows if not row.splits_backward]
-    names = {row.name for row in rows}
-    return [row for row in rows if _DOMINATED_BY.get(row.name) not in names]
-
-
 def _bound_s(search: _Search, row, cuts: list[int], micro_batch_size: int, m: int) -> tuple[float, float]:
     """The makespan with every unit at its fastest option, no sends and no optimizer step (memory aside): no plan
     of this cut beats the first, no plan of any cut the second (stages.slot_bounds)."""
     pp, base = search.mesh.pp, search.request.tables
     starts = [0] + [base.units[forward_units(base.units)[c]].first_op for c in cuts[1:]]
-    tables = [pipelined(search.table(rank_chunks(row, pp, rank, starts, len(base.trace_1.ops))[1], micro_batch_size,
-                                     m), m, 1.0)[0] for rank in range(pp)]
+    tables = [search.pipelined(rank_chunks(row, pp, rank, starts, len(base.trace_1.ops))[1], micro_batch_size, m,
+                               1.0)[0] for rank in range(pp)]
     return tuple(makespan_s(slot, 0.0, row, pp, m) for slot in slot_bounds(tables, m))
 
 
@@ -318,13 +314,13 @@ def _solve_rank(search: _Search, chunks, micro_batch_size: int, m: int, holds: t
     where nothing fits (the search's InfeasibleError, with how far over)."""
     request = search.request
     flight, buffers, drained, later, outputs = holds
-    table, held = pipelined(search.table(chunks, micro_batch_size, m), m, flight, drained, later)
+    table, held = search.pipelined(chunks, micro_batch_size, m, flight, drained, later)
     held = replace(held, buffers=buffers, outputs=(int(outputs * later), int(outputs * flight)))
     if search.decide is not None:
         return search.decide(table), SolveStatus.FIXED, table, held
     key = (search.source(chunks)[0].key, micro_batch_size, m, holds)
     if not solve and key not in search.solved and request.uniform is None:  # the floor alone, no solve
-        floor = rank_floor(table, held)
+        floor = search.floors[key] = search.floors[key] if key in search.floors else rank_floor(table, held)
         found = RankSolve(None if floor > request.limits.planned_bytes else [], SolveStatus.PRUNED, floor)
     else:
         found = search.solved[key] = search.solved[key] if key in search.solved else solve_rank(request, table, held)

@@ -30,7 +30,7 @@ from cost_models.tensor_parallel import TpLayout
 from cost_models.training import Training
 
 __all__ = ["StageTables", "balanced_cuts", "boundary_bytes", "forward_units", "rank_chunks", "shifted", "slot_bounds", "stage_cluster",
-           "stage_modules", "unit_weights"]
+           "stage_modules", "undominated", "unit_weights"]
 
 
 def forward_units(units: list[Unit]) -> list[int]:
@@ -106,6 +106,21 @@ def slot_bounds(tables: list[CostTable], m: int) -> tuple[float, float]:
     sums = [sum(min((step - cost.optimizer_s) / m for step, cost in zip(unit_step_s(table, u), table.costs[u]))
                 for u in range(len(table.units))) for table in tables]
     return max(sums), sum(sums) / len(sums)
+
+
+# schedule -> the one that beats it wherever both run, under this cost model: 1F1B has GPipe's bubble with fewer
+# micro-batches in flight; zero bubble has interleaved 1F1B's stages, in-flight count and sends, and a third of its bubble
+_DOMINATED_BY = {"gpipe": "1f1b", "interleaved_1f1b": "zero_bubble"}
+
+
+def undominated(rows: list, fixed: str | None) -> list:
+    """The schedules worth solving: a dominated one only where what beats it does not run, or when asked for."""
+    if fixed is not None:
+        return rows
+    # apply refuses the schedules deferring weight gradients (they drift under FSDP2): offered only when asked for
+    rows = [row for row in rows if not row.splits_backward]
+    names = {row.name for row in rows}
+    return [row for row in rows if _DOMINATED_BY.get(row.name) not in names]
 
 
 def shifted(cuts: list[int], stage: int, units: int) -> list[int] | None:
