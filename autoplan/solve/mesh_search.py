@@ -32,6 +32,7 @@ from autoplan.models.tp_layout import TpRefusal, check_with_experts, recognise
 from autoplan.solve.cluster import Cluster
 from autoplan.solve.expert_tables import mesh_source
 from autoplan.solve.pipeline import PipelineOutcome, search_pipeline
+from autoplan.solve.progress import MeshProgress
 from autoplan.solve.request import PlanRequest, Uniform
 from autoplan.solve.solver import cp_sat
 from autoplan.solve.stages import StageTables
@@ -128,7 +129,8 @@ def search_meshes(request: PlanRequest) -> MeshSearch:
     """Every mesh of the request searched, then its pipelined meshes where a pipeline can pay
     (`pipeline_pays`), the fastest plan that fits chosen (`best_result`). Raises the InfeasibleError needing
     the least memory when nothing fits anywhere."""
-    progress = _Progress(len(request.meshes))
+    _LAYOUTS.clear()  # this search's model's (a model may change between searches)
+    progress = MeshProgress(len(request.meshes), PROGRESS_DELAY_S)
     results = _search_all(request, request.meshes, progress)
     if request.pipeline_meshes and pipeline_pays(results):
         meshes = request.pipeline_meshes + _at_best_degree(request.pipeline_meshes, results)
@@ -200,11 +202,23 @@ def _search_all(request: PlanRequest, meshes: tuple[Mesh, ...], progress, offset
 
 
 def _extrapolated(request: PlanRequest, meshes: tuple[Mesh, ...]) -> None:
-    """The model's ops at each micro-batch the meshes try, made before the fork: once, not once per worker."""
+    """The model's ops at each micro-batch the meshes try, and their tensor-parallel layouts, made before the fork:
+    once, not once per worker."""
     for mesh in meshes:
         with contextlib.suppress(UsageError):  # a global batch this mesh cannot divide: its search says so
             for size, _ in request.batch.candidates(mesh.dp):
                 request.tables.inputs(size)
+        with contextlib.suppress(TpRefusal):  # the model or the degree cannot take it: its search says so
+            _recognised(request, mesh.tp, mesh.sequence_parallel) if mesh.tp > 1 else None
+
+
+_LAYOUTS: dict = {}  # (degree, sequence parallelism) -> the searched model's TpLayout: every mesh of a degree reads one
+
+
+def _recognised(request: PlanRequest, degree: int, sequence_parallel: bool) -> TpLayout:
+    if (degree, sequence_parallel) not in _LAYOUTS:
+        _LAYOUTS[degree, sequence_parallel] = recognise(request.model.module, degree, sequence_parallel)
+    return _LAYOUTS[degree, sequence_parallel]
 
 
 def _restored(request: PlanRequest, result: MeshResult) -> MeshResult:
@@ -245,7 +259,7 @@ def _search(request: PlanRequest, mesh: Mesh, progress=None, beat: float = 0.0) 
     try:
         if mesh.tp > 1:
             check_beside_tensor_parallelism(request.uniform)
-            result.layout = recognise(request.model.module, mesh.tp, mesh.sequence_parallel)
+            result.layout = _recognised(request, mesh.tp, mesh.sequence_parallel)
             check_with_experts(result.layout, mesh.ep)
         uniform = request.uniform
         if mesh.ep > 1 and uniform is not None and not expert_kind_runs(uniform.strategy, uniform.offload):
@@ -315,44 +329,3 @@ def best_result(results: list[MeshResult]) -> MeshResult:
     if len(tried) > 1:
         error.args = (error.args[0] + f" (tensor-parallel degrees tried: {', '.join(tried)})",)
     raise error
-
-
-class _Progress:
-    """Lines on stderr once the search has taken PROGRESS_DELAY_S: per micro-batch this process searches (which
-    mesh and its shape, the micro-batch, what it gave, the best so far), and per mesh searched (its best
-    micro-batch, the best plan so far). A search of one mesh shows its micro-batches too."""
-
-    def __init__(self, meshes: int):
-        self.meshes, self.start = meshes, time.perf_counter()
-
-    def sweeping(self, index: int, mesh: Mesh):
-        """The sweep's progress hook for the `index`-th mesh (autoplan.solve.sweep)."""
-        shape = (f"{mesh.pp} pipeline x " if mesh.pp > 1 else "") + f"{mesh.dp} data-parallel" + \
-            (f" x {mesh.cp} context-parallel" if mesh.cp > 1 else "") + \
-            (f" x {mesh.tp} tensor-parallel" if mesh.tp > 1 else "") + (" +sp" if mesh.sequence_parallel else "") + \
-            (f", experts {mesh.ep}-way" if mesh.ep > 1 else "")
-
-        def step_done(step, best: float | None) -> None:
-            elapsed = time.perf_counter() - self.start
-            if elapsed < PROGRESS_DELAY_S:
-                return
-            found = (f"{step.throughput_samples_s:,.1f} samples/s" if step.throughput_samples_s is not None
-                     else step.status.lower().replace("_", " "))
-            so_far = f"; best so far {best:,.1f} samples/s" if best is not None else ""
-            print(f"autoplan: mesh {index + 1} of {self.meshes} ({shape}), micro-batch {step.micro_batch_size} x "
-                  f"{step.grad_accum_steps} accumulation: {found}{so_far} ({elapsed:.1f} s)", file=sys.stderr,
-                  flush=True)
-        return step_done
-
-    def done(self, results: list[MeshResult]) -> None:
-        elapsed = time.perf_counter() - self.start
-        last = results[-1]
-        if elapsed < PROGRESS_DELAY_S or self.meshes == 1 or last.outcome is None and last.error is None:
-            return  # quick, alone, or not searched (a layout the model does not take)
-        found = (f"micro-batch {last.outcome.table.micro_batch_size}, {last.throughput:,.1f} samples/s"
-                 if last.outcome is not None else last.refused or "no plan")
-        fitting = [r for r in results if r.outcome is not None]
-        best = max(fitting, key=lambda r: r.throughput) if fitting else None
-        so_far = f"; best so far {best.label}, {best.throughput:,.1f} samples/s" if best is not None else ""
-        print(f"autoplan: mesh {len(results)} of {self.meshes} ({last.label}): {found}{so_far} ({elapsed:.1f} s)",
-              file=sys.stderr, flush=True)
