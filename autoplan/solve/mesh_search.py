@@ -202,11 +202,12 @@ def _search_all(request: PlanRequest, meshes: tuple[Mesh, ...], progress, offset
 
 
 def _extrapolated(request: PlanRequest, meshes: tuple[Mesh, ...]) -> None:
-    """The model's ops at each micro-batch the meshes try, and their tensor-parallel layouts, made before the fork:
-    once, not once per worker."""
+    """The model's ops at the two smallest micro-batches each mesh tries (every sweep starts there; a larger size only
+    some reach: made where it is needed), and their tensor-parallel layouts, made before the fork: once, not once
+    per worker."""
     for mesh in meshes:
         with contextlib.suppress(UsageError):  # a global batch this mesh cannot divide: its search says so
-            for size, _ in request.batch.candidates(mesh.dp):
+            for size, _ in request.batch.candidates(mesh.dp)[:2]:
                 request.tables.inputs(size)
         with contextlib.suppress(TpRefusal):  # the model or the degree cannot take it: its search says so
             _recognised(request, mesh.tp, mesh.sequence_parallel) if mesh.tp > 1 else None
