@@ -113,3 +113,14 @@ def test_the_cache_keeps_at_most_its_entries(tmp_path, on, monkeypatch):
     for seq_len in (8, 16, 24):
         TracedModel("gpt2-tiny", seq_len=seq_len).traces()
     assert len(_entries(tmp_path)) == 2
+
+
+def test_a_stack_of_reused_blocks_is_kept_as_a_few_blocks_and_read_back_whole(tmp_path, on):
+    first = TracedModel("gpt2-tiny[n_layers=24]", seq_len=32)
+    pair = first.traces()
+    assert pair.blocks is not None and pair.reuse.startswith("24 blocks")
+    data = json.loads(_entries(tmp_path)[0].read_text())
+    assert data["blocks"]["count"] == 24 and len(data["traces"]) == 2
+    assert all(len(stored["ops"]) < len(pair.at_1.ops) / 4 for stored in data["traces"])  # 3 blocks, not 24
+    again = TracedModel("gpt2-tiny[n_layers=24]", seq_len=32)
+    assert _comparable(first) == _comparable(again) and len(on) == 1  # expanded as the trace was

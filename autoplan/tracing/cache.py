@@ -14,6 +14,10 @@ sequence length, the dtype and the example inputs' shapes. An edit to the model'
 a new key; an entry of another format, one that does not parse, or one whose recorded key differs is
 ignored and written again. Entries are data (JSON: op records, the graph's edges, storages), never
 pickles: reading one runs no code. `AUTOPLAN_TRACE_CACHE=off` turns the cache off.
+
+A pair expanded from a few periods of blocks (reuse, tracer.BlockTraces) is kept as those periods' traces and
+expanded again when read: reading and checking every block's ops of a 3000-layer stack (132,000 ops per trace)
+took longer than tracing it, and the entry would hold megabytes where a few blocks' ops say the same.
 """
 
 from __future__ import annotations
@@ -33,7 +37,8 @@ import torch.nn as nn
 
 from autoplan.fileio import write_text_atomic
 from autoplan.tracing import reuse
-from autoplan.tracing.tracer import ExampleInputs, Pricing, TracePair, trace_pair
+from autoplan.tracing.expand import Mismatch, Repeats
+from autoplan.tracing.tracer import BlockTraces, ExampleInputs, Pricing, TracePair, trace_pair
 from autoplan.version import __version__
 from cost_models.records import ModelTrace, OpRecord
 
@@ -41,7 +46,7 @@ __all__ = ["CACHE_DIR_ENV", "CACHE_SWITCH_ENV", "MAX_ENTRIES", "cached_trace_pai
 
 CACHE_DIR_ENV = "AUTOPLAN_CACHE_DIR"  # the profiler's measurements live there too (autoplan.profiling.cache)
 CACHE_SWITCH_ENV = "AUTOPLAN_TRACE_CACHE"
-FORMAT = 1
+FORMAT = 2  # 2: a pair expanded from a few blocks is kept as those blocks' traces
 MAX_ENTRIES = 64  # the oldest go first beyond this: a large model's pair is a few MB
 _OP_FIELDS = tuple(f.name for f in dataclasses.fields(OpRecord))
 _PLAIN = (type(None), bool, int, float, str)
@@ -193,23 +198,48 @@ def _read(path: Path, key: str, pricing: Pricing) -> TracePair | None:
         data = json.loads(path.read_text())
         if data.get("format") != FORMAT or data.get("key") != key:
             return None
-        pair = TracePair(data["tracer"], *(_trace_of(trace) for trace in data["traces"]), reuse=data["reuse"],
-                         pricing=pricing)
+        pair = _pair_of(data, pricing)
         os.utime(path)  # recently used: the last to be pruned
         return pair
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # absent, damaged, of another shape
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, Mismatch):  # absent, damaged, of another shape
         return None
 
 
+def _pair_of(data: dict, pricing: Pricing = Pricing()) -> TracePair:
+    """The pair an entry holds: its traces, or the whole model's expanded from the few blocks' it holds."""
+    tracer, reuse, traces, short = _stored(data)
+    if short is None:
+        return TracePair(tracer, *traces, reuse=reuse, pricing=pricing)
+    return TracePair(tracer, *short.expanded(), reuse=reuse, pricing=pricing, blocks=short)
+
+
+def _stored(data: dict) -> tuple[str, str, list[ModelTrace], BlockTraces | None]:
+    """An entry's tracer, reuse note, traces and, for a pair expanded from a few blocks, those blocks' traces."""
+    traces = [_trace_of(trace) for trace in data["traces"]]
+    blocks = data.get("blocks")
+    short = None if blocks is None else BlockTraces(
+        data["tracer"], Repeats(blocks["path"], blocks["count"], blocks["period"]), blocks["periods"], *traces,
+        tensors={key: (block, name) for key, block, name in blocks["tensors"]})
+    return data["tracer"], data["reuse"], traces, short
+
+
 def _write(path: Path, key: str, pair: TracePair) -> None:
-    """Store `pair` (when it reads back as itself); a cache that cannot be written only costs a trace next time."""
-    traces = [_trace_data(pair.at_1), _trace_data(pair.at_2)]
+    """Store `pair` (when it reads back as itself); a cache that cannot be written only costs a trace next time.
+    A pair expanded from a few blocks is stored as those blocks' traces (see BlockTraces)."""
+    short = pair.blocks
+    traces = [_trace_data(short.at_1 if short else pair.at_1), _trace_data(short.at_2 if short else pair.at_2)]
     if None in traces:
         return
-    text = json.dumps({"format": FORMAT, "key": key, "tracer": pair.tracer, "reuse": pair.reuse, "traces": traces},
-                      separators=(",", ":"))
+    entry = {"format": FORMAT, "key": key, "tracer": pair.tracer, "reuse": pair.reuse, "traces": traces}
+    if short is not None:
+        entry["blocks"] = {"path": short.repeats.path, "count": short.repeats.count, "period": short.repeats.period,
+                           "periods": short.periods,
+                           "tensors": [[key, block, name] for key, (block, name) in short.tensors.items()]}
+    text = json.dumps(entry, separators=(",", ":"))
     try:
-        if _read_text(text, key) != _comparable(pair):
+        tracer, reuse, traces, short_read = _stored(json.loads(text))
+        read = TracePair(tracer, *traces, reuse=reuse, blocks=short_read)
+        if _comparable(read, stored=True) != _comparable(pair, stored=True):
             return
         write_text_atomic(path, text)
         _prune(path.parent)
@@ -218,15 +248,15 @@ def _write(path: Path, key: str, pair: TracePair) -> None:
               file=sys.stderr)
 
 
-def _read_text(text: str, key: str) -> Any:
-    data = json.loads(text)
-    return _comparable(TracePair(data["tracer"], *(_trace_of(t) for t in data["traces"]), reuse=data["reuse"]))
-
-
-def _comparable(pair: TracePair) -> Any:
+def _comparable(pair: TracePair, stored: bool = False) -> Any:
+    """What a pair holds, to compare; `stored`: what its entry holds (a reused pair's few blocks, not the whole)."""
     def one(trace: ModelTrace):
         return (trace.ops, trace.micro_batch_size, trace.seq_len, trace.dtype, list(trace.graph.nodes),
                 list(trace.graph.edges), trace.input_storages, trace.storage_producer, trace.saved_storages)
+    if stored and pair.blocks is not None:
+        short = pair.blocks
+        return (pair.tracer, pair.reuse, one(short.at_1), one(short.at_2), short.repeats, short.periods,
+                short.tensors)
     return pair.tracer, pair.reuse, one(pair.at_1), one(pair.at_2)
 
 

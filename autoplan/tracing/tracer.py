@@ -113,6 +113,25 @@ class Pricing:
         return AttentionPolicy(self.attention, self.device)
 
 
+@dataclass(frozen=True)
+class BlockTraces:
+    """What a reused pair was expanded from: the traces of the model cut to `periods` periods of its blocks and
+    the short model's block parameters and buffers (reuse.block_tensors). A few blocks' ops, which the trace cache
+    keeps in place of the whole model's (expanding them again is cheaper than reading every block's)."""
+
+    tracer: str
+    repeats: Repeats
+    periods: int
+    at_1: ModelTrace
+    at_2: ModelTrace
+    tensors: dict[int, tuple[int, str]]
+
+    def expanded(self) -> list[ModelTrace]:
+        """The whole model's traces at micro-batch 1 and 2."""
+        return [expand(trace, self.repeats, self.periods, self.repeats.periods, self.tracer, self.tensors)
+                for trace in (self.at_1, self.at_2)]
+
+
 @dataclass
 class TracePair:
     tracer: str  # "fx" or "dispatch"
@@ -122,6 +141,7 @@ class TracePair:
     reuse: str = ""
     pricing: Pricing = Pricing()
     attention: AttentionPolicy | None = None  # the kernels' choices, with the attention calls seen
+    blocks: BlockTraces | None = None  # what the traces were expanded from, where blocks were reused
 
     def prices_as(self, pricing: Pricing) -> bool:
         """Whether these traces are what `pricing` would trace: the same but perhaps the device, where every
@@ -166,9 +186,9 @@ def _trace_dispatch(model: nn.Module, seq_len: int, dtype: str, inputs: ExampleI
 _TRACE_FUNCTIONS = {"fx": _trace_fx, "dispatch": _trace_dispatch}
 
 
-def _by_blocks(model: nn.Module, repeats: Repeats, tracer: str, run: TraceFunction, dtype: str) -> list[ModelTrace]:
-    """The traces of the whole model from traces of it truncated to 3 and 4 periods of its blocks (see
-    reuse). Raises Mismatch when the 4-period traces are not the 3-period ones repeated."""
+def _by_blocks(model: nn.Module, repeats: Repeats, tracer: str, run: TraceFunction, dtype: str) -> BlockTraces:
+    """The traces of the model truncated to 3 and 4 periods of its blocks (see reuse), the whole model's to be
+    expanded from the 3-period ones. Raises Mismatch when the 4-period traces are not the 3-period ones repeated."""
     short, longer = {}, {}
     for periods, into in zip(TRACED_PERIODS, (short, longer)):
         with truncated(model, repeats, periods):
@@ -176,8 +196,13 @@ def _by_blocks(model: nn.Module, repeats: Repeats, tracer: str, run: TraceFuncti
             into["traces"], into["tensors"] = run(meta, None), block_tensors(meta, repeats)
     for trace, longer_trace in zip(short["traces"], longer["traces"]):
         predict_and_check(trace, longer_trace, repeats, tracer, short["tensors"])
-    return [expand(trace, repeats, TRACED_PERIODS[0], repeats.periods, tracer, short["tensors"])
-            for trace in short["traces"]]
+    return BlockTraces(tracer, repeats, TRACED_PERIODS[0], *short["traces"], short["tensors"])
+
+
+def reused_note(repeats: Repeats) -> str:
+    """TracePair.reuse of traces expanded from a few periods of blocks."""
+    traced = " and ".join(str(periods * repeats.period) for periods in TRACED_PERIODS)
+    return f"{repeats.count} blocks of {repeats.path} from traces of {traced}"
 
 
 def _traced(model: nn.Module, tracer: str, seq_len: int, dtype: str, inputs: ExampleInputs | None,
@@ -191,10 +216,9 @@ def _traced(model: nn.Module, tracer: str, seq_len: int, dtype: str, inputs: Exa
     reuse = ("no repeated blocks" if not blocks else f"blocks differ, or too few to reuse ({blocks} blocks)")
     if repeats is not None:
         try:
-            traces = _by_blocks(model, repeats, tracer, run, dtype)
-            traced = " and ".join(str(periods * repeats.period) for periods in TRACED_PERIODS)
-            return TracePair(tracer, *traces, reuse=f"{repeats.count} blocks of {repeats.path} from traces of {traced}",
-                             pricing=pricing, attention=policy)
+            short = _by_blocks(model, repeats, tracer, run, dtype)
+            return TracePair(tracer, *short.expanded(), reuse=reused_note(repeats), pricing=pricing,
+                             attention=policy, blocks=short)
         except UsageError:
             raise
         except Exception as exc:  # noqa: BLE001 - reuse only saves time: whatever stops it, trace every block
@@ -225,4 +249,4 @@ def trace_pair(model: nn.Module, seq_len: int, dtype: str = "bf16", inputs: Exam
                      + ":\n  " + "\n  ".join(failures) + "\n" + TRACE_HINT)
 
 
-__all__ = ["ExampleInputs", "Pricing", "TRACERS", "TracePair", "trace_pair"]
+__all__ = ["BlockTraces", "ExampleInputs", "Pricing", "TRACERS", "TracePair", "reused_note", "trace_pair"]
