@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from cost_models.options import SAVED_BY_SELECTIVE_KINDS, Recompute
 from cost_models.records import LOSS_NODE, ModelTrace, OpRecord, Unit
 
-__all__ = ["BackwardPeak", "Segment", "activation_keep_bytes", "backward_keep_bytes", "kept_saved_bytes",
+__all__ = ["BackwardPeak", "Segment", "activation_keep_bytes", "backward_keep_bytes", "checkpoint_keeps", "kept_saved_bytes",
            "backward_points", "backward_peak", "kept_outputs", "loss_kept_bytes", "loss_reads_key", "saved_by_selective"]
 
 
@@ -119,12 +119,11 @@ def _kept_inputs(trace: ModelTrace, unit: Unit, recompute: Recompute = Recompute
 
 def activation_keep_bytes(trace: ModelTrace, units: list[Unit], recompute: Recompute = Recompute.ALL) -> list[int]:
     """Per unit, the bytes it keeps from its forward to its backward when checkpointed this way."""
-    index = _index(trace) if recompute.keeps_outputs else None
-    return [sum(nbytes for nbytes, _ in _kept_inputs(trace, unit, recompute, index).values()) for unit in units]
+    return checkpoint_keeps(trace, units, (recompute,))[recompute][0]
 
 
-def _kept_through_backward(trace: ModelTrace, unit: Unit, recompute: Recompute,
-                           index: _TraceIndex | None) -> dict[int, tuple[int, str | None]]:
+def _kept_through_backward(trace: ModelTrace, unit: Unit, recompute: Recompute, index: _TraceIndex | None,
+                           kept: dict[int, tuple[int, str | None]] | None = None) -> dict[int, tuple[int, str | None]]:
     """Of what the checkpointed unit keeps, what is still held once its backward has recomputed its forward.
     Fully checkpointed: all of it (its inputs). Selectively: its inputs, and the kept matmul and attention
     outputs the recomputation never reaches. torch's selective checkpoint holds those outputs in a cache
@@ -133,7 +132,7 @@ def _kept_through_backward(trace: ModelTrace, unit: Unit, recompute: Recompute,
     replay stops at the unit's last op that saves a tensor for backward, which saves its inputs before it
     runs, so the outputs of that op and the ops after it stay in the cache (a Llama block: its down
     projection's output; measured with autoplan.memtrack at 16k tokens, where q/k/v/o were freed)."""
-    kept = _kept_inputs(trace, unit, recompute, index)
+    kept = kept if kept is not None else _kept_inputs(trace, unit, recompute, index)
     if not recompute.keeps_outputs:
         return kept
     owned = set(unit.ops)
@@ -146,9 +145,7 @@ def _kept_through_backward(trace: ModelTrace, unit: Unit, recompute: Recompute,
 
 def backward_keep_bytes(trace: ModelTrace, units: list[Unit], recompute: Recompute = Recompute.ALL) -> list[int]:
     """Per unit, the kept bytes (activation_keep_bytes) still held after its backward's recomputation."""
-    index = _index(trace) if recompute.keeps_outputs else None
-    return [sum(nbytes for nbytes, _ in _kept_through_backward(trace, unit, recompute, index).values())
-            for unit in units]
+    return checkpoint_keeps(trace, units, (recompute,))[recompute][1]
 
 
 def loss_reads_key(producer: str) -> str:
@@ -165,24 +162,39 @@ def kept_saved_bytes(trace: ModelTrace, units: list[Unit], recompute: Recompute 
     its unsaved inputs among its transients (fwd_transient_bytes), and the unit's kept bytes count them
     already, so the cost table takes them off the loss's forward where that unit keeps them. They travel
     in this map, keyed by their producer, so that every caller extrapolating it carries them."""
-    index = _index(trace) if recompute.keeps_outputs else None
+    return checkpoint_keeps(trace, units, (recompute,))[recompute][2]
+
+
+def checkpoint_keeps(trace: ModelTrace, units: list[Unit], modes: tuple[Recompute, ...] = (Recompute.ALL,)
+                     ) -> dict[Recompute, tuple[list[int], list[int], dict[str, int]]]:
+    """Per way of checkpointing, activation_keep_bytes, backward_keep_bytes and kept_saved_bytes at once: what each
+    unit keeps is found once and the trace indexed once (the three apart found it four times per unit and mode,
+    and indexed the trace each time)."""
+    index = _index(trace)
+    return {mode: _keeps(trace, units, mode, index) for mode in modes}
+
+
+def _keeps(trace: ModelTrace, units: list[Unit], recompute: Recompute,
+           index: _TraceIndex) -> tuple[list[int], list[int], dict[str, int]]:
+    kept_inputs = [_kept_inputs(trace, unit, recompute, index) for unit in units]
+    through = [_kept_through_backward(trace, unit, recompute, index, keep) for unit, keep in zip(units, kept_inputs)]
     kept: dict[str, int] = {}
-    for unit in units:  # a selectively kept output the recomputation replays is saved (and counted) as recomputed
-        for nbytes, saver in _kept_through_backward(trace, unit, recompute, index).values():
+    for held in through:  # a selectively kept output the recomputation replays is saved (and counted) as recomputed
+        for nbytes, saver in held.values():
             if saver is not None:
                 kept[saver] = kept.get(saver, 0) + nbytes
     loss_inputs = [storage for storage, _ in trace.input_storages.get(LOSS_NODE, [])
                    if storage not in trace.saved_storages]
     if loss_inputs:
-        for unit in units:
+        for unit, keep in zip(units, kept_inputs):
             owned = set(unit.ops)
-            keep = _kept_inputs(trace, unit, recompute, index)
             for storage in loss_inputs:
                 producer = trace.storage_producer.get(storage)
                 if storage in keep and producer in owned:
                     key = loss_reads_key(producer)
                     kept[key] = kept.get(key, 0) + keep[storage][0]
-    return kept
+    return ([sum(nbytes for nbytes, _ in keep.values()) for keep in kept_inputs],
+            [sum(nbytes for nbytes, _ in held.values()) for held in through], kept)
 
 
 def loss_kept_bytes(ops: list[OpRecord], owner: dict[str, int],

@@ -82,21 +82,36 @@ _SCALED_FIELDS = (
 )
 
 
-def extrapolate_ops(ops_at_1: list[OpRecord], ops_at_2: list[OpRecord], micro_batch_size: int) -> list[OpRecord]:
+def extrapolate_ops(ops_at_1: list[OpRecord], ops_at_2: list[OpRecord], micro_batch_size: int,
+                    ids: list[int] | None = None) -> list[OpRecord]:
     """Op costs at any micro-batch size from traces at 1 and 2: every count here is affine in the
-    batch (per-sample activations and FLOPs plus batch-independent parameter traffic)."""
-    result = []
-    for one, two in zip(ops_at_1, ops_at_2, strict=True):
+    batch (per-sample activations and FLOPs plus batch-independent parameter traffic). `ids`: per op, a
+    number equal for ops alike in everything but name and module at both sizes (a model's repeated blocks):
+    each kind is extrapolated once and copied under the other ops' names."""
+    result, made = [], {}
+    for index, (one, two) in enumerate(zip(ops_at_1, ops_at_2, strict=True)):
         assert one.name == two.name, "traces at different batch sizes must share one fx graph"
-        values = {f: max(0, getattr(one, f) + (getattr(two, f) - getattr(one, f)) * (micro_batch_size - 1))
-                  for f in _SCALED_FIELDS}
-        shapes = tuple((micro_batch_size,) + s[1:] if s and s[0] == 1 and s != t else s
-                       for s, t in zip(one.input_shapes, two.input_shapes))
-        # constant arguments can hold the batch size (a view's sizes); batch 2's are the nearer guess
-        variant = one.variant if micro_batch_size == 1 else two.variant
-        result.append(OpRecord(one.name, one.kind, one.module, shapes, one.dtype, is_matmul=one.is_matmul,
-                               variant=variant, attention=one.attention, unpriced=one.unpriced, **values))
+        kind = ids[index] if ids is not None else index
+        template = made.get(kind)
+        if template is None:
+            made[kind] = record = _extrapolated(one, two, micro_batch_size)
+        else:
+            record = object.__new__(OpRecord)  # a copy; copy.copy is 10x slower on a dataclass
+            record.__dict__.update(template.__dict__)
+            record.name, record.module = one.name, one.module
+        result.append(record)
     return result
+
+
+def _extrapolated(one: OpRecord, two: OpRecord, micro_batch_size: int) -> OpRecord:
+    values = {f: max(0, getattr(one, f) + (getattr(two, f) - getattr(one, f)) * (micro_batch_size - 1))
+              for f in _SCALED_FIELDS}
+    shapes = tuple((micro_batch_size,) + s[1:] if s and s[0] == 1 and s != t else s
+                   for s, t in zip(one.input_shapes, two.input_shapes))
+    # constant arguments can hold the batch size (a view's sizes); batch 2's are the nearer guess
+    variant = one.variant if micro_batch_size == 1 else two.variant
+    return OpRecord(one.name, one.kind, one.module, shapes, one.dtype, is_matmul=one.is_matmul, variant=variant,
+                    attention=one.attention, unpriced=one.unpriced, **values)
 
 
 @dataclass

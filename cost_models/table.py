@@ -9,6 +9,7 @@ the memory timeline and the step time are made of. A model's repeated blocks are
 from __future__ import annotations
 
 import copy
+from operator import attrgetter
 from dataclasses import dataclass, fields, replace
 
 from cost_models.activations import Segment, loss_kept_bytes
@@ -127,11 +128,12 @@ def build_cost_table(inputs: TableInputs, profile: DeviceProfile, mesh: Mesh, mi
 
 # what an op's costs read: all of it but its name and module path (which differ between a model's repeated blocks)
 _OP_CONTENT = tuple(f.name for f in fields(OpRecord) if f.name not in ("name", "module"))
+_content = attrgetter(*_OP_CONTENT)
 
 
 def op_content(op: OpRecord) -> tuple:
     """Everything of an op that its costs read."""
-    return tuple(getattr(op, f) for f in _OP_CONTENT)
+    return _content(op)
 
 
 def unit_classes(inputs: TableInputs) -> list[int]:

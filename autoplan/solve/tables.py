@@ -18,7 +18,7 @@ from autoplan.errors import UsageError
 from autoplan.solve.cluster import Cluster
 from autoplan.tracing.tracer import TracePair, trace_pair
 from autoplan.tracing.units import build_units
-from cost_models.activations import activation_keep_bytes, backward_keep_bytes, kept_saved_bytes
+from cost_models.activations import checkpoint_keeps
 from cost_models.options import Recompute
 from cost_models.records import Unit, extrapolate_ops
 from cost_models.table import CostTable, TableInputs, build_cost_table, op_content
@@ -118,12 +118,10 @@ class CostTables(_Source):
         self.trace_1, self.trace_2 = traces.at_1, traces.at_2
         self.units = build_units(model, self.trace_1, granularity, extra_units)  # extra: modules pins make units
         # what a checkpointed unit keeps, per way of checkpointing, at micro-batch 1 and 2
-        self.keep = {mode: (activation_keep_bytes(self.trace_1, self.units, mode),
-                            activation_keep_bytes(self.trace_2, self.units, mode)) for mode in CHECKPOINTED}
-        self.backward_keep = {mode: (backward_keep_bytes(self.trace_1, self.units, mode),
-                                     backward_keep_bytes(self.trace_2, self.units, mode)) for mode in CHECKPOINTED}
-        self.kept_saved = {mode: (kept_saved_bytes(self.trace_1, self.units, mode),
-                                  kept_saved_bytes(self.trace_2, self.units, mode)) for mode in CHECKPOINTED}
+        at_1, at_2 = (checkpoint_keeps(trace, self.units, CHECKPOINTED) for trace in (self.trace_1, self.trace_2))
+        self.keep = {mode: (at_1[mode][0], at_2[mode][0]) for mode in CHECKPOINTED}
+        self.backward_keep = {mode: (at_1[mode][1], at_2[mode][1]) for mode in CHECKPOINTED}
+        self.kept_saved = {mode: (at_1[mode][2], at_2[mode][2]) for mode in CHECKPOINTED}
         self._inputs: dict[int, TableInputs] = {}  # by micro-batch: a mesh search reads each size once per mesh
         # ops alike at micro-batch 1 and 2 (contents, and what checkpointing keeps of them) are alike at every size
         self.op_ids = _ids([(op_content(one), op_content(two),
@@ -140,7 +138,7 @@ class CostTables(_Source):
 
             self._inputs[micro_batch_size] = TableInputs(
                 units=self.units,
-                ops=extrapolate_ops(self.trace_1.ops, self.trace_2.ops, micro_batch_size),
+                ops=extrapolate_ops(self.trace_1.ops, self.trace_2.ops, micro_batch_size, self.op_ids),
                 keep={mode: at(self.keep[mode]) for mode in CHECKPOINTED},
                 backward_keep={mode: at(self.backward_keep[mode]) for mode in CHECKPOINTED},
                 kept_saved={mode: {name: a + (at_2.get(name, 0) - a) * m for name, a in at_1.items()}
