@@ -37,7 +37,11 @@ import heapq
 from dataclasses import dataclass
 from enum import Enum
 
-from .algebra import Algebra, add_all
+from collections.abc import Callable
+
+from .algebra import Algebra, NumericAlgebra, add_all
+from .choices import Option
+from .option_cost import OptionCost
 from .options import Recompute
 from .table import CostTable
 
@@ -92,13 +96,11 @@ def _values(table: CostTable, unit: int, field: str) -> list:
     return [getattr(cost, field) for cost in table.costs[unit]]
 
 
-def _sum(terms: list) -> object:
-    return add_all(terms)
+_sum = add_all
 
 
-def _backward_peak(seg, recompute: Recompute):
-    return {Recompute.NOTHING: seg.bwd_peak, Recompute.ALL: seg.bwd_peak_checkpointed,
-            Recompute.CHEAP: seg.bwd_peak_selective, Recompute.ALTERNATE: seg.bwd_peak_alternate}[recompute]
+_PEAK_OF = {Recompute.NOTHING: "bwd_peak", Recompute.ALL: "bwd_peak_checkpointed", Recompute.CHEAP: "bwd_peak_selective",
+            Recompute.ALTERNATE: "bwd_peak_alternate"}
 
 
 def timeline(table: CostTable, alg: Algebra) -> list[MemoryPoint]:
@@ -116,10 +118,13 @@ def timeline(table: CostTable, alg: Algebra) -> list[MemoryPoint]:
 class _Timeline:
     """What the time points share: the state held throughout (prefix and suffix sums over units and
     segments, defined once), where units start and end (each question O(log units): a model of thousands
-    of layers must not scan every unit at every segment), FSDP2's gather and reduce orders."""
+    of layers must not scan every unit at every segment), FSDP2's gather and reduce orders. A unit's values are
+    found once per field (`pick`); for one fixed plan (NumericAlgebra) its chosen option's alone."""
 
     def __init__(self, table: CostTable, alg: Algebra):
         self.table, self.alg = table, alg
+        self.chosen = alg.choices if isinstance(alg, NumericAlgebra) else None
+        self._picked: dict[tuple[int, str], object] = {}
         self.units, n_units = table.units, len(table.units)
         self.params_all = alg.define(_sum([self.pick(u, "param_bytes") for u in range(n_units)]), "params")
         self.optimizer_all = alg.define(_sum([self.pick(u, "optimizer_bytes") for u in range(n_units)]), "optimizer")
@@ -133,7 +138,21 @@ class _Timeline:
         self.started = 0
 
     def pick(self, unit: int, field: str):
-        return self.alg.pick(unit, _values(self.table, unit, field))
+        if self.chosen is not None:
+            return getattr(self.table.costs[unit][self.chosen[unit]], field)
+        key = (unit, field)
+        found = self._picked.get(key)
+        if found is None:
+            found = self._picked[key] = self.alg.pick(unit, _values(self.table, unit, field))
+        return found
+
+    def per_option(self, unit: int, value: Callable[[Option, OptionCost], int]):
+        """alg.pick of value(option, cost) over the unit's options (for a fixed plan, of its chosen option alone)."""
+        options, costs = self.table.options[unit], self.table.costs[unit]
+        if self.chosen is not None:
+            chosen = self.chosen[unit]
+            return value(options[chosen], costs[chosen])
+        return self.alg.pick(unit, [value(option, cost) for option, cost in zip(options, costs)])
 
     def _state_prefixes(self) -> None:
         table, alg, units, n_units = self.table, self.alg, self.units, len(self.units)
@@ -154,13 +173,10 @@ class _Timeline:
         self.activations_upto: list = []
         running = 0
         for index, seg in enumerate(table.segments):
-            self.first_segment_of.setdefault(seg.unit, index)
-            per_option = [
-                (cost.activation_bytes if index == self.first_segment_of[seg.unit] else 0) if option.mode.checkpoints
-                else seg.saved_bytes
-                for option, cost in zip(table.options[seg.unit], table.costs[seg.unit])
-            ]
-            running = alg.define(running + alg.pick(seg.unit, per_option), f"act_{index}")
+            first = self.first_segment_of.setdefault(seg.unit, index) == index
+            saved = self.per_option(seg.unit, lambda option, cost, first=first, seg=seg: (
+                (cost.activation_bytes if first else 0) if option.mode.checkpoints else seg.saved_bytes))
+            running = alg.define(running + saved, f"act_{index}")
             self.activations_upto.append(running)
 
     def _spans(self) -> None:
@@ -239,7 +255,6 @@ class _Timeline:
     def forward(self, index: int, seg, around: list[int]) -> list[MemoryPoint]:
         """The segment's forward point, after a pre-forward point where its unit copies out its gathered
         parameters."""
-        table, alg = self.table, self.alg
         label = self._label(seg)
         points = []
         held_done = self.held_upto[self.ending_before(seg.first_op)]
@@ -256,7 +271,7 @@ class _Timeline:
                 temporaries=0,
             )))
         # the loss's unsaved inputs are among its transients; a unit that keeps one counts it already
-        kept_by = ([alg.pick(u, [-c.loss_kept_bytes for c in table.costs[u]]) for u in self.loss_keepers]
+        kept_by = ([self.per_option(u, lambda _, cost: -cost.loss_kept_bytes) for u in self.loss_keepers]
                    if seg.outside_model else [])
         points.append(MemoryPoint(f"fwd {label}", _parts(
             params=self.params_all, grads=self.grads_in_step, optimizer=self.optimizer_all,
@@ -267,13 +282,12 @@ class _Timeline:
 
     def backward(self, index: int, seg, around: list[int]) -> list[MemoryPoint]:
         """The segment's backward at its peak, then the reductions of the units whose backward ends with it."""
-        table, alg, n_units = self.table, self.alg, len(self.units)
+        table, n_units = self.table, len(self.units)
         held_done = self.held_upto[self.ending_before(seg.first_op)]
         prefetch_bwd = None if seg.outside_model else self.last_ending_before(seg.first_op)
         gathered_bwd = held_done
         if prefetch_bwd is not None:  # prefetched for the next backward unless already held
-            gathered_bwd = gathered_bwd + alg.pick(prefetch_bwd, [
-                c.gathered_bytes - c.held_bytes for c in table.costs[prefetch_bwd]])
+            gathered_bwd = gathered_bwd + self.per_option(prefetch_bwd, lambda _, c: c.gathered_bytes - c.held_bytes)
         done_rank = self.starting_after(seg.last_op)
         grads_done = self.grads_all if table.grad_accum_steps > 1 else self.grads_from[n_units - done_rank]
         # the gradients of every unit whose backward is running accumulate unsharded until its reduction
@@ -281,15 +295,16 @@ class _Timeline:
         pending_reduce = self.pick(pending, "pending_reduce_bytes") if pending is not None else 0
         # [Point] the segment's backward at its peak (table.backward_peak): its own activations and
         # gradients as simulated op by op, the checkpointed unit's kept inputs, earlier segments' activations
-        peak = [_backward_peak(seg, option.recompute) for option in table.options[seg.unit]]
-        kept = [cost.bwd_kept_bytes if option.mode.checkpoints and index == self.first_segment_of[seg.unit] else 0
-                for option, cost in zip(table.options[seg.unit], table.costs[seg.unit])]
+        first = index == self.first_segment_of[seg.unit]
         earlier = self.activations_upto[index - 1] if index > 0 else 0
         points = [MemoryPoint(f"bwd {self._label(seg)}", _parts(
             params=self.params_all, grads=grads_done, optimizer=self.optimizer_all,
-            activations=earlier + alg.pick(seg.unit, [k + p.activations for k, p in zip(kept, peak)]),
+            activations=earlier + self.per_option(seg.unit, lambda option, cost: (
+                (cost.bwd_kept_bytes if option.mode.checkpoints and first else 0)
+                + getattr(seg, _PEAK_OF[option.recompute]).activations)),
             gathered=gathered_bwd + _sum([self.pick(u, "gathered_bytes") for u in around]),
-            temporaries=alg.pick(seg.unit, [p.temporaries for p in peak]) + seg.outer_grad_bytes + pending_reduce,
+            temporaries=self.per_option(seg.unit, lambda option, _: getattr(seg, _PEAK_OF[option.recompute]).temporaries)
+            + seg.outer_grad_bytes + pending_reduce,
         ))]
         for u in self.reduced_after.get(index, []):
             points.append(self._reduce_point(u, earlier, gathered_bwd))

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .algebra import Algebra, add_all
+from .algebra import Algebra, NumericAlgebra, add_all
 from .option_cost import OptionCost
 from .table import CostTable
 
@@ -63,11 +63,20 @@ def unit_step_s(table: CostTable, unit: int) -> list[float]:
 
 def step_time(table: CostTable, alg: Algebra) -> StepTime:
     micro, optimizer, step = [], [], []  # summed at the end: in time linear in the units (algebra.add_all)
+    chosen = alg.choices if isinstance(alg, NumericAlgebra) else None
     for unit in range(len(table.units)):
         is_root = unit == table.root
-        micro.append(alg.pick_time(unit, [_micro(table, c, is_root) for c in table.costs[unit]]))
+        if chosen is not None:  # one plan: its options' times alone, as alg.pick_time would pick them
+            cost = table.costs[unit][chosen[unit]]
+            micro.append(_micro(table, cost, is_root))
+            optimizer.append(cost.optimizer_s)
+            step.append(micro[-1] * table.grad_accum_steps + cost.optimizer_s)
+            continue
+        micros = [_micro(table, c, is_root) for c in table.costs[unit]]
+        micro.append(alg.pick_time(unit, micros))
         optimizer.append(alg.pick_time(unit, [c.optimizer_s for c in table.costs[unit]]))
-        step.append(alg.pick_time(unit, unit_step_s(table, unit)))
+        step.append(alg.pick_time(unit, [m * table.grad_accum_steps + c.optimizer_s  # unit_step_s
+                                         for m, c in zip(micros, table.costs[unit])]))
     return StepTime(add_all(micro), add_all(optimizer), add_all(step))
 
 
