@@ -1,59 +1,37 @@
 """Deep stacks (issue 26): how planning time and memory grow with the number of layers of a tiny-width Hugging
-Face Llama, and where the time goes; the target is 3000 layers planned in under 60 s.
+Face Llama, through the CLI; the target is 3000 layers planned in under 60 s.
 
-    python benchmarks/deep_stack.py                         # 100, 300, 1000 layers (about 5 min here)
-    python benchmarks/deep_stack.py --layers 3000 --mem-cap-gb 14
+    python benchmarks/deep_stack.py                          # 300, 1000, 3000 layers (about 5 min here)
+    python benchmarks/deep_stack.py --layers 3000 --ref main # ... and the same commands on main, side by side
 
-Each case writes a config.json (hidden 64, intermediate 128, 4 heads, 2 KV heads, vocabulary 256) and runs, in
-a child process under a memory cap (RLIMIT_AS, so that a case that needs more fails with a MemoryError
-rather than taking the machine's memory), `autoplan.trace` (building the model on meta and tracing it, the
-stack by a few of its blocks: autoplan/tracing/reuse.py), the cost tables' per-model part
-(`autoplan.solve.tables.CostTables`), and `autoplan.search` at --mem 1GB on 2 GPUs, sequence 32, each timed.
-Printed per case: the phases' seconds, the whole (wall and CPU: on a shared machine the wall time stretches with
-the load, and CP-SAT's time limit is wall-clock time), the peak RSS, the solver's status per micro-batch, or the
-error that stopped it.
+Each case writes a config.json (hidden 64, intermediate 128, 4 heads, 2 KV heads, vocabulary 256) and runs
+
+    autoplan search --model hf:DIR/config.json --mem 1GB --gpus 2 --seq-len 32 -o plan.json
+
+as a user would, in a child process under a memory cap (RLIMIT_AS, so that a case that needs more fails with a
+MemoryError rather than taking the machine's memory) and with a trace cache of its own (a cold cache: the
+model's first command). Printed per case: the CPU seconds of the command (user + system, its children
+included: on a shared machine the wall time stretches with the load, the CPU time much less), its wall time,
+its peak RSS, the solver's status per micro-batch, or the error that stopped it. With --ref, each case runs on
+that revision too (checked out in a temporary git worktree, with this environment's packages), one after the
+other, and the line says whether both wrote the same plan (its decisions, predictions and baselines).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 TARGET_S = {3000: 60.0}
-
-CHILD = r"""
-import json, resource, sys, time
-t0 = time.perf_counter()
-import autoplan
-from autoplan.solve.tables import CostTables
-out = {"import_s": time.perf_counter() - t0}
-try:
-    t = time.perf_counter()
-    traced = autoplan.trace("hf:" + sys.argv[1], seq_len=32)
-    out["trace_s"] = time.perf_counter() - t
-    out["ops"] = len(traced.traces("bf16").at_1.ops)
-    t = time.perf_counter()
-    CostTables(traced.module, 32, "bf16", "block", traces=traced.traces("bf16"))
-    out["tables_s"] = time.perf_counter() - t
-    t = time.perf_counter()
-    plan = autoplan.search(traced, "1GB", gpus=2)
-    out["search_s"] = time.perf_counter() - t
-    out["units"] = len(plan.units)
-    out["sweep"] = [f"{e.micro_batch_size}:{e.status.lower()}" for e in plan.solver.micro_batch_sweep]
-except BaseException as exc:  # a MemoryError under the cap, the solver's time running out
-    out["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
-out["total_s"] = time.perf_counter() - t0
-out["cpu_s"] = sum(u.ru_utime + u.ru_stime for u in map(resource.getrusage, (resource.RUSAGE_SELF,
-                                                                               resource.RUSAGE_CHILDREN)))
-out["peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-print("RESULT " + json.dumps(out))
-"""
+COMPARED = ("units", "predicted", "baselines", "training", "cluster")  # what "the same plan" compares
 
 
 def write_config(folder: Path, layers: int) -> Path:
@@ -65,39 +43,78 @@ def write_config(folder: Path, layers: int) -> Path:
     return folder
 
 
-def run_case(layers: int, cap_gb: float, scratch: Path) -> dict:
+def run_case(layers: int, tree: Path, cap_gb: float, scratch: Path, label: str) -> dict:
+    """The CLI's search of the `layers`-deep stack with `tree`'s autoplan: CPU and wall seconds, peak RSS, the plan."""
     folder = write_config(scratch / f"llama-{layers}", layers)
+    out = scratch / f"plan-{layers}-{label}.json"
+    env = dict(os.environ, PYTHONPATH=str(tree), AUTOPLAN_CACHE_DIR=str(scratch / f"cache-{layers}-{label}"))
+    argv = [sys.executable, "-m", "autoplan", "search", "--model", f"hf:{folder / 'config.json'}", "--mem", "1GB",
+            "--gpus", "2", "--seq-len", "32", "-o", str(out)]
 
     def cap():
         limit = int(cap_gb * 2**30)
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
-    done = subprocess.run([sys.executable, "-c", CHILD, str(folder)], cwd=REPO, capture_output=True, text=True,
-                          preexec_fn=cap, check=False)  # noqa: PLW1509 - no threads here
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    if not lines:
-        return {"error": f"exit {done.returncode}: {done.stderr.strip().splitlines()[-1:]}"}
-    return json.loads(lines[-1][len("RESULT "):])
+    with open(scratch / f"log-{layers}-{label}.txt", "w+") as log:
+        start = time.perf_counter()
+        child = subprocess.Popen(argv, cwd=tree, env=env, stdout=log, stderr=subprocess.STDOUT,  # noqa: S603
+                                 preexec_fn=cap)  # noqa: PLW1509 - no threads here
+        _, status, usage = os.wait4(child.pid, 0)  # this child's own usage (its children included once reaped)
+        child.returncode = os.waitstatus_to_exitcode(status)
+        result = {"wall_s": time.perf_counter() - start, "cpu_s": usage.ru_utime + usage.ru_stime,
+                  "peak_rss_gb": usage.ru_maxrss / 2**20, "rc": child.returncode}
+        log.seek(0)
+        lines = [line for line in log.read().splitlines() if not line.startswith("autoplan: mesh")]
+    if child.returncode != 0 or not out.is_file():
+        result["error"] = f"exit {child.returncode}: {lines[-1] if lines else ''}"[:300]
+        return result
+    plan = json.loads(out.read_text())
+    result["sweep"] = [f"{e['micro_batch_size']}:{e['status'].lower()}" for e in plan["solver"]["micro_batch_sweep"]]
+    result["samples_s"] = plan["predicted"]["throughput_samples_s"]
+    result["plan"] = {key: plan.get(key) for key in COMPARED}
+    return result
+
+
+def _line(layers: int, label: str, r: dict) -> str:
+    def cell(key, width, fmt="{:.1f}"):
+        return (fmt.format(r[key]) if key in r else "-").rjust(width)
+
+    target = f" (target {TARGET_S[layers]:.0f} s)" if layers in TARGET_S else ""
+    return (f"{layers:>6} {label:>10} {cell('cpu_s', 7)} {cell('wall_s', 7)} {cell('peak_rss_gb', 7, '{:.2f}')} "
+            f"{cell('samples_s', 9)}  {' '.join(r.get('sweep', [])) or r.get('error', '')}{target}")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, nargs="+", default=[100, 300, 1000])
+    parser.add_argument("--layers", type=int, nargs="+", default=[300, 1000, 3000])
+    parser.add_argument("--ref", help="also run each case on this revision (a temporary git worktree)")
     parser.add_argument("--mem-cap-gb", type=float, default=14.0, help="address-space cap per case (default 14)")
     args = parser.parse_args(argv)
-    print(f"{'layers':>6} {'ops':>7} {'trace s':>8} {'tables s':>8} {'search s':>9} {'total s':>8} {'cpu s':>7} "
-          f"{'RSS GB':>7}  sweep / error")
-    with tempfile.TemporaryDirectory() as scratch:
-        for layers in args.layers:
-            r = run_case(layers, args.mem_cap_gb, Path(scratch))
-
-            def cell(key, width, fmt="{:.1f}", r=r):
-                return (fmt.format(r[key]) if key in r else "-").rjust(width)
-
-            target = f" (target {TARGET_S[layers]:.0f} s)" if layers in TARGET_S else ""
-            print(f"{layers:>6} {cell('ops', 7, '{}')} {cell('trace_s', 8)} {cell('tables_s', 8)} "
-                  f"{cell('search_s', 9)} {cell('total_s', 8)} {cell('cpu_s', 7)} {cell('peak_rss_gb', 7)}  "
-                  f"{' '.join(r.get('sweep', [])) or r.get('error', '')}{target}", flush=True)
+    print(f"{'layers':>6} {'revision':>10} {'cpu s':>7} {'wall s':>7} {'RSS GB':>7} {'samples/s':>9}  sweep / error",
+          flush=True)
+    with tempfile.TemporaryDirectory() as scratch_name:
+        scratch = Path(scratch_name)
+        trees = [("this", REPO)]
+        if args.ref:
+            ref = scratch / "ref"
+            subprocess.run(["git", "worktree", "add", "--detach", str(ref), args.ref], cwd=REPO, check=True,
+                           capture_output=True)
+            trees.append((args.ref, ref))
+        try:
+            for layers in args.layers:
+                results = {}
+                for label, tree in trees:
+                    results[label] = run_case(layers, tree, args.mem_cap_gb, scratch, label.replace("/", "_"))
+                    print(_line(layers, label, results[label]), flush=True)
+                if len(results) == 2:
+                    mine, theirs = results.values()
+                    same = "plan" in mine and mine.get("plan") == theirs.get("plan")
+                    ratio = f"{theirs['cpu_s'] / mine['cpu_s']:.2f}x fewer CPU s" if mine.get("cpu_s") else ""
+                    print(f"{'':>6} {'':>10} {ratio}; {'the same plan' if same else 'plans differ'}", flush=True)
+        finally:
+            if args.ref:
+                subprocess.run(["git", "worktree", "remove", "--force", str(scratch / "ref")], cwd=REPO,
+                               capture_output=True)
     return 0
 
 
