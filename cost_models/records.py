@@ -57,7 +57,9 @@ class OpRecord:
 
 @dataclass
 class ModelTrace:
-    """The traced operator graph (networkx, nodes carry an OpRecord under 'op') in execution order."""
+    """The traced operator graph (networkx, nodes carry an OpRecord under 'op') in execution order. `graph` may be
+    given as a function that builds it, called when it is first read (an expanded 3000-layer trace's graph of
+    132,000 nodes is read by nothing that plans, and took a fifth of the trace to build)."""
 
     graph: nx.DiGraph
     ops: list[OpRecord]
@@ -72,7 +74,20 @@ class ModelTrace:
     saved_storages: dict[int, tuple[int, str]] = field(default_factory=dict)
 
     def op(self, name: str) -> OpRecord:
-        return self.graph.nodes[name]["op"]
+        by_name = self.__dict__.get("_by_name")
+        if by_name is None:  # the ops are not changed once traced
+            by_name = self.__dict__["_by_name"] = {op.name: op for op in self.ops}
+        return by_name[name]
+
+
+def _graph(trace: ModelTrace) -> nx.DiGraph:
+    graph = trace.__dict__["_graph"]
+    if not isinstance(graph, nx.DiGraph):
+        graph = trace.__dict__["_graph"] = graph()
+    return graph
+
+
+ModelTrace.graph = property(_graph, lambda trace, graph: trace.__dict__.__setitem__("_graph", graph))
 
 
 _SCALED_FIELDS = (

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import networkx as nx
@@ -242,19 +243,26 @@ class _Copies:
         self.edges.extend(((home + shift * moves, position), name) for home, moves, position in t.sources)
         self.edges.extend((name, (self.total, position)) for position in t.sinks_after)
 
-    def graph(self) -> nx.DiGraph:
-        """The copies' graph; Mismatch where renamed ops collide or an edge leads to an op not copied."""
-        graph = nx.DiGraph()
-        graph.add_nodes_from((record.name, {"op": record}) for record in self.ops)
-        if graph.number_of_nodes() != len(self.ops):
+    def graph(self) -> Callable[[], nx.DiGraph]:
+        """What builds the copies' graph (ModelTrace builds it when it is read); Mismatch where renamed ops collide
+        or an edge leads to an op not copied."""
+        ops = self.ops
+        if len({record.name for record in ops}) != len(ops):
             raise Mismatch("renamed ops collide")
         op_name = self.op_name
         try:
-            graph.add_edges_from((op_name[a] if isinstance(a, tuple) else a, op_name[b] if isinstance(b, tuple) else b)
-                                 for a, b in self.edges)
+            edges = [(op_name[a] if isinstance(a, tuple) else a, op_name[b] if isinstance(b, tuple) else b)
+                     for a, b in self.edges]
         except KeyError as exc:
             raise Mismatch(f"an edge leads to op {exc} that the whole model does not have") from None
-        return graph
+
+        def build() -> nx.DiGraph:
+            graph = nx.DiGraph()
+            graph.add_nodes_from((record.name, {"op": record}) for record in ops)
+            graph.add_edges_from(edges)
+            return graph
+
+        return build
 
 
 def _check_storages(keys: dict[tuple, int], segments: dict[int, list[_Template]], templates: dict[int, int],
