@@ -85,3 +85,23 @@ def test_a_native_plans_needed_bound_holds_its_replay(run_cli, tmp_path, mem):
     plan = autoplan.load_plan(tmp_path / "plan.json")
     replayed = replay_plan(plan)
     assert replayed.needed_bytes <= plan.predicted.needed_bytes <= plan.cluster.mem_limit_bytes * 0.98
+
+
+def test_the_automatic_replay_stops_at_its_cpu_budget(monkeypatch):
+    """A replay that would need more CPU than its share of the search's is stopped there (RLIMIT_CPU in the forked
+    process), however long the loaded machine's wall-clock budget; within both, its figures come back."""
+    from autoplan.run import allocator_check, allocator_fit
+
+    plan = autoplan.search(MODEL, "520MB", gpus=8, profile="h100-sxm-80gb", seq_len=128, batch_size=4, tp=1)
+
+    def busy(plan, cpu_s=3.0):  # stands in for a replay that needs 3 CPU seconds
+        import time
+
+        start = time.process_time()
+        while time.process_time() - start < cpu_s:
+            pass
+        return "replayed"
+
+    monkeypatch.setattr(allocator_fit, "replay_plan", busy)  # the forked process inherits it
+    assert allocator_check.replay_within(plan, 600.0, cpu_budget_s=1.0) is None
+    assert allocator_check.replay_within(plan, 600.0, cpu_budget_s=10.0) == "replayed"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import sys
 import time
 from pathlib import Path
@@ -108,13 +109,14 @@ def _search(settings, fit_allocator: str):
 
             return search_fitting_allocator(settings, say=say)[0]
         return search(settings=settings)
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), _cpu_s()
     plan = search(settings=settings)
     if fit_allocator == "off" or settings.fit_to == "allocated":  # live bytes alone, as asked
         return plan
     from autoplan.run.allocator_check import AUTO_REPLAY_SHARE, replay_within
 
-    replayed = replay_within(plan, AUTO_REPLAY_SHARE * (time.perf_counter() - start))
+    replayed = replay_within(plan, AUTO_REPLAY_SHARE * (time.perf_counter() - start),
+                             AUTO_REPLAY_SHARE * (_cpu_s() - cpu_start))
     if replayed is None:
         return plan
     from autoplan.run.allocator_fit import search_fitting_allocator
@@ -125,6 +127,11 @@ def _search(settings, fit_allocator: str):
         return search_fitting_allocator(settings, say=say)[0]
     return plan.model_copy(update={"predicted": plan.predicted.model_copy(
         update={"allocator_needed_bytes": replayed.needed_bytes})})
+
+
+def _cpu_s() -> float:
+    """CPU seconds of this process and its finished children (a search's forked workers)."""
+    return sum(u.ru_utime + u.ru_stime for u in map(resource.getrusage, (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)))
 
 
 def _run(args) -> int:

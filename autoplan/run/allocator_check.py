@@ -7,7 +7,9 @@ searching process imports none of it, the forked one does, inside the budget it 
 
 from __future__ import annotations
 
+import math
 import multiprocessing
+import resource
 import sys
 from typing import TYPE_CHECKING
 
@@ -27,8 +29,10 @@ __all__ = ["AUTO_REPLAY_SHARE", "replay_within"]
 AUTO_REPLAY_SHARE = 0.15
 
 
-def replay_within(plan: Plan, budget_s: float) -> AllocatorReplay | None:
-    """`replay_plan` in a forked process given `budget_s` seconds: None when it takes longer (the process is
+def replay_within(plan: Plan, budget_s: float, cpu_budget_s: float | None = None) -> AllocatorReplay | None:
+    """`replay_plan` in a forked process given `budget_s` seconds of wall-clock time and, where given, `cpu_budget_s`
+    of its own CPU time (RLIMIT_CPU: on a loaded machine the wall-clock budget stretches, and a replay that cannot
+    finish, a 3000-layer stack's, took that much more CPU for nothing): None when it takes longer (the process is
     stopped) or the plan cannot be replayed (a 2-D mesh across nodes, a CPU profile). Linux only (fork with torch
     imported); None elsewhere."""
     if not sys.platform.startswith("linux"):
@@ -39,7 +43,7 @@ def replay_within(plan: Plan, budget_s: float) -> AllocatorReplay | None:
         return None
     context = multiprocessing.get_context("fork")
     receive, send = context.Pipe(duplex=False)
-    worker = context.Process(target=_replay_into, args=(plan, send), daemon=True)
+    worker = context.Process(target=_replay_into, args=(plan, send, cpu_budget_s), daemon=True)
     worker.start()
     send.close()
     try:
@@ -52,7 +56,10 @@ def replay_within(plan: Plan, budget_s: float) -> AllocatorReplay | None:
         worker.join()
 
 
-def _replay_into(plan: Plan, send) -> None:
+def _replay_into(plan: Plan, send, cpu_budget_s: float | None = None) -> None:
+    if cpu_budget_s is not None:  # SIGXCPU ends the process past it (a forked process's CPU time starts at 0)
+        seconds = max(1, math.ceil(cpu_budget_s))
+        resource.setrlimit(resource.RLIMIT_CPU, (seconds, seconds + 1))
     from autoplan.run.allocator_fit import replay_plan  # in the forked process: its imports count in its budget
 
     try:
