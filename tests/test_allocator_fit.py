@@ -7,6 +7,7 @@ import pytest
 
 import autoplan
 from autoplan.run.allocator_fit import replay_plan
+from autoplan.sizes import format_bytes
 
 MODEL = "llama-tiny[d_model=512,n_heads=8,n_kv_heads=4,ffn_hidden=1408,vocab_size=32000]"
 ARGS = ["--model", MODEL, "--gpus", "8", "--profile", "h100-sxm-80gb", "--seq-len", "128", "--batch-size", "4"]
@@ -105,3 +106,24 @@ def test_the_automatic_replay_stops_at_its_cpu_budget(monkeypatch):
     monkeypatch.setattr(allocator_fit, "replay_plan", busy)  # the forked process inherits it
     assert allocator_check.replay_within(plan, 600.0, cpu_budget_s=1.0) is None
     assert allocator_check.replay_within(plan, 600.0, cpu_budget_s=10.0) == "replayed"
+
+
+def test_a_native_fit_by_replay_starts_from_the_default_plan_and_plans_up_to_the_limit(run_cli, tmp_path):
+    """Natively the first plan of `--fit-allocator on` (live bytes to 98% of the limit) runs out under the replay;
+    the default search's plan, fitted to the needed bound, is the next round and fits, leaving 5% of the limit
+    unused; the rounds after it plan between the two, and the chosen plan's step needs within 5% of the limit and
+    is at least as fast as the default plan."""
+    native = ["--allocator-conf", "expandable_segments:False", "--mem", "440MB"]
+    default = autoplan.search(MODEL, "440MB", gpus=8, profile="h100-sxm-80gb", seq_len=128, batch_size=4,
+                              allocator_conf="expandable_segments:False")
+    limit = default.cluster.mem_limit_bytes
+    assert replay_plan(default).needed_bytes < 0.95 * limit  # the bound leaves more than 5% of the limit unused
+    result = run_cli("search", *ARGS, *native, "--fit-allocator", "on", "-o", "plan.json")
+    assert result.returncode == 0, result.stderr
+    rounds = [line for line in result.stderr.splitlines() if "allocator replay" in line]
+    assert "headroom 2.0%" in rounds[0] and "the plan fitted to the needed bound" in rounds[1]
+    assert f"predicted peak {format_bytes(default.predicted.peak_mem_bytes)}," in rounds[1]  # the default plan
+    plan = autoplan.load_plan(tmp_path / "plan.json")
+    assert 0.95 * limit <= plan.predicted.allocator_needed_bytes <= limit
+    assert plan.predicted.throughput_samples_s >= default.predicted.throughput_samples_s
+    assert replay_plan(plan).needed_bytes == plan.predicted.allocator_needed_bytes

@@ -55,8 +55,9 @@ def register(subparsers) -> None:
                         help="CUDA profiles: check the plan by replaying its step (rank 0, fake tensors) through a model "
                              "of torch's caching allocator. auto (the default): when the replay takes less than 15%% of "
                              "the search's time, and if the step needs more than --mem, fit it (as on); on (or bare "
-                             "--fit-allocator): plan to the replay itself, searching again while the step needs more "
-                             "than --mem (a few seconds to a minute per round); off: no replay")
+                             "--fit-allocator): plan to the replay itself: the live bytes to --mem less the headroom, "
+                             "and while the step needs more, the default plan and searches between the two (a few "
+                             "seconds to a minute per round, at most 6); off: no replay")
     parser.set_defaults(handler=_run, subparser=parser)
 
 

@@ -8,7 +8,11 @@ plans fail. Here the plan's own step is replayed instead: rank 0 of its world ru
 torch's fake process group (no GPU, no memory), every storage allocation and free is recorded in order
 with the CUDA stream FSDP2 makes it on, and cost_models.allocator finds the smallest limit the step runs
 in. If that is above the limit, the search runs again with the excess kept free (a larger headroom),
-and its plan is replayed, until one fits: the headroom each plan gets is what its own step needs.
+and its plan is replayed, until one fits: the headroom each plan gets is what its own step needs. The default
+search's plan, fitted to the needed bound (cost_models.allocator_margin, which holds every replay), is the plan
+that fits from the start: natively that bound leaves 5-12% of the limit unused on some models (its category
+weights cannot tell how much a model's blocks strand), so the rounds after it search between it and the plan
+that ran out, for the least headroom whose step fits.
 
 Not seen by a replay (fake tensors run no kernel): cuBLAS/cuDNN workspaces and kernel scratch, counted
 as the allocator model's SEGMENT_SLACK, and memory outside the allocator (CUDA context, NCCL buffers).
@@ -164,53 +168,67 @@ def replay_plan(plan: Plan) -> AllocatorReplay:
 
 def search_fitting_allocator(settings: SearchSettings, say: Callable[[str], None] = lambda line: None,
                              rounds: int = MAX_ROUNDS) -> tuple[Plan, list[AllocatorReplay]]:
-    """The fastest plan whose step fits the memory limit under the caching allocator: search, replay the
-    plan's step, and while it needs more than the limit, search again with more headroom (at least the
-    settings'); once a plan fits, halve the bracket between the largest headroom that failed and the
-    smallest that fitted, to BRACKET, within `rounds` searches in all. Returns the fitting plan with the
-    least headroom (its prediction records `allocator_needed_bytes`) and every round's replay;
-    InfeasibleError when no round's plan fits."""
+    """The fastest plan whose step fits the memory limit under the caching allocator, within `rounds` searches,
+    each plan's step replayed: first the live bytes planned to the limit less the settings' headroom; if that
+    step needs more than the limit, the default search's plan (fitted to the needed bound, which holds every
+    replay; with `fit_to` "allocated", searches with more headroom by a secant step until one fits); then,
+    between the largest headroom that failed and the smallest that fitted, the headroom where the replays'
+    need meets the limit (kept inside the bracket's middle half), until the bracket is BRACKET wide. Returns
+    the fitting plan with the least headroom (its prediction records `allocator_needed_bytes`) and every
+    round's replay; InfeasibleError when no round's plan fits."""
+    bound_fitted = settings if settings.fit_to == "needed" else None
     settings = SearchSettings.create(settings, fit_to="allocated")  # the replay fits the live bytes, not a bound
     headroom, replays, previous = settings.headroom, [], None
-    failed, best = None, None  # the largest headroom whose plan did not fit; (headroom, plan) of the smallest that did
+    failed, best = None, None  # (headroom, needed) of the largest headroom that did not fit; (headroom, plan, needed)
     limit = None
     for round_ in range(1, rounds + 1):
-        plan = search(settings=SearchSettings.create(settings, headroom=headroom))
-        limit = plan.cluster.mem_limit_bytes
+        from_bound = round_ > 1 and best is None and bound_fitted is not None
+        plan = search(settings=bound_fitted if from_bound else SearchSettings.create(settings, headroom=headroom))
+        limit, peak = plan.cluster.mem_limit_bytes, plan.predicted.peak_mem_bytes
         if round_ == 1:
             check_replayable(plan)
         result = replay_plan(plan)
         replays.append(result)
-        peak = plan.predicted.peak_mem_bytes
+        if from_bound:
+            headroom, bound_fitted = 1 - peak / limit, None  # its live bytes, as a headroom
         say(f"allocator replay {round_}: predicted peak {format_bytes(peak)}, needs a limit of "
             f"{format_bytes(result.needed_bytes)} under the caching allocator (limit {format_bytes(limit)}, "
-            f"headroom {headroom:.1%})")
+            f"headroom {headroom:.1%}{', the plan fitted to the needed bound' if from_bound else ''})")
         if result.needed_bytes <= limit:
             prediction = plan.predicted.model_copy(update={"allocator_needed_bytes": result.needed_bytes})
-            best = (headroom, plan.model_copy(update={"predicted": prediction}))
-            if failed is None or headroom - failed <= BRACKET:
-                break
-            headroom = (failed + headroom) / 2  # it fits: is less headroom enough?
-            continue
-        failed = headroom
-        if best is not None:  # between a failing and a fitting headroom: halve the bracket
-            if best[0] - failed <= BRACKET:
-                break
-            headroom = (failed + best[0]) / 2
-            continue
-        # plan lower by the overshoot, over how much the need fell per byte of peak last round (a secant step:
-        # a leaner plan needs less, but by less than its peak fell, since part of the excess is fixed)
-        slope = 1.0
-        if previous is not None and previous[0] != peak:
-            slope = min(1.0, max(0.1, (previous[1] - result.needed_bytes) / (previous[0] - peak)))
-        previous = (peak, result.needed_bytes)
-        target = peak - (result.needed_bytes - limit) / slope
-        headroom = min(max(1 - target / limit, headroom + BRACKET), MAX_HEADROOM - BRACKET)
-        if headroom <= failed:
+            if best is None or headroom < best[0]:
+                best = (headroom, plan.model_copy(update={"predicted": prediction}), result.needed_bytes)
+        elif failed is None or headroom > failed[0]:
+            failed = (headroom, result.needed_bytes)
+        if best is not None and (failed is None or best[0] - failed[0] <= BRACKET):
             break
+        if best is not None:
+            headroom = _between(failed, best, limit)
+        elif bound_fitted is None:
+            # plan lower by the overshoot, over how much the need fell per byte of peak last round (a secant step:
+            # a leaner plan needs less, but by less than its peak fell, since part of the excess is fixed)
+            slope = 1.0
+            if previous is not None and previous[0] != peak:
+                slope = min(1.0, max(0.1, (previous[1] - result.needed_bytes) / (previous[0] - peak)))
+            previous = (peak, result.needed_bytes)
+            target = peak - (result.needed_bytes - limit) / slope
+            headroom = min(max(1 - target / limit, headroom + BRACKET), MAX_HEADROOM - BRACKET)
+            if headroom <= failed[0]:
+                break
     if best is not None:
         return best[1], replays
     raise InfeasibleError(
         f"no plan fits {format_bytes(limit)} under the caching allocator after {len(replays)} round(s): the last "
         f"needed {format_bytes(replays[-1].needed_bytes)}; try a larger --mem, a smaller --batch-size, or "
         "checkpointing")
+
+
+def _between(failed: tuple, best: tuple, limit: int) -> float:
+    """The headroom to try between one whose plan needed more than `limit` (failed: headroom, needed) and one whose
+    plan fitted (best: headroom, plan, needed): where the need, linear in the headroom between the two, is the
+    limit less half a BRACKET; kept in the bracket's middle half, so that each round narrows it by a quarter or
+    more whatever the plans do."""
+    width = best[0] - failed[0]
+    target = limit * (1 - BRACKET / 2)
+    share = (failed[1] - target) / max(failed[1] - best[2], 1)
+    return failed[0] + width * min(0.75, max(0.25, share))
