@@ -52,6 +52,7 @@ __all__ = ["STREAMS", "AllocatorReplay", "record_step", "replay_plan", "search_f
 STREAMS = {"default": 0, "all_gather": 1, "reduce_scatter": 2}
 MAX_ROUNDS = 6
 BRACKET = 0.01  # headroom (a fraction of the limit) to which the fit is narrowed once a plan fits
+CLOSE = 0.02  # a fitting plan whose step leaves at most this fraction of the limit unused ends the fit
 
 
 def _stream() -> int:
@@ -173,9 +174,9 @@ def search_fitting_allocator(settings: SearchSettings, say: Callable[[str], None
     step needs more than the limit, the default search's plan (fitted to the needed bound, which holds every
     replay; with `fit_to` "allocated", searches with more headroom by a secant step until one fits); then,
     between the largest headroom that failed and the smallest that fitted, the headroom where the replays'
-    need meets the limit (kept inside the bracket's middle half), until the bracket is BRACKET wide. Returns
-    the fitting plan with the least headroom (its prediction records `allocator_needed_bytes`) and every
-    round's replay; InfeasibleError when no round's plan fits."""
+    need meets the limit (kept inside the bracket's middle half), until the bracket is BRACKET wide or a plan's
+    step needs within CLOSE of the limit. Returns the fitting plan with the least headroom (its prediction
+    records `allocator_needed_bytes`) and every round's replay; InfeasibleError when no round's plan fits."""
     bound_fitted = settings if settings.fit_to == "needed" else None
     settings = SearchSettings.create(settings, fit_to="allocated")  # the replay fits the live bytes, not a bound
     headroom, replays, previous = settings.headroom, [], None
@@ -200,7 +201,7 @@ def search_fitting_allocator(settings: SearchSettings, say: Callable[[str], None
                 best = (headroom, plan.model_copy(update={"predicted": prediction}), result.needed_bytes)
         elif failed is None or headroom > failed[0]:
             failed = (headroom, result.needed_bytes)
-        if best is not None and (failed is None or best[0] - failed[0] <= BRACKET):
+        if best is not None and (failed is None or best[0] - failed[0] <= BRACKET or best[2] >= limit * (1 - CLOSE)):
             break
         if best is not None:
             headroom = _between(failed, best, limit)
