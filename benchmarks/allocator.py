@@ -192,6 +192,38 @@ def default_rows(cases, configs=CONFIGS) -> list[dict]:
     return rows
 
 
+def refit_rows(cases, configs=CONFIGS) -> list[dict]:
+    """Each default case searched as `autoplan search --fit-allocator on` does (the default plan replayed, then planned
+    up by what its replay leaves unused, each round replayed): what the chosen plan's step needs against the limit,
+    and the fit's time over the default search's (wall seconds, measured in the same run)."""
+    from autoplan.run.allocator_fit import search_fitting_allocator
+    from autoplan.settings import SearchSettings
+
+    gib, rows = 2 ** 30, []
+    for model, seq_len, limits in cases:
+        for limit in limits:
+            for conf in configs:
+                settings = SearchSettings.create(model=model, mem=limit, gpus=WORLD, profile=PROFILE, seq_len=seq_len,
+                                                 allocator_conf=conf)
+                started = time.perf_counter()
+                autoplan.search(settings=settings)
+                search_s = time.perf_counter() - started
+                plan, replays = search_fitting_allocator(settings)
+                fit_s = time.perf_counter() - started - search_s
+                mem, needed = plan.cluster.mem_limit_bytes, plan.predicted.allocator_needed_bytes
+                row = {"model": model, "seq_len": seq_len, "limit": limit, "limit_bytes": mem, "allocator_conf": conf,
+                       "tp": plan.cluster.tp_degree, "micro_batch": plan.training.micro_batch_size,
+                       "peak_bytes": plan.predicted.peak_mem_bytes, "needed_bytes": needed, "fits": needed <= mem,
+                       "used": needed / mem, "rounds_used": [r.needed_bytes / mem for r in replays],
+                       "search_s": search_s, "fit_s": fit_s, "throughput": plan.predicted.throughput_samples_s}
+                rows.append(row)
+                print(f"{model} seq {seq_len} @ {limit} ({conf}): tp {row['tp']}, mb {row['micro_batch']}, peak "
+                      f"{row['peak_bytes'] / gib:.2f}, replay needs {needed / gib:.2f} GiB = {row['used']:.1%} of the "
+                      f"limit (rounds: {', '.join(f'{u:.1%}' for u in row['rounds_used'])}), {fit_s:.0f} s "
+                      f"against the search's {search_s:.1f} s", flush=True)
+    return rows
+
+
 def kit_rows(folder: Path) -> list[dict]:
     """The GPU kit's grid plans replayed here: the model's reserved and needed beside CUDA's measured figures
     (the kit ran each as rank 0 of its world with room to spare, so its max_memory_reserved is the free run's)."""
@@ -233,6 +265,7 @@ def main() -> None:
     parser.add_argument("--kit", type=Path, metavar="DIR", help="replay the GPU kit's plans in DIR (its --out)")
     parser.add_argument("--default", action="store_true", help="the default search's plans, per allocator configuration")
     parser.add_argument("--only", help="with --default: the models whose name contains this")
+    parser.add_argument("--refit", action="store_true", help="with --default: fitted by replay (--fit-allocator on)")
     parser.add_argument("--conf", choices=("expandable", "native"), help="with --default: one configuration only")
     parser.add_argument("--search-time", type=int, nargs="?", const=3, metavar="REPEATS",
                         help="search wall time fitted to needed against allocated (default 3 repeats)")
@@ -248,12 +281,14 @@ def main() -> None:
         return
     if args.default:
         configs = [c for c in CONFIGS if not args.conf or c.endswith("True") == (args.conf == "expandable")]
-        rows = default_rows([case for case in DEFAULT_CASES if not args.only or args.only in case[0]], configs)
+        cases = [case for case in DEFAULT_CASES if not args.only or args.only in case[0]]
+        rows = (refit_rows if args.refit else default_rows)(cases, configs)
         replayed = [r for r in rows if "fits" in r]
         print(f"fit: {sum(r['fits'] for r in replayed)} of {len(replayed)} replayed ({len(rows) - len(replayed)} not "
               f"replayable); used {min(r['used'] for r in replayed):.1%}-{max(r['used'] for r in replayed):.1%} of the "
               "limit (target: at most 100%, at least 95%)")
-        path = write_results("allocator_default", {"rows": rows})
+        path = write_results("allocator_default" + ("_refit" if args.refit else "")
+                             + (f"_{args.only}" if args.only else ""), {"rows": rows})
         print(f"written to {path}")
         return
     if args.fit:
