@@ -20,6 +20,8 @@ limit has to hold.
                                               # the GPU reserved running them
     python benchmarks/allocator.py --default  # the default search's plans at three limits per model, made for each
                                               # allocator configuration and replayed under it (issue 23)
+    python benchmarks/allocator.py --default --refit --conf native  # the same cases fitted by replay
+                                              # (--fit-allocator on): each round's need, the fit's time
     python benchmarks/allocator.py --search-time  # `autoplan search` fitted to needed (the default, with the
                                               # replay check) beside --fit-to allocated --fit-allocator off, in turn
 
