@@ -29,8 +29,8 @@ from cost_models.table import CostTable, TableInputs, unit_classes
 from cost_models.tensor_parallel import TpLayout
 from cost_models.training import Training
 
-__all__ = ["StageTables", "balanced_cuts", "boundary_bytes", "forward_units", "rank_chunks", "shifted", "slot_bounds", "stage_cluster",
-           "stage_modules", "undominated", "unit_weights"]
+__all__ = ["StageTables", "balanced_cuts", "boundary_bytes", "forward_units", "rank_chunks", "shifted", "slot_bounds",
+           "stage_cluster", "stage_modules", "undominated", "unit_weights"]
 
 
 def forward_units(units: list[Unit]) -> list[int]:
@@ -228,7 +228,6 @@ class StageTables(_Source):
         root = set(next(unit for unit in self.units if unit.is_root).ops)
         root_ops = tuple(self.op_ids[i] for i, op in enumerate(self.trace_1.ops) if op.name in root)
         return tuple(classes[u] for u in self.unit_index), root_ops, len(self.chunks)
-
 
 
 def boundary_bytes(base: CostTables, first: int, last: int, micro_batch_size: int) -> int:
