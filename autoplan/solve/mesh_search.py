@@ -129,7 +129,7 @@ def search_meshes(request: PlanRequest) -> MeshSearch:
     """Every mesh of the request searched, then its pipelined meshes where a pipeline can pay
     (`pipeline_pays`), the fastest plan that fits chosen (`best_result`). Raises the InfeasibleError needing
     the least memory when nothing fits anywhere."""
-    _LAYOUTS.clear()  # this search's model's (a model may change between searches)
+    _LAYOUTS.clear()  # the last search's models not kept alive
     progress = MeshProgress(len(request.meshes), PROGRESS_DELAY_S)
     results = _search_all(request, request.meshes, progress)
     if request.pipeline_meshes and pipeline_pays(results):
@@ -209,17 +209,19 @@ def _extrapolated(request: PlanRequest, meshes: tuple[Mesh, ...]) -> None:
         with contextlib.suppress(UsageError):  # a global batch this mesh cannot divide: its search says so
             for size, _ in request.batch.candidates(mesh.dp)[:2]:
                 request.tables.inputs(size)
-        with contextlib.suppress(TpRefusal):  # the model or the degree cannot take it: its search says so
-            _recognised(request, mesh.tp, mesh.sequence_parallel) if mesh.tp > 1 else None
+        if mesh.tp > 1:
+            with contextlib.suppress(TpRefusal):  # the model or the degree cannot take it: its search says so
+                _recognised(request, mesh.tp, mesh.sequence_parallel)
 
 
-_LAYOUTS: dict = {}  # (degree, sequence parallelism) -> the searched model's TpLayout: every mesh of a degree reads one
+_LAYOUTS: dict = {}  # (model, degree, sequence parallelism) -> its TpLayout: every mesh of a degree reads one
 
 
 def _recognised(request: PlanRequest, degree: int, sequence_parallel: bool) -> TpLayout:
-    if (degree, sequence_parallel) not in _LAYOUTS:
-        _LAYOUTS[degree, sequence_parallel] = recognise(request.model.module, degree, sequence_parallel)
-    return _LAYOUTS[degree, sequence_parallel]
+    key = (request.model.module, degree, sequence_parallel)  # the module by identity: another model never reads it
+    if key not in _LAYOUTS:
+        _LAYOUTS[key] = recognise(request.model.module, degree, sequence_parallel)
+    return _LAYOUTS[key]
 
 
 def _restored(request: PlanRequest, result: MeshResult) -> MeshResult:
