@@ -308,7 +308,7 @@ def _run_under(plan, device: str, conf: str | None, gpu_mem: int | None) -> dict
 def stage_grid(args, profile: str, budget: Budget) -> dict:
     import torch
 
-    from autoplan.errors import InfeasibleError
+    from autoplan.errors import AutoplanError, InfeasibleError
     from cost_models.allocator import reserved_bound
 
     on_gpu = args.device == "cuda"
@@ -330,6 +330,9 @@ def stage_grid(args, profile: str, budget: Budget) -> dict:
                     plan = _plan(model, seq_len, batch, kind, profile, lean)
                 except InfeasibleError as exc:
                     row.update(status="no plan", note=str(exc).splitlines()[0])
+                    continue
+                except AutoplanError as exc:  # a trace or profile this torch cannot make: the next rows may run
+                    row.update(status="failed", note=str(exc)[:1000])
                     continue
                 lean = lean or plan.predicted.peak_mem_bytes
                 # the plan itself, so that its allocations can be replayed later on any machine against what

@@ -152,3 +152,30 @@ def test_apply_runs_a_cuda_kernel_s_calls_on_the_cpu_or_refuses(tmp_path, monkey
     with pytest.raises(SystemExit) as exited:  # apply's usage errors go through its parser
         main(["apply", "plan.json", "--nproc", "1"])
     assert exited.value.code == 2 and "learned position bias" in capsys.readouterr().err
+
+
+def test_a_checkpointed_recompute_in_another_thread_runs_the_forward_s_executor():
+    """On CUDA autograd runs the backward, and a checkpointed unit's recomputed forward, in a thread of its own,
+    which sees none of the forward's context variables: the recompute must still run the executor in force
+    (else torch picks its own kernel, cuDNN where the forward ran flash, and checkpoint refuses the recompute)."""
+    import threading
+
+    import torch.nn.functional as F
+    from torch.utils.checkpoint import checkpoint
+
+    from autoplan.models.attention import SDPA, attention_executor, patched_sdpa
+
+    calls = []
+
+    def executor(site, call):
+        calls.append(site.causal)
+        return SDPA(call.query, call.key, call.value, is_causal=site.causal)
+
+    q = torch.randn(1, 2, 8, 4, requires_grad=True)
+    with patched_sdpa(), attention_executor(executor):
+        out = checkpoint(lambda x: F.scaled_dot_product_attention(x, x, x, is_causal=True), q, use_reentrant=False)
+        backward = threading.Thread(target=lambda: out.sum().backward())
+        backward.start()
+        backward.join()
+    assert calls == [True, True]  # the forward and its recompute
+    assert q.grad is not None

@@ -156,3 +156,25 @@ def test_bad_example_inputs_and_tracer_names_are_usage_errors():
         autoplan.trace(FeatureModel(), example_inputs="features")
     with pytest.raises(autoplan.UsageError, match="fx, dispatch"):
         autoplan.trace("gpt2-tiny", seq_len=16, tracer="jit")
+
+
+def test_grouped_query_attention_traces_where_torch_formula_wants_equal_heads(monkeypatch):
+    """torch 2.11's attention FLOP formula asserts as many key/value heads as query heads (2.13's counts the
+    groups): a grouped-query model traces under it too, to the same FLOPs."""
+    import torch.utils.flop_counter as flop_counter
+
+    import autoplan.tracing.flops as flops
+
+    model = build_model("llama-tiny")  # 4 query heads, 2 key/value heads
+    expected = trace_model(model, 2, 32, "bf16")
+    original = flop_counter.sdpa_flop_count
+
+    def equal_heads_only(query_shape, key_shape, value_shape):
+        assert query_shape[1] == key_shape[1] == value_shape[1], "sdpa_flop_count: query/key/value shapes are incompatible"
+        return original(query_shape, key_shape, value_shape)
+
+    monkeypatch.setattr(flop_counter, "sdpa_flop_count", equal_heads_only)
+    monkeypatch.setattr(flops, "sdpa_flop_count", equal_heads_only)
+    strict = trace_model(model, 2, 32, "bf16")
+    assert sum(op.fwd_flops for op in strict.ops) == sum(op.fwd_flops for op in expected.ops) > 0
+    assert [op.bwd_flops for op in strict.ops] == [op.bwd_flops for op in expected.ops]

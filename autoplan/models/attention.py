@@ -101,6 +101,10 @@ def site_of(call: SdpaCall, causal: bool, bias: str = "", window: int | None = N
 _PENDING: contextvars.ContextVar[tuple[torch.Tensor, AttentionSite, SdpaCall] | None] = contextvars.ContextVar(
     "autoplan_pending_attention", default=None)
 _EXECUTOR: contextvars.ContextVar[Callable | None] = contextvars.ContextVar("autoplan_attention", default=None)
+# the executors entered in any thread, innermost last: on CUDA autograd runs the backward, and with it a
+# checkpointed unit's recomputed forward, in a thread of its own, which sees none of the forward's context
+# variables; without this the recompute would run torch's own kernel choice (cuDNN where the forward ran flash)
+_ENTERED: list[Callable] = []
 
 
 @contextlib.contextmanager
@@ -117,15 +121,23 @@ def pending_site(site: AttentionSite, call: SdpaCall):
 def attention_executor(executor: Callable):
     """`executor(site, call)` runs every attention call dispatched while this is entered."""
     token = _EXECUTOR.set(executor)
+    _ENTERED.append(executor)
     try:
         yield
     finally:
+        _ENTERED.remove(executor)
         _EXECUTOR.reset(token)
+
+
+def _executor() -> Callable | None:
+    """The executor entered in this thread, else the one entered last in any (an autograd thread's recompute)."""
+    executor = _EXECUTOR.get()
+    return executor if executor is not None or not _ENTERED else _ENTERED[-1]
 
 
 def dispatch(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     """F.scaled_dot_product_attention's signature: the call described, run by the executor in force."""
-    executor = _EXECUTOR.get()
+    executor = _executor()
     pending = _PENDING.get()
     if pending is not None and pending[0] is query:
         _, site, call = pending

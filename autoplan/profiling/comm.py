@@ -211,8 +211,8 @@ def _time_collective(collective: str, nbytes: int, group, group_size: int, devic
     full = torch.randn(numel, device=device)
     shard = torch.randn(numel // group_size, device=device)
     call = {
-        "all_gather": lambda: dist.all_gather_single(full, shard, group=group),
-        "reduce_scatter": lambda: dist.reduce_scatter_single(shard, full, group=group),
+        "all_gather": lambda: dist.all_gather_into_tensor(full, shard, group=group),
+        "reduce_scatter": lambda: dist.reduce_scatter_tensor(shard, full, group=group),
         "all_reduce": lambda: dist.all_reduce(full, group=group),
     }[collective]
 

@@ -133,8 +133,8 @@ def _collective_times(width: int, device: torch.device, repeats: Repeats, calls:
     shard16 = torch.randn(numel // world, device=device).to(torch.bfloat16)
     full32, shard32 = torch.randn(numel, device=device), torch.empty(numel // world, device=device)
     times = {
-        "all_gather": _median_s(lambda: dist.all_gather_single(full16, shard16), device, repeats, calls),
-        "reduce_scatter": _median_s(lambda: dist.reduce_scatter_single(shard32, full32), device, repeats, calls),
+        "all_gather": _median_s(lambda: dist.all_gather_into_tensor(full16, shard16), device, repeats, calls),
+        "reduce_scatter": _median_s(lambda: dist.reduce_scatter_tensor(shard32, full32), device, repeats, calls),
     }
     return {name: _group_max(seconds, device) for name, seconds in times.items()}
 

@@ -106,7 +106,7 @@ def _loops(device: torch.device, gather_bytes: int) -> tuple[_Loop, _Loop]:
     numel = max(world, gather_bytes // 4 // world * world)
     full, shard = torch.empty(numel, device=device), torch.randn(numel // world, device=device)
     compute = _on_stream(torch.cuda.Stream(device) if on_gpu else None, lambda: torch.mm(a, b, out=out))
-    comm = _on_stream(torch.cuda.Stream(device) if on_gpu else None, lambda: dist.all_gather_single(full, shard))
+    comm = _on_stream(torch.cuda.Stream(device) if on_gpu else None, lambda: dist.all_gather_into_tensor(full, shard))
     return compute, comm
 
 

@@ -51,17 +51,41 @@ if _aten._grouped_mm not in flop_registry:
     register_flop_formula(_aten._grouped_mm)(_grouped_mm_flop)
 
 
+def _kv_heads_widened(func, args: tuple) -> tuple:
+    """An attention op's arguments with key and value widened to the query's heads (grouped-query attention:
+    each query head reads its group's key/value head, so the FLOPs are those of the widened op). Older torch's
+    formulas (2.11) assert equal heads; 2.13's count the groups themselves, the same figure."""
+    name = func._overloadpacket.__name__
+    at = 1 if "backward" in name else 0  # backward ops take the output's gradient first
+    heads = 2 if name.startswith(("_flash_attention", "_efficient_attention")) else 1  # [b, s, h, d] or [b, h, s, d]
+    query, key, value = args[at:at + 3]
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (query, key, value)):
+        return args
+    h_q, h_kv = query.shape[heads], key.shape[heads]
+    if h_kv == h_q or h_kv == 0 or h_q % h_kv:
+        return args
+
+    def widened(t: torch.Tensor) -> torch.Tensor:
+        shape = list(t.shape)
+        shape[heads] = h_q
+        return torch.empty(shape, dtype=t.dtype, device="meta")
+
+    return (*args[:at + 1], widened(key), widened(value), *args[at + 3:])
+
+
 def aten_flops(func, args, kwargs, out) -> int:
     """torch's FLOP count of one aten op (0 where it has no formula)."""
     if func is FLASH_CPU:
-        query, key, value = args[:3]
+        query, key, value = _kv_heads_widened(func, args)[:3]
         return sdpa_flop_count(query.shape, key.shape, value.shape)
     if func is FLASH_CPU_BWD:
-        grad_out, query, key, value = args[:4]
+        grad_out, query, key, value = _kv_heads_widened(func, args)[:4]
         return sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape, value.shape)
     counter = flop_registry.get(func._overloadpacket)
     if counter is None:
         return 0
+    if "attention" in func._overloadpacket.__name__:
+        args = _kv_heads_widened(func, args)
     return int(counter(*args, **(kwargs or {}), out_val=out))
 
 
