@@ -299,8 +299,9 @@ def _run_under(plan, device: str, conf: str | None, gpu_mem: int | None) -> dict
         refused = allocation_failure(exc)
         summary.update(status="out of memory" if refused else "failed", note=refused or repr(exc)[:500])
     finally:
-        if device == "cuda":
-            summary.update(reserved=torch.cuda.max_memory_reserved(), allocated=torch.cuda.max_memory_allocated())
+        if device == "cuda":  # a run's own peaks span its phases; torch's after a failure, the failing phase's
+            summary.update(reserved=result.cuda_max_reserved_bytes if result else torch.cuda.max_memory_reserved(),
+                           allocated=result.cuda_max_allocated_bytes if result else torch.cuda.max_memory_allocated())
             torch.cuda.set_per_process_memory_fraction(1.0)
     return {"result": result, "summary": summary, "wall_s": time.monotonic() - started}
 

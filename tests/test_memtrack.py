@@ -66,3 +66,22 @@ def test_limit_raises_like_out_of_memory():
             a = torch.empty(2000)  # 8000 bytes
             b = torch.empty(2000)  # 16000 > 10000
     assert info.value.live_bytes == 16_000
+
+
+def test_cuda_peaks_span_the_phases_whose_statistics_were_reset(monkeypatch):
+    """peak_and_reset resets torch's CUDA peak statistics at each phase's end; the run's max allocated and
+    reserved are the largest over all phases, not torch's figures since the last reset."""
+    from autoplan.run.memtrack import RankMemory
+
+    stats = {"allocated": 0, "reserved": 0}
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats",
+                        lambda device=None: stats.update(allocated=0, reserved=0))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: stats["allocated"])
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: stats["reserved"])
+    memory = RankMemory(torch.device("cuda", 0), None)
+    stats.update(allocated=900, reserved=1000)  # the forward
+    assert memory.peak_and_reset() == 900
+    stats.update(allocated=300, reserved=950)  # the optimizer step
+    assert memory.peak_and_reset() == 300
+    stats.update(allocated=100, reserved=940)
+    assert memory.cuda_peaks() == (900, 1000)

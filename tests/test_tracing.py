@@ -170,7 +170,7 @@ def test_grouped_query_attention_traces_where_torch_formula_wants_equal_heads(mo
     original = flop_counter.sdpa_flop_count
 
     def equal_heads_only(query_shape, key_shape, value_shape):
-        assert query_shape[1] == key_shape[1] == value_shape[1], "sdpa_flop_count: query/key/value shapes are incompatible"
+        assert query_shape[1] == key_shape[1] == value_shape[1], "sdpa_flop_count: q/k/v shapes are incompatible"
         return original(query_shape, key_shape, value_shape)
 
     monkeypatch.setattr(flop_counter, "sdpa_flop_count", equal_heads_only)

@@ -246,7 +246,7 @@ def _run_rank_zero(plan: Plan, module: torch.nn.Module, device: str, warmup_and_
             train_untracked(run)
         if device != "cuda":
             return result, (None, None)
-        return result, (torch.cuda.max_memory_allocated(torch_device), torch.cuda.max_memory_reserved(torch_device))
+        return result, memory.cuda_peaks()
     finally:
         dist.destroy_process_group()
 

@@ -153,6 +153,7 @@ class RankMemory:
     def __init__(self, device: torch.device, limit_bytes: int | None):
         self.device = device
         self.tracker = None
+        self._cuda_peaks = (0, 0)  # CUDA's max allocated and reserved before the last reset of its statistics
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
             if limit_bytes is not None:  # a real out-of-memory error at the limit
@@ -178,9 +179,16 @@ class RankMemory:
             peak = self.tracker.peak_bytes
             self.tracker.reset_peak()
         else:
+            self._cuda_peaks = self.cuda_peaks()
             peak = torch.cuda.max_memory_allocated(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
         return peak
+
+    def cuda_peaks(self) -> tuple[int, int]:
+        """CUDA's max_memory_allocated and max_memory_reserved over the whole run: each `peak_and_reset` resets
+        torch's statistics, so torch's own figures after it hold only the time since."""
+        return (max(self._cuda_peaks[0], torch.cuda.max_memory_allocated(self.device)),
+                max(self._cuda_peaks[1], torch.cuda.max_memory_reserved(self.device)))
 
 
 _CPU_ALLOCATOR = re.compile(r"(?:can't allocate memory|not enough memory): you tried to allocate (\d+) bytes")
