@@ -27,6 +27,9 @@ from cost_models.records import OpRecord
 
 _DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 ATTENTION_KINDS = ("scaled_dot_product_attention",)
+# how far past its largest point a fit prices an op (OpFit.max_work): a profile's workloads are a model's shapes
+# at its micro-batches, so the ops of the same model at a few times the batch stay on their fit
+FIT_REACH = 8.0
 _TENSOR_CORE_DTYPES = ("bf16", "fp16")  # the dtypes published attention rates are for
 _SPLIT_K_DEPTH = 128  # the least reduction depth a split-K slice keeps (one K-tile of 128 rows)
 
@@ -125,8 +128,10 @@ class ComputeModel:
             for dtype in (op.dtype, None):
                 for fit_family in (op.kind, family):
                     fit = fits.get((fit_family, direction, dtype))
-                    if fit is not None and largest_alloc_bytes(op, direction) >= fit.min_alloc_bytes:
-                        return fit.intercept_s + fit.s_per_unit * (flops if fit.work == "flops" else moved)
+                    amount = flops if fit is not None and fit.work == "flops" else moved
+                    if fit is not None and largest_alloc_bytes(op, direction) >= fit.min_alloc_bytes and (
+                            fit.max_work is None or amount <= FIT_REACH * fit.max_work):
+                        return fit.intercept_s + fit.s_per_unit * amount
         profile = self.profile
         flop_s = self._attention_s(op, direction) if op.kind in ATTENTION_KINDS else None
         if flop_s is None:

@@ -125,6 +125,12 @@ class OpFit(_Strict):
     allocator's mmap threshold (`first_touch_min_bytes`): such tensors are mapped fresh at every
     allocation and their first write pays page faults, so a 32k-vocabulary loss runs at a third of the
     per-byte rate of the small ones that dominate the family's fit."""
+    max_work: float | None = Field(default=None, gt=0)
+    """The largest work among the fit's points (None: not recorded, as in profiles made before it was). An op
+    more than `cost_models.compute.FIT_REACH` times this is priced by the next fit that reaches it (the
+    generic family's, else the roofline): a kind measured only at small sizes, where every point sits at the
+    launch floor, has an intercept and a slope that say nothing of a large op (an H200's `getitem` backward
+    fitted 7 GB/s, 600 times slower than its copies)."""
 
 
 class MatmulShape(_Strict):

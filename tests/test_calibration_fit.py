@@ -66,6 +66,20 @@ def test_separates_the_recompute_of_checkpointed_units_from_the_backward():
     assert fit.recompute_scale == 1.0 and fit.compute_scale > 0
 
 
+def test_a_scale_far_from_the_ops_own_time_is_held_at_one():
+    """Steps bound by something else than their kernels (a GPU whose CPU issues a small model's ops slower than
+    they run) fit a compute scale near 0 that would price a large model's ops at a tenth of their time: outside
+    [MIN_SCALE, MAX_SCALE] the scale is held at 1 and the per-unit cost takes the rest."""
+    from autoplan.profiling.calibration import MAX_SCALE, MIN_SCALE
+
+    residual_s = [0.06 * o + 0.01 * u for o, u in zip(OPS_S, UNITS)]  # each unit 10 ms of CPU, ops 2-16 ms
+    fit = fit_phase(OPS_S, UNITS, CALLS, residual_s)
+    assert fit.compute_scale == 1.0 and fit.unit_s > 0
+    residual_s = [6.0 * o + 0.001 * u for o, u in zip(OPS_S, UNITS)]
+    assert fit_phase(OPS_S, UNITS, CALLS, residual_s).compute_scale == 1.0
+    assert MIN_SCALE < 1.4 < MAX_SCALE  # the first test's scale is fitted as it is
+
+
 @pytest.mark.parametrize("device_type", ["cpu", "cuda"])
 def test_calibration_plans_are_the_uniform_plans_search_writes(device_type):
     """The calibration steps run plans built without a search: the same decisions, micro-batch and

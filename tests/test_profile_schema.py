@@ -86,6 +86,32 @@ def test_compute_model_prefers_measured_then_dtype_fit_then_generic_then_rooflin
     assert roofline not in (0.5, 1e-6 + 1e-3, 3e-3, 4e-3) and roofline > 0
 
 
+def test_a_fit_prices_ops_within_its_reach_and_leaves_larger_ones_to_the_next():
+    """A kind measured only at small sizes (its points at the launch floor) has a slope that says nothing of a
+    large op: beyond FIT_REACH times its largest point the generic family's fit prices it, else the roofline."""
+    from cost_models.compute import FIT_REACH
+
+    def mul(numel):
+        return OpRecord("mul", "mul", "", ((numel,), (numel,)), "bf16", bwd_bytes=6 * numel)
+
+    small, large = mul(10**4), mul(10**8)
+    kind = OpFit(family="mul", direction="bwd", work="bytes", dtype="bf16", intercept_s=5e-5, s_per_unit=1e-10,
+                 max_work=6e4)
+    generic = OpFit(family="memory", direction="bwd", work="bytes", dtype="bf16", intercept_s=0.0, s_per_unit=3e-13,
+                    max_work=6e9)
+    model = ComputeModel(_profile(op_fits=[kind, generic]), "bf16")
+    assert model.op_time_s(small, "bwd") == pytest.approx(5e-5 + 6e4 * 1e-10)  # the kind's own, within its reach
+    assert model.op_time_s(large, "bwd") == pytest.approx(6e8 * 3e-13)  # 6e8 bytes: far beyond 8 x 6e4
+    assert 6e8 > FIT_REACH * kind.max_work
+    # a fit without a recorded reach (profiles made before it) prices every size, as it did
+    unbounded = kind.model_copy(update={"max_work": None})
+    assert ComputeModel(_profile(op_fits=[unbounded, generic]), "bf16").op_time_s(large, "bwd") == pytest.approx(
+        5e-5 + 6e8 * 1e-10)
+    # beyond every fit's reach: the roofline
+    roofline = ComputeModel(_profile(op_fits=[kind]), "bf16").op_time_s(large, "bwd")
+    assert roofline == pytest.approx(ComputeModel(_profile(), "bf16").op_time_s(large, "bwd"))
+
+
 def test_collective_fit_bytes_are_the_full_buffer():
     fit = CollectiveFit(collective="all_gather", group_size=2, scope="intra_node", alpha_s=1e-4, beta_s_per_byte=1e-9)
     profile = _profile(collectives=[fit])

@@ -58,6 +58,8 @@ CALIBRATION_MICRO_BATCHES = {"cpu": (2, 8), "cuda": (4, 16)}
 CALIBRATION_WIDTH = {"cpu": 96, "cuda": 1024}
 CALIBRATION_SEQ_LEN = {"cpu": 128, "cuda": 1024}
 WARMUP_STEPS, TIMED_STEPS = 3, 10
+# how much slower (or faster) than alone ops can run inside a step: a fitted scale outside is not the ops'
+MIN_SCALE, MAX_SCALE = 0.25, 4.0
 CALIBRATION_ROUNDS = 3
 
 
@@ -245,8 +247,9 @@ def fit_phase(ops_s: list[float], units: list[int], calls: list[int], residual_s
               recompute_s: list[float] | None = None) -> PhaseFit:
     """residual = compute_scale * ops [+ recompute_scale * recompute] + unit_s * units + collective_s * calls,
     every coefficient >= 0, fitted on relative errors (each case weighs the same, short steps as much
-    as long ones). A scale of 0 (ops that do not lengthen the step at all) is not physical: such a
-    scale is then fixed at 1 and the rest refitted."""
+    as long ones). A scale outside [MIN_SCALE, MAX_SCALE] is not physical (0: ops that do not lengthen the
+    step at all; 0.06: what one H200 fitted to a small model whose steps were bound by the CPU issuing
+    them, not by its kernels): such a scale is then fixed at 1 and the rest refitted."""
     scales = [ops_s] + ([recompute_s] if recompute_s is not None and any(recompute_s) else [])
     x = np.array([*scales, units, calls], dtype=float).T
     y = np.array(residual_s, dtype=float)
@@ -258,7 +261,7 @@ def fit_phase(ops_s: list[float], units: list[int], calls: list[int], residual_s
         coef = np.zeros(x.shape[1])
         coef[free] = _nonnegative_lstsq(x[:, free] * weight[:, None], target * weight)
         coef[list(fixed)] = list(fixed.values())
-        unphysical = [c for c in range(len(scales)) if c not in fixed and coef[c] <= 0]
+        unphysical = [c for c in range(len(scales)) if c not in fixed and not MIN_SCALE <= coef[c] <= MAX_SCALE]
         if not unphysical:
             break
         fixed[unphysical[0]] = 1.0

@@ -169,7 +169,8 @@ def fit_op_families(points: list[OpPoint], fresh_alloc_bytes: int | None = None)
             errors = heldout_errors(work, seconds) if len(subset) >= 3 else []
             reports.append(FitReport(
                 OpFit(family=family, direction=direction, work=unit, dtype=dtype,
-                      intercept_s=fit.intercept, s_per_unit=fit.slope, min_alloc_bytes=min_alloc),
+                      intercept_s=fit.intercept, s_per_unit=fit.slope, min_alloc_bytes=min_alloc,
+                      max_work=max(work)),
                 points=len(subset),
                 heldout_median_rel_err=statistics.median(errors) if errors else None,
                 heldout_max_rel_err=max(errors) if errors else None,

@@ -210,10 +210,35 @@ class OpMeasurement:
     bwd_s: float | None
 
 
+# the shortest a backward kernel is taken to run on a GPU once the backward call's own floor is taken off
+MIN_KERNEL_S = 2e-6
+_BACKWARD_FLOORS: dict[tuple[str, int | None], float] = {}
+
+
+def backward_floor_s(device: torch.device, repeats: Repeats) -> float:
+    """What timing one backward call costs on a GPU whatever the op: `torch.autograd.backward` of a one-element
+    product. The engine's setup and its hand-over to the device's autograd thread (60-130 us on an H200
+    with torch 2.11) keep the GPU idle between the timing events; inside a training step the engine issues
+    the kernels of one backward while earlier ones run, so a unit's backward is not that per op (the
+    launch floor is `op_overhead_s`, cost_models.compute). 0 on the CPU, whose op times are wall times and
+    whose calibration fits what the step adds to them."""
+    if device.type != "cuda":
+        return 0.0
+    key = (device.type, device.index)
+    if key not in _BACKWARD_FLOORS:
+        leaf = torch.ones(1, device=device, requires_grad=True)
+        output, grad = leaf * 2.0, torch.ones(1, device=device)
+        _BACKWARD_FLOORS[key] = median_time_s(lambda: torch.autograd.backward([output], [grad], retain_graph=True),
+                                              device, Repeats(repeats.warmup, 50, 500, 0.01))
+    return _BACKWARD_FLOORS[key]
+
+
 def measure_case(case: OpCase, device: torch.device, repeats: Repeats) -> OpMeasurement:
     """A tied parameter's op (case.summed_params) is timed as its backward runs in the model: the
     gradient of the parameter's later use is pending (here through a view of the parameter, whose
-    backward passes it on without a copy), and autograd adds the op's own gradient to it."""
+    backward passes it on without a copy), and autograd adds the op's own gradient to it. On a GPU the
+    backward's time is its kernels': the backward call's floor (backward_floor_s) taken off, at least
+    MIN_KERNEL_S."""
     forward, leaves, summed = _materialize(case, device)
     fwd_s = median_time_s(forward, device, repeats) if has_work(case.record, "fwd") else None
     bwd_s = None
@@ -229,6 +254,8 @@ def measure_case(case: OpCase, device: torch.device, repeats: Repeats) -> OpMeas
 
             bwd_s = median_time_s(
                 lambda: torch.autograd.backward(outputs, grads, retain_graph=True), device, repeats, clear_grads)
+            if device.type == "cuda":
+                bwd_s = max(MIN_KERNEL_S, bwd_s - backward_floor_s(device, repeats))
     return OpMeasurement(fwd_s, bwd_s)
 
 

@@ -153,6 +153,8 @@ def _measurement_cache(settings: ProfileSettings, device_name: str, threads: int
         "overlap": [settings.overlap_phase_s, settings.overlap_trials],
         "comm_rounds": settings.comm_rounds,
         "host_memory": "kept" if kept else "default",
+        # a GPU's backward op times have the backward call's floor taken off (ops.backward_floor_s)
+        **({"backward": "kernels"} if settings.device == "cuda" else {}),
     })
 
 
