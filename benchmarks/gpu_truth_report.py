@@ -79,6 +79,17 @@ def _line(stats: dict | None, what: str) -> str:
             f"({stats['n']} runs)")
 
 
+def _peak_lines(peak: dict | None) -> list[str]:
+    """A missed peak's largest groups of blocks alive at it (autoplan.run.peak_blocks), a line each."""
+    if not peak:
+        return []
+    if "error" in peak:
+        return [f"      alive at the peak: not recorded ({peak['error'][:160]})"]
+    return [f"      alive at the peak ({_mb(peak['peak_bytes'])} MB recorded, {peak['blocks']} blocks), largest:"] + [
+        f"        {_mb(g['bytes']):>9} MB = {g['blocks']} x {_mb(g['block_bytes'])} MB  {g['where'][:150]}"
+        for g in peak["groups"][:8]]
+
+
 def format_results(results: dict) -> str:
     lines = ["autoplan GPU truth kit"]
     for run in results.get("runs", []):
@@ -124,6 +135,7 @@ def format_results(results: dict) -> str:
                          f"{reserved / alloc if alloc else float('nan'):>9.3f} {r['predicted_compute_s'] * 1e3:>11.1f} "
                          f"{r['measured_compute_s'] * 1e3:>8.1f}" + ("  OVER LIMIT" if r["over_limit"] else "")
                          + (f"  [{', '.join(r.get('decisions', []))}]" if r["plan"] == "autoplan" else ""))
+            lines += _peak_lines(r.get("peak_blocks"))
     if "compute" in stages:
         lines += ["", "== single-GPU runs (`autoplan apply`, one rank), plans costed with "
                       f"{stages['compute']['profile']}",
