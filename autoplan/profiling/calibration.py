@@ -41,10 +41,11 @@ import torch.distributed as dist
 from cost_models.options import DEFAULT_OPTIMIZER, DEFAULT_PRECISION, PRECISIONS
 
 __all__ = [
-    "CALIBRATION_DEPTHS", "CALIBRATION_PLANS", "CALIBRATION_MICRO_BATCHES", "CALIBRATION_WIDTH", "CALIBRATION_SEQ_LEN",
-    "CALIBRATION_ROUNDS", "CALIBRATION_DTYPE", "CALIBRATION_OPTIMIZER", "PLAN_PROFILE", "PhaseFit", "calibration_model",
-    "calibration_workloads", "calibration_cases", "case_key", "step_key", "uniform_plan", "measure_training_steps",
-    "fastest_rounds", "fit_phase", "fit_calibration", "WARMUP_STEPS", "TIMED_STEPS",
+    "CALIBRATION_DEPTHS", "CALIBRATION_PLANS", "CALIBRATION_MICRO_BATCHES", "CALIBRATION_WIDTH", "CALIBRATION_HEADS",
+    "CALIBRATION_SEQ_LEN", "CALIBRATION_ROUNDS", "CALIBRATION_DTYPE", "CALIBRATION_OPTIMIZER", "PLAN_PROFILE",
+    "PhaseFit", "calibration_model", "calibration_workloads", "calibration_cases", "case_key", "step_key",
+    "uniform_plan", "measure_training_steps", "fastest_rounds", "fit_phase", "fit_calibration", "WARMUP_STEPS",
+    "TIMED_STEPS",
 ]
 
 CALIBRATION_DEPTHS = (2, 4)
@@ -54,8 +55,12 @@ CALIBRATION_DEPTHS = (2, 4)
 CALIBRATION_PLANS = (("shard", False), ("shard_keep", False), ("replicate", False), ("shard", True), ("replicate", True))
 # the steps train at the default precision and optimizer, as `autoplan search` plans by default
 CALIBRATION_DTYPE, CALIBRATION_OPTIMIZER = DEFAULT_PRECISION, DEFAULT_OPTIMIZER
-CALIBRATION_MICRO_BATCHES = {"cpu": (2, 8), "cuda": (4, 16)}
-CALIBRATION_WIDTH = {"cpu": 96, "cuda": 1024}
+# On a GPU the steps must be bound by their kernels, as a real model's are, not by the CPU issuing them: at width
+# 1024 an H200 ran micro-batches 4 and 16 in the same time (3.6 and 3.8 ms forward), which fitted a compute scale of
+# 0.06 and 1.35 ms a unit. Width 4096 (32 heads of 128, flash's sizes) does 16x the work per token.
+CALIBRATION_MICRO_BATCHES = {"cpu": (2, 8), "cuda": (1, 4)}
+CALIBRATION_WIDTH = {"cpu": 96, "cuda": 4096}
+CALIBRATION_HEADS = {"cpu": 4, "cuda": 32}
 CALIBRATION_SEQ_LEN = {"cpu": 128, "cuda": 1024}
 WARMUP_STEPS, TIMED_STEPS = 3, 10
 # how much slower (or faster) than alone ops can run inside a step: a fitted scale outside is not the ops'
@@ -64,10 +69,11 @@ CALIBRATION_ROUNDS = 3
 
 
 def calibration_model(depth: int, device_type: str) -> str:
-    """The zoo spec of the calibration model at one depth (GPT-2 blocks, 4 heads, vocabulary 512), with as many
-    positions as the calibration sequence (gpt2-tiny's 128 are too few on CUDA)."""
+    """The zoo spec of the calibration model at one depth (GPT-2 blocks, vocabulary 512), with as many positions as
+    the calibration sequence (gpt2-tiny's 128 are too few on CUDA) and, on CUDA, heads of 128."""
     positions = f",max_seq_len={CALIBRATION_SEQ_LEN[device_type]}" if CALIBRATION_SEQ_LEN[device_type] > 128 else ""
-    return f"gpt2-tiny[n_layers={depth},d_model={CALIBRATION_WIDTH[device_type]}{positions}]"
+    heads = f",n_heads={CALIBRATION_HEADS[device_type]}" if CALIBRATION_HEADS[device_type] != 4 else ""
+    return f"gpt2-tiny[n_layers={depth},d_model={CALIBRATION_WIDTH[device_type]}{heads}{positions}]"
 
 
 def calibration_workloads(device_type: str) -> dict[str, tuple[int, ...]]:
