@@ -290,6 +290,7 @@ def _run_under(plan, device: str, conf: str | None, gpu_mem: int | None) -> dict
         if gpu_mem is not None:  # None: uncapped
             torch.cuda.set_per_process_memory_fraction(min(1.0, bound / gpu_mem))
         torch.cuda.reset_peak_memory_stats()
+        torch.cuda.reset_accumulated_memory_stats()  # the retries below are this run's
     started = time.monotonic()
     result = None
     try:
@@ -300,8 +301,11 @@ def _run_under(plan, device: str, conf: str | None, gpu_mem: int | None) -> dict
         summary.update(status="out of memory" if refused else "failed", note=refused or repr(exc)[:500])
     finally:
         if device == "cuda":  # a run's own peaks span its phases; torch's after a failure, the failing phase's
+            stats = torch.cuda.memory_stats()
             summary.update(reserved=result.cuda_max_reserved_bytes if result else torch.cuda.max_memory_reserved(),
-                           allocated=result.cuda_max_allocated_bytes if result else torch.cuda.max_memory_allocated())
+                           allocated=result.cuda_max_allocated_bytes if result else torch.cuda.max_memory_allocated(),
+                           # cached blocks freed to make room (a bound that is tight) and refusals
+                           alloc_retries=stats.get("num_alloc_retries"), ooms=stats.get("num_ooms"))
             torch.cuda.set_per_process_memory_fraction(1.0)
     return {"result": result, "summary": summary, "wall_s": time.monotonic() - started}
 
@@ -370,10 +374,9 @@ def stage_grid(args, profile: str, budget: Budget) -> dict:
                         (ALLOCATOR_CONFS if on_gpu else (None,))}
                 if on_gpu:  # each configuration: whether the step ran capped at the plan's needed bound, and what
                     row["allocator"] = {conf: run["summary"] for conf, run in runs.items()}  # it took
-                # the memory and time figures of the first run that finished; uncapped where none did
-                first = next((run for run in runs.values() if run["result"] is not None), None)
-                if first is None and on_gpu:
-                    first = _run_under(plan, args.device, ALLOCATOR_CONFS[0], None)
+                # the memory and time figures: on a GPU from a run without a cap (a capped run near its bound may time
+                # the allocator freeing its cache to make room: its alloc_retries say)
+                first = _run_under(plan, args.device, ALLOCATOR_CONFS[0], None) if on_gpu else runs[None]
                 if first is None or first["result"] is None:
                     failed = (first or next(iter(runs.values())))["summary"]
                     row.update(status=failed["status"], note=failed.get("note"))
