@@ -58,6 +58,8 @@ def _kv_heads_widened(func, args: tuple) -> tuple:
     name = func._overloadpacket.__name__
     at = 1 if "backward" in name else 0  # backward ops take the output's gradient first
     heads = 2 if name.startswith(("_flash_attention", "_efficient_attention")) else 1  # [b, s, h, d] or [b, h, s, d]
+    if len(args) < at + 3:
+        return args
     query, key, value = args[at:at + 3]
     if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (query, key, value)):
         return args
