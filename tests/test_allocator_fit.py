@@ -127,3 +127,24 @@ def test_a_native_fit_by_replay_starts_from_the_default_plan_and_plans_up_to_the
     assert 0.95 * limit <= plan.predicted.allocator_needed_bytes <= limit
     assert plan.predicted.throughput_samples_s >= default.predicted.throughput_samples_s
     assert replay_plan(plan).needed_bytes == plan.predicted.allocator_needed_bytes
+
+
+def test_a_default_plan_already_replayed_is_not_searched_and_replayed_again(monkeypatch):
+    """`search --fit-allocator auto` replays the default plan first; when that replay needs more than the limit,
+    the fit takes the plan and its replay as its round for the default plan instead of making both again."""
+    from autoplan.run import allocator_fit
+    from autoplan.run.allocator_fit import AllocatorReplay, search_fitting_allocator
+    from autoplan.settings import SearchSettings
+
+    settings = SearchSettings.create(None, model=MODEL, mem="440MB", gpus=8, profile="h100-sxm-80gb", seq_len=128,
+                                     batch_size=4, allocator_conf="expandable_segments:False")
+    default = autoplan.search(settings=settings)
+    limit = default.cluster.mem_limit_bytes
+    overshoot = AllocatorReplay(default.predicted.peak_mem_bytes, limit, limit + (8 << 20), 1)  # needs 8 MiB more
+    replayed = []
+    monkeypatch.setattr(allocator_fit, "replay_plan", lambda plan: replayed.append(plan) or replay_plan(plan))
+    lines = []
+    plan, replays = search_fitting_allocator(settings, say=lines.append, default=(default, overshoot))
+    assert replays[1] is overshoot and "the plan fitted to the needed bound" in lines[1]
+    assert len(replayed) == len(replays) - 1 and default not in replayed
+    assert plan.predicted.allocator_needed_bytes <= limit

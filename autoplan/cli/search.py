@@ -125,7 +125,7 @@ def _search(settings, fit_allocator: str):
     if replayed.needed_bytes > plan.cluster.mem_limit_bytes:
         say(f"the replayed step needs {format_bytes(replayed.needed_bytes)}, more than the limit: fitting the plan "
             "to the replay")
-        return search_fitting_allocator(settings, say=say)[0]
+        return search_fitting_allocator(settings, say=say, default=(plan, replayed))[0]
     return plan.model_copy(update={"predicted": plan.predicted.model_copy(
         update={"allocator_needed_bytes": replayed.needed_bytes})})
 

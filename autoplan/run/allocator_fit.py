@@ -168,7 +168,8 @@ def replay_plan(plan: Plan) -> AllocatorReplay:
 
 
 def search_fitting_allocator(settings: SearchSettings, say: Callable[[str], None] = lambda line: None,
-                             rounds: int = MAX_ROUNDS) -> tuple[Plan, list[AllocatorReplay]]:
+                             rounds: int = MAX_ROUNDS, default: tuple[Plan, AllocatorReplay] | None = None,
+                             ) -> tuple[Plan, list[AllocatorReplay]]:
     """The fastest plan whose step fits the memory limit under the caching allocator, within `rounds` searches,
     each plan's step replayed: first the live bytes planned to the limit less the settings' headroom; if that
     step needs more than the limit, the default search's plan (fitted to the needed bound, which holds every
@@ -176,7 +177,9 @@ def search_fitting_allocator(settings: SearchSettings, say: Callable[[str], None
     between the largest headroom that failed and the smallest that fitted, the headroom where the replays'
     need meets the limit (kept inside the bracket's middle half), until the bracket is BRACKET wide or a plan's
     step needs within CLOSE of the limit. Returns the fitting plan with the least headroom (its prediction
-    records `allocator_needed_bytes`) and every round's replay; InfeasibleError when no round's plan fits."""
+    records `allocator_needed_bytes`) and every round's replay; InfeasibleError when no round's plan fits.
+    `default`: the default search's plan for these settings and its replay, already made (`search --fit-allocator
+    auto` replays it first): its round takes them instead of searching and replaying it again."""
     bound_fitted = settings if settings.fit_to == "needed" else None
     settings = SearchSettings.create(settings, fit_to="allocated")  # the replay fits the live bytes, not a bound
     headroom, replays, previous = settings.headroom, [], None
@@ -184,11 +187,14 @@ def search_fitting_allocator(settings: SearchSettings, say: Callable[[str], None
     limit = None
     for round_ in range(1, rounds + 1):
         from_bound = round_ > 1 and best is None and bound_fitted is not None
-        plan = search(settings=bound_fitted if from_bound else SearchSettings.create(settings, headroom=headroom))
+        if from_bound and default is not None:
+            plan, result = default
+        else:
+            plan = search(settings=bound_fitted if from_bound else SearchSettings.create(settings, headroom=headroom))
+            if round_ == 1:
+                check_replayable(plan)
+            result = replay_plan(plan)
         limit, peak = plan.cluster.mem_limit_bytes, plan.predicted.peak_mem_bytes
-        if round_ == 1:
-            check_replayable(plan)
-        result = replay_plan(plan)
         replays.append(result)
         if from_bound:
             headroom, bound_fitted = 1 - peak / limit, None  # its live bytes, as a headroom
