@@ -35,7 +35,14 @@ from autoplan.profiling.fit import FitReport, fit_affine, fit_op_families, heldo
 from autoplan.profiling.fsdp import FSDP_CALLS
 from autoplan.profiling.host_link import HOST_COPY_BYTES, host_threads_per_rank, measure_host_link
 from autoplan.profiling.op_timings import measure_ops, points_and_timings, remeasure_outliers
-from autoplan.profiling.ops import OpCase, collect_cases, sweep_workload, unique_cases, zoo_workload
+from autoplan.profiling.ops import (
+    OpCase,
+    backward_floor_s,
+    collect_cases,
+    sweep_workload,
+    unique_cases,
+    zoo_workload,
+)
 from autoplan.profiling.overlap import OVERLAP_PHASE_S, OVERLAP_TRIALS
 from autoplan.profiling.provenance import measurement_sources, profile_provenance
 from autoplan.profiling.ranks import measure_on_ranks
@@ -130,6 +137,10 @@ def measure_profile(settings: ProfileSettings) -> ProfileResult:
     collective_fits = _collective_fits(measured.comm["collectives"])
     provenance = profile_provenance(settings, device.type, backend, threads, device_name)
     provenance.sources.update({**measurement_sources(measured.host, reference), **measured.tp_costs[2]})
+    if device.type == "cuda":  # what each backward op time had taken off
+        provenance.sources["op_times.bwd_s"] = (f"the kernels': the backward call's floor, "
+                                                f"{backward_floor_s(device, settings.repeats) * 1e6:.1f} us measured "
+                                                "here, taken off each (profiling/ops.backward_floor_s)")
     if kept:  # a rank's step reuses the heap's pages after its first steps: no large buffer is mapped fresh
         provenance.sources["first_touch_s_per_byte"] = FIRST_TOUCH_KEPT
     profile = _profile(settings, device, measured, _links(reference, collective_fits, measured.comm), provenance,
