@@ -183,8 +183,8 @@ def search_fitting_allocator(settings: SearchSettings, say: Callable[[str], None
     bound_fitted = settings if settings.fit_to == "needed" else None
     settings = SearchSettings.create(settings, fit_to="allocated")  # the replay fits the live bytes, not a bound
     headroom, replays, previous = settings.headroom, [], None
-    failed, best = None, None  # (headroom, needed) of the largest headroom that did not fit; (headroom, plan, needed)
-    limit = None
+    # (headroom, needed) of the largest headroom that did not fit; (headroom, plan, needed) of the least that did
+    failed, best, limit = None, None, None
     for round_ in range(1, rounds + 1):
         from_bound = round_ > 1 and best is None and bound_fitted is not None
         if from_bound and default is not None:
