@@ -177,14 +177,12 @@ def search_fitting_allocator(settings: SearchSettings, say: Callable[[str], None
     between the largest headroom that failed and the smallest that fitted, the headroom where the replays'
     need meets the limit (kept inside the bracket's middle half), until the bracket is BRACKET wide or a plan's
     step needs within CLOSE of the limit. Returns the fitting plan with the least headroom (its prediction
-    records `allocator_needed_bytes`) and every round's replay; InfeasibleError when no round's plan fits.
-    `default`: the default search's plan for these settings and its replay, already made (`search --fit-allocator
-    auto` replays it first): its round takes them instead of searching and replaying it again."""
+    records `allocator_needed_bytes`) and every round's replay; InfeasibleError when no round's plan fits. `default`:
+    the default plan and its replay where already made (`--fit-allocator auto`), taken as that plan's round."""
     bound_fitted = settings if settings.fit_to == "needed" else None
     settings = SearchSettings.create(settings, fit_to="allocated")  # the replay fits the live bytes, not a bound
     headroom, replays, previous = settings.headroom, [], None
-    # (headroom, needed) of the largest headroom that did not fit; (headroom, plan, needed) of the least that did
-    failed, best, limit = None, None, None
+    failed, best, limit = None, None, None  # (headroom, needed) of the largest that failed; (headroom, plan, needed)
     for round_ in range(1, rounds + 1):
         from_bound = round_ > 1 and best is None and bound_fitted is not None
         if from_bound and default is not None:
