@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+from autoplan.api.heap import young_collections_only
 from autoplan.api.prepare import load_plan_of, prepare, wrap_policy_of
 from autoplan.errors import PlanFileError, UsageError
 from autoplan.models.tp_layout import TpRefusal, check_with_experts, recognise
@@ -56,6 +57,11 @@ def estimate(model: Any = None, strategy: str | None = None, *, settings: Estima
     (True, True)
     """
     s = EstimateSettings.create(settings, model=model, strategy=strategy, **fields)
+    with young_collections_only():  # the traces and the table live until the estimate is made (autoplan.api.heap)
+        return _estimate(s)
+
+
+def _estimate(s: EstimateSettings) -> Estimate:
     plan, plan_file = load_plan_of(s.plan)
     request = prepare(s, plan, plan_file)
     if request.meshes[0].pp > 1:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Iterable
 
+from autoplan.api.heap import young_collections_only
 from autoplan.api.prepare import prepare
 from autoplan.api.search import plan_of
 from autoplan.errors import InfeasibleError
@@ -43,7 +44,11 @@ def frontier(model: Any, limits: Iterable[str | int], *, settings: SearchSetting
     [True, True]
     """
     base = SearchSettings.create(settings, model=model, **fields)
-    request = prepare(base)
+    with young_collections_only():  # the traces and tables live on through every limit (autoplan.api.heap)
+        return _frontier(base, prepare(base), limits)
+
+
+def _frontier(base: SearchSettings, request, limits: Iterable[str | int]) -> list[FrontierPoint]:
     cluster = request.cluster
     points = []
     for limit_bytes in sorted(parse_mem_bytes(limit) for limit in limits):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from autoplan.api.heap import young_collections_only
 from autoplan.api.prepare import prepare
 from autoplan.plan.assemble import assemble_plan
 from autoplan.plan.schema import PinRecord, Plan
@@ -41,7 +42,8 @@ def search(model: Any = None, mem: str | int | None = None, *, settings: SearchS
     >>> plan.predicted.peak_mem_bytes < plan.predicted.needed_bytes <= 300e6  # live bytes, and the allocator's need
     True
     """
-    return plan_of(prepare(SearchSettings.create(settings, model=model, mem=mem, **fields)))
+    with young_collections_only():  # millions of objects that live until the plan is made (autoplan.api.heap)
+        return plan_of(prepare(SearchSettings.create(settings, model=model, mem=mem, **fields)))
 
 
 def plan_of(request: PlanRequest) -> Plan:

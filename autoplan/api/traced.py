@@ -12,6 +12,7 @@ from typing import Any
 
 import torch.nn as nn
 
+from autoplan.api.heap import young_collections_only
 from autoplan.errors import UsageError
 from autoplan.models.resolve import resolve_model
 from autoplan.models.zoo import count_params
@@ -144,8 +145,9 @@ def trace(model: str | nn.Module, *, seq_len: int | None = None, example_inputs:
     ('fx', 141056)
     """
     check_choice("dtype", dtype, choices_of("dtype"))
-    traced = TracedModel(model, seq_len=seq_len, example_inputs=example_inputs, tracer=tracer)
-    traced.traces(compute_dtype_of(dtype))
+    with young_collections_only():  # the traces' records live on (autoplan.api.heap)
+        traced = TracedModel(model, seq_len=seq_len, example_inputs=example_inputs, tracer=tracer)
+        traced.traces(compute_dtype_of(dtype))
     return traced
 
 
