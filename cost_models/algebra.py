@@ -115,11 +115,15 @@ class SparseAffine:
 def add_all(terms: Sequence) -> object:
     """The sum of numbers and affine rows in order, in time linear in their terms (adding one at a time would copy
     the growing sum at every step: quadratic over the thousands of units of a deep model)."""
-    if not any(isinstance(term, SparseAffine) for term in terms):
-        total = 0
-        for term in terms:
-            total = total + term
-        return total
+    total = 0
+    for term in terms:  # numbers (one plan's timeline) or dense rows, in one pass: no generator to test them first
+        if isinstance(term, SparseAffine):
+            return _sparse_sum(terms)
+        total = total + term
+    return total
+
+
+def _sparse_sum(terms: Sequence) -> SparseAffine:
     summed: dict[int, float] = {}
     const = 0
     for term in terms:

@@ -197,13 +197,12 @@ class _Timeline:
         """A unit is reduced once the backward of its subtree's first op is done (innermost units first); per
         segment, the unit reduced last before its backward (its reduction input is still alive)."""
         units, segments = self.units, self.table.segments
-        segment_of_op = {}
-        for index, seg in enumerate(segments):
-            for position in range(seg.first_op, seg.last_op + 1):
-                segment_of_op[position] = index
+        firsts = [seg.first_op for seg in segments]  # in op order: the segment of a unit's first op by bisection
         self.reduced_after: dict[int, list[int]] = {}
         for u in sorted(range(len(units)), key=lambda u: -len(self.enclosing(u))):
-            self.reduced_after.setdefault(segment_of_op.get(units[u].first_op, 0), []).append(u)
+            at = bisect.bisect_right(firsts, units[u].first_op) - 1
+            at = at if at >= 0 and units[u].first_op <= segments[at].last_op else 0
+            self.reduced_after.setdefault(at, []).append(u)
         self.last_reduced_before: dict[int, int | None] = {}
         last = None
         for index in range(len(segments) - 1, -1, -1):
