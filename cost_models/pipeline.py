@@ -43,7 +43,6 @@ This module imports nothing from autoplan and nothing from torch.
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, replace
 
 from cost_models.profile import DeviceProfile
@@ -160,12 +159,21 @@ def pipelined(table: CostTable, microbatches: int, flight: float, drained: bool 
         # the reduce dtype (FSDP2 upcasts them to accumulate), in their place
         grads.append([int(c.unsharded_grad_bytes * upcast) - c.grad_bytes if c.gathered_bytes else 0
                       for c in unit_costs])
-        costs.append([replace(copy.copy(c), gathered_bytes=0, held_bytes=0, comm_fwd_s=c.comm_fwd_s / microbatches,
-                              comm_bwd_s=c.comm_bwd_s / microbatches,
-                              reduce_peak_bytes=_accumulated_reduce_peak(c, upcast, table.precision.reduce_bytes))
+        costs.append([_with(c, gathered_bytes=0, held_bytes=0, comm_fwd_s=c.comm_fwd_s / microbatches,
+                            comm_bwd_s=c.comm_bwd_s / microbatches,
+                            reduce_peak_bytes=_accumulated_reduce_peak(c, upcast, table.precision.reduce_bytes))
                       for c in unit_costs])
     return replace(table, costs=costs), HeldAllStep(activations, gathered, grads, drained=drained,
                                                     first=first if later < flight else None)
+
+
+def _with(cost, **changes):
+    """dataclasses.replace of an OptionCost (a plain dataclass) without re-running its __init__ (a pipelined mesh
+    copies every option's costs per kind of stage, micro-batch and flight)."""
+    new = object.__new__(type(cost))
+    new.__dict__.update(cost.__dict__)
+    new.__dict__.update(changes)
+    return new
 
 
 def _accumulated_reduce_peak(cost, upcast: float, reduce_bytes: int) -> int:

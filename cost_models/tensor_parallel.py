@@ -190,9 +190,27 @@ def op_role(op: OpRecord, layout: TpLayout, roles: dict[str, TpRole | None] | No
     return roles[op.module]
 
 
-def tp_ops(ops: list[OpRecord], layout: TpLayout) -> list[OpRecord]:
+def tp_ops(ops: list[OpRecord], layout: TpLayout, ids: list[int] | None = None) -> list[OpRecord]:
+    """Each op as a rank of the group runs it. `ids`: per op, a number equal for ops alike in everything but name
+    and module and of one role (`op_role`): each kind is transformed once and copied under the other ops' names
+    (as records.extrapolate_ops makes them)."""
     roles: dict[str, TpRole | None] = {}
-    return [tp_op(op, layout, op_role(op, layout, roles)) for op in ops]
+    if ids is None:
+        return [tp_op(op, layout, op_role(op, layout, roles)) for op in ops]
+    result, made = [], {}
+    for op, kind in zip(ops, ids, strict=True):
+        template = made.get(kind)
+        if template is None:
+            made[kind] = template = (op, tp_op(op, layout, op_role(op, layout, roles)))
+            record = template[1]
+        elif template[1] is template[0]:
+            record = op  # not transformed: the op itself, as tp_op gives it
+        else:
+            record = object.__new__(OpRecord)  # a copy of the transformed kind under this op's name
+            record.__dict__.update(template[1].__dict__)
+            record.name, record.module = op.name, op.module
+        result.append(record)
+    return result
 
 
 def tp_units(units: list[Unit], layout: TpLayout) -> list[Unit]:

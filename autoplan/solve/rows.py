@@ -24,10 +24,11 @@ from itertools import chain
 
 import numpy as np
 
-from cost_models.algebra import Affine, SparseAffine, SparseAlgebra
-from cost_models.memory import MAX_SCRATCH_POINTS
+from cost_models.algebra import Affine, AffineAlgebra, SparseAffine, SparseAlgebra
+from cost_models.allocator_margin import fitted_totals
+from cost_models.memory import MAX_SCRATCH_POINTS, timeline
 
-__all__ = ["DENSE_LIMIT", "MemoryRows", "sparse_rows"]
+__all__ = ["DENSE_LIMIT", "MemoryRows", "sparse_rows", "table_rows"]
 
 # time points x literals up to which a table's rows are dense (int64: 400 MB at the limit; llama2-70b by leaf units,
 # the largest model the benchmarks plan, is 4e7; a stack of 1000 tiny layers 7e7, which CP-SAT solves faster sparse)
@@ -41,6 +42,17 @@ def sparse_rows(table) -> bool:
     copy-out and a reduction per unit, the optimizer's) x its literals pass DENSE_LIMIT."""
     most_points = 2 * (len(table.segments) + len(table.units)) + MAX_SCRATCH_POINTS
     return most_points * sum(len(options) for options in table.options) > DENSE_LIMIT
+
+
+def table_rows(table) -> tuple[AffineAlgebra, "MemoryRows", list[str]]:
+    """A cost table's algebra over its option literals, its memory rows (live bytes, or the allocator's need:
+    allocator_margin) and each time point's label, in the timeline's order."""
+    options = [len(options) for options in table.options]
+    sparse = sparse_rows(table)  # thousands of units: rows linear in them
+    alg = SparseAlgebra(options) if sparse else AffineAlgebra(options)
+    points = timeline(table, alg)
+    totals = fitted_totals(table, points)
+    return alg, MemoryRows.of_sparse(alg, totals) if sparse else MemoryRows.of_dense(totals), [p.label for p in points]
 
 
 class _Sparse:

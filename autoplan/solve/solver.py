@@ -37,11 +37,9 @@ import numpy as np
 
 from autoplan.settings import DEFAULT_TIME_LIMIT_S
 from autoplan.solve.counts import COUNTS_GAP_LIMIT, CountsModel, counted
-from autoplan.solve.rows import MemoryRows, sparse_rows
+from autoplan.solve.rows import MemoryRows, table_rows
 from autoplan.solve.symmetry import canonical, identical_runs
 from cost_models.algebra import AffineAlgebra, SparseAlgebra
-from cost_models.allocator_margin import fitted_totals
-from cost_models.memory import timeline
 from cost_models.step import step_time
 from cost_models.table import CostTable
 
@@ -111,14 +109,11 @@ class AffineModel:
     counted: bool = False  # solved as counts per run (autoplan.solve.counts), not per unit
 
     @classmethod
-    def of(cls, table: CostTable) -> "AffineModel":
-        options = [len(options) for options in table.options]
-        sparse = sparse_rows(table)  # thousands of units: rows linear in them (solve/rows.py)
-        alg = SparseAlgebra(options) if sparse else AffineAlgebra(options)
-        points = fitted_totals(table, timeline(table, alg))  # live bytes, or the allocator's need (allocator_margin)
-        rows = MemoryRows.of_sparse(alg, points) if sparse else MemoryRows.of_dense(points)
+    def of(cls, table: CostTable, memory: tuple | None = None) -> "AffineModel":
+        """The table's model; `memory`: its `rows.table_rows`, where the caller has them."""
+        alg, rows, _ = memory or table_rows(table)
         step = step_time(table, alg).step_s
-        step_coef, step_const = alg.dense(step) if sparse else step.coef, step.const
+        step_coef, step_const = alg.dense(step) if isinstance(alg, SparseAlgebra) else step.coef, step.const
         host = np.array([cost.host_bytes for costs in table.costs for cost in costs], dtype=np.int64)
         offloads = table.host_limit_bytes is not None and bool(host.any())
         runs, order = identical_runs(table)

@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from autoplan.solve.request import PlanRequest
-from autoplan.solve.rows import MemoryRows
+from autoplan.solve.rows import MemoryRows, table_rows
 from autoplan.solve.solver import AffineModel, SolveResult, SolveStatus, solve_min_time
 from cost_models.choices import searched_options
 from cost_models.evaluate import Evaluation, evaluate, uniform_choices
@@ -56,9 +56,10 @@ def solve_rank(request: PlanRequest, table: CostTable, held: HeldAllStep) -> Ran
         choices = uniform_choices(table, u.strategy, u.checkpoint, offload=u.offload)
         peak = held_evaluation(table, held, choices).peak_mem_bytes if choices is not None else limit + 1
         return RankSolve(choices if peak <= limit else None, SolveStatus.FIXED, peak)
-    searched, keep, affine, floor = _floor(table, held)
+    searched, keep, memory, floor = _floor(table, held)
     if floor > limit:
         return RankSolve(None, SolveStatus.INFEASIBLE, floor)
+    affine = AffineModel.of(searched, memory)  # its rows with the held bytes
     result: SolveResult = solve_min_time(searched, limit, request.limits.time_limit_s, affine=affine)
     if result.choices is None:
         return RankSolve(None, result.status, floor)
@@ -71,8 +72,9 @@ def rank_floor(table: CostTable, held: HeldAllStep) -> int:
     return _floor(table, held)[3]
 
 
-def _floor(table: CostTable, held: HeldAllStep) -> tuple[CostTable, list[list[int]], AffineModel, int]:
-    """The table cut to the options searched, their indices, its solver model with the held bytes, and its floor."""
+def _floor(table: CostTable, held: HeldAllStep) -> tuple[CostTable, list[list[int]], tuple, int]:
+    """The table cut to the options searched, their indices, its memory rows with the held bytes (`rows.table_rows`:
+    algebra, rows, labels; the solver's model is built only for a solve) and its floor."""
     keep = [searched_options(options) for options in table.options]
     searched = replace(table, options=[[o[i] for i in k] for o, k in zip(table.options, keep)],
                        costs=[[c[i] for i in k] for c, k in zip(table.costs, keep)])
@@ -80,9 +82,9 @@ def _floor(table: CostTable, held: HeldAllStep) -> tuple[CostTable, list[list[in
                          for values in (held.activations, held.gathered, held.grads)], held.buffers, held.drained,
                        [[held.first[u][i] for i in k] for u, k in enumerate(keep)] if held.first else None,
                        held.outputs)
-    affine = AffineModel.of(searched)
-    _add_held(affine, searched, kept)
-    return searched, keep, affine, affine.rows.floor(affine.algebra.offsets)
+    alg, rows, labels = table_rows(searched)
+    rows = _held_rows(rows, labels, searched, kept)
+    return searched, keep, (alg, rows, labels), rows.floor(alg.offsets)
 
 
 # a point of the rank's timeline: (its point in the one-micro-batch timeline, the table whose timeline it is taken
@@ -92,16 +94,16 @@ _Point = tuple[int, str, str | None, bool, bool, str]
 _FIRST = ", before the first backward is done"
 
 
-def _layout(table: CostTable, held: HeldAllStep) -> list[_Point]:
-    """The rank's points in order. Forward points hold the micro-batches in flight; backward points are taken from
+def _layout(labels: list[str], held: HeldAllStep) -> list[_Point]:
+    """The rank's points in order (`labels`: the one-micro-batch timeline's). Forward points hold the micro-batches in flight; backward points are taken from
     `_accumulating`'s timeline; reductions hold the micro-batches in flight only where the rank's stages are looped
     (not `drained`); the optimizer step holds neither the gathered parameters nor the unsharded gradients (the
     reductions reshard and free them). Where more micro-batches are in flight until the first backward is done
     (`held.first`), each forward and backward point has a twin for then: from `_first_pass`' timeline (no gradient
     accumulated before the first backward, those of the units it has finished during it) with the first's flight."""
     points: list[_Point] = []
-    for i, point in enumerate(evaluate(table, [0] * len(table.units)).points):
-        kind, phase = point.label.split(" ", 1)[0], phase_of(point.label)
+    for i, label in enumerate(labels):
+        kind, phase = label.split(" ", 1)[0], phase_of(label)
         if phase == "optimizer":
             points.append((i, "base", None, False, False, ""))
         elif kind == "reduce":
@@ -115,7 +117,16 @@ def _layout(table: CostTable, held: HeldAllStep) -> list[_Point]:
 
 def _accumulating(table: CostTable) -> CostTable:
     """The table as a pipelined backward runs it: no unit reduces there, so none leaves a reduction input alive."""
-    return replace(table, costs=[[replace(c, pending_reduce_bytes=0) for c in costs] for costs in table.costs])
+    return replace(table, costs=[[_with(c, pending_reduce_bytes=0) for c in costs] for costs in table.costs])
+
+
+def _with(cost, **changes):
+    """dataclasses.replace of an OptionCost (a plain dataclass) without re-running its __init__: a pipelined rank's
+    variants copy every option's costs."""
+    new = object.__new__(type(cost))
+    new.__dict__.update(cost.__dict__)
+    new.__dict__.update(changes)
+    return new
 
 
 def _first_pass(table: CostTable) -> CostTable:
@@ -133,9 +144,9 @@ def _outputs(held: HeldAllStep, flight: str | None) -> int:
     return {"later": held.outputs[0], "first": held.outputs[1]}.get(flight, 0)
 
 
-def _add_held(affine: AffineModel, table: CostTable, held: HeldAllStep) -> None:
-    """The solver's model's rows as the rank runs its units (`_layout`)."""
-    layout = _layout(table, held)
+def _held_rows(base: MemoryRows, labels: list[str], table: CostTable, held: HeldAllStep) -> MemoryRows:
+    """The table's memory rows (`base`, of its timeline's `labels`) as the rank runs its units (`_layout`)."""
+    layout = _layout(labels, held)
     sizes = [len(options) for options in table.options]
 
     def vector(values):
@@ -143,7 +154,7 @@ def _add_held(affine: AffineModel, table: CostTable, held: HeldAllStep) -> None:
 
     flights = {"later": vector(held.activations), "first": vector(held.first) if held.first else None}
     gathered, grads = vector(held.gathered), vector(held.grads)
-    rows = {name: affine.rows if name == "base" else AffineModel.of(variant).rows
+    rows = {name: base if name == "base" else table_rows(variant)[1]  # the variants' rows alone, no solver model
             for name, variant in _sources(table, layout).items()}
     dense, const = [], []
     for i, source, flight, with_gathered, with_grads, _ in layout:
@@ -151,13 +162,13 @@ def _add_held(affine: AffineModel, table: CostTable, held: HeldAllStep) -> None:
         row += (flights[flight] if flight else 0) + (gathered if with_gathered else 0) + (grads if with_grads else 0)
         dense.append(row)
         const.append(int(rows[source].const[i]) + held.buffers + _outputs(held, flight))
-    affine.rows = MemoryRows(affine.rows.size, np.array(const, dtype=np.int64), dense=np.stack(dense))
+    return MemoryRows(base.size, np.array(const, dtype=np.int64), dense=np.stack(dense))
 
 
 def held_evaluation(table: CostTable, held: HeldAllStep, choices: list[int]) -> Evaluation:
     """The rank's evaluation as it runs its units (`_layout`)."""
-    layout = _layout(table, held)
     e = evaluate(table, choices)
+    layout = _layout([p.label for p in e.points], held)
     timelines = {name: e.points if name == "base" else evaluate(t, choices).points
                  for name, t in _sources(table, layout).items()}
     flights = {"later": sum(held.activations[u][c] for u, c in enumerate(choices)),

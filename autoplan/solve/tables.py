@@ -175,7 +175,7 @@ class TensorParallelTables(_Source):
         """The base inputs at this micro-batch, transformed: each op as a rank runs it, and what a checkpointed
         unit keeps per rank (cost_models.tensor_parallel.tp_keep_bytes)."""
         base, layout = self.base.inputs(micro_batch_size), self.layout
-        ops = tp_ops(base.ops, layout)
+        ops = tp_ops(base.ops, layout, self.op_ids)  # alike ops transformed once
         activation = micro_batch_size * training.seq_len * layout.hidden * training.precision.compute_bytes
 
         def kept(full: list[int], cheap: list[int]) -> list[tuple[int, int]]:
