@@ -58,17 +58,11 @@ def tp_collectives(units: list[Unit], layout: TpLayout, micro_batch_size: int, s
     if t == 1:
         return times
     owner = owners(units)
-    comm = CommModel(profile)
+    comm = _Once(CommModel(profile))
     activation = micro_batch_size * seq_len * layout.hidden * compute_bytes
     sp = layout.sequence_parallel
     pair = [("all_gather", activation), ("reduce_scatter", activation)] if sp else [("all_reduce", activation)]
-    columns_under: dict[str, int] = {}  # module path -> column-wise projections below it
-    for path, role in layout.roles.items():
-        if role is TpRole.COLWISE:
-            parts = path.split(".")
-            for depth in range(1, len(parts)):
-                ancestor = ".".join(parts[:depth])
-                columns_under[ancestor] = columns_under.get(ancestor, 0) + 1
+    columns_under = _columns_under(layout.roles)
     for region in layout.regions:
         u = owner(region)
         backward = pair if sp else pair * max(1, columns_under.get(region, 0))
@@ -92,6 +86,38 @@ def tp_collectives(units: list[Unit], layout: TpLayout, micro_batch_size: int, s
             u = owner(path)
             times[u] = replace(times[u], fwd_s=times[u].fwd_s + fwd, bwd_s=times[u].bwd_s + bwd)
     return times
+
+
+class _Once:
+    """A CommModel whose collective_s is computed once per distinct call (every block's region asks the same)."""
+
+    def __init__(self, comm: CommModel):
+        self.comm, self.seen = comm, {}
+
+    def collective_s(self, *args) -> float:
+        if args not in self.seen:
+            self.seen[args] = self.comm.collective_s(*args)
+        return self.seen[args]
+
+
+_COLUMNS: dict[int, tuple] = {}  # id(roles) -> (roles, module path -> column-wise projections below it)
+
+
+def _columns_under(roles) -> dict[str, int]:
+    """Per module path, the column-wise projections below it, once per layout's roles (a pipeline's stages share
+    them: cut layouts keep the model's roles)."""
+    if id(roles) not in _COLUMNS or _COLUMNS[id(roles)][0] is not roles:
+        columns_under: dict[str, int] = {}
+        for path, role in roles.items():
+            if role is TpRole.COLWISE:
+                parts = path.split(".")
+                for depth in range(1, len(parts)):
+                    ancestor = ".".join(parts[:depth])
+                    columns_under[ancestor] = columns_under.get(ancestor, 0) + 1
+        if len(_COLUMNS) > 64:
+            _COLUMNS.clear()
+        _COLUMNS[id(roles)] = (roles, columns_under)
+    return _COLUMNS[id(roles)][1]
 
 
 def add_tp_time(options: list[list[Option]], costs: list, times: list[TpTime], call_fwd_s: float = 0.0,

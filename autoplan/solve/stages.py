@@ -254,12 +254,14 @@ def _classes(base: CostTables) -> list[int]:
 
 def _restricted(layout: TpLayout, units: list[Unit]) -> TpLayout:
     """The layout's regions, embedding and head that lie in `units` (others would fall to the root)."""
-    paths = [u.path for u in units if not u.is_root]
+    paths = {u.path for u in units if not u.is_root}
     params = {p.name for u in units for p in u.params}
 
-    def inside(path: str | None) -> bool:
-        return path is not None and (any(path == p or path.startswith(p + ".") for p in paths)
-                                     or f"{path}.weight" in params)
+    def inside(path: str | None) -> bool:  # the path, or a dotted prefix of it, a unit's
+        if path is None:
+            return False
+        parts = path.split(".")
+        return any(".".join(parts[:k]) in paths for k in range(1, len(parts) + 1)) or f"{path}.weight" in params
 
     return replace(layout, regions=tuple(r for r in layout.regions if inside(r)),
                    embedding=layout.embedding if inside(layout.embedding) else None,

@@ -10,6 +10,7 @@ with the same `TableSource.table`.
 
 from __future__ import annotations
 
+from functools import cached_property
 from typing import Protocol
 
 import torch.nn as nn
@@ -161,15 +162,29 @@ class TensorParallelTables(_Source):
         self.base, self.layout = base, layout
         self.tracer = base.tracer
         self.units = tp_units(base.units, layout)
-        self.unit_layouts: list[UnitLayout | None] = unit_layouts(base.units, layout)
-        self.regions = regions_per_unit(base.units, layout)
-        # the vocabulary-parallel head's rows on one rank: the width of its loss_parallel logits
-        head = f"{layout.head}.weight" if layout.head else None
-        self.local_vocab = next((p.shape[0] for u in self.units for p in u.params if p.name == head), 0)
-        # an op is transformed by its role alone: alike ops of one role stay alike
+
+    # what a table needs beyond the units, made at the first (a pipelined mesh makes a view per cut of the model's
+    # stages and builds tables for few: alike stages share theirs)
+    @cached_property
+    def unit_layouts(self) -> list[UnitLayout | None]:
+        return unit_layouts(self.base.units, self.layout)
+
+    @cached_property
+    def regions(self) -> list[int]:
+        return regions_per_unit(self.base.units, self.layout)
+
+    @cached_property
+    def local_vocab(self) -> int:
+        """The vocabulary-parallel head's rows on one rank: the width of its loss_parallel logits."""
+        head = f"{self.layout.head}.weight" if self.layout.head else None
+        return next((p.shape[0] for u in self.units for p in u.params if p.name == head), 0)
+
+    @cached_property
+    def op_ids(self) -> list[int]:
+        """An op is transformed by its role alone: alike ops of one role stay alike."""
         roles: dict = {}
-        self.op_ids = _ids([(base_id, op_role(op, layout, roles))
-                            for base_id, op in zip(base.op_ids, base.trace_1.ops)])
+        return _ids([(base_id, op_role(op, self.layout, roles))
+                     for base_id, op in zip(self.base.op_ids, self.base.trace_1.ops)])
 
     def inputs(self, micro_batch_size: int, training: Training) -> TableInputs:
         """The base inputs at this micro-batch, transformed: each op as a rank runs it, and what a checkpointed
