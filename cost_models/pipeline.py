@@ -49,8 +49,8 @@ from cost_models.profile import DeviceProfile
 from cost_models.schedules import InFlight, ScheduleRow, StagesPerRank
 from cost_models.table import CostTable
 
-__all__ = ["LOOPED_STAGES", "ZERO_BUBBLE_LEFT", "HeldAllStep", "bubble_slots", "in_flight", "later_flight",
-           "makespan_s", "pipelined", "refusal", "send_s", "stages_per_rank"]
+__all__ = ["LOOPED_STAGES", "ZERO_BUBBLE_LEFT", "HeldAllStep", "bubble_slots", "held_all_step", "in_flight",
+           "later_flight", "makespan_s", "pipelined", "pipelined_table", "refusal", "send_s", "stages_per_rank"]
 
 LOOPED_STAGES = 2  # stages per rank of a looped schedule: the most the bubble gains for the fewest extra sends
 ZERO_BUBBLE_LEFT = 1 / 3  # of the looped bubble, what a schedule deferring the weight gradients leaves
@@ -143,13 +143,30 @@ def pipelined(table: CostTable, microbatches: int, flight: float, drained: bool 
               later: float | None = None) -> tuple[CostTable, HeldAllStep]:
     """A stage's table (built at `microbatches` per step) as the pipeline runs it, and what it holds beside
     one micro-batch's timeline with `flight` micro-batches in flight (`later` of them once its first backward is
-    done: `later_flight`), `drained` where its reductions run with none in flight (see the module docstring)."""
+    done: `later_flight`), `drained` where its reductions run with none in flight (see the module docstring).
+    The table does not depend on the flight (`pipelined_table`), what it holds does (`held_all_step`)."""
+    return pipelined_table(table, microbatches), held_all_step(table, flight, drained, later)
+
+
+def pipelined_table(table: CostTable, microbatches: int) -> CostTable:
+    """`pipelined`'s table: no parameters gathered or held per micro-batch (they are held all step), FSDP's
+    collectives once per step spread over the micro-batches, the reductions beside the accumulated gradients."""
+    upcast = table.precision.reduce_bytes / table.precision.compute_bytes
+    costs = [[_with(c, gathered_bytes=0, held_bytes=0, comm_fwd_s=c.comm_fwd_s / microbatches,
+                    comm_bwd_s=c.comm_bwd_s / microbatches,
+                    reduce_peak_bytes=_accumulated_reduce_peak(c, upcast, table.precision.reduce_bytes))
+              for c in unit_costs] for unit_costs in table.costs]
+    return replace(table, costs=costs)
+
+
+def held_all_step(table: CostTable, flight: float, drained: bool = False, later: float | None = None) -> HeldAllStep:
+    """`pipelined`'s held bytes, from the stage's table as built."""
     saved = [0] * len(table.units)
     for seg in table.segments:
         saved[seg.unit] += seg.saved_bytes
     later = flight if later is None else later
     upcast = table.precision.reduce_bytes / table.precision.compute_bytes
-    activations, first, gathered, grads, costs = [], [], [], [], []
+    activations, first, gathered, grads = [], [], [], []
     for u, (options, unit_costs) in enumerate(zip(table.options, table.costs)):
         held = [c.activation_bytes if o.mode.checkpoints else saved[u] for o, c in zip(options, unit_costs)]
         activations.append([int(max(0.0, later - 1) * h) for h in held])
@@ -159,12 +176,7 @@ def pipelined(table: CostTable, microbatches: int, flight: float, drained: bool 
         # the reduce dtype (FSDP2 upcasts them to accumulate), in their place
         grads.append([int(c.unsharded_grad_bytes * upcast) - c.grad_bytes if c.gathered_bytes else 0
                       for c in unit_costs])
-        costs.append([_with(c, gathered_bytes=0, held_bytes=0, comm_fwd_s=c.comm_fwd_s / microbatches,
-                            comm_bwd_s=c.comm_bwd_s / microbatches,
-                            reduce_peak_bytes=_accumulated_reduce_peak(c, upcast, table.precision.reduce_bytes))
-                      for c in unit_costs])
-    return replace(table, costs=costs), HeldAllStep(activations, gathered, grads, drained=drained,
-                                                    first=first if later < flight else None)
+    return HeldAllStep(activations, gathered, grads, drained=drained, first=first if later < flight else None)
 
 
 def _with(cost, **changes):

@@ -28,14 +28,14 @@ from autoplan.sizes import format_bytes
 from autoplan.solve.cluster import Cluster
 from autoplan.solve.request import PlanRequest
 from autoplan.solve.solver import SolveResult, SolveStatus
-from autoplan.solve.stage_solve import RankSolve, held_evaluation, rank_floor, solve_rank
-from autoplan.solve.stages import StageTables, balanced_cuts, boundary_bytes, forward_units, rank_chunks, shifted, \
-    slot_bounds, stage_cluster, undominated, unit_weights
+from autoplan.solve.stage_solve import RankSolve, held_evaluation, rank_floor, rank_rows, solve_rank
+from autoplan.solve.stages import StageTables, balanced_cuts, forward_units, rank_chunks, shifted, slot_bounds, \
+    stage_boundaries, stage_cluster, undominated, unit_weights
 from autoplan.solve.sweep import MeshPruned, SweepOutcome, SweepStep
 from cost_models.evaluate import Evaluation
 from cost_models.mesh import Mesh
-from cost_models.pipeline import HeldAllStep, bubble_slots, in_flight, later_flight, makespan_s, pipelined, refusal, \
-    send_s, stages_per_rank
+from cost_models.pipeline import HeldAllStep, bubble_slots, held_all_step, in_flight, later_flight, makespan_s, \
+    pipelined_table, refusal, send_s, stages_per_rank
 from cost_models.schedules import SCHEDULES, StagesPerRank
 from cost_models.table import CostTable
 from cost_models.tensor_parallel import TpLayout
@@ -112,7 +112,9 @@ class _Search:
     cluster: Cluster
     sources: dict = field(default_factory=dict)  # chunks -> (StageTables, its TableSource)
     tables: dict = field(default_factory=dict)  # (key, micro-batch, m) -> CostTable
-    priced: dict = field(default_factory=dict)  # (key, micro-batch, m, flight...) -> `pipelined`'s table and held
+    priced: dict = field(default_factory=dict)  # (key, micro-batch, m) -> `pipelined`'s table
+    held: dict = field(default_factory=dict)  # (key, micro-batch, m, flight...) -> `pipelined`'s held bytes
+    rank_rows: dict = field(default_factory=dict)  # (key, micro-batch, m) -> stage_solve.rank_rows
     solved: dict = field(default_factory=dict)  # (key, micro-batch, m, flight) -> (choices, status) or None
     floors: dict = field(default_factory=dict)  # the same -> a rank's floor, where it was not solved
     best: PipelineOutcome | None = None
@@ -130,12 +132,20 @@ class _Search:
 
     def pipelined(self, chunks, micro_batch_size: int, m: int, *flight) -> tuple[CostTable, HeldAllStep]:
         """`cost_models.pipeline.pipelined` of the rank's table (`flight`: its flight, drained, later), once per kind
-        of stage."""
+        of stage: its table once per micro-batch, what it holds once per flight too."""
         stage, source = self.source(chunks)
-        key = (stage.key, micro_batch_size, m, *flight)
+        key = (stage.key, micro_batch_size, m)
         if key not in self.priced:
-            self.priced[key] = pipelined(self.table(chunks, micro_batch_size, m), m, *flight)
-        return replace(self.priced[key][0], units=source.units), self.priced[key][1]
+            self.priced[key] = pipelined_table(self.table(chunks, micro_batch_size, m), m)
+        if flight and (*key, *flight) not in self.held:  # no flight: the table alone
+            self.held[(*key, *flight)] = held_all_step(self.table(chunks, micro_batch_size, m), *flight)
+        return replace(self.priced[key], units=source.units), self.held.get((*key, *flight))
+
+    def rows(self, kind: tuple, table: CostTable):
+        """`stage_solve.rank_rows` of a rank's pipelined `table`, once per `kind` of stage, micro-batch and m."""
+        if kind not in self.rank_rows:
+            self.rank_rows[kind] = rank_rows(table)
+        return self.rank_rows[kind]
 
     def table(self, chunks, micro_batch_size: int, microbatches: int) -> CostTable:
         stage, source = self.source(chunks)
@@ -196,8 +206,8 @@ def _bound_s(search: _Search, row, cuts: list[int], micro_batch_size: int, m: in
     of this cut beats the first, no plan of any cut the second (stages.slot_bounds)."""
     pp, base = search.mesh.pp, search.request.tables
     starts = [0] + [base.units[forward_units(base.units)[c]].first_op for c in cuts[1:]]
-    tables = [search.pipelined(rank_chunks(row, pp, rank, starts, len(base.trace_1.ops))[1], micro_batch_size, m,
-                               1.0)[0] for rank in range(pp)]
+    tables = [search.pipelined(rank_chunks(row, pp, rank, starts, len(base.trace_1.ops))[1], micro_batch_size, m)[0]
+              for rank in range(pp)]
     return tuple(makespan_s(slot, 0.0, row, pp, m) for slot in slot_bounds(tables, m))
 
 
@@ -248,7 +258,7 @@ def _ranks(search: _Search, row, cuts: list[int], micro_batch_size: int, m: int,
     base, ranks = search.request.tables, []
     order = forward_units(base.units)
     starts = [0] + [base.units[order[c]].first_op for c in cuts[1:]]
-    bounds = _boundaries(search, starts, micro_batch_size)
+    bounds = stage_boundaries(search.request.tables, search.layout, starts, micro_batch_size)
     for rank in range(pp):
         mine, chunks = rank_chunks(row, pp, rank, starts, len(base.trace_1.ops))
         flight, drained = in_flight(row, pp, rank, m), row.stages_per_rank is StagesPerRank.ONE
@@ -265,16 +275,6 @@ def _ranks(search: _Search, row, cuts: list[int], micro_batch_size: int, m: int,
         ranks.append(RankOutcome(rank, mine, chunks, search.source(chunks)[1], table, choices,
                                  held_evaluation(table, held, choices), flight, status, sends, held))
     return ranks, None
-
-
-def _boundaries(search: _Search, starts: list[int], micro_batch_size: int) -> list[int]:
-    """Per stage, its last op's output per micro-batch: what one of its ranks sends on (1/t of it where tensor
-    parallelism splits the sequence), the last stage's the logits (1/t: its head vocabulary-parallel)."""
-    ends = starts[1:] + [len(search.request.tables.trace_1.ops)]
-    tp = search.layout.degree if search.layout is not None else 1
-    split = tp if search.layout is not None and search.layout.sequence_parallel else 1
-    return [boundary_bytes(search.request.tables, a, b - 1, micro_batch_size) // (split if b < ends[-1] else tp)
-            for a, b in zip(starts, ends)]
 
 
 def _send_s(search: _Search, nbytes: int) -> float:
@@ -318,12 +318,16 @@ def _solve_rank(search: _Search, chunks, micro_batch_size: int, m: int, holds: t
     held = replace(held, buffers=buffers, outputs=(int(outputs * later), int(outputs * flight)))
     if search.decide is not None:
         return search.decide(table), SolveStatus.FIXED, table, held
-    key = (search.source(chunks)[0].key, micro_batch_size, m, holds)
+    kind = (search.source(chunks)[0].key, micro_batch_size, m)
+    key = (*kind, holds)
     if not solve and key not in search.solved and request.uniform is None:  # the floor alone, no solve
-        floor = search.floors[key] = search.floors[key] if key in search.floors else rank_floor(table, held)
+        floor = search.floors[key] = search.floors.get(key) or rank_floor(table, held, search.rows(kind, table))
         found = RankSolve(None if floor > request.limits.planned_bytes else [], SolveStatus.PRUNED, floor)
     else:
-        found = search.solved[key] = search.solved[key] if key in search.solved else solve_rank(request, table, held)
+        if key not in search.solved:  # the uniform strategy's evaluation needs no rows
+            rows = search.rows(kind, table) if request.uniform is None else None
+            search.solved[key] = solve_rank(request, table, held, rows)
+        found = search.solved[key]
     if found.choices is None:
         limits = request.limits  # planned_bytes is 0 where the allocator's margin takes the whole limit
         search.over = found.floor_bytes / limits.planned_bytes if limits.planned_bytes > 0 else math.inf

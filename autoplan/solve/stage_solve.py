@@ -21,7 +21,7 @@ flight, had said 72.06.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -34,7 +34,7 @@ from cost_models.memory import MemCategory, MemoryPoint, phase_of, total
 from cost_models.pipeline import HeldAllStep
 from cost_models.table import CostTable
 
-__all__ = ["RankSolve", "held_evaluation", "leanest", "rank_floor", "solve_rank"]
+__all__ = ["RankSolve", "held_evaluation", "leanest", "rank_floor", "rank_rows", "solve_rank"]
 
 
 @dataclass(frozen=True)
@@ -47,44 +47,73 @@ class RankSolve:
     floor_bytes: int
 
 
-def solve_rank(request: PlanRequest, table: CostTable, held: HeldAllStep) -> RankSolve:
+@dataclass
+class _Rows:
+    """A rank's table cut to the options searched (`keep`: their indices), its memory rows and their labels
+    (`rows.table_rows`), and, made when first asked, its variants' rows and its solver model: what the rank's floors
+    and solves at every flight share (a pipelined table does not depend on the flight, what it holds does)."""
+
+    table: CostTable
+    keep: list[list[int]]
+    algebra: object
+    rows: MemoryRows
+    labels: list[str]
+    variants: dict[str, MemoryRows] = field(default_factory=dict)
+    affine: AffineModel | None = None
+
+    def variant(self, name: str) -> MemoryRows:
+        if name not in self.variants:
+            self.variants[name] = self.rows if name == "base" else table_rows(_VARIANTS[name](self.table))[1]
+        return self.variants[name]
+
+
+def rank_rows(table: CostTable) -> _Rows:
+    """What `solve_rank` and `rank_floor` build from the rank's table before its held bytes: made once, handed to
+    each (a caller's cache, per kind of stage and micro-batch)."""
+    keep = [searched_options(options) for options in table.options]
+    searched = replace(table, options=[[o[i] for i in k] for o, k in zip(table.options, keep)],
+                       costs=[[c[i] for i in k] for c, k in zip(table.costs, keep)])
+    return _Rows(searched, keep, *table_rows(searched))
+
+
+def solve_rank(request: PlanRequest, table: CostTable, held: HeldAllStep, rows: _Rows | None = None) -> RankSolve:
     """The rank's fastest choices within the request's planned bytes (or its uniform strategy's, where they fit).
-    A rank whose floor is over the limit is not handed to CP-SAT (its proof of infeasibility can take long)."""
+    A rank whose floor is over the limit is not handed to CP-SAT (its proof of infeasibility can take long).
+    `rows`: the table's `rank_rows`, where the caller keeps them."""
     limit = request.limits.planned_bytes
     if request.uniform is not None:
         u = request.uniform
         choices = uniform_choices(table, u.strategy, u.checkpoint, offload=u.offload)
         peak = held_evaluation(table, held, choices).peak_mem_bytes if choices is not None else limit + 1
         return RankSolve(choices if peak <= limit else None, SolveStatus.FIXED, peak)
-    searched, keep, memory, floor = _floor(table, held)
+    rows = rows or rank_rows(table)
+    memory, floor = _floor(rows, held)
     if floor > limit:
         return RankSolve(None, SolveStatus.INFEASIBLE, floor)
-    affine = AffineModel.of(searched, memory)  # its rows with the held bytes
-    result: SolveResult = solve_min_time(searched, limit, request.limits.time_limit_s, affine=affine)
+    if rows.affine is None:
+        rows.affine = AffineModel.of(rows.table, (rows.algebra, rows.rows, rows.labels))
+    affine = replace(rows.affine, rows=memory)  # its rows with the held bytes
+    result: SolveResult = solve_min_time(rows.table, limit, request.limits.time_limit_s, affine=affine)
     if result.choices is None:
         return RankSolve(None, result.status, floor)
-    return RankSolve([k[c] for k, c in zip(keep, result.choices)], result.status, floor)
+    return RankSolve([k[c] for k, c in zip(rows.keep, result.choices)], result.status, floor)
 
 
-def rank_floor(table: CostTable, held: HeldAllStep) -> int:
+def rank_floor(table: CostTable, held: HeldAllStep, rows: _Rows | None = None) -> int:
     """The least any plan of the rank's units (among the options the search offers) can peak at: each point's
     smallest bytes, unit by unit, with what the rank holds all step."""
-    return _floor(table, held)[3]
+    return _floor(rows or rank_rows(table), held)[1]
 
 
-def _floor(table: CostTable, held: HeldAllStep) -> tuple[CostTable, list[list[int]], tuple, int]:
-    """The table cut to the options searched, their indices, its memory rows with the held bytes (`rows.table_rows`:
-    algebra, rows, labels; the solver's model is built only for a solve) and its floor."""
-    keep = [searched_options(options) for options in table.options]
-    searched = replace(table, options=[[o[i] for i in k] for o, k in zip(table.options, keep)],
-                       costs=[[c[i] for i in k] for c, k in zip(table.costs, keep)])
+def _floor(rows: _Rows, held: HeldAllStep) -> tuple[MemoryRows, int]:
+    """The rank's memory rows with its held bytes (cut to the options searched), and its floor."""
+    keep = rows.keep
     kept = HeldAllStep(*[[[values[u][i] for i in k] for u, k in enumerate(keep)]
                          for values in (held.activations, held.gathered, held.grads)], held.buffers, held.drained,
                        [[held.first[u][i] for i in k] for u, k in enumerate(keep)] if held.first else None,
                        held.outputs)
-    alg, rows, labels = table_rows(searched)
-    rows = _held_rows(rows, labels, searched, kept)
-    return searched, keep, (alg, rows, labels), rows.floor(alg.offsets)
+    memory = _held_rows(rows, kept)
+    return memory, memory.floor(rows.algebra.offsets)
 
 
 # a point of the rank's timeline: (its point in the one-micro-batch timeline, the table whose timeline it is taken
@@ -134,9 +163,12 @@ def _first_pass(table: CostTable) -> CostTable:
     return replace(_accumulating(table), grad_accum_steps=1)
 
 
+_VARIANTS = {"base": lambda table: table, "backward": lambda table: _accumulating(table),
+             "first": lambda table: _first_pass(table)}
+
+
 def _sources(table: CostTable, layout: list[_Point]) -> dict[str, CostTable]:
-    variants = {"base": lambda: table, "backward": lambda: _accumulating(table), "first": lambda: _first_pass(table)}
-    return {name: variants[name]() for name in {source for _, source, _, _, _, _ in layout}}
+    return {name: _VARIANTS[name](table) for name in {source for _, source, _, _, _, _ in layout}}
 
 
 def _outputs(held: HeldAllStep, flight: str | None) -> int:
@@ -144,25 +176,24 @@ def _outputs(held: HeldAllStep, flight: str | None) -> int:
     return {"later": held.outputs[0], "first": held.outputs[1]}.get(flight, 0)
 
 
-def _held_rows(base: MemoryRows, labels: list[str], table: CostTable, held: HeldAllStep) -> MemoryRows:
-    """The table's memory rows (`base`, of its timeline's `labels`) as the rank runs its units (`_layout`)."""
-    layout = _layout(labels, held)
-    sizes = [len(options) for options in table.options]
+def _held_rows(base: _Rows, held: HeldAllStep) -> MemoryRows:
+    """The table's memory rows as the rank runs its units (`_layout`)."""
+    layout = _layout(base.labels, held)
+    sizes = [len(options) for options in base.table.options]
 
     def vector(values):
         return np.array([values[u][o] for u, n in enumerate(sizes) for o in range(n)], dtype=np.int64)
 
     flights = {"later": vector(held.activations), "first": vector(held.first) if held.first else None}
     gathered, grads = vector(held.gathered), vector(held.grads)
-    rows = {name: base if name == "base" else table_rows(variant)[1]  # the variants' rows alone, no solver model
-            for name, variant in _sources(table, layout).items()}
+    rows = {name: base.variant(name) for name in {source for _, source, _, _, _, _ in layout}}
     dense, const = [], []
     for i, source, flight, with_gathered, with_grads, _ in layout:
         row = rows[source].row(i).copy()
         row += (flights[flight] if flight else 0) + (gathered if with_gathered else 0) + (grads if with_grads else 0)
         dense.append(row)
         const.append(int(rows[source].const[i]) + held.buffers + _outputs(held, flight))
-    return MemoryRows(base.size, np.array(const, dtype=np.int64), dense=np.stack(dense))
+    return MemoryRows(base.rows.size, np.array(const, dtype=np.int64), dense=np.stack(dense))
 
 
 def held_evaluation(table: CostTable, held: HeldAllStep, choices: list[int]) -> Evaluation:

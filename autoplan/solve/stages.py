@@ -30,7 +30,7 @@ from cost_models.tensor_parallel import TpLayout
 from cost_models.training import Training
 
 __all__ = ["StageTables", "balanced_cuts", "boundary_bytes", "forward_units", "rank_chunks", "shifted", "slot_bounds",
-           "stage_cluster", "stage_modules", "undominated", "unit_weights"]
+           "stage_boundaries", "stage_cluster", "stage_modules", "undominated", "unit_weights"]
 
 
 def forward_units(units: list[Unit]) -> list[int]:
@@ -234,6 +234,17 @@ def boundary_bytes(base: CostTables, first: int, last: int, micro_batch_size: in
     """What a stage of the base's ops [first, last] sends on: its last op's output (before the loss)."""
     ops = base.inputs(micro_batch_size).ops
     return next((ops[p].out_bytes for p in range(last, first - 1, -1) if ops[p].name != LOSS_NODE), 0)
+
+
+def stage_boundaries(base: CostTables, layout: TpLayout | None, starts: list[int], micro_batch_size: int) -> list[int]:
+    """Per stage (`starts`: each one's first op), its last op's output per micro-batch: what one of its ranks sends
+    on (1/t of it where tensor parallelism splits the sequence), the last stage's the logits (1/t: its head
+    vocabulary-parallel)."""
+    ends = starts[1:] + [len(base.trace_1.ops)]
+    tp = layout.degree if layout is not None else 1
+    split = tp if layout is not None and layout.sequence_parallel else 1
+    return [boundary_bytes(base, a, b - 1, micro_batch_size) // (split if b < ends[-1] else tp)
+            for a, b in zip(starts, ends)]
 
 
 def _used(name: str, ops: list[OpRecord]) -> bool:
