@@ -197,18 +197,20 @@ def tp_ops(ops: list[OpRecord], layout: TpLayout, ids: list[int] | None = None) 
     roles: dict[str, TpRole | None] = {}
     if ids is None:
         return [tp_op(op, layout, op_role(op, layout, roles)) for op in ops]
-    result, made = [], {}
-    for op, kind in zip(ops, ids, strict=True):
-        template = made.get(kind)
-        if template is None:
-            made[kind] = template = (op, tp_op(op, layout, op_role(op, layout, roles)))
-            record = template[1]
-        elif template[1] is template[0]:
-            record = op  # not transformed: the op itself, as tp_op gives it
-        else:
-            record = object.__new__(OpRecord)  # a copy of the transformed kind under this op's name
-            record.__dict__.update(template[1].__dict__)
-            record.name, record.module = op.name, op.module
+    if len(ops) != len(ids):
+        raise ValueError(f"tp_ops: {len(ops)} ops, {len(ids)} ids")
+    result, made, new = [], {}, object.__new__
+    for op, kind in zip(ops, ids):
+        fields = made.get(kind)
+        if fields is None:  # the kind's first op: transformed (False where tp_op leaves it as it is)
+            record = tp_op(op, layout, op_role(op, layout, roles))
+            made[kind] = fields = record.__dict__ if record is not op else False
+        elif fields is False:
+            record = op
+        else:  # a copy of the transformed kind under this op's name
+            record, copied = new(OpRecord), fields.copy()
+            copied["name"], copied["module"] = op.name, op.module
+            record.__dict__ = copied
         result.append(record)
     return result
 

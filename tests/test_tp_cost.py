@@ -94,6 +94,19 @@ def test_per_rank_ops_by_hand(llama):
         assert loss.saved_bytes == -(-ops[LOSS_NODE].saved_bytes // 2)  # loss on vocabulary-parallel logits
 
 
+def test_alike_ops_transformed_once_are_the_ops_transformed_one_by_one(llama):
+    """tp_ops with the tensor-parallel view's op ids (alike ops of one role transformed once, copied under the
+    others' names) gives every op as transforming it alone does, at several micro-batches."""
+    tables = llama.cache("bf16", "block")
+    for sp in (False, True):
+        layout = recognise(llama.module, 2, sp)
+        view = tables.for_layout(layout)
+        assert len(set(view.op_ids)) < len(view.op_ids)  # the blocks' ops share kinds
+        for mb in (1, 3):
+            ops = tables.inputs(mb).ops
+            assert [vars(op) for op in tp_ops(ops, layout, view.op_ids)] == [vars(op) for op in tp_ops(ops, layout)]
+
+
 def test_per_rank_parameters_and_unit_layouts(llama):
     tables = llama.cache("bf16", "block")
     layout = recognise(llama.module, 2, sequence_parallel=True)
