@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import importlib
 import os
 import signal
@@ -62,9 +63,18 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command in `argv` (default: the process's arguments) and return its exit code."""
-    code, command = _run(sys.argv[1:] if argv is None else list(argv))
+    args = sys.argv[1:] if argv is None else list(argv)
+    # the process's own command that ends it: Python's cyclic garbage collector paused for it, as for a search
+    # (autoplan.solve.mesh_search: its full passes walk every object alive, torch's modules and the model's traces
+    # among them); a process that ends frees the few cycles made meanwhile
+    paused = argv is None and _command_in(args) in QUICK_EXIT and gc.isenabled()
+    if paused:
+        gc.disable()
+    code, command = _run(args)
     if argv is None and command in QUICK_EXIT and "coverage" not in sys.modules:
         _exit_now(code)
+    if paused:
+        gc.enable()
     return code
 
 

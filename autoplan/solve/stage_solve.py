@@ -124,12 +124,13 @@ _FIRST = ", before the first backward is done"
 
 
 def _layout(labels: list[str], held: HeldAllStep) -> list[_Point]:
-    """The rank's points in order (`labels`: the one-micro-batch timeline's). Forward points hold the micro-batches in flight; backward points are taken from
-    `_accumulating`'s timeline; reductions hold the micro-batches in flight only where the rank's stages are looped
-    (not `drained`); the optimizer step holds neither the gathered parameters nor the unsharded gradients (the
-    reductions reshard and free them). Where more micro-batches are in flight until the first backward is done
-    (`held.first`), each forward and backward point has a twin for then: from `_first_pass`' timeline (no gradient
-    accumulated before the first backward, those of the units it has finished during it) with the first's flight."""
+    """The rank's points in order (`labels`: the one-micro-batch timeline's). Forward points hold the micro-batches
+    in flight; backward points are taken from `_accumulating`'s timeline; reductions hold the micro-batches in flight
+    only where the rank's stages are looped (not `drained`); the optimizer step holds neither the gathered parameters
+    nor the unsharded gradients (the reductions reshard and free them). Where more micro-batches are in flight until
+    the first backward is done (`held.first`), each forward and backward point has a twin for then: from
+    `_first_pass`' timeline (no gradient accumulated before the first backward, those of the units it has finished
+    during it) with the first's flight."""
     points: list[_Point] = []
     for i, label in enumerate(labels):
         kind, phase = label.split(" ", 1)[0], phase_of(label)
