@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import importlib
 import os
 import signal
 import sys
 
+from autoplan.api.heap import young_collections_only
 from autoplan.errors import AutoplanError
 
 __all__ = ["COMMANDS", "QUICK_EXIT", "build_parser", "main"]
@@ -64,17 +64,12 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run the command in `argv` (default: the process's arguments) and return its exit code."""
     args = sys.argv[1:] if argv is None else list(argv)
-    # the process's own command that ends it: Python's cyclic garbage collector paused for it, as for a search
-    # (autoplan.solve.mesh_search: its full passes walk every object alive, torch's modules and the model's traces
-    # among them); a process that ends frees the few cycles made meanwhile
-    paused = argv is None and _command_in(args) in QUICK_EXIT and gc.isenabled()
-    if paused:
-        gc.disable()
-    code, command = _run(args)
-    if argv is None and command in QUICK_EXIT and "coverage" not in sys.modules:
-        _exit_now(code)
-    if paused:
-        gc.enable()
+    # the process's own command that ends it: without CPython's full collections from its start (autoplan.api.heap;
+    # the API's calls have them off already), its imports (torch's) and what follows the API's call included
+    with young_collections_only() if argv is None and _command_in(args) in QUICK_EXIT else contextlib.nullcontext():
+        code, command = _run(args)
+        if argv is None and command in QUICK_EXIT and "coverage" not in sys.modules:
+            _exit_now(code)
     return code
 
 

@@ -21,7 +21,6 @@ does not recognise (autoplan.models.tp_layout) keeps its plans of degree 1.
 from __future__ import annotations
 
 import contextlib
-import gc
 import multiprocessing
 import os
 import sys
@@ -132,30 +131,14 @@ def search_meshes(request: PlanRequest) -> MeshSearch:
     the least memory when nothing fits anywhere."""
     _LAYOUTS.clear()  # the last search's models not kept alive
     progress = MeshProgress(len(request.meshes), PROGRESS_DELAY_S)
-    with _collector_paused():
-        results = _search_all(request, request.meshes, progress)
-        if request.pipeline_meshes and pipeline_pays(results):
-            meshes = request.pipeline_meshes + _at_best_degree(request.pipeline_meshes, results)
-            progress.meshes += len(meshes)
-            # a pipelined schedule whose bound cannot beat the best plan without a pipeline is not solved
-            beat = max((r.throughput for r in results if r.outcome is not None), default=0.0)
-            results += _search_all(request, meshes, progress, len(results), beat)
+    results = _search_all(request, request.meshes, progress)
+    if request.pipeline_meshes and pipeline_pays(results):
+        meshes = request.pipeline_meshes + _at_best_degree(request.pipeline_meshes, results)
+        progress.meshes += len(meshes)
+        # a pipelined schedule whose bound cannot beat the best plan without a pipeline is not solved
+        beat = max((r.throughput for r in results if r.outcome is not None), default=0.0)
+        results += _search_all(request, meshes, progress, len(results), beat)
     return MeshSearch(results, best_result(results))
-
-
-@contextlib.contextmanager
-def _collector_paused():
-    """Python's cyclic garbage collector off for the search (on again after it, where it was): the search makes
-    millions of small objects (ops, option costs, rows) that nearly all live until it ends or die by reference
-    counting, and each of the collector's full passes walks every object alive, the model's traces among them (15%
-    of the 405B-class search's CPU on 32 x 8 went to it). The few cycles made meanwhile are collected afterwards."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def _at_best_degree(pipelined: tuple[Mesh, ...], results: list[MeshResult]) -> tuple[Mesh, ...]:
