@@ -377,9 +377,8 @@ def stage_grid(args, profile: str, budget: Budget) -> dict:
                 # the memory and time figures: on a GPU from a run without a cap (a capped run near its bound may time
                 # the allocator freeing its cache to make room: its alloc_retries say)
                 first = _run_under(plan, args.device, ALLOCATOR_CONFS[0], None) if on_gpu else runs[None]
-                if first is None or first["result"] is None:
-                    failed = (first or next(iter(runs.values())))["summary"]
-                    row.update(status=failed["status"], note=failed.get("note"))
+                if first["result"] is None:
+                    row.update(status=first["summary"]["status"], note=first["summary"].get("note"))
                     continue
                 result = first["result"]
                 measured = result.measured_peak_bytes
