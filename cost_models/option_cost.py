@@ -66,6 +66,14 @@ class OptionCost:
     copy_s: float = 0.0  # offloaded: host<->device copies per micro-batch (in comm or overhead, see build)
     loss_kept_bytes: int = 0  # checkpointed: its kept outputs among the loss's forward transients (activations)
 
+    def changed(self, **changes) -> OptionCost:
+        """dataclasses.replace without re-running __init__: a pipelined mesh copies every option's costs per kind of
+        stage and micro-batch, and a pipelined rank's variants again."""
+        new = object.__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        new.__dict__.update(changes)
+        return new
+
 
 def local_numel(unit: Unit, shard: int) -> int:
     """Elements of the unit's parameters on one rank, with FSDP2's dim-0 padding."""

@@ -152,9 +152,9 @@ def pipelined_table(table: CostTable, microbatches: int) -> CostTable:
     """`pipelined`'s table: no parameters gathered or held per micro-batch (they are held all step), FSDP's
     collectives once per step spread over the micro-batches, the reductions beside the accumulated gradients."""
     upcast = table.precision.reduce_bytes / table.precision.compute_bytes
-    costs = [[_with(c, gathered_bytes=0, held_bytes=0, comm_fwd_s=c.comm_fwd_s / microbatches,
-                    comm_bwd_s=c.comm_bwd_s / microbatches,
-                    reduce_peak_bytes=_accumulated_reduce_peak(c, upcast, table.precision.reduce_bytes))
+    costs = [[c.changed(gathered_bytes=0, held_bytes=0, comm_fwd_s=c.comm_fwd_s / microbatches,
+                        comm_bwd_s=c.comm_bwd_s / microbatches,
+                        reduce_peak_bytes=_accumulated_reduce_peak(c, upcast, table.precision.reduce_bytes))
               for c in unit_costs] for unit_costs in table.costs]
     return replace(table, costs=costs)
 
@@ -177,15 +177,6 @@ def held_all_step(table: CostTable, flight: float, drained: bool = False, later:
         grads.append([int(c.unsharded_grad_bytes * upcast) - c.grad_bytes if c.gathered_bytes else 0
                       for c in unit_costs])
     return HeldAllStep(activations, gathered, grads, drained=drained, first=first if later < flight else None)
-
-
-def _with(cost, **changes):
-    """dataclasses.replace of an OptionCost (a plain dataclass) without re-running its __init__ (a pipelined mesh
-    copies every option's costs per kind of stage, micro-batch and flight)."""
-    new = object.__new__(type(cost))
-    new.__dict__.update(cost.__dict__)
-    new.__dict__.update(changes)
-    return new
 
 
 def _accumulated_reduce_peak(cost, upcast: float, reduce_bytes: int) -> int:

@@ -147,16 +147,7 @@ def _layout(labels: list[str], held: HeldAllStep) -> list[_Point]:
 
 def _accumulating(table: CostTable) -> CostTable:
     """The table as a pipelined backward runs it: no unit reduces there, so none leaves a reduction input alive."""
-    return replace(table, costs=[[_with(c, pending_reduce_bytes=0) for c in costs] for costs in table.costs])
-
-
-def _with(cost, **changes):
-    """dataclasses.replace of an OptionCost (a plain dataclass) without re-running its __init__: a pipelined rank's
-    variants copy every option's costs."""
-    new = object.__new__(type(cost))
-    new.__dict__.update(cost.__dict__)
-    new.__dict__.update(changes)
-    return new
+    return replace(table, costs=[[c.changed(pending_reduce_bytes=0) for c in costs] for costs in table.costs])
 
 
 def _first_pass(table: CostTable) -> CostTable:
