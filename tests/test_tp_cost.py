@@ -14,6 +14,7 @@ from autoplan.models.tp_layout import TpRefusal, recognise
 from autoplan.models.zoo import ModelConfig, build_model
 from autoplan.plan.schema import Plan, TpLayoutName, load_plan
 from autoplan.profile_store import load_profile
+from autoplan.solve.stages import StageTables
 from cost_models.comm import CommModel
 from cost_models.compute import ComputeModel
 from cost_models.mesh import Mesh
@@ -178,6 +179,26 @@ def test_dtensor_dispatch_costs_per_parallelized_module_where_measured(llama):
             assert with_it.bwd_s - without.bwd_s == pytest.approx(owned * bwd)
             assert (with_it.calls_fwd, with_it.calls_bwd) == (without.calls_fwd, without.calls_bwd)
         assert sum(t.fwd_s for t in priced) - sum(t.fwd_s for t in plain) == pytest.approx(count * fwd)
+
+
+def test_a_pipeline_stage_is_charged_the_dispatch_of_its_own_modules_only(llama):
+    base = llama.cache("bf16", "block")
+    cpu = load_profile("cpu-gloo-2")
+    bare = cpu.model_copy(update={"tp_dispatch": None})
+    fwd, _ = cpu.tp_dispatch.per_module(False)
+    layout = recognise(llama.module, 2, False)
+    cut = next(u.first_op for u in base.units if u.path == "layers.1")
+    counts = []
+    for chunk, own in (((0, cut - 1), ("tok_embeddings", "layers.0.")), ((cut, len(base.trace_1.ops) - 1),
+                                                                         ("lm_head", "layers.1."))):
+        stage = StageTables(base, [chunk]).for_layout(layout)
+        modules = parallelized_modules(stage.layout)
+        assert modules and all(m.startswith(own) for m in modules)
+        priced, plain = (tp_collectives(stage.units, stage.layout, 4, SEQ, 2, p) for p in (cpu, bare))
+        extra = sum(t.fwd_s for t in priced) - sum(t.fwd_s for t in plain)
+        assert extra == pytest.approx(len(modules) * fwd)
+        counts.append(len(modules))
+    assert sum(counts) == len(parallelized_modules(layout)) == 2 * 7 + 2
 
 
 def test_a_rank_s_share_of_an_op_is_not_priced_as_the_whole_op(llama):

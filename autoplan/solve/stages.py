@@ -216,7 +216,7 @@ class StageTables(_Source):
         """These tables under a tensor-parallel layout, restricted to the rank's modules."""
         if layout is None or layout.degree == 1:
             return self
-        return TensorParallelTables(self, _restricted(layout, self.units))
+        return TensorParallelTables(self, _restricted(layout, self.units, self.trace_1.ops))
 
     def full_units(self) -> list[Unit]:
         return self.units
@@ -263,8 +263,12 @@ def _classes(base: CostTables) -> list[int]:
     return _CLASSES[id(base)]
 
 
-def _restricted(layout: TpLayout, units: list[Unit]) -> TpLayout:
-    """The layout's regions, embedding and head that lie in `units` (others would fall to the root)."""
+def _restricted(layout: TpLayout, units: list[Unit], ops: list[OpRecord]) -> TpLayout:
+    """The layout's regions, embedding and head that lie in `units` (others would fall to the root), and the
+    roles of the modules that run here (`ops`' modules and their ancestors): the other stages' modules would
+    charge this one their DTensor dispatch (`tp_time.tp_collectives`)."""
+    running = {module.rsplit(".", k)[0] for module in {op.module for op in ops} for k in range(module.count(".") + 1)}
+    running.add("")
     paths = {u.path for u in units if not u.is_root}
     params = {p.name for u in units for p in u.params}
 
@@ -275,5 +279,6 @@ def _restricted(layout: TpLayout, units: list[Unit]) -> TpLayout:
         return any(".".join(parts[:k]) in paths for k in range(1, len(parts) + 1)) or f"{path}.weight" in params
 
     return replace(layout, regions=tuple(r for r in layout.regions if inside(r)),
+                   roles={path: role for path, role in layout.roles.items() if path in running},
                    embedding=layout.embedding if inside(layout.embedding) else None,
                    head=layout.head if inside(layout.head) else None)
