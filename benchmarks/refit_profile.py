@@ -32,7 +32,7 @@ def refit(profile, floor_s: float | None):
     from autoplan.profiling.fit import fit_op_families
     from autoplan.profiling.op_timings import points_and_timings
     from autoplan.profiling.ops import MIN_KERNEL_S
-    from autoplan.profiling.run import ProfileSettings, _op_cases
+    from autoplan.profiling.run import ProfileSettings, op_cases
     from cost_models.profile import FsdpOverhead
 
     backward = [t.bwd_s for t in profile.op_times if t.bwd_s > 0]
@@ -43,7 +43,7 @@ def refit(profile, floor_s: float | None):
     settings = profile.provenance.settings
     models = {spec.split("@mb")[0]: tuple(int(b) for b in spec.split("@mb")[1].split(","))
               for spec in settings["models"].split(";")}
-    cases = [case for case in _op_cases(ProfileSettings(device="cuda", models=models,
+    cases = [case for case in op_cases(ProfileSettings(device="cuda", models=models,
                                                         dtypes=tuple(settings["dtypes"].split(","))), "cuda")
              if case.key in seconds]
     points, op_times = points_and_timings(cases, seconds)

@@ -102,7 +102,7 @@ def add_new_ops(profile: DeviceProfile, cases: list[OpCase], device: torch.devic
     """`profile` with the selected ops of `cases` that it has no timing for measured, and the op fits it
     lacks added (fitted over the profile's timings and the new ones; `fresh_alloc_bytes` as in
     fit.fit_op_families), its own fits kept; and the keys measured. `cases` are the profile's workloads
-    (run._op_cases with its settings). For a change that gives ops new keys (op_variant) or adds a kind of
+    (run.op_cases with its settings). For a change that gives ops new keys (op_variant) or adds a kind of
     fit, without timing every op again; the rest of the profile (device numbers, collectives,
     calibration) stays as measured."""
     known = {timing.key: {"fwd_s": timing.fwd_s, "bwd_s": timing.bwd_s} for timing in profile.op_times}

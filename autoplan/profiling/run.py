@@ -194,7 +194,7 @@ def _measure(settings: ProfileSettings, device: torch.device, backend: str, thre
     if threads:
         torch.set_num_threads(threads)
     try:
-        cases = _op_cases(settings, kind)
+        cases = op_cases(settings, kind)
         op_seconds, fresh = measure_ops(cases, device, settings.repeats, cache, settings.progress)
         remeasured = remeasure_outliers(cases, op_seconds, fresh, device, settings.repeats, cache, settings.progress)
         points, op_times = points_and_timings(cases, op_seconds)
@@ -269,7 +269,9 @@ def default_profile_name(settings: ProfileSettings) -> str:
     return f"{settings.device}-{backend}-{settings.nproc}" + ("-quick" if settings.quick else "")
 
 
-def _op_cases(settings: ProfileSettings, kind: str) -> list[OpCase]:
+def op_cases(settings: ProfileSettings, kind: str) -> list[OpCase]:
+    """The distinct ops a profile of `settings` times on a device of `kind`: the zoo models' and the sweep's,
+    in each dtype, and the calibration steps' (what benchmarks/refit_profile.py refits from a measured profile)."""
     workloads = [zoo_workload(model, batches, settings.seq_len) for model, batches in settings.models.items()]
     sweep = DEFAULT_SWEEP[kind] if settings.sweep is None else settings.sweep
     workloads += [sweep_workload(width, tokens) for width, tokens in sweep]
