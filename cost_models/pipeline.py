@@ -45,6 +45,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from cost_models.mesh import Mesh
 from cost_models.profile import DeviceProfile
 from cost_models.schedules import InFlight, ScheduleRow, StagesPerRank
 from cost_models.table import CostTable
@@ -93,11 +94,12 @@ def bubble_slots(row: ScheduleRow, pp: int) -> float:
     return slots * ZERO_BUBBLE_LEFT if row.splits_backward else slots
 
 
-def send_s(profile: DeviceProfile, nbytes: int, within_node: bool, senders_per_node: int) -> float:
-    """One point-to-point send of `nbytes` between neighbouring stages: over the node's GPU links when the
-    stages share a node, else over its NICs, `senders_per_node` ranks of a node sending at once."""
+def send_s(profile: DeviceProfile, nbytes: int, mesh: Mesh) -> float:
+    """One point-to-point send of `nbytes` between neighbouring stages of `mesh`: over the node's GPU links when
+    the stages split one node, else over its NICs, every rank of a stage's node sending at once."""
     if nbytes <= 0:
         return 0.0
+    within_node, senders_per_node = mesh.pp > mesh.nodes, min(mesh.gpus_per_node, mesh.world_size // mesh.pp)
     topology = profile.topology
     if topology is not None:
         if within_node:

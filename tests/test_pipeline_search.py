@@ -70,6 +70,30 @@ def test_four_stages_on_parts_of_a_node():
     assert len(set(_modules(plan))) == len(_modules(plan))
 
 
+def test_pins_hold_inside_a_pipeline_and_alike_stages_are_not_pinned_with_them():
+    # 4 stages; the second and third (layers.1, layers.2) are of one kind, which share tables and solves
+    common = dict(gpus=4, pp=4, tp=1, schedule="1f1b", batch_size=1, **TOY)
+    free = autoplan.search("llama-tiny[n_layers=4]", "80GB", **common)
+    plan = autoplan.search("llama-tiny[n_layers=4]", "80GB", pin=["layers.2=shard+ckpt"], **common)
+    assert [stage.modules for stage in plan.pipeline.stages][1:3] == [["layers.1"], ["layers.2"]]
+    decide = lambda p: {u.module: (u.sharding, u.checkpoint) for u in p.units}  # noqa: E731
+    assert decide(free)["layers.2"] != ("shard", "full") and decide(plan)["layers.2"] == ("shard", "full")
+    assert decide(plan)["layers.1"] == decide(free)["layers.1"] == decide(free)["layers.2"]
+    assert [(pin.pattern, pin.decision) for pin in plan.pins] == [("layers.2", "shard+ckpt")]
+
+
+def test_pins_a_pipeline_cannot_hold_are_named_in_the_message(run_cli, tmp_path):
+    out = tmp_path / "plan.json"
+    args = ["search", "--model", "llama-tiny", "--gpus", "4", "--pp", "2", "--tp", "1", "--batch-size", "2",
+            "--global-batch", "32", "--seq-len", "128", "--profile", "h100-sxm-80gb", "--fit-to", "allocated",
+            "--mem", "3MB", "-o", str(out)]
+    assert run_cli(*args).returncode == 0  # without the pin a plan fits
+    out.unlink()
+    pinned = run_cli(*args, "--pin", "layers.*=replicate")
+    assert pinned.returncode == 3 and "on pipeline degree 2 with the pins:" in pinned.stderr
+    assert not out.exists()
+
+
 def test_report_shows_stages_and_what_the_pipeline_costs(pipelined):
     text = pipelined.table()
     assert "mesh 2 pipeline x 2 data-parallel" in text

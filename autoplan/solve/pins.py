@@ -74,6 +74,10 @@ class PinResolution:
             out.append(keep)
         return out
 
+    def decisions(self, units) -> tuple[str | None, ...]:
+        """Per unit, its pinned decision (None: not pinned): what tells a pinned block from its free twins."""
+        return tuple(self.by_unit[u.path][0].text() if u.path in self.by_unit else None for u in units)
+
     def restrict(self, table: CostTable) -> CostTable:
         """`table` with each pinned unit's options cut to those its pins allow."""
         allowed = self.allowed(table)

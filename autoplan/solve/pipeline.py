@@ -1,22 +1,21 @@
 """The search of one pipelined mesh: micro-batches, schedules, stage boundaries and each stage's own plan.
 
-A mesh with a pipeline degree pp runs the world as pp groups of ranks; each group runs one stage (or, for a
-looped schedule, v stages) of contiguous units, and its ranks shard them over the group's data-parallel
-ranks (with tensor parallelism inside a node as on any mesh). For each micro-batch size (the micro-batches
-per step from the global batch: global / (dp x micro-batch); without one, `DEFAULT_MICROBATCHES_PER_STAGE`
-x pp) and each schedule torch can run there (`--schedule` fixes one), the units are cut where the predicted
-time balances (autoplan.solve.stages), and every pipeline rank's units are solved by the same CP-SAT
-per-unit solver as a whole model, on the rank's tables as the pipeline runs them (cost_models.pipeline:
-its micro-batches in flight, FSDP gathering once per step) under the rank's memory limit. A rank that does
-not fit gives a unit to its neighbour and the ranks are solved again. The step is the pipeline's makespan
-(the slowest rank's micro-batch and sends, times the micro-batches plus the bubble, then the optimizer).
+A mesh with a pipeline degree pp runs the world as pp groups of ranks, each running one stage (or, looped, v
+stages) of contiguous units sharded over the group's data-parallel ranks (tensor parallelism inside a node as
+on any mesh). For each micro-batch size (micro-batches per step from the global batch: global / (dp x
+micro-batch); without one, `DEFAULT_MICROBATCHES_PER_STAGE` x pp) and each schedule torch can run there
+(`--schedule` fixes one), the units are cut where the predicted time balances (autoplan.solve.stages) and
+every pipeline rank's units are solved by the per-unit CP-SAT solver on the rank's tables as the pipeline
+runs them (cost_models.pipeline: micro-batches in flight, FSDP gathering once per step) under the rank's
+memory limit, pins cutting a pinned unit's options as without a pipeline. A rank that does not fit gives a
+unit to its neighbour and the ranks are solved again. The step is the pipeline's makespan (the slowest
+rank's micro-batch and sends, times the micro-batches plus the bubble, then the optimizer).
 
-Stages of the same blocks share their tables and, at the same micro-batches in flight, their solves
-(keyed by `StageTables.key`), so the pipeline dimension adds about one whole-model pricing per mesh and
-micro-batch rather than one per stage. A schedule whose makespan with every unit at its fastest option
-cannot beat the best found (on the mesh, or without a pipeline: `beat`) is not solved.
+Stages of the same blocks (and pins) share their tables and, at the same micro-batches in flight, their
+solves (`_Search.kind`): the pipeline dimension adds about one whole-model pricing per mesh and micro-batch,
+not one per stage. A schedule whose makespan with every unit at its fastest option cannot beat the best
+found (on the mesh, or without a pipeline: `beat`) is not solved.
 """
-
 from __future__ import annotations
 
 import math
@@ -130,11 +129,17 @@ class _Search:
             self.sources[chunks] = (stage, stage.for_layout(self.layout))
         return self.sources[chunks]
 
+    def kind(self, chunks) -> tuple:
+        """Equal for ranks whose tables are equal: their units' classes (`StageTables.key`) and pinned decisions."""
+        stage, source = self.source(chunks)
+        pins = self.request.pins
+        return stage.key if pins is None else (stage.key, pins.decisions(source.units))
+
     def pipelined(self, chunks, micro_batch_size: int, m: int, *flight) -> tuple[CostTable, HeldAllStep]:
         """`cost_models.pipeline.pipelined` of the rank's table (`flight`: its flight, drained, later), once per kind
         of stage: its table once per micro-batch, what it holds once per flight too."""
-        stage, source = self.source(chunks)
-        key = (stage.key, micro_batch_size, m)
+        source = self.source(chunks)[1]
+        key = (self.kind(chunks), micro_batch_size, m)
         if key not in self.priced:
             self.priced[key] = pipelined_table(self.table(chunks, micro_batch_size, m), m)
         if flight and (*key, *flight) not in self.held:  # no flight: the table alone
@@ -148,12 +153,14 @@ class _Search:
         return self.rank_rows[kind]
 
     def table(self, chunks, micro_batch_size: int, microbatches: int) -> CostTable:
-        stage, source = self.source(chunks)
-        key = (stage.key, micro_batch_size, microbatches)
+        source = self.source(chunks)[1]
+        key = (self.kind(chunks), micro_batch_size, microbatches)
         if key not in self.tables:
-            t = self.request.training
-            self.tables[key] = source.table(micro_batch_size, microbatches, self.cluster, t.seq_len, t.dtype,
-                                            t.optimizer)
+            t, pins = self.request.training, self.request.pins
+            table = source.table(micro_batch_size, microbatches, self.cluster, t.seq_len, t.dtype, t.optimizer)
+            if pins is not None and self.request.uniform is None:  # a uniform strategy's choices are overlaid
+                table = pins.restrict(replace(table, units=source.units))
+            self.tables[key] = table
         return replace(self.tables[key], units=source.units)
 
 
@@ -162,8 +169,8 @@ def search_pipeline(request: PlanRequest, mesh: Mesh, layout: TpLayout | None, s
     """The fastest pipelined plan on `mesh` (see the module docstring) faster than `beat` samples/s where its
     bound can beat that, and the same in the sweep's terms (the busiest rank's table and evaluation, the step the
     makespan). InfeasibleError where nothing fits, MeshPruned where no schedule's bound beats `beat`."""
-    if request.pins is not None or mesh.ep > 1:
-        raise UsageError("pins and expert parallelism are not combined with a pipeline (`pp` above 1) yet")
+    if mesh.ep > 1:
+        raise UsageError("expert parallelism is not combined with a pipeline (`pp` above 1) yet")
     search = _Search(request, mesh, layout, stage_cluster(request.cluster, mesh), beat=beat)
     start, steps = time.perf_counter(), []
     rows = [SCHEDULES[schedule]] if schedule else sorted(SCHEDULES.values(), key=lambda r: bubble_slots(r, mesh.pp))
@@ -271,17 +278,10 @@ def _ranks(search: _Search, row, cuts: list[int], micro_batch_size: int, m: int,
         if not solve:
             continue
         choices, status, table, held = outcome
-        sends = sum(2 * _send_s(search, bounds[s]) for s in mine if s + 1 < stages)
+        sends = sum(2 * send_s(search.cluster.profile, bounds[s], search.mesh) for s in mine if s + 1 < stages)
         ranks.append(RankOutcome(rank, mine, chunks, search.source(chunks)[1], table, choices,
                                  held_evaluation(table, held, choices), flight, status, sends, held))
     return ranks, None
-
-
-def _send_s(search: _Search, nbytes: int) -> float:
-    """One send between neighbouring stages: inside a node where the stages split one, else across nodes, every
-    rank of a stage's node sending at once."""
-    mesh = search.mesh
-    return send_s(search.cluster.profile, nbytes, mesh.pp > mesh.nodes, min(mesh.gpus_per_node, mesh.world_size // mesh.pp))
 
 
 def fixed_pipelines(request: PlanRequest, mesh: Mesh, layout: TpLayout | None, schedule: str,
@@ -318,7 +318,7 @@ def _solve_rank(search: _Search, chunks, micro_batch_size: int, m: int, holds: t
     held = replace(held, buffers=buffers, outputs=(int(outputs * later), int(outputs * flight)))
     if search.decide is not None:
         return search.decide(table), SolveStatus.FIXED, table, held
-    kind = (search.source(chunks)[0].key, micro_batch_size, m)
+    kind = (search.kind(chunks), micro_batch_size, m)
     key = (*kind, holds)
     if not solve and key not in search.solved and request.uniform is None:  # the floor alone, no solve
         floor = search.floors[key] = search.floors.get(key) or rank_floor(table, held, search.rows(kind, table))
@@ -329,13 +329,13 @@ def _solve_rank(search: _Search, chunks, micro_batch_size: int, m: int, holds: t
             search.solved[key] = solve_rank(request, table, held, rows)
         found = search.solved[key]
     if found.choices is None:
-        limits = request.limits  # planned_bytes is 0 where the allocator's margin takes the whole limit
+        limits, least = request.limits, request.limits.limit_for(found.floor_bytes)  # planned 0: margin takes all
         search.over = found.floor_bytes / limits.planned_bytes if limits.planned_bytes > 0 else math.inf
         search.lean = InfeasibleError(
-            f"no pipelined plan for {request.model.name} fits in {format_bytes(limits.mem_limit_bytes)} per "
-            f"GPU on pipeline degree {search.mesh.pp}: a rank with {flight:g} micro-batches in flight needs at "
-            f"least {format_bytes(found.floor_bytes)} (micro-batch {micro_batch_size}): a limit of at least "
-            f"{format_bytes(limits.limit_for(found.floor_bytes))}", min_mem_bytes=limits.limit_for(found.floor_bytes))
+            f"no pipelined plan for {request.model.name} fits in {format_bytes(limits.mem_limit_bytes)} per GPU on "
+            f"pipeline degree {search.mesh.pp}{' with the pins' if request.pins else ''}: a rank with {flight:g} "
+            f"micro-batches in flight needs at least {format_bytes(found.floor_bytes)} (micro-batch {micro_batch_size})"
+            f": a limit of at least {format_bytes(least)}", min_mem_bytes=least)
         return None
     return found.choices, found.status, table, held
 

@@ -84,6 +84,8 @@ def solve_rank(request: PlanRequest, table: CostTable, held: HeldAllStep, rows: 
     if request.uniform is not None:
         u = request.uniform
         choices = uniform_choices(table, u.strategy, u.checkpoint, offload=u.offload)
+        if choices is not None and request.pins is not None:  # pinned units take their pins (as sweep's)
+            choices = request.pins.overlay(table, choices)
         peak = held_evaluation(table, held, choices).peak_mem_bytes if choices is not None else limit + 1
         return RankSolve(choices if peak <= limit else None, SolveStatus.FIXED, peak)
     rows = rows or rank_rows(table)
