@@ -78,7 +78,7 @@ def test_pins_hold_inside_a_pipeline_and_alike_stages_are_not_pinned_with_them()
     assert [stage.modules for stage in plan.pipeline.stages][1:3] == [["layers.1"], ["layers.2"]]
     decide = lambda p: {u.module: (u.sharding, u.checkpoint) for u in p.units}  # noqa: E731
     assert decide(free)["layers.2"] != ("shard", "full") and decide(plan)["layers.2"] == ("shard", "full")
-    assert decide(plan)["layers.1"] == decide(free)["layers.1"] == decide(free)["layers.2"]
+    assert decide(plan)["layers.1"] != ("shard", "full")  # its twin's stage is not pinned with it
     assert [(pin.pattern, pin.decision) for pin in plan.pins] == [("layers.2", "shard+ckpt")]
 
 
@@ -159,6 +159,14 @@ def test_estimate_with_pp_balances_a_uniform_strategy():
     assert pipe.schedule == "1f1b" and len(pipe.stages) == 2 and pipe.microbatches == 8
     assert all(unit.sharding == "shard" for unit in est.units if unit.module)
     assert "pipeline: 2 stages" in est.table()
+
+
+def test_estimate_with_pp_takes_pins_over_the_strategy():
+    est = autoplan.estimate("llama-tiny[n_layers=4]", "shard", gpus=4, pp=4, seq_len=128, profile="h100-sxm-80gb",
+                            pin=["layers.2=shard+ckpt"])
+    checkpoint = {unit.module: unit.checkpoint for unit in est.units}
+    assert checkpoint["layers.2"] == "full" and checkpoint["layers.1"] == checkpoint["layers.3"] == "none"
+    assert est.strategy.startswith("shard + 1 pin") and "pinned: layers.2: shard+ckpt" in est.description
 
 
 def test_bad_pipeline_degree_and_schedule_are_usage_errors(run_cli, tmp_path):

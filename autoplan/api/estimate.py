@@ -79,12 +79,8 @@ def _estimate(s: EstimateSettings) -> Estimate:
                        + ("; parameters, gradients and optimizer states offloaded to the host" if uniform.offload else ""))
     if wrap_policy_of(s) is not None and plan is None:
         description += f"; the units those the FSDP wrap policy {wrap_policy_of(s).text()} wraps"
-    pins = request.pins
-    if pins is not None:  # the pinned units take their pins; the rest keep the strategy's or the plan's option
-        choices = pins.overlay(table, choices)
-        label += f" + {len(pins.pins)} pin{'s' if len(pins.pins) > 1 else ''}"
-        # pins naming single blocks alike are written as one range ("layers.0-94/2: shard+ckpt")
-        description += "; pinned: " + ", ".join(f"{p}: {d}" for p, _, d in path_groups(pins.records()))
+    choices = _pinned(request, table, choices)
+    label, description = _with_pins(request, label, description)
     cluster = request.cluster.with_mesh(request.meshes[0])
     return Estimate(
         model=model_ref(request), strategy=label, description=description,
@@ -92,6 +88,21 @@ def _estimate(s: EstimateSettings) -> Estimate:
         units=unit_decisions(table, choices), predicted=prediction(table, evaluate(table, choices),
                                                                    request.limits.allocator_conf),
     )
+
+
+def _pinned(request: PlanRequest, table: CostTable, choices: list[int]) -> list[int]:
+    """The pinned units take their pins; the rest keep the strategy's or the plan's option."""
+    return choices if request.pins is None else request.pins.overlay(table, choices)
+
+
+def _with_pins(request: PlanRequest, label: str, description: str) -> tuple[str, str]:
+    """The estimate's label and description with its pins (single blocks alike written as one range,
+    "layers.0-94/2: shard+ckpt")."""
+    pins = request.pins
+    if pins is None:
+        return label, description
+    return (label + f" + {len(pins.pins)} pin{'s' if len(pins.pins) > 1 else ''}",
+            description + "; pinned: " + ", ".join(f"{p}: {d}" for p, _, d in path_groups(pins.records())))
 
 
 def request_table(request: PlanRequest, plan: Plan | None = None) -> tuple[CostTable, list[int]]:
@@ -143,8 +154,6 @@ def request_layout(request: PlanRequest):
 def _pipelined_estimate(request: PlanRequest, plan: Plan | None, settings: EstimateSettings) -> Estimate:
     """The estimate of a pipelined mesh: the plan's stages and decisions, or the uniform strategy on
     balanced stages (autoplan.solve.pipeline.fixed_pipeline); the busiest rank's peak and timeline."""
-    if request.pins is not None:
-        raise UsageError("pins are not combined with a pipeline (`pp` above 1) yet")
     [outcome] = request_pipeline(request, plan)
     busiest, tensor_parallel = outcome.busiest, request.meshes[0].tp > 1
     uniform = request.uniform
@@ -152,6 +161,7 @@ def _pipelined_estimate(request: PlanRequest, plan: Plan | None, settings: Estim
     description = (f"the plan's decisions and stages ({request.model.name})" if plan is not None else
                    f"{SHARDING_KINDS[uniform.strategy].description}; {CHECKPOINT_MODES[uniform.checkpoint].description}"
                    f"; {len(outcome.cuts)} stages balanced by predicted time, schedule {outcome.schedule}")
+    label, description = _with_pins(request, label, description)
 
     def decisions_of(rank):
         return unit_decisions(rank.table, rank.choices, rank.source.full_units() if tensor_parallel else None,
@@ -178,7 +188,7 @@ def request_pipeline(request: PlanRequest, plan: Plan | None = None, moved: bool
                               if (moved_cut := _moved(cuts, i, step, len(forward_units(request.tables.units))))]
                              if moved else [])
         return fixed_pipelines(request, mesh, request_layout(request), plan.pipeline.schedule, cut_list,
-                               lambda table: plan_choices(table, _units_of(plan, table)))
+                               lambda table: _pinned(request, table, plan_choices(table, _units_of(plan, table))))
     uniform = request.uniform
     schedule = request.schedule or DEFAULT_SCHEDULE
 
@@ -187,7 +197,7 @@ def request_pipeline(request: PlanRequest, plan: Plan | None = None, moved: bool
                                   exact=uniform.offload)
         if choices is None:
             raise UsageError("`offload` is not priced on this pipeline's stages (its profile has no host link)")
-        return choices
+        return _pinned(request, table, choices)
 
     return fixed_pipelines(request, mesh, request_layout(request), schedule, [None], decide)
 

@@ -158,7 +158,7 @@ class _Search:
         if key not in self.tables:
             t, pins = self.request.training, self.request.pins
             table = source.table(micro_batch_size, microbatches, self.cluster, t.seq_len, t.dtype, t.optimizer)
-            if pins is not None and self.request.uniform is None:  # a uniform strategy's choices are overlaid
+            if pins is not None and self.decide is None and self.request.uniform is None:  # others overlay pins
                 table = pins.restrict(replace(table, units=source.units))
             self.tables[key] = table
         return replace(self.tables[key], units=source.units)
