@@ -53,9 +53,24 @@ CASES = {
     # pipeline x tensor parallelism: 2 stages of 2 tensor-parallel ranks, the head's logits vocabulary-parallel
     "llama_1f1b_tp2": (dict(decisions=LLAMA_UNITS, grad_accum_steps=2),
                        [["tok_embeddings", "layers.0"], ["layers.1", "norm", "lm_head"]], dict()),
+    # the zero-bubble schedules (weight gradients split from input gradients) on hand-made plans whose units say
+    # reshard_after_forward=true (apply keeps them gathered for the step): looped, a checkpointed block among them
+    "llama_zero_bubble_ckpt": (dict(model=LLAMA4, grad_accum_steps=4,
+                                    decisions={**{f"layers.{i}": "shard" for i in range(4)}, "layers.1": "shard+ckpt"}),
+                               [["tok_embeddings", "layers.0"], ["layers.1"], ["layers.2"], ["layers.3", "lm_head"]],
+                               dict(schedule="zero_bubble")),
+    # V-shaped: stages 0 and 3 on rank 0, 1 and 2 on rank 1; every unit replicate
+    "llama_zbv_replicate": (dict(model=LLAMA4, grad_accum_steps=2,
+                                 decisions={f"layers.{i}": "replicate" for i in range(4)}),
+                            [["tok_embeddings", "layers.0"], ["layers.1"], ["layers.2"], ["layers.3", "lm_head"]],
+                            dict(schedule="zbv", ranks=[0, 1, 1, 0])),
+    # V-shaped x tensor degree 2: the first and last stages on rank 0
+    "llama_zbv_tp2": (dict(decisions=LLAMA_UNITS, grad_accum_steps=2),
+                      [["tok_embeddings"], ["layers.0"], ["layers.1"], ["norm", "lm_head"]],
+                      dict(schedule="zbv", ranks=[0, 1, 1, 0])),
 }
 MESHES = {"llama_gpipe_ckpt_keep": "record", "gpt2_1f1b": "named"}
-TENSOR = {"llama_1f1b_tp2"}
+TENSOR = {"llama_1f1b_tp2", "llama_zbv_tp2"}
 
 
 def cpu_model(plan) -> torch.nn.Module:

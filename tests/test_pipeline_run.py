@@ -77,12 +77,17 @@ def test_a_schedule_torch_cannot_run_at_the_micro_batch_count_is_refused():
 
 
 @pytest.mark.parametrize("schedule,ranks", [("zero_bubble", [0, 1, 0, 1]), ("zbv", [0, 1, 1, 0])])
-def test_zero_bubble_schedules_are_refused_under_fsdp(schedule, ranks):
-    plan = pipelined(make_plan(get_config("llama-tiny", n_layers=4), {}, world_size=4, grad_accum_steps=2),
-                     [["tok_embeddings", "layers.0"], ["layers.1"], ["layers.2"], ["layers.3"]], schedule=schedule,
-                     ranks=ranks)
-    with pytest.raises(PlanFileError, match=f"schedule {schedule} defers the weight gradients past FSDP2's"):
-        check_plan(build_model(get_config("llama-tiny", n_layers=4)), plan)
+def test_zero_bubble_schedules_pass_the_checks_and_their_placement_is_checked(schedule, ranks):
+    """They run under FSDP2 (parity: test_pp_parity.py); a V-shaped schedule still wants its V."""
+    model = build_model(get_config("llama-tiny", n_layers=4))
+    stages = [["tok_embeddings", "layers.0"], ["layers.1"], ["layers.2"], ["layers.3"]]
+    plan = pipelined(make_plan(get_config("llama-tiny", n_layers=4), {}, world_size=4, grad_accum_steps=2), stages,
+                     schedule=schedule, ranks=ranks)
+    check_plan(model, plan)
+    swapped = pipelined(make_plan(get_config("llama-tiny", n_layers=4), {}, world_size=4, grad_accum_steps=2), stages,
+                        schedule=schedule, ranks=[0, 1, 1, 0] if schedule == "zero_bubble" else [0, 1, 0, 1])
+    with pytest.raises(PlanFileError, match=f"stage 2 is on rank .; schedule {schedule}"):
+        check_plan(model, swapped)
 
 
 def test_stages_placed_otherwise_than_the_schedule_runs_them_are_refused():

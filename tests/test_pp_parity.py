@@ -1,7 +1,6 @@
 """Pipelined plans on gloo train exactly like one process on the same global batch: 2 pipeline ranks x 2
-data-parallel ranks (4 processes) through `autoplan.apply`, torch's 1F1B, GPipe and interleaved 1F1B
-schedules, FSDP2 inside each stage, Llama and GPT-2, and with tensor parallelism. (The zero-bubble schedules
-are refused: test_pipeline_run.py.)
+data-parallel ranks (4 processes) through `autoplan.apply`, torch's 1F1B, GPipe, interleaved 1F1B, interleaved
+zero-bubble and ZB-V schedules, FSDP2 inside each stage, Llama and GPT-2, and with tensor parallelism.
 
 One torchrun launch (pp_parity_worker.py) runs every case; each test checks one case.
 """
@@ -31,8 +30,8 @@ def test_each_pipeline_rank_holds_its_stages_only(results, case):
     result = results[case]
     assert "error" not in result, result.get("error")
     _, stages, options = CASES[case]
-    per_rank = 2 if options.get("schedule") == "interleaved_1f1b" else 1
-    expected = [[p + 2 * k for k in range(per_rank)] for p in (0, 1)]
+    ranks = options.get("ranks") or [i % 2 for i in range(len(stages))]  # looped unless the case says (ZB-V)
+    expected = [[i for i, rank in enumerate(ranks) if rank == p] for p in (0, 1)]
     assert result["stages_by_rank"] == [expected[0], expected[0], expected[1], expected[1]]
     held = result["params_held"]
     assert held[0] == held[1] and held[2] == held[3]  # a stage's data-parallel ranks hold the same parameters

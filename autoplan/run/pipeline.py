@@ -13,14 +13,22 @@ last stage and the plan's micro-batches per step; gradients are scaled by 1 / mi
 `check_pipeline` refuses, before any rank trains, a pipeline that does not match the plan's world, a stage
 naming a module the model lacks (or cutting it otherwise than a stage can run: stage_module.stage_parts), and
 a schedule torch cannot run at the plan's micro-batch count (torch's own schedule class is built, on a fake
-process group when none is initialised, and what it raises is reported). The zero-bubble schedules (the
-registry's `splits_backward` rows) are refused too: torch runs them, but composed with FSDP2 their weight
-gradients come after FSDP's reduction and the trained parameters drift from a single process's (measured on
-gloo: up to 6e-3 after 3 steps, against 1e-5 for GPipe, 1F1B and interleaved 1F1B).
+process group when none is initialised, and what it raises is reported).
+
+The zero-bubble schedules (the registry's `splits_backward` rows) split each backward into an input-gradient
+pass (I) and a later weight-gradient pass (W): torch's I collects the stage's parameters as it starts, and W
+writes the gradients of those. Under FSDP2 the forward runs on the unsharded parameters; a unit resharded
+after its forward (reshard_after_forward true) hands an I that follows a forward of its stage the sharded
+ones, which are not in the graph, so that micro-batch's weight gradients are lost (measured on 2 x 2 gloo
+ranks, 2 micro-batches: the last stage, whose I always follows its own forward, got no gradient, the stages
+between only their last micro-batch's; RESULTS.md section 20). So under those schedules every unit is kept
+gathered for the step whatever its kind says: what searched pipelined plans record and are priced for
+(autoplan.plan.pipeline_plan), and how torchtitan runs FSDP under a pipeline.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
@@ -64,11 +72,6 @@ def check_pipeline(model: nn.Module, plan: Plan) -> None:
     if plan.training.grad_accum_steps != pipeline.microbatches:
         raise PlanFileError(f"the pipeline runs {pipeline.microbatches} micro-batches per step, the plan's training "
                             f"{plan.training.grad_accum_steps} accumulation steps; a step's micro-batches are both")
-    if SCHEDULES[pipeline.schedule].splits_backward:
-        raise PlanFileError(
-            f"schedule {pipeline.schedule} defers the weight gradients past FSDP2's gradient reduction here: on 2 x 2 "
-            "gloo ranks its parameters ended up to 6e-3 from one process's after 3 steps, where every other schedule "
-            "agrees within 1e-5 (torch 2.13); make the plan with `--schedule interleaved_1f1b`, `1f1b` or `gpipe`")
     _check_placement(pipeline)
     stage_parts(model, pipeline)
     if not (dist.is_available() and dist.is_initialized()):  # apply, on the ranks, builds the real one
@@ -148,6 +151,9 @@ def pipelined_model(model: nn.Module, plan: Plan, pp_mesh, units: list, shard, l
     leaves first) `shard`ed (apply's checkpointing and fully_shard) inside the stage holding it, each stage's
     root as the plan's root unit says."""
     stages = rank_stages(model, plan, pp_mesh.get_local_rank())
+    if SCHEDULES[plan.pipeline.schedule].splits_backward:  # gathered for the step: the module docstring says why
+        units = [(decision, dataclasses.replace(kind, reshard_after_forward=False), module)
+                 for decision, kind, module in units]
     roots = [(decision, kind) for decision, kind, _ in units if decision.module == ""]
     for stage in stages:
         shard([(decision, kind, stage.get_submodule(decision.module)) for decision, kind, _ in units
@@ -188,6 +194,19 @@ def _pipeline_stage(stage: StageModule, plan: Plan, device: torch.device, group)
                            group=group)
 
 
+class _OwnedLoss:
+    """The loss function, its result never a view: the zero-bubble schedules' input-gradient pass detaches the
+    loss in place (torch's stage_backward_input), which a view refuses, and a vocabulary-parallel loss is one (a
+    replicated DTensor's local value)."""
+
+    def __init__(self, loss_fn):
+        self.loss_fn = loss_fn
+
+    def __call__(self, output, target):
+        loss = self.loss_fn(output, target)
+        return loss.clone() if isinstance(loss, torch.Tensor) and loss._is_view() else loss
+
+
 class PipelinedModel(nn.Module):
     """What `apply` returns for a pipelined plan: this rank's stages (`stages`, each `fully_shard`ed) and the
     schedule that runs them. Train with `step(input_ids, labels)` (one optimizer step's batch of this rank's
@@ -201,7 +220,7 @@ class PipelinedModel(nn.Module):
         device = torch.device("cuda", torch.cuda.current_device()) if pp_mesh.device_type == "cuda" else torch.device(
             "cpu")
         self.pipeline_stages = [_pipeline_stage(stage, plan, device, self._group) for stage in stages]
-        self.schedule = _schedule(plan.pipeline, self.pipeline_stages, loss_fn)
+        self.schedule = _schedule(plan.pipeline, self.pipeline_stages, _OwnedLoss(loss_fn))
         self.has_first = any(stage.stage_index == 0 for stage in stages)
         self.has_last = any(stage.is_last for stage in stages)
 
