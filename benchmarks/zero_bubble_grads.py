@@ -1,0 +1,133 @@
+"""Which weight gradients torch's zero-bubble schedules deliver under FSDP2, per stage (RESULTS.md section 20).
+
+    python benchmarks/zero_bubble_grads.py        # one torchrun launch of 4 gloo ranks, ~30 s
+
+The minimal reproduction of why `autoplan apply` once refused these schedules, at torch's level (no autoplan
+apply): llama-tiny with 4 layers cut into 4 `StageModule`s on 2 pipeline ranks x 2 data-parallel ranks, every
+layer and every stage `fully_shard`ed with reshard_after_forward true or false, torch's `PipelineStage` and
+the schedule class, one step of 2 micro-batches. Each stage's gradients (gathered) are compared with one
+process's gradient of the whole batch and of each micro-batch alone (scaled as the schedule scales them);
+the verdict per stage is the closest of those, with its largest difference. With reshard_after_forward true
+the input-gradient pass of a micro-batch whose stage ran a forward just before it collects the sharded
+parameters (not in the graph) and its weight gradients are lost; false (what autoplan's pipelined plans
+record and apply keeps under these schedules) delivers every micro-batch's.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+PLACEMENT = {"zbv": [0, 1, 1, 0], "zero_bubble": [0, 1, 0, 1]}  # schedule -> each stage's pipeline rank
+STAGES = [["tok_embeddings", "layers.0"], ["layers.1"], ["layers.2"], ["layers.3", "norm", "lm_head"]]
+MICRO, ROWS, SEQ, SEED = 2, 2, 16, 1234  # micro-batches per step, rows per micro-batch and rank
+
+
+def _model():
+    from autoplan.models.zoo import build_model, get_config
+
+    torch.manual_seed(SEED)
+    return build_model(get_config("llama-tiny", n_layers=4), device="cpu")
+
+
+def _reference(tokens: torch.Tensor) -> dict[str, dict[str, torch.Tensor]]:
+    """One process's gradients: of the whole batch, and of each micro-batch alone over 2 x the micro-batches."""
+    from autoplan.run.named_inputs import next_token_loss
+
+    cases = {"all micro-batches": tokens}
+    per = tokens.size(0) // MICRO
+    cases.update({f"micro-batch {m} only": tokens[m * per:(m + 1) * per] for m in range(MICRO)})
+    grads = {}
+    for name, rows in cases.items():
+        model = _model()
+        next_token_loss(model(rows[:, :-1]), rows[:, 1:]).backward()
+        scale = 1.0 if name == "all micro-batches" else 1.0 / MICRO
+        grads[name] = {n: p.grad * scale for n, p in model.named_parameters()}
+    return grads
+
+
+def _run(schedule: str, reshard: bool, mesh, tokens: torch.Tensor) -> dict[int, dict[str, torch.Tensor | None]]:
+    """This rank's stages' gradients after one step (None: no gradient), by stage index."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining import schedules as torch_schedules
+    from torch.distributed.tensor import DTensor
+
+    from autoplan.plan.pipeline_spec import PipelineSpec, StageSpec
+    from autoplan.run.named_inputs import next_token_loss
+    from autoplan.run.stage_module import StageModule, stage_parts
+    from cost_models.schedules import SCHEDULES
+
+    ranks, pp_rank, dp_rank = PLACEMENT[schedule], mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
+    spec = PipelineSpec(degree=2, schedule=schedule, microbatches=MICRO, stages=[
+        StageSpec(rank=r, modules=m, units=m, peak_mem_bytes=0, fwd_s=0.0, bwd_s=0.0) for r, m in zip(ranks, STAGES)])
+    model = _model()
+    parts = stage_parts(model, spec)
+    stages = [StageModule(model, parts[i], i, len(STAGES) - 1) for i, r in enumerate(ranks) if r == pp_rank]
+    for stage in stages:
+        for name, module in stage.named_modules():
+            if name.startswith("layers.") and name.count(".") == 1:
+                fully_shard(module, mesh=mesh["dp"], reshard_after_forward=reshard)
+        fully_shard(stage, mesh=mesh["dp"], reshard_after_forward=reshard)
+    piped = [PipelineStage(s, s.stage_index, len(STAGES), torch.device("cpu"), group=mesh["pp"].get_group())
+             for s in stages]
+    runner = getattr(torch_schedules, SCHEDULES[schedule].torch_class)(piped, MICRO, loss_fn=next_token_loss)
+    mine = torch.cat([tokens[(m * 2 + dp_rank) * ROWS:(m * 2 + dp_rank + 1) * ROWS] for m in range(MICRO)])
+    has_first, has_last = any(s.stage_index == 0 for s in stages), any(s.is_last for s in stages)
+    runner.step(*((mine[:, :-1],) if has_first else ()), target=mine[:, 1:] if has_last else None,
+                losses=[] if has_last else None, return_outputs=False)
+    out = {}
+    for stage in stages:
+        out[stage.stage_index] = {n: None if p.grad is None else
+                                  (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad)
+                                  for n, p in stage.named_parameters()}
+    return out
+
+
+def worker() -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    tokens = torch.randint(0, 256, (MICRO * 2 * ROWS, SEQ + 1), generator=torch.Generator().manual_seed(SEED))
+    reference = _reference(tokens)
+    for schedule in PLACEMENT:
+        for reshard in (True, False):
+            grads = _run(schedule, reshard, mesh, tokens)
+            lines = []
+            for index, named in sorted(grads.items()):
+                if any(g is None for g in named.values()):
+                    lines.append(f"stage {index}: {sum(g is None for g in named.values())} of {len(named)} "
+                                 "parameters without a gradient")
+                    continue
+                errors = {case: max((g - ref[n]).abs().max().item() for n, g in named.items())
+                          for case, ref in reference.items()}
+                best = min(errors, key=errors.get)
+                lines.append(f"stage {index}: {best} (within {errors[best]:.1e}; the whole batch's: "
+                             f"{errors['all micro-batches']:.1e})")
+            gathered = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, lines)
+            if dist.get_rank() == 0:
+                print(f"{schedule}, reshard_after_forward={str(reshard).lower()}:")
+                for line in sorted(gathered[0] + gathered[2]):
+                    print(f"  {line}")
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1", "ZB_GRADS_WORKER": "1"}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
+                           "--max-restarts=0", __file__], env=env, capture_output=True, text=True, timeout=600)
+    print(done.stdout, end="")
+    if done.returncode:
+        sys.exit(done.stderr[-3000:])
+
+
+if __name__ == "__main__":
+    worker() if os.environ.get("ZB_GRADS_WORKER") else main()
