@@ -28,7 +28,7 @@ from autoplan.run.fake_world import FakeWorldOptions, run_fake_world
 # (model, schedule, micro-batch, global batch, sequence)
 GLOO_CASES = [
     ("llama-tiny[n_layers=4,d_model=128,n_heads=4,n_kv_heads=2,ffn_hidden=352]", schedule, 4, 32, 128)
-    for schedule in ("gpipe", "1f1b", "interleaved_1f1b")  # apply refuses the zero-bubble ones (pipeline.py)
+    for schedule in ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv")
 ] + [("gpt2-tiny[n_layers=4,d_model=128,tie_embeddings=false]", schedule, 4, 32, 128) for schedule in ("gpipe", "1f1b")]
 # (model, pipeline degree, schedule, micro-batch, global batch, sequence), on 8 nodes of 8
 FAKE_CASES = [

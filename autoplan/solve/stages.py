@@ -117,7 +117,9 @@ def undominated(rows: list, fixed: str | None) -> list:
     """The schedules worth solving: a dominated one only where what beats it does not run, or when asked for."""
     if fixed is not None:
         return rows
-    # apply refuses the schedules deferring weight gradients (they drift under FSDP2): offered only when asked for
+    # the schedules deferring weight gradients run (autoplan.run.pipeline) but their peaks are under-priced, by up
+    # to 22% on a rank on gloo (RESULTS.md section 20: torch's zero bubble holds min(m, pp) micro-batches on every
+    # rank, not the interleaved count priced, and more in its split backward): offered only when asked for
     rows = [row for row in rows if not row.splits_backward]
     names = {row.name for row in rows}
     return [row for row in rows if _DOMINATED_BY.get(row.name) not in names]
