@@ -1,6 +1,6 @@
-"""Which weight gradients torch's zero-bubble schedules deliver under FSDP2, per stage (RESULTS.md section 20).
+"""torch's zero-bubble schedules under FSDP2: the gradients they deliver and what they hold (RESULTS.md section 20).
 
-    python benchmarks/zero_bubble_grads.py        # one torchrun launch of 4 gloo ranks, ~30 s
+    python benchmarks/zero_bubble.py        # one torchrun launch of 4 gloo ranks, then one process: ~45 s
 
 The minimal reproduction of why `autoplan apply` once refused these schedules, at torch's level (no autoplan
 apply): llama-tiny with 4 layers cut into 4 `StageModule`s on 2 pipeline ranks x 2 data-parallel ranks, every
@@ -11,6 +11,15 @@ the verdict per stage is the closest of those, with its largest difference. With
 the input-gradient pass of a micro-batch whose stage ran a forward just before it collects the sharded
 parameters (not in the graph) and its weight gradients are lost; false (what autoplan's pipelined plans
 record and apply keeps under these schedules) delivers every micro-batch's.
+
+Then, in this process, what the split backward holds that a full one does not (RESULTS.md section 20's memory
+rows): one layer of the fidelity benchmark's llama (d_model 128, FFN 352, bf16), one micro-batch of 4 x 128,
+the live bytes (autoplan.run.memtrack) above the forward's end at the backward's peak, full (torch's
+`stage_backward`) and split (`stage_backward_input`, then `stage_backward_weight`), and what the split holds
+between its two passes. Last, from each schedule class's own action order (built for every rank on torch's fake
+process group, `pipeline_order` counted): the most stage-chunks (one stage's micro-batch) whose forward ran and
+whose weight pass (or full backward) has not, per rank, beside interleaved 1F1B's, which the pricing uses for
+zero bubble (cost_models.pipeline.in_flight).
 """
 
 from __future__ import annotations
@@ -119,6 +128,63 @@ def worker() -> None:
     dist.destroy_process_group()
 
 
+def split_backward_bytes() -> dict[str, int]:
+    """One layer, one micro-batch: the backward's peak above the forward's end, full and split, and what the split
+    holds from its input-gradient pass to its weight pass."""
+    from torch.distributed.pipelining._backward import stage_backward, stage_backward_input, stage_backward_weight
+
+    from autoplan.models.llama import rope_tables
+    from autoplan.models.zoo import build_model, get_config
+    from autoplan.run.memtrack import LiveTensorTracker
+
+    torch.manual_seed(SEED)
+    config = get_config("llama-tiny", n_layers=4, d_model=128, n_heads=4, n_kv_heads=2, ffn_hidden=352)
+    model = build_model(config, device="cpu").to(torch.bfloat16)
+    layer, found = model.layers[1], {}
+    for split in (False, True):
+        for param in layer.parameters():
+            param.grad = torch.zeros_like(param)
+        x = torch.randn(4, 128, 128, dtype=torch.bfloat16, requires_grad=True)
+        with LiveTensorTracker() as tracker:
+            tracker.track(x, *layer.parameters(), *(param.grad for param in layer.parameters()))
+            y = layer(x, *rope_tables(model.get_buffer("inv_freq"), 128, torch.bfloat16))
+            base = tracker.live_bytes
+            tracker.reset_peak()
+            if split:
+                _, groups = stage_backward_input([y], [torch.randn_like(y)], [x], layer.parameters())
+                found["held from I to W"] = tracker.live_bytes - base
+                stage_backward_weight(layer.parameters(), groups)
+            else:
+                stage_backward([y], [torch.randn_like(y)], [x])
+            found["split peak" if split else "full peak"] = tracker.peak_bytes - base
+    return found
+
+
+def peak_chunks(torch_class: str, pp: int, m: int, v_shape: bool) -> list[int]:
+    """Per pipeline rank, the most stage-chunks in flight in the schedule's order (2 stages per rank)."""
+    import re
+
+    import torch.nn as nn
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining import schedules as torch_schedules
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    peaks = []
+    for rank in range(pp):
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=pp)
+        mine = [rank, 2 * pp - 1 - rank] if v_shape else [rank, rank + pp]
+        stages = [PipelineStage(nn.Identity(), i, 2 * pp, torch.device("cpu")) for i in mine]
+        order = getattr(torch_schedules, torch_class)(stages, m, loss_fn=lambda out, target: out.sum()).pipeline_order
+        dist.destroy_process_group()
+        live = peak = 0
+        for action in filter(None, order[rank]):
+            kind = re.fullmatch(r"\d+([A-Z]+)\d+", str(action)).group(1)
+            live += {"F": 1, "W": -1, "B": -1}.get(kind, 0)
+            peak = max(peak, live)
+        peaks.append(peak)
+    return peaks
+
+
 def main() -> None:
     repo = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1", "ZB_GRADS_WORKER": "1"}
@@ -127,6 +193,16 @@ def main() -> None:
     print(done.stdout, end="")
     if done.returncode:
         sys.exit(done.stderr[-3000:])
+    for pp in (2, 4, 8):
+        for m in (pp, 2 * pp, 4 * pp):
+            counts = {name: peak_chunks(cls, pp, m, name == "zbv") for name, cls in (
+                ("zero_bubble", "ScheduleInterleavedZeroBubble"), ("zbv", "ScheduleZBVZeroBubble"),
+                ("interleaved_1f1b", "ScheduleInterleaved1F1B"))}
+            print(f"pp {pp}, {m} micro-batches, stage-chunks in flight at each rank's peak: "
+                  + "; ".join(f"{name} {counts[name]}" for name in counts))
+    found = split_backward_bytes()
+    print("one layer, one micro-batch of 4 x 128 (bf16), the backward's live bytes above the forward's end: "
+          + ", ".join(f"{name} {value / 1e6:.3f} MB" for name, value in found.items()))
 
 
 if __name__ == "__main__":
