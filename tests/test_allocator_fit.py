@@ -108,6 +108,25 @@ def test_the_automatic_replay_stops_at_its_cpu_budget(monkeypatch):
     assert allocator_check.replay_within(plan, 600.0, cpu_budget_s=10.0) == "replayed"
 
 
+def test_a_replay_that_cannot_finish_in_its_cpu_budget_is_not_started(monkeypatch):
+    """A replay whose floor (its units' micro-batch steps at the least CPU one has taken) is over its CPU budget is
+    not forked at all: the same None as a replay stopped there, without its process; under the budget it runs."""
+    from autoplan.run import allocator_check, allocator_fit
+
+    plan = autoplan.search(MODEL, "520MB", gpus=8, profile="h100-sxm-80gb", seq_len=128, batch_size=4, tp=1)
+    started = []
+    monkeypatch.setattr(allocator_check.multiprocessing, "get_context",
+                        lambda method, real=allocator_check.multiprocessing.get_context: started.append(method)
+                        or real(method))
+    monkeypatch.setattr(allocator_fit, "replay_plan", lambda plan: "replayed")
+    floor = allocator_check.replay_floor_s(plan)
+    assert floor == pytest.approx(allocator_check.MIN_UNIT_STEP_CPU_S * len(plan.units) * 3)
+    assert allocator_check.replay_within(plan, 600.0, cpu_budget_s=floor + 1) == "replayed" and started
+    started.clear()
+    monkeypatch.setattr(allocator_check, "MIN_UNIT_STEP_CPU_S", 10.0)  # a floor of 150 CPU-s against 10
+    assert allocator_check.replay_within(plan, 600.0, cpu_budget_s=10.0) is None and not started
+
+
 def test_a_native_fit_by_replay_starts_from_the_default_plan_and_plans_up_to_the_limit(run_cli, tmp_path):
     """Natively the first plan of `--fit-allocator on` (live bytes to 98% of the limit) runs out under the replay;
     the default search's plan, fitted to the needed bound, is the next round and fits, leaving 5% of the limit
