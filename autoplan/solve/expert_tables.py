@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from autoplan.models.experts import ExpertInfo, experts_of
+from autoplan.models.experts import ExpertInfo
 from autoplan.solve.cluster import Cluster
 from autoplan.solve.request import PlanRequest
 from autoplan.solve.tables import TableSource, _Source
@@ -40,7 +40,7 @@ def mesh_source(request: PlanRequest, mesh: Mesh, layout: TpLayout | None) -> Ta
     ways (the search's and the estimate's, alike); without expert parallelism, a model with fewer experts than
     data-parallel ranks has them sharded on their second dimension (as `apply` does: autoplan.run.experts)."""
     source = request.tables.for_layout(layout)
-    experts = experts_of(request.model.module) if mesh.ep > 1 or mesh.dp > 1 else ExpertInfo()
+    experts = request.model.experts if mesh.ep > 1 or mesh.dp > 1 else ExpertInfo()
     if mesh.ep == 1 and not (experts and experts.n_experts < mesh.dp):  # split, or sharded on their second dim
         return source
     factor = request.model.notes.get("capacity_factor", 1.0)
