@@ -131,13 +131,14 @@ def search_meshes(request: PlanRequest) -> MeshSearch:
     the least memory when nothing fits anywhere."""
     _LAYOUTS.clear()  # the last search's models not kept alive
     progress = MeshProgress(len(request.meshes), PROGRESS_DELAY_S)
-    results = _search_all(request, request.meshes, progress)
-    if request.pipeline_meshes and pipeline_pays(results):
-        meshes = request.pipeline_meshes + _at_best_degree(request.pipeline_meshes, results)
-        progress.meshes += len(meshes)
-        # a pipelined schedule whose bound cannot beat the best plan without a pipeline is not solved
-        beat = max((r.throughput for r in results if r.outcome is not None), default=0.0)
-        results += _search_all(request, meshes, progress, len(results), beat)
+    with _Workers(request) as workers:
+        results = _search_all(request, request.meshes, progress, workers)
+        if request.pipeline_meshes and pipeline_pays(results):
+            meshes = request.pipeline_meshes + _at_best_degree(request.pipeline_meshes, results)
+            progress.meshes += len(meshes)
+            # a pipelined schedule whose bound cannot beat the best plan without a pipeline is not solved
+            beat = max((r.throughput for r in results if r.outcome is not None), default=0.0)
+            results += _search_all(request, meshes, progress, workers, len(results), beat)
     return MeshSearch(results, best_result(results))
 
 
@@ -169,36 +170,60 @@ def pipeline_pays(results: list[MeshResult]) -> bool:
     return table.model_flops * table.grad_accum_steps / (evaluation.step_time_s * table.peak_flops) < PIPELINE_MFU
 
 
-def _search_all(request: PlanRequest, meshes: tuple[Mesh, ...], progress, offset: int = 0,
+def _search_all(request: PlanRequest, meshes: tuple[Mesh, ...], progress, workers: "_Workers", offset: int = 0,
                 beat: float = 0.0) -> list[MeshResult]:
     """`meshes` searched, the first in this process, the rest in forked workers where it pays; a pipelined one
     only where it can beat `beat` samples/s."""
     first, *rest = meshes
-    workers = _workers(request, len(rest))
+    pool = workers.pool(meshes)
     results: list[MeshResult] = []
-    if not workers:
+    if pool is None:
         for mesh in meshes:
             results.append(_search(request, mesh, progress.sweeping(offset + len(results), mesh), beat))
             progress.done(results)
         return results
-    global _REQUEST
-    _REQUEST = request  # inherited by the workers forked now, never pickled
-    cp_sat()  # imported once, before the fork, not by every worker
-    _extrapolated(request, meshes)
-    try:
-        with multiprocessing.get_context("fork").Pool(workers) as pool:
-            # under way while this process searches the first
-            pending = pool.imap(_search_in_worker, [(mesh, beat) for mesh in rest])
-            results.append(_search(request, first, progress.sweeping(offset, first), beat))
-            progress.done(results)
-            for result in pending:
-                # the worker sent its result without its tables and cluster: made again here, the model's
-                # traces stay out of the pipes
-                results.append(_restored(request, result))
-                progress.done(results)
-    finally:
-        _REQUEST = None
+    # under way while this process searches the first
+    pending = pool.imap(_search_in_worker, [(mesh, beat) for mesh in rest])
+    results.append(_search(request, first, progress.sweeping(offset, first), beat))
+    progress.done(results)
+    for result in pending:  # sent without its tables and cluster, made again here: the traces stay out of the pipes
+        results.append(_restored(request, result))
+        progress.done(results)
     return results
+
+
+class _Workers:
+    """The forked worker processes of one search: made at the first round of meshes that has meshes to hand them,
+    and kept for the next (the pipelined meshes), whose tensor degrees' tables the workers have made already; a
+    second fork would make them again."""
+
+    def __init__(self, request: PlanRequest):
+        self.request, self._pool = request, None
+        # the most meshes a round hands out: the first round's, or the pipelined round's with its best degree's
+        pipelined = len(request.pipeline_meshes) + len({m.pp for m in request.pipeline_meshes})
+        self.count = _workers(request, max(len(request.meshes), pipelined) - 1)
+
+    def pool(self, meshes: tuple[Mesh, ...]):
+        """The pool to hand `meshes` after the first to (None: none to hand, or no workers), forked at its first
+        use, with the request and the model's ops at each mesh's first micro-batches made before the fork."""
+        if len(meshes) < 2 or not self.count:
+            return None
+        if self._pool is None:
+            global _REQUEST
+            _REQUEST = self.request  # inherited by the workers forked now, never pickled
+            cp_sat()  # imported once, before the fork, not by every worker
+            _extrapolated(self.request, meshes)
+            self._pool = multiprocessing.get_context("fork").Pool(self.count)
+        return self._pool
+
+    def __enter__(self) -> "_Workers":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        global _REQUEST
+        if self._pool is not None:  # ended as the pool's own context manager ends it
+            self._pool.terminate()
+        _REQUEST = None
 
 
 def _extrapolated(request: PlanRequest, meshes: tuple[Mesh, ...]) -> None:
