@@ -137,6 +137,29 @@ def test_meshes_searched_in_worker_processes_give_the_same_plan(monkeypatch):
     assert _without_wall_times(forked.to_dict()) == _without_wall_times(one_by_one.to_dict())
 
 
+def test_the_pipelined_meshes_go_to_the_workers_forked_for_the_first_meshes(monkeypatch):
+    """A search with pipelines forks its workers once: the pipelined meshes (searched after the others, where a
+    pipeline can pay) go to the same processes, and the plan, every mesh's entry included, is the one made mesh by
+    mesh."""
+    import multiprocessing
+
+    import autoplan.solve.mesh_search as mesh_search
+
+    settings = dict(model="llama-tiny", mem="80GB", nodes=2, gpus_per_node=2, seq_len=128, global_batch=16,
+                    profile="h100-sxm-80gb", fit_to="allocated")
+    one_by_one = search(**settings)
+    assert {entry.pp_degree for entry in one_by_one.solver.tp_degrees} == {1, 2}  # both rounds searched
+    pools = []
+    context = multiprocessing.get_context("fork")
+    monkeypatch.setattr(mesh_search, "PARALLEL_MIN_UNITS", 0)
+    monkeypatch.setattr(mesh_search.os, "sched_getaffinity", lambda pid: {0, 1})  # one worker even on 1 core
+    monkeypatch.setattr(mesh_search.multiprocessing, "get_context",
+                        lambda method: pools.append(method) or context)
+    forked = search(**settings)
+    assert pools == ["fork"]
+    assert _without_wall_times(forked.to_dict()) == _without_wall_times(one_by_one.to_dict())
+
+
 def test_a_refusal_in_a_worker_process_is_reported_as_one_mesh_by_mesh(monkeypatch):
     """Pins that do not run beside tensor parallelism refuse those meshes, whichever process searched them."""
     import autoplan.solve.mesh_search as mesh_search
