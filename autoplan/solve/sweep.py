@@ -94,6 +94,7 @@ def sweep(request: PlanRequest, source: TableSource, cluster: Cluster,
             _tell(progress, swept.steps, swept.best)
             continue
         affine, planned = AffineModel.of(table), request.limits.planned_for(table)
+        swept.first = swept.first or (table, affine)
         if request.uniform is None:
             result = solve_min_time(table, planned, request.limits.time_limit_s, affine=affine)
         else:
@@ -126,6 +127,7 @@ class _Swept:
     seen: list[CostTable] = field(default_factory=list)
     unpinned: list[CostTable] = field(default_factory=list)  # every option: for the baselines, to explain pins
     best: tuple | None = None  # (throughput, table, result, affine)
+    first: tuple[CostTable, AffineModel] | None = None  # the first table solved and its model
     wall_s: float = 0.0
     num_vars: int = 0
     num_cons: int = 0
@@ -150,7 +152,9 @@ def _tables(request: PlanRequest, source: TableSource, cluster: Cluster, micro_b
 def _outcome(request: PlanRequest, cluster: Cluster, swept: _Swept) -> SweepOutcome:
     """The best plan found (among those as fast, the leanest), or why there is none."""
     if swept.best is None:
-        raise _nothing_found(request, cluster, swept.steps, swept.unpinned[0])
+        table = swept.unpinned[0]  # its model where it was solved (no option cut, no pins): not made again
+        affine = swept.first[1] if swept.first is not None and swept.first[0] is table else None
+        raise _nothing_found(request, cluster, swept.steps, table, affine)
     _, table, result, affine = swept.best
     choices, wall_s = result.choices, swept.wall_s
     if request.uniform is None:  # among plans as fast as the best, the one with the lowest peak memory
@@ -175,8 +179,8 @@ def _leanest(table: CostTable, affine: AffineModel, fastest: SolveResult, limits
                             work_limit=TIE_BREAK_WORK)
 
 
-def _nothing_found(request: PlanRequest, cluster: Cluster, steps: list[SweepStep],
-                   table: CostTable) -> SolverTimeout | InfeasibleError:
+def _nothing_found(request: PlanRequest, cluster: Cluster, steps: list[SweepStep], table: CostTable,
+                   affine: AffineModel | None = None) -> SolverTimeout | InfeasibleError:
     """Why no micro-batch gave a plan: the solver's time ran out before a verdict, the pins make it so (the
     pins that cannot all hold), or nothing fits (with the smallest limit that would)."""
     limits, pins = request.limits, request.pins
@@ -191,7 +195,7 @@ def _nothing_found(request: PlanRequest, cluster: Cluster, steps: list[SweepStep
                                             limits.mem_limit_bytes, limits.headroom, limits.time_limit_s)
         if explained is not None:
             return explained
-    error = _infeasible(table, limits, request.model.name, cluster, request.batch.fixed)
+    error = _infeasible(table, limits, request.model.name, cluster, request.batch.fixed, affine)
     if pinned:
         error.args = (error.args[0] + " The pins are not the cause: without them no plan fits either.",)
     return error
@@ -216,9 +220,9 @@ def _fixed_strategy(table: CostTable, affine: AffineModel, uniform: Uniform, mem
 
 
 def _infeasible(table: CostTable, limits: Limits, model_name: str, cluster: Cluster,
-                fixed_batch: bool) -> InfeasibleError:
+                fixed_batch: bool, affine: AffineModel | None = None) -> InfeasibleError:
     mem_limit_bytes, headroom = limits.mem_limit_bytes, limits.headroom
-    smallest = solve_min_memory(table, time_limit_s=limits.time_limit_s)
+    smallest = solve_min_memory(table, time_limit_s=limits.time_limit_s, affine=affine)
     lean = evaluate(table, smallest.choices) if smallest.choices else None
     peak = lean.peak_mem_bytes if lean is not None else None
     # the limit that leaves the headroom (and, fitting to what the caching allocator needs, its margin)
