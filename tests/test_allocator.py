@@ -17,7 +17,7 @@ from cost_models.allocator import (
     segment_size,
 )
 from cost_models.allocator_margin import ALLOC_CONF_ENV, needed_bytes, reserved_bytes
-from cost_models.allocator_replay import min_limit, replay
+from cost_models.allocator_replay import min_limit, replay, stranded
 
 MiB = 1 << 20
 
@@ -72,6 +72,20 @@ def test_fragmentation_between_live_blocks_costs_a_new_segment():
     assert min_limit(events) == 34 * MiB  # 20 MiB segment (still split: not releasable) + 14 MiB
     with pytest.raises(ValueError, match="unknown event"):
         replay([("realloc", 0)])
+
+
+def test_stranded_names_the_free_space_a_live_block_keeps_where_a_limit_just_under_the_need_fails():
+    # the last step's 100 MiB block is freed; a 30 MiB block best-fits into its segment and splits it, so the next
+    # 100 MiB needs a segment of its own: 70 MiB stranded in the 100 MiB segment, 16 in the 4 MiB block's 20 MiB one
+    events = [("alloc", "logits", 100 * MiB, 0), ("alloc", "x", 4 * MiB, 0), ("free", "logits"),
+              ("alloc", "act", 30 * MiB, 0), ("alloc", "logits2", 100 * MiB, 0)]
+    need = min_limit(events)
+    assert need == 220 * MiB
+    assert stranded(events, need) is None  # it runs
+    where = stranded(events, need - 2 * MiB)
+    assert (where.event, where.request, where.stream) == (4, 100 * MiB, 0)
+    assert where.by_segment == {100 * MiB: 70 * MiB, 20 * MiB: 16 * MiB} and where.total == 86 * MiB
+    assert (where.reserved, where.allocated) == (120 * MiB, 34 * MiB)
 
 
 def test_the_bound_is_at_least_the_allocated_peak():
