@@ -9,15 +9,19 @@ partly used pages per stream and kernel workspaces; natively each request of 10 
 own and blocks of one size interleave with another's, so the need is 1-19% above the live bytes depending on
 the plan. Both are measured by replaying real plans' allocation sequences through the allocator's models
 (cost_models.allocator, cost_models.expandable_segments; benchmarks/allocator.py, benchmarks/RESULTS.md
-section 11), and bounded here. With expandable segments the bound is flat, `needed <= allocated x (1 + factor) +
-slack`, and the solver plans the live bytes to `allocated_within(limit)`. Natively a flat factor wastes memory: the
+section 11), and bounded here. Both bounds are per time point (`PointMargin`), and a table that carries one
+(`CostTable.allocator`) has solver rows of what the allocator needs (`fitted_totals`), so the search stays linear
+and each plan pays for what it holds. With expandable segments the need is the live bytes x 1.013, plus 5.3% of
+the activations that selectively checkpointed units save (their mix of saved and recomputed blocks leaves holes
+in the pages: 2-3.3% of the live peak on llama2-7b plans made of them, 0.3-1.1% without), plus the slack; a
+flat `needed <= allocated x (1 + factor) + slack` (`Margin`) remains for tables whose rows are written sparse.
+Natively a flat factor wastes memory: the
 excess comes from blocks that a smaller request splits and strands (a layer's saved activations in segments its
 larger transients left, the optimizer's foreach temporaries in the backward's segments, a step's largest block,
 the loss's fp32 logits, in its own segment that the next step cannot reuse once smaller blocks split it), so it
 follows what the step holds, not its total. The native bound is per time point: each memory category's bytes times
-its weight (`PointMargin`: 1.35 for temporaries, 1.15 for activations, 1 for the optimizer states, which keep
-their blocks all step); a table that carries it (`CostTable.allocator`) has solver rows of these figures
-(`fitted_totals`), so the search stays linear and each plan pays for what it holds.
+its weight (1.35 for temporaries, 1.15 for activations, 1 for the optimizer states, which keep their blocks all
+step).
 
 Three figures per plan: allocated (live bytes, the memory timeline's peak), needed (the smallest limit the step
 runs in; what a plan is fitted to by default) and reserved (what torch.cuda.max_memory_reserved shows with
@@ -34,11 +38,11 @@ import numpy as np
 from cost_models.algebra import Affine
 from cost_models.allocator import FRAGMENTATION, SEGMENT_SLACK
 from cost_models.memory import CATEGORIES, MemoryPoint, total
+from cost_models.options import Recompute
 
-__all__ = ["ALLOC_CONF_ENV", "DEFAULT_ALLOC_CONF", "NATIVE", "Margin", "PointMargin", "allocated_within",
+__all__ = ["ALLOC_CONF_ENV", "DEFAULT_ALLOC_CONF", "EXPANDABLE", "NATIVE", "Margin", "PointMargin", "allocated_within",
            "fitted_totals", "is_expandable", "margin_of", "needed_bytes", "needed_of_parts", "needed_of_points",
-           "point_margin",
-           "reserved_bytes"]
+           "point_margin", "reserved_bytes", "selective_bytes"]
 
 ALLOC_CONF_ENV = "PYTORCH_CUDA_ALLOC_CONF"
 DEFAULT_ALLOC_CONF = "expandable_segments:True"
@@ -105,10 +109,13 @@ def reserved_bytes(allocated_bytes: int, conf: str) -> int:
 
 @dataclass(frozen=True)
 class PointMargin:
-    """The native allocator's bound at each time point: the sum over memory categories of bytes x weight; the
-    slack (Margin.slack) comes on top, once."""
+    """The allocator's bound at each time point: the sum over memory categories of bytes x weight, plus
+    `selective` x the activations selectively checkpointed units save (all of them, at every point: an upper bound
+    of those alive there), plus the slack, once."""
 
     weights: dict[str, float]  # MemCategory value -> bytes needed per live byte (at least 1)
+    slack: int  # bytes: partly used pages and segments, and the kernel workspaces a replay cannot see
+    selective: float = 0.0  # bytes needed per activation byte a selectively checkpointed unit saves
 
 
 # Native, per time point: the smallest weights (a linear programme over the replays, each replay's peak point made to
@@ -119,12 +126,33 @@ class PointMargin:
 # temporaries in the backward's segments); the parameters' weight stands for the optimizer step's stranding, whose
 # temporaries are as many as the parameters' shards.
 NATIVE = PointMargin({"params": 1.13, "grads": 1.04, "optimizer": 1.0, "activations": 1.15, "gathered": 1.05,
-                      "temporaries": 1.35})
+                      "temporaries": 1.35}, slack=SEGMENT_SLACK)
+# Expandable segments, per time point: the least (factor, selective, slack) with every replay of benchmarks/allocator.py
+# (the 12 grid plans, the 9 default plans made for each configuration, each replayed with expandable segments: 30)
+# at most its bound / 1.005 (a linear programme: factor 0.0127, selective 0.0528, slack 37 MiB), rounded up. What a
+# step needs beyond its live peak follows its selectively checkpointed units (llama2-7b all-selective 2.0%, the
+# default native 30 GB plan, 29 of 35 units selective, 3.3%; plans without them 0.3-1.1%, on small models the slack).
+EXPANDABLE = PointMargin({category.value: 1.013 for category in CATEGORIES}, slack=(40 << 20) + SEGMENT_SLACK,
+                         selective=0.053)
 
 
-def point_margin(conf: str) -> PointMargin | None:
-    """The per-point bound for a configuration (None with expandable segments: their bound is flat)."""
-    return None if is_expandable(conf) else NATIVE
+def point_margin(conf: str) -> PointMargin:
+    """The per-point bound for a configuration."""
+    return EXPANDABLE if is_expandable(conf) else NATIVE
+
+
+def selective_bytes(table, alg):
+    """The activations the selectively checkpointed units of `table` save, as an expression of `alg` (a number for
+    one plan under NumericAlgebra, a dense row over the option literals under AffineAlgebra)."""
+    expr = 0
+    for unit, (options, costs) in enumerate(zip(table.options, table.costs)):
+        values = [cost.activation_bytes if option.recompute in _SELECTIVE else 0 for option, cost in zip(options, costs)]
+        if any(values):
+            expr = expr + alg.pick(unit, values)
+    return expr
+
+
+_SELECTIVE = (Recompute.CHEAP, Recompute.ALTERNATE)
 
 
 def _weighted(parts: dict, margin: PointMargin):
@@ -136,16 +164,17 @@ def _weighted(parts: dict, margin: PointMargin):
     return expr
 
 
-def fitted_totals(table, points: list[MemoryPoint]) -> list:
-    """Each point's bytes as the plan is fitted to them: its total, or where `table` carries the native
-    allocator's margin (`table.allocator`), what the allocator needs there less the slack, rounded up to whole
-    bytes (numbers, or dense affine rows: a table whose rows are written sparse carries no margin)."""
+def fitted_totals(table, points: list[MemoryPoint], alg) -> list:
+    """Each point's bytes as the plan is fitted to them: its total, or where `table` carries the allocator's
+    margin (`table.allocator`), what the allocator needs there less the slack, rounded up to whole bytes (numbers,
+    or dense affine rows of `alg`: a table whose rows are written sparse carries no margin)."""
     margin = table.allocator
     if margin is None:
         return [total(point) for point in points]
+    selective = selective_bytes(table, alg) * margin.selective if margin.selective else 0
     rows = []
     for point in points:
-        expr = _weighted(point.parts, margin)
+        expr = _weighted(point.parts, margin) + selective
         if isinstance(expr, Affine):
             expr = Affine(np.ceil(expr.coef).astype(np.int64), math.ceil(expr.const))
         elif isinstance(expr, (int, float)):
@@ -156,16 +185,15 @@ def fitted_totals(table, points: list[MemoryPoint]) -> list:
     return rows
 
 
-def needed_of_points(points: list[MemoryPoint], conf: str) -> int:
-    """What one plan's step needs under `conf`, from its numeric timeline: natively the per-point bound's highest
-    point plus the slack; with expandable segments the flat bound of the highest total."""
-    return needed_of_parts([point.parts for point in points], conf)
+def needed_of_points(points: list[MemoryPoint], conf: str, selective: int = 0) -> int:
+    """What one plan's step needs under `conf`, from its numeric timeline and the activations its selectively
+    checkpointed units save (`selective_bytes`): the per-point bound's highest point plus the slack."""
+    return needed_of_parts([{c.value: point.parts[c] for c in CATEGORIES} for point in points], conf, selective)
 
 
-def needed_of_parts(parts: list[dict], conf: str) -> int:
+def needed_of_parts(parts: list[dict], conf: str, selective: int = 0) -> int:
     """As `needed_of_points`, from each point's bytes by memory category (a plan file's timeline breakdowns,
-    keyed by the categories' values: "params", ...)."""
+    keyed by the categories' values: "params", ...) and its selective units' activation bytes."""
     margin = point_margin(conf)
-    if margin is None:
-        return needed_bytes(int(max(sum(p[c.value] for c in CATEGORIES) for p in parts)), conf)
-    return math.ceil(max(_weighted({c: p[c.value] for c in CATEGORIES}, margin) for p in parts)) + margin_of(conf).slack
+    return (math.ceil(max(_weighted({c: p[c.value] for c in CATEGORIES}, margin) for p in parts)
+                      + selective * margin.selective) + margin.slack)

@@ -46,7 +46,7 @@ def evaluate(table: CostTable, choices: list[int]) -> Evaluation:
     peak = max(range(len(points)), key=lambda i: totals[i])
     step = step_time(table, alg)
     host = sum(table.costs[u][c].host_bytes for u, c in enumerate(choices))
-    fit = max(fitted_totals(table, points)) if table.allocator is not None else None
+    fit = max(fitted_totals(table, points, alg)) if table.allocator is not None else None
     return Evaluation(list(choices), points, peak, float(step.step_s), float(step.micro_batch_s),
                       float(step.optimizer_s), host, fit)
 

@@ -8,6 +8,7 @@ import pytest
 import autoplan
 from autoplan.run.allocator_fit import replay_plan
 from autoplan.sizes import format_bytes
+from cost_models.allocator_margin import allocated_within
 
 MODEL = "llama-tiny[d_model=512,n_heads=8,n_kv_heads=4,ffn_hidden=1408,vocab_size=32000]"
 ARGS = ["--model", MODEL, "--gpus", "8", "--profile", "h100-sxm-80gb", "--seq-len", "128", "--batch-size", "4"]
@@ -77,15 +78,28 @@ def test_an_offloading_plan_replays_with_its_host_state_left_out(run_cli, tmp_pa
     assert abs(offloaded.allocated_bytes / plan.predicted.peak_mem_bytes - 1) < 0.10
 
 
+@pytest.mark.parametrize("conf", ["expandable_segments:False", "expandable_segments:True"])
 @pytest.mark.parametrize("mem", ["450MB", "600MB"])
-def test_a_native_plans_needed_bound_holds_its_replay(run_cli, tmp_path, mem):
-    """Natively the bound is per time point (cost_models.allocator_margin.NATIVE): each plan's replayed step needs
-    at most its bound, and the bound at most the limit less the headroom."""
-    result = run_cli("search", *ARGS, "--mem", mem, "--allocator-conf", "expandable_segments:False", "-o", "plan.json")
+def test_a_plans_needed_bound_holds_its_replay(run_cli, tmp_path, mem, conf):
+    """The bound is per time point under both configurations (cost_models.allocator_margin.NATIVE, EXPANDABLE):
+    each plan's replayed step needs at most its bound, and the bound at most the limit less the headroom."""
+    result = run_cli("search", *ARGS, "--mem", mem, "--allocator-conf", conf, "-o", "plan.json")
     assert result.returncode == 0, result.stderr
     plan = autoplan.load_plan(tmp_path / "plan.json")
     replayed = replay_plan(plan)
     assert replayed.needed_bytes <= plan.predicted.needed_bytes <= plan.cluster.mem_limit_bytes * 0.98
+
+
+def test_with_expandable_segments_a_plan_uses_what_the_flat_bound_kept_and_its_replay_fits(run_cli, tmp_path):
+    """With expandable segments the per-point bound (1.3% of the live bytes, 5.3% of selective units' activations,
+    104 MiB) plans live bytes that the flat one (2.5%, 208 MiB) kept free, and the step's replay still fits."""
+    conf = "expandable_segments:True"
+    result = run_cli("search", *ARGS, "--mem", "450MB", "--allocator-conf", conf, "-o", "plan.json")
+    assert result.returncode == 0, result.stderr
+    plan = autoplan.load_plan(tmp_path / "plan.json")
+    kept = int(plan.cluster.mem_limit_bytes * 0.98)
+    assert plan.predicted.peak_mem_bytes > allocated_within(kept, conf)  # the flat bound's most live bytes
+    assert replay_plan(plan).needed_bytes <= plan.predicted.needed_bytes <= kept
 
 
 def test_the_automatic_replay_stops_at_its_cpu_budget(monkeypatch):

@@ -35,7 +35,8 @@ from autoplan.plan.pipeline_plan import pipeline_spec, pipeline_units
 from autoplan.solve.mesh_search import MeshResult, MeshSearch
 from autoplan.solve.request import PlanRequest
 from autoplan.version import __version__
-from cost_models.allocator_margin import needed_of_points, reserved_bytes
+from cost_models.algebra import NumericAlgebra
+from cost_models.allocator_margin import needed_of_points, reserved_bytes, selective_bytes
 from cost_models.evaluate import Evaluation, evaluate, uniform_choices
 from cost_models.memory import MemCategory, total
 from cost_models.records import Unit
@@ -60,7 +61,8 @@ def prediction(table: CostTable, result: Evaluation, allocator_conf: str | None 
     """The plan's predicted figures; on a CUDA profile (an `allocator_conf`) with what the caching allocator
     needs and reserves for the allocated peak (cost_models.allocator_margin)."""
     samples = table.samples_per_step
-    needed = needed_of_points(result.points, allocator_conf) if allocator_conf else 0
+    needed = (needed_of_points(result.points, allocator_conf, selective_bytes(table, NumericAlgebra(result.choices)))
+              if allocator_conf else 0)
     return Prediction(
         peak_mem_bytes=result.peak_mem_bytes,
         peak_point=result.peak_point.label,

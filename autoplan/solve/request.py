@@ -23,7 +23,7 @@ from autoplan.solve.cluster import Cluster
 from autoplan.solve.pins import PinResolution
 from autoplan.solve.rows import sparse_rows
 from autoplan.solve.tables import CostTables, micro_batch_candidates
-from cost_models.allocator_margin import allocated_within, is_expandable, margin_of, needed_bytes, point_margin
+from cost_models.allocator_margin import allocated_within, needed_bytes, point_margin
 from cost_models.mesh import Mesh
 from cost_models.table import CostTable
 from cost_models.training import MicroBatch, Training
@@ -79,10 +79,10 @@ class Limits:
         return allocated_within(kept, self.allocator_conf) if self.fits_needed else kept
 
     def with_margin(self, table: CostTable) -> CostTable:
-        """`table` carrying the native allocator's margin per time point where the plan is fitted to what that
-        allocator needs (cost_models.allocator_margin; not on a table whose rows are written sparse: that keeps
-        the flat bound of `planned_bytes`)."""
-        if not self.fits_needed or is_expandable(self.allocator_conf) or sparse_rows(table):
+        """`table` carrying the allocator's margin per time point where the plan is fitted to what that allocator
+        needs (cost_models.allocator_margin; not on a table whose rows are written sparse: that keeps the flat
+        bound of `planned_bytes`)."""
+        if not self.fits_needed or sparse_rows(table):
             return table
         return replace(table, allocator=point_margin(self.allocator_conf))
 
@@ -93,7 +93,7 @@ class Limits:
         if not self.fits_needed:
             return peak
         if evaluation.fit_bytes is not None:
-            return evaluation.fit_bytes + margin_of(self.allocator_conf).slack
+            return evaluation.fit_bytes + point_margin(self.allocator_conf).slack
         return needed_bytes(peak, self.allocator_conf)
 
     def limit_for(self, peak_bytes: int) -> int:
@@ -107,7 +107,7 @@ class Limits:
         (its rows are what the allocator needs) the limit less the headroom and the margin's slack."""
         if table.allocator is None:
             return self.planned_bytes
-        return int(self.mem_limit_bytes * (1 - self.headroom)) - margin_of(self.allocator_conf).slack
+        return int(self.mem_limit_bytes * (1 - self.headroom)) - table.allocator.slack
 
 
 @dataclass(frozen=True)

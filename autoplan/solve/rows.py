@@ -51,7 +51,7 @@ def table_rows(table) -> tuple[AffineAlgebra, "MemoryRows", list[str]]:
     sparse = sparse_rows(table)  # thousands of units: rows linear in them
     alg = SparseAlgebra(options) if sparse else AffineAlgebra(options)
     points = timeline(table, alg)
-    totals = fitted_totals(table, points)
+    totals = fitted_totals(table, points, alg)
     return alg, MemoryRows.of_sparse(alg, totals) if sparse else MemoryRows.of_dense(totals), [p.label for p in points]
 
 
