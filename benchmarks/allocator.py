@@ -22,6 +22,7 @@ limit has to hold.
                                               # allocator configuration and replayed under it (issue 23)
     python benchmarks/allocator.py --default --refit --conf native  # the same cases fitted by replay
                                               # (--fit-allocator on): each round's need, the fit's time
+    python benchmarks/allocator_weights.py    # the native bound's category weights fitted to these runs' replays
     python benchmarks/allocator.py --search-time  # `autoplan search` fitted to needed (the default, with the
                                               # replay check) beside --fit-to allocated --fit-allocator off, in turn
 
@@ -42,9 +43,9 @@ from common import write_results
 import autoplan
 from autoplan.profile_store import load_profile
 from autoplan.run.allocator_fit import record_step
-from cost_models.allocator import SEGMENT_SLACK
+from cost_models.allocator import ROUND_LARGE, SEGMENT_SLACK
 from cost_models.allocator_margin import needed_of_parts
-from cost_models.allocator_replay import min_limit, replay
+from cost_models.allocator_replay import min_limit, replay, stranded
 
 PROFILE = "h100-sxm-80gb"
 WORLD = 8
@@ -84,11 +85,27 @@ SEARCH_TIME_CASES = [
 LIVE_FIT = ["--fit-to", "allocated", "--fit-allocator", "off"]
 
 
+def timeline_parts(plan) -> list[dict]:
+    """The points of `plan`'s predicted timeline, bytes by memory category ("params", ...), that no other point
+    equals or passes in every category: the only ones a bound of positive weights per category can peak at."""
+    parts = [{k.removesuffix("_bytes"): v for k, v in p.breakdown.model_dump().items()} for p in plan.predicted.timeline]
+    unique = [dict(t) for t in dict.fromkeys(tuple(sorted(p.items())) for p in parts)]
+    return [p for p in unique if not any(q is not p and all(q[c] >= p[c] for c in p) for q in unique)]
+
+
 def plan_needed_bytes(plan, conf: str) -> int:
-    """The needed bound of `plan`'s predicted timeline under `conf` (cost_models.allocator_margin: per time point
-    natively, flat with expandable segments), whichever configuration the plan was made for."""
-    return needed_of_parts([{k.removesuffix("_bytes"): v for k, v in p.breakdown.model_dump().items()}
-                            for p in plan.predicted.timeline], conf)
+    """The needed bound of `plan`'s predicted timeline under `conf` (cost_models.allocator_margin, per time point),
+    whichever configuration the plan was made for."""
+    selective = sum(u.predicted.activation_bytes for u in plan.units if u.checkpoint in ("selective", "selective_op"))
+    return needed_of_parts(timeline_parts(plan), conf, selective)
+
+
+def stranded_text(where) -> str:
+    """Where a limit 2 MiB under the need fails: the free bytes live blocks keep, by segment size (the largest)."""
+    mib, gib = 2 ** 20, 2 ** 30
+    top = sorted(where.by_segment.items(), key=lambda item: -item[1])[:4]
+    return (f"stranded {where.total / gib:.2f} GiB at a {where.request / mib:.0f} MiB request (event {where.event}): "
+            + ", ".join(f"{free / mib:.0f} MiB in {size / mib:.0f} MiB segments" for size, free in top))
 
 
 def search_times(repeats: int) -> list[dict]:
@@ -165,7 +182,7 @@ def default_rows(cases, configs=CONFIGS) -> list[dict]:
     """Each default plan (fitted to what the allocator needs, per configuration) replayed under its configuration:
     what the step needs against the limit, and how much of the limit it leaves unused."""
     from autoplan.errors import UsageError
-    from autoplan.run.allocator_fit import replay_plan
+    from autoplan.run.replayable import check_replayable
 
     gib, rows = 2 ** 30, []
     for model, seq_len, limits in cases:
@@ -175,22 +192,31 @@ def default_rows(cases, configs=CONFIGS) -> list[dict]:
                 plan = autoplan.search(model, limit, gpus=WORLD, profile=PROFILE, seq_len=seq_len,
                                        allocator_conf=conf)  # tensor degrees searched, as a user runs it
                 try:
-                    replayed = replay_plan(plan)
-                except UsageError as exc:  # offloading plans cannot be replayed yet
+                    check_replayable(plan)
+                except UsageError as exc:  # plans that cannot be replayed yet
                     print(f"{model} seq {seq_len} @ {limit} ({conf}): not replayed: {exc}", flush=True)
                     rows.append({"model": model, "seq_len": seq_len, "limit": limit, "allocator_conf": conf,
                                  "not_replayed": str(exc)})
                     continue
+                events, _ = record_step(plan)  # as autoplan.run.allocator_fit.replay_plan, keeping the events
+                expandable = conf.endswith("True")
+                needed = min_limit(events, expandable=expandable) + SEGMENT_SLACK
                 mem = plan.cluster.mem_limit_bytes
                 row = {"model": model, "seq_len": seq_len, "limit": limit, "limit_bytes": mem, "allocator_conf": conf,
                        "tp": plan.cluster.tp_degree, "micro_batch": plan.training.micro_batch_size, "peak_bytes": plan.predicted.peak_mem_bytes,
-                       "bound_bytes": plan.predicted.needed_bytes, "needed_bytes": replayed.needed_bytes,
-                       "reserved_bytes": replayed.reserved_bytes, "fits": replayed.needed_bytes <= mem,
-                       "used": replayed.needed_bytes / mem, "seconds": time.perf_counter() - started}
+                       "bound_bytes": plan.predicted.needed_bytes, "needed_bytes": needed,
+                       "reserved_bytes": replay(events, expandable=expandable).peak_reserved, "fits": needed <= mem,
+                       "used": needed / mem, "parts": timeline_parts(plan)}
+                where = None if expandable else stranded(events, needed - SEGMENT_SLACK - ROUND_LARGE)
+                if where is not None:
+                    row["stranded"] = {"event": where.event, "request_bytes": where.request, "total_bytes": where.total,
+                                       "by_segment": {str(k): v for k, v in where.by_segment.items()}}
+                row["seconds"] = time.perf_counter() - started
                 rows.append(row)
                 print(f"{model} seq {seq_len} @ {limit} ({conf}): tp {row['tp']}, mb {row['micro_batch']}, peak {row['peak_bytes'] / gib:.2f}, "
                       f"bound {row['bound_bytes'] / gib:.2f}, replay needs {row['needed_bytes'] / gib:.2f} GiB = "
-                      f"{row['used']:.1%} of the limit{'' if row['fits'] else ' OVER'} ({row['seconds']:.0f} s)", flush=True)
+                      f"{row['used']:.1%} of the limit{'' if row['fits'] else ' OVER'} ({row['seconds']:.0f} s)"
+                      + (f"; {stranded_text(where)}" if where is not None else ""), flush=True)
     return rows
 
 
@@ -328,7 +354,7 @@ def main() -> None:
                      "needed_limit_bytes": needed, "native_bound_bytes": native_bound,
                      "expandable_reserved_bytes": expandable_run.peak_reserved,
                      "expandable_needed_bytes": needed_expandable, "expandable_bound_bytes": bound,
-                     "events": len(events), "segments": free_run.segments})
+                     "events": len(events), "segments": free_run.segments, "parts": timeline_parts(plan)})
     for conf, needed_key, bound_key in ((CONFIGS[1], "needed_limit_bytes", "native_bound_bytes"),
                                         (CONFIGS[0], "expandable_needed_bytes", "expandable_bound_bytes")):
         worst = max(rows, key=lambda r: r[needed_key] / r["predicted_peak_bytes"])
