@@ -112,3 +112,19 @@ def test_apply_runs_cuda_ranks_with_the_plans_allocator_conf_unless_the_environm
     assert "may need more memory than planned" in warning and "--allocator-conf 'expandable_segments:False'" in warning
     conf, warning = run_allocator_conf(planned, "cuda", {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments"})
     assert conf == "expandable_segments" and "torch may refuse it" in warning
+
+
+@pytest.mark.parametrize("conf", ["expandable_segments:True", "expandable_segments:False"])
+def test_diff_says_a_change_that_frees_memory_fits_by_the_bound_the_plan_was_made_to(tmp_path, conf):
+    """A plan fitted to the allocator's per-point bound near its limit, against the same micro-batch with every unit
+    checkpointed: each change frees memory, so each fits (compared with the flat bound's live bytes, none did)."""
+    done = _cli(tmp_path, "search", *TINY, "--mem", "200MB", "--allocator-conf", conf, "-o", "a.json")
+    assert done.returncode == 0, done.stderr
+    micro_batch = json.loads((tmp_path / "a.json").read_text())["training"]["micro_batch_size"]
+    done = _cli(tmp_path, "search", *TINY, "--mem", "200MB", "--allocator-conf", conf, "--strategy", "shard",
+                "--checkpoint", "full", "--batch-size", str(micro_batch), "-o", "b.json")
+    assert done.returncode == 0, done.stderr
+    done = _cli(tmp_path, "diff", "a.json", "b.json", "--json")
+    assert done.returncode == 0, done.stderr
+    changes = json.loads(done.stdout)["changes"]
+    assert changes and all(c["peak_change_bytes"] <= 0 and c["fits"] for c in changes)

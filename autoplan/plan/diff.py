@@ -103,7 +103,7 @@ def _pipe(plan: Plan, field: str):
 def diff_plans(a: Plan, b: Plan, table: CostTable, choices: list[int], evaluate=evaluate) -> PlanDiff:
     """The differences of `b` from `a`, whose decisions are `choices` into `table` (A's own settings' table);
     `evaluate(table, choices)` prices a trial (a pipeline rank's adds what the rank holds all step)."""
-    planned = a.cluster.planned_bytes
+    planned = a.cluster.planned_for(table)  # what the table's fit figures are made to (the allocator's margin in them)
     base = evaluate(table, choices)
     index = {unit.path: u for u, unit in enumerate(table.units)}
     theirs = {unit.module: unit for unit in b.units}
