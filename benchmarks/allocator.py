@@ -46,6 +46,7 @@ from autoplan.run.allocator_fit import record_step
 from cost_models.allocator import ROUND_LARGE, SEGMENT_SLACK
 from cost_models.allocator_margin import needed_of_parts
 from cost_models.allocator_replay import min_limit, replay, stranded
+from cost_models.memory import CATEGORIES
 
 PROFILE = "h100-sxm-80gb"
 WORLD = 8
@@ -91,6 +92,11 @@ def timeline_parts(plan) -> list[dict]:
     parts = [{k.removesuffix("_bytes"): v for k, v in p.breakdown.model_dump().items()} for p in plan.predicted.timeline]
     unique = [dict(t) for t in dict.fromkeys(tuple(sorted(p.items())) for p in parts)]
     return [p for p in unique if not any(q is not p and all(q[c] >= p[c] for c in p) for q in unique)]
+
+
+def packed(parts: list[dict]) -> list[str]:
+    """Timeline parts as the results files keep them: a line of bytes per point, in CATEGORIES' order."""
+    return [" ".join(str(p[c.value]) for c in CATEGORIES) for p in parts]
 
 
 def plan_needed_bytes(plan, conf: str) -> int:
@@ -206,7 +212,7 @@ def default_rows(cases, configs=CONFIGS) -> list[dict]:
                        "tp": plan.cluster.tp_degree, "micro_batch": plan.training.micro_batch_size, "peak_bytes": plan.predicted.peak_mem_bytes,
                        "bound_bytes": plan.predicted.needed_bytes, "needed_bytes": needed,
                        "reserved_bytes": replay(events, expandable=expandable).peak_reserved, "fits": needed <= mem,
-                       "used": needed / mem, "parts": timeline_parts(plan)}
+                       "used": needed / mem, "parts": packed(timeline_parts(plan))}
                 where = None if expandable else stranded(events, needed - SEGMENT_SLACK - ROUND_LARGE)
                 if where is not None:
                     row["stranded"] = {"event": where.event, "request_bytes": where.request, "total_bytes": where.total,
@@ -293,6 +299,7 @@ def main() -> None:
     parser.add_argument("--kit", type=Path, metavar="DIR", help="replay the GPU kit's plans in DIR (its --out)")
     parser.add_argument("--default", action="store_true", help="the default search's plans, per allocator configuration")
     parser.add_argument("--only", help="with --default: the models whose name contains this")
+    parser.add_argument("--limit", help="with --default: this limit only (e.g. 16GB)")
     parser.add_argument("--refit", action="store_true", help="with --default: fitted by replay (--fit-allocator on)")
     parser.add_argument("--conf", choices=("expandable", "native"), help="with --default: one configuration only")
     parser.add_argument("--search-time", type=int, nargs="?", const=3, metavar="REPEATS",
@@ -309,14 +316,16 @@ def main() -> None:
         return
     if args.default:
         configs = [c for c in CONFIGS if not args.conf or c.endswith("True") == (args.conf == "expandable")]
-        cases = [case for case in DEFAULT_CASES if not args.only or args.only in case[0]]
+        cases = [(model, seq, tuple(m for m in limits if not args.limit or m == args.limit))
+                 for model, seq, limits in DEFAULT_CASES if not args.only or args.only in model]
         rows = (refit_rows if args.refit else default_rows)(cases, configs)
         replayed = [r for r in rows if "fits" in r]
         print(f"fit: {sum(r['fits'] for r in replayed)} of {len(replayed)} replayed ({len(rows) - len(replayed)} not "
               f"replayable); used {min(r['used'] for r in replayed):.1%}-{max(r['used'] for r in replayed):.1%} of the "
               "limit (target: at most 100%, at least 95%)")
         path = write_results("allocator_default" + ("_refit" if args.refit else "")
-                             + (f"_{args.only}" if args.only else ""), {"rows": rows})
+                             + (f"_{args.only}" if args.only else "") + (f"_{args.limit}" if args.limit else ""),
+                             {"rows": rows})
         print(f"written to {path}")
         return
     if args.fit:
@@ -354,7 +363,7 @@ def main() -> None:
                      "needed_limit_bytes": needed, "native_bound_bytes": native_bound,
                      "expandable_reserved_bytes": expandable_run.peak_reserved,
                      "expandable_needed_bytes": needed_expandable, "expandable_bound_bytes": bound,
-                     "events": len(events), "segments": free_run.segments, "parts": timeline_parts(plan)})
+                     "events": len(events), "segments": free_run.segments, "parts": packed(timeline_parts(plan))})
     for conf, needed_key, bound_key in ((CONFIGS[1], "needed_limit_bytes", "native_bound_bytes"),
                                         (CONFIGS[0], "expandable_needed_bytes", "expandable_bound_bytes")):
         worst = max(rows, key=lambda r: r[needed_key] / r["predicted_peak_bytes"])

@@ -35,13 +35,18 @@ def replays() -> list[dict]:
     """(label, model, timeline parts, needed limit with the slack) of every native replay in the results files."""
     rows = []
     for row in json.loads((RESULTS / "allocator.json").read_text())["rows"]:
-        rows.append({"label": f"{row['plan']} mb{row['micro_batch']}", "model": row["model"], "parts": row["parts"],
-                     "needed": row["needed_limit_bytes"]})
+        rows.append({"label": f"{row['plan']} mb{row['micro_batch']}", "model": row["model"],
+                     "parts": unpacked(row["parts"]), "needed": row["needed_limit_bytes"]})
     for row in json.loads((RESULTS / "allocator_default.json").read_text())["rows"]:
         if row.get("allocator_conf") == "expandable_segments:False" and "parts" in row:
             rows.append({"label": f"{row['model']} default @ {row['limit']}", "model": row["model"],
-                         "parts": row["parts"], "needed": row["needed_bytes"]})
+                         "parts": unpacked(row["parts"]), "needed": row["needed_bytes"]})
     return rows
+
+
+def unpacked(lines: list[str]) -> list[dict]:
+    """A results file's timeline parts (benchmarks/allocator.py's `packed`): bytes by category per point."""
+    return [dict(zip(NAMES, map(int, line.split()))) for line in lines]
 
 
 def bound(parts: list[dict], weights: dict[str, float]) -> float:
