@@ -38,6 +38,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from allocator_weights import packed, stranded_text, timeline_parts
 from common import write_results
 
 import autoplan
@@ -46,7 +47,6 @@ from autoplan.run.allocator_fit import record_step
 from cost_models.allocator import ROUND_LARGE, SEGMENT_SLACK
 from cost_models.allocator_margin import needed_of_parts
 from cost_models.allocator_replay import min_limit, replay, stranded
-from cost_models.memory import CATEGORIES
 
 PROFILE = "h100-sxm-80gb"
 WORLD = 8
@@ -86,32 +86,11 @@ SEARCH_TIME_CASES = [
 LIVE_FIT = ["--fit-to", "allocated", "--fit-allocator", "off"]
 
 
-def timeline_parts(plan) -> list[dict]:
-    """The points of `plan`'s predicted timeline, bytes by memory category ("params", ...), that no other point
-    equals or passes in every category: the only ones a bound of positive weights per category can peak at."""
-    parts = [{k.removesuffix("_bytes"): v for k, v in p.breakdown.model_dump().items()} for p in plan.predicted.timeline]
-    unique = [dict(t) for t in dict.fromkeys(tuple(sorted(p.items())) for p in parts)]
-    return [p for p in unique if not any(q is not p and all(q[c] >= p[c] for c in p) for q in unique)]
-
-
-def packed(parts: list[dict]) -> list[str]:
-    """Timeline parts as the results files keep them: a line of bytes per point, in CATEGORIES' order."""
-    return [" ".join(str(p[c.value]) for c in CATEGORIES) for p in parts]
-
-
 def plan_needed_bytes(plan, conf: str) -> int:
     """The needed bound of `plan`'s predicted timeline under `conf` (cost_models.allocator_margin, per time point),
     whichever configuration the plan was made for."""
     selective = sum(u.predicted.activation_bytes for u in plan.units if u.checkpoint in ("selective", "selective_op"))
     return needed_of_parts(timeline_parts(plan), conf, selective)
-
-
-def stranded_text(where) -> str:
-    """Where a limit 2 MiB under the need fails: the free bytes live blocks keep, by segment size (the largest)."""
-    mib, gib = 2 ** 20, 2 ** 30
-    top = sorted(where.by_segment.items(), key=lambda item: -item[1])[:4]
-    return (f"stranded {where.total / gib:.2f} GiB at a {where.request / mib:.0f} MiB request (event {where.event}): "
-            + ", ".join(f"{free / mib:.0f} MiB in {size / mib:.0f} MiB segments" for size, free in top))
 
 
 def search_times(repeats: int) -> list[dict]:

@@ -31,6 +31,27 @@ NAMES = [c.value for c in CATEGORIES]
 ROUNDS = 10
 
 
+def timeline_parts(plan) -> list[dict]:
+    """The points of `plan`'s predicted timeline, bytes by memory category ("params", ...), that no other point
+    equals or passes in every category: the only ones a bound of positive weights per category can peak at."""
+    parts = [{k.removesuffix("_bytes"): v for k, v in p.breakdown.model_dump().items()} for p in plan.predicted.timeline]
+    unique = [dict(t) for t in dict.fromkeys(tuple(sorted(p.items())) for p in parts)]
+    return [p for p in unique if not any(q is not p and all(q[c] >= p[c] for c in p) for q in unique)]
+
+
+def packed(parts: list[dict]) -> list[str]:
+    """Timeline parts as the results files keep them: a line of bytes per point, in CATEGORIES' order."""
+    return [" ".join(str(p[c.value]) for c in CATEGORIES) for p in parts]
+
+
+def stranded_text(where) -> str:
+    """Where a limit 2 MiB under the need fails: the free bytes live blocks keep, by segment size (the largest)."""
+    mib, gib = 2 ** 20, 2 ** 30
+    top = sorted(where.by_segment.items(), key=lambda item: -item[1])[:4]
+    return (f"stranded {where.total / gib:.2f} GiB at a {where.request / mib:.0f} MiB request (event {where.event}): "
+            + ", ".join(f"{free / mib:.0f} MiB in {size / mib:.0f} MiB segments" for size, free in top))
+
+
 def replays() -> list[dict]:
     """(label, model, timeline parts, needed limit with the slack) of every native replay in the results files."""
     rows = []
