@@ -64,8 +64,9 @@ def prepare(settings: PlanningSettings, plan: Plan | None = None, plan_file: Pat
     check_mem_limit(mem, cluster.profile.mem_bytes, cluster.profile_name, settings.allow_over_device_mem, mem_source)
     searching = isinstance(settings, SearchSettings)
     conf = allocator_conf(settings, cluster)
-    limits = (Limits(mem, settings.headroom, settings.time_limit_s, conf, settings.fit_to) if searching
-              else Limits(mem, allocator_conf=conf))
+    fit_to = settings.fit_to if searching else plan.cluster.mem_fitted_to if plan is not None else "needed"
+    limits = (Limits(mem, settings.headroom, settings.time_limit_s, conf, fit_to) if searching
+              else Limits(mem, allocator_conf=conf, fit_to=fit_to))  # a plan judged by what it was fitted to
     batch = Batch(settings.batch_size if searching else settings.batch_size or 1, settings.global_batch)
     batch.candidates(meshes[0].dp)  # a batch that does not divide over the ranks, refused before tracing
     for mesh in {m.pp: m for m in meshes + pipeline_meshes if m.pp > 1}.values():
