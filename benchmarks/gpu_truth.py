@@ -275,7 +275,8 @@ def _run_under(plan, device: str, conf: str | None, gpu_mem: int | None) -> dict
     from autoplan.errors import AutoplanError
     from autoplan.run.fake_world import run_fake_world
     from autoplan.run.memtrack import allocation_failure
-    from cost_models.allocator_margin import needed_bytes, needed_of_parts, reserved_bytes
+    from cost_models.allocator_margin import SELECTIVE_RECOMPUTE, needed_bytes, needed_of_parts, reserved_bytes
+    from cost_models.options import CHECKPOINT_MODES
 
     summary: dict = {}
     if device == "cuda":
@@ -283,8 +284,11 @@ def _run_under(plan, device: str, conf: str | None, gpu_mem: int | None) -> dict
         torch.cuda.empty_cache()
         torch.cuda.memory._set_allocator_settings(conf)  # new segments follow it; the cache is empty
         peak = plan.predicted.peak_mem_bytes
+        # the plan's own per-point bound under `conf`, its selectively checkpointed units' saved activations in
+        selective = sum(u.predicted.activation_bytes for u in plan.units
+                        if CHECKPOINT_MODES[u.checkpoint].recompute in SELECTIVE_RECOMPUTE)
         bound = needed_of_parts([{k.removesuffix("_bytes"): v for k, v in p.breakdown.model_dump().items()}
-                                 for p in plan.predicted.timeline], conf) if plan.predicted.timeline else \
+                                 for p in plan.predicted.timeline], conf, selective) if plan.predicted.timeline else \
             needed_bytes(peak, conf)
         summary.update(needed_bound_bytes=bound, predicted_reserved_bytes=reserved_bytes(peak, conf))
         if gpu_mem is not None:  # None: uncapped

@@ -42,7 +42,7 @@ from cost_models.options import Recompute
 
 __all__ = ["ALLOC_CONF_ENV", "DEFAULT_ALLOC_CONF", "EXPANDABLE", "NATIVE", "Margin", "PointMargin", "allocated_within",
            "fitted_totals", "is_expandable", "margin_of", "needed_bytes", "needed_of_parts", "needed_of_points",
-           "point_margin", "reserved_bytes", "selective_bytes"]
+           "point_margin", "reserved_bytes", "selective_bytes", "SELECTIVE_RECOMPUTE"]
 
 ALLOC_CONF_ENV = "PYTORCH_CUDA_ALLOC_CONF"
 DEFAULT_ALLOC_CONF = "expandable_segments:True"
@@ -146,13 +146,14 @@ def selective_bytes(table, alg):
     one plan under NumericAlgebra, a dense row over the option literals under AffineAlgebra)."""
     expr = 0
     for unit, (options, costs) in enumerate(zip(table.options, table.costs)):
-        values = [cost.activation_bytes if option.recompute in _SELECTIVE else 0 for option, cost in zip(options, costs)]
+        values = [cost.activation_bytes if option.recompute in SELECTIVE_RECOMPUTE else 0
+                  for option, cost in zip(options, costs)]
         if any(values):
             expr = expr + alg.pick(unit, values)
     return expr
 
 
-_SELECTIVE = (Recompute.CHEAP, Recompute.ALTERNATE)
+SELECTIVE_RECOMPUTE = (Recompute.CHEAP, Recompute.ALTERNATE)  # what `selective_bytes` counts
 
 
 def _weighted(parts: dict, margin: PointMargin):
