@@ -7,8 +7,16 @@ each priced here from a schedule's row (cost_models.schedules) and a stage's cos
 - **Activations in flight.** A rank holds the saved activations of every micro-batch whose forward it ran
   and whose backward it has not: GPipe all m; 1F1B pp - r on pipeline rank r; interleaved 1F1B
   Megatron's count, (pp - r - 1) x 2 + (v - 1) x pp + 1 chunks of 1/v of the rank's units (rank 0:
-  pp (1 + (pp - 1) / (pp v)) micro-batches' worth, Narayanan et al. 2021); ZB-V as 1F1B's rank 0 on every
-  rank (its V balances them: Qi et al. 2024). `in_flight`. Until the rank's first backward is done no
+  pp (1 + (pp - 1) / (pp v)) micro-batches' worth, Narayanan et al. 2021); torch's zero-bubble schedules
+  (interleaved and ZB-V) as 1F1B's rank 0 on every rank, 2 pp stage-chunks (counted from their own
+  `pipeline_order` at pp 2, 4, 8 and m = pp..4 pp: benchmarks/zero_bubble.py, tests/test_pipeline_search.py).
+  `in_flight`. Those two split each backward: an input-gradient pass (I, `retain_graph`) keeps the micro-batch's
+  saved activations and the gradient of every weight op's output until its weight pass (W), so a rank also
+  holds those gradients for the chunks of its later stage whose I ran and W has not (at the peak, the one
+  whose I just ran included: r + 1 on rank r for interleaved zero bubble, 1 for ZB-V; the first stage runs
+  no I); at each of the later stage's backward points, what the running I keeps that a full backward frees;
+  and the weight passes' gradients in the compute dtype until FSDP2 accumulates them. `deferred`,
+  `split_backward`. Until the rank's first backward is done no
   gradient is accumulated yet; after it, GPipe (and 1F1B with no more micro-batches than its depth) holds
   one micro-batch fewer (`later_flight`): the two are priced apart (autoplan.solve.stage_solve).
 - **The bubble**, in slots of the slowest rank's time per micro-batch: pp - 1 for GPipe and 1F1B, divided
@@ -50,8 +58,9 @@ from cost_models.profile import DeviceProfile
 from cost_models.schedules import InFlight, ScheduleRow, StagesPerRank
 from cost_models.table import CostTable
 
-__all__ = ["LOOPED_STAGES", "ZERO_BUBBLE_LEFT", "HeldAllStep", "bubble_slots", "held_all_step", "in_flight",
-           "later_flight", "makespan_s", "pipelined", "pipelined_table", "refusal", "send_s", "stages_per_rank"]
+__all__ = ["LOOPED_STAGES", "ZERO_BUBBLE_LEFT", "HeldAllStep", "bubble_slots", "deferred", "held_all_step",
+           "in_flight", "later_flight", "makespan_s", "pipelined", "pipelined_table", "refusal", "send_s",
+           "split_backward", "stages_per_rank", "weight_output_bytes"]
 
 LOOPED_STAGES = 2  # stages per rank of a looped schedule: the most the bubble gains for the fewest extra sends
 ZERO_BUBBLE_LEFT = 1 / 3  # of the looped bubble, what a schedule deferring the weight gradients leaves
@@ -82,10 +91,26 @@ def in_flight(row: ScheduleRow, pp: int, rank: int, microbatches: int) -> float:
         return float(microbatches)
     if row.stages_per_rank is StagesPerRank.ONE:
         return float(min(microbatches, pp - rank))
-    if row.stages_per_rank is StagesPerRank.V_SHAPE:
+    if row.splits_backward:  # torch's zero-bubble orders: 2 pp chunks on every rank (the module docstring)
         return float(min(microbatches, pp))
     v = LOOPED_STAGES
     return min(microbatches * v, (pp - rank - 1) * 2 + (v - 1) * pp + 1) / v
+
+
+def deferred(row: ScheduleRow, pp: int, rank: int, microbatches: int) -> int:
+    """Stage-chunks of pipeline rank `rank`'s later stage whose input-gradient pass ran and whose weight pass has
+    not, at the rank's peak (its most chunks in flight), the one whose input-gradient pass just ran included:
+    counted from torch's `pipeline_order` (tests/test_pipeline_search.py). 0 where the backward is not split."""
+    if not row.splits_backward:
+        return 0
+    return 1 if row.stages_per_rank is StagesPerRank.V_SHAPE else min(microbatches, rank + 1)
+
+
+def weight_output_bytes(ops: list) -> tuple[int, ...]:
+    """Per op, the gradient of its output where it is a weight op (one computing parameter gradients), else 0: what
+    an input-gradient pass keeps for the weight pass, per micro-batch (the output's bytes: its gradient has its shape
+    and dtype)."""
+    return tuple(op.out_bytes if op.param_grad_bytes else 0 for op in ops)
 
 
 def bubble_slots(row: ScheduleRow, pp: int) -> float:
@@ -126,6 +151,10 @@ class HeldAllStep:
     # its stages' outputs, which PipelineStage keeps for each micro-batch's backward: for those in flight once the
     # first backward is done, and before (at the points holding `activations`, and `first`)
     outputs: tuple[int, int] = (0, 0)
+    # per segment (None: not of the rank's later stage, or no split backward), per unit and option: what the split
+    # backward's input-gradient pass of the later stage holds at that segment's backward point beyond a full
+    # backward's (`split_backward`)
+    split: tuple | None = None
 
     def total(self, unit: int, option: int) -> int:
         flight = (self.first or self.activations)[unit][option]
@@ -161,8 +190,12 @@ def pipelined_table(table: CostTable, microbatches: int) -> CostTable:
     return replace(table, costs=costs)
 
 
-def held_all_step(table: CostTable, flight: float, drained: bool = False, later: float | None = None) -> HeldAllStep:
-    """`pipelined`'s held bytes, from the stage's table as built."""
+def held_all_step(table: CostTable, flight: float, drained: bool = False, later: float | None = None,
+                  split: tuple | None = None) -> HeldAllStep:
+    """`pipelined`'s held bytes, from the stage's table as built; `split`: the rank's `deferred` chunks, the first
+    op of its later stage, of its stages that split their backward, and per op its weight output's bytes
+    (`weight_output_bytes`), where the backward splits (`split_backward`)."""
+    others, points, split_units = split_backward(table, *split) if split else ([0] * len(table.units), None, set())
     saved = [0] * len(table.units)
     for seg in table.segments:
         saved[seg.unit] += seg.saved_bytes
@@ -171,14 +204,59 @@ def held_all_step(table: CostTable, flight: float, drained: bool = False, later:
     activations, first, gathered, grads = [], [], [], []
     for u, (options, unit_costs) in enumerate(zip(table.options, table.costs)):
         held = [c.activation_bytes if o.mode.checkpoints else saved[u] for o, c in zip(options, unit_costs)]
-        activations.append([int(max(0.0, later - 1) * h) for h in held])
-        first.append([int(max(0.0, flight - 1) * h) for h in held])
+        activations.append([int(max(0.0, later - 1) * h) + others[u] for h in held])
+        first.append([int(max(0.0, flight - 1) * h) + others[u] for h in held])
         gathered.append([c.gathered_bytes for c in unit_costs])
         # sharded gradients exist only after the reductions: until then the unsharded ones, accumulated in
-        # the reduce dtype (FSDP2 upcasts them to accumulate), in their place
-        grads.append([int(c.unsharded_grad_bytes * upcast) - c.grad_bytes if c.gathered_bytes else 0
-                      for c in unit_costs])
-    return HeldAllStep(activations, gathered, grads, drained=drained, first=first if later < flight else None)
+        # the reduce dtype (FSDP2 upcasts them to accumulate), in their place; a weight pass's, in the compute dtype,
+        # wait beside them for the next input-gradient pass's post-backward to accumulate them (`split_backward`)
+        pending = [c.unsharded_grad_bytes if u in split_units and upcast > 1 else 0 for c in unit_costs]
+        grads.append([int(c.unsharded_grad_bytes * upcast) - c.grad_bytes + w if c.gathered_bytes else 0
+                      for c, w in zip(unit_costs, pending)])
+    return HeldAllStep(activations, gathered, grads, drained=drained, first=first if later < flight else None,
+                       split=points)
+
+
+def split_backward(table: CostTable, pending: int, later_op: int, split_op: int,
+                   op_grads: tuple[int, ...]) -> tuple[list, tuple, set]:
+    """What torch's split backward holds on a rank beyond a full backward's timeline (`deferred`: `pending` chunks of
+    its later stage, its ops from `later_op`, whose input-gradient pass (I) ran and weight pass (W) has not; its
+    stages from op `split_op` split their backward, the model's first stage does not; `op_grads`: per op, its weight
+    output's gradient bytes), per unit (and option):
+    - the other pending chunks' weight-output gradients, at every point;
+    - per segment of the later stage, at its backward point, what the running chunk's I holds beyond the full
+      backward priced there: I runs with `retain_graph`, so the segment's activations a full backward has freed by
+      its peak and every later segment's stay, beside the weight outputs' gradients of the segment and the later
+      ones; the loss's activations excepted (I detaches the stage's output, freeing what lies above its last weight
+      op: torch's `stage_backward_input`);
+    - the units with weight ops in split stages: W writes their gradients in the compute dtype, and FSDP2
+      accumulates them into the reduce dtype only at the unit's next post-backward, at the end of its next I
+      (measured on one layer under FSDP2, bf16 / fp32: every parameter's gradient set after each W, none after
+      the next I)."""
+    segments = table.segments
+    later = [seg.first_op >= later_op for seg in segments]
+    grads = [sum(op_grads[seg.first_op:seg.last_op + 1]) if on else 0 for seg, on in zip(segments, later)]
+    others = [0] * len(table.units)
+    for seg, g, on in zip(segments, grads, later):
+        others[seg.unit] += (pending - 1) * (g - (seg.saved_bytes if on and seg.outside_model else 0))
+    first_of: dict[int, int] = {}
+    for i, seg in enumerate(segments):
+        first_of.setdefault(seg.unit, i)
+    done = [[0] * len(options) for options in table.options]  # later segments' input-gradient passes, done
+    points: list = [None] * len(segments)
+    for i in reversed(range(len(segments))):
+        seg, u = segments[i], segments[i].unit
+        if not later[i]:
+            break
+        options, costs = table.options[u], table.costs[u]
+        here = [grads[i] + (0 if o.mode.checkpoints else seg.saved_bytes - seg.bwd_peak.activations) for o in options]
+        points[i] = [row if v != u else [d + h for d, h in zip(row, here)] for v, row in enumerate(done)]
+        kept = [0 if seg.outside_model else c.activation_bytes * (first_of[u] == i) if o.mode.checkpoints
+                else seg.saved_bytes for o, c in zip(options, costs)]
+        done[u] = [d + grads[i] + k for d, k in zip(done[u], kept)]
+    split_units = {seg.unit for seg in segments
+                   if seg.first_op >= split_op and any(op_grads[seg.first_op:seg.last_op + 1])}
+    return others, tuple(points), split_units
 
 
 def _accumulated_reduce_peak(cost, upcast: float, reduce_bytes: int) -> int:

@@ -8,7 +8,7 @@ import pytest
 import autoplan
 from autoplan.api.inspect import diff, explain
 from autoplan.plan.schema import Plan, load_plan
-from cost_models.pipeline import bubble_slots, in_flight, refusal
+from cost_models.pipeline import bubble_slots, deferred, in_flight, refusal, stages_per_rank
 from cost_models.schedules import SCHEDULES
 
 TOY = dict(seq_len=128, profile="h100-sxm-80gb", fit_to="allocated")
@@ -203,3 +203,47 @@ def test_schedule_formulas():
     assert "at least 4 micro-batches" in refusal(one, 4, 2, 10)
     assert refusal(gpipe, 4, 2, 10) is None
     assert "needs 8 stages" in refusal(looped, 4, 8, 6)
+
+
+def _torch_peaks(row, pp: int, m: int) -> list[tuple[int, int]]:
+    """Per pipeline rank, from torch's own action order (`pipeline_order`, built on the fake process group): its most
+    stage-chunks whose forward ran and whose weight pass (or full backward) has not, and at the first point holding
+    that many after an input-gradient pass, how many chunks' weight passes are pending."""
+    import re
+
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining import schedules as torch_schedules
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    peaks = []
+    for rank in range(pp):
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=pp)
+        try:
+            mine = [rank, 2 * pp - 1 - rank] if row.name == "zbv" else [rank, rank + pp]
+            stages = [PipelineStage(nn.Identity(), i, 2 * pp, torch.device("cpu")) for i in mine]
+            schedule = getattr(torch_schedules, row.torch_class)(stages, m, loss_fn=lambda out, target: out.sum())
+            order = schedule.pipeline_order[rank]
+        finally:
+            dist.destroy_process_group()
+        flight = pending = 0
+        states = []
+        for action in filter(None, order):
+            kind = re.fullmatch(r"\d+([A-Z]+)\d+", str(action)).group(1)
+            flight += {"F": 1, "W": -1, "B": -1}.get(kind, 0)
+            pending += {"I": 1, "W": -1}.get(kind, 0)
+            states.append((flight, pending if kind == "I" else -1))
+        most = max(f for f, _ in states)
+        peaks.append((most, max(p for f, p in states if f == most)))
+    return peaks
+
+
+@pytest.mark.parametrize("name", ["zero_bubble", "zbv"])
+def test_zero_bubble_counts_are_torchs(name):
+    """What the pricing holds for torch's zero-bubble schedules is what their own action order holds."""
+    row = SCHEDULES[name]
+    for pp, m in ((2, 4), (2, 8), (4, 8), (4, 16)):
+        priced = [(round(in_flight(row, pp, r, m) * stages_per_rank(row)), deferred(row, pp, r, m)) for r in range(pp)]
+        assert priced == _torch_peaks(row, pp, m), (pp, m)

@@ -29,12 +29,12 @@ from autoplan.solve.request import PlanRequest
 from autoplan.solve.solver import SolveResult, SolveStatus
 from autoplan.solve.stage_solve import RankSolve, held_evaluation, rank_floor, rank_rows, solve_rank
 from autoplan.solve.stages import StageTables, balanced_cuts, forward_units, rank_chunks, shifted, slot_bounds, \
-    stage_boundaries, stage_cluster, undominated, unit_weights
+    stage_boundaries, stage_cluster, undominated, unit_weights, weight_outputs
 from autoplan.solve.sweep import MeshPruned, SweepOutcome, SweepStep
 from cost_models.evaluate import Evaluation
 from cost_models.mesh import Mesh
-from cost_models.pipeline import HeldAllStep, bubble_slots, held_all_step, in_flight, later_flight, makespan_s, \
-    pipelined_table, refusal, send_s, stages_per_rank
+from cost_models.pipeline import HeldAllStep, bubble_slots, deferred, held_all_step, in_flight, later_flight, \
+    makespan_s, pipelined_table, refusal, send_s, stages_per_rank
 from cost_models.schedules import SCHEDULES, StagesPerRank
 from cost_models.table import CostTable
 from cost_models.tensor_parallel import TpLayout
@@ -136,8 +136,8 @@ class _Search:
         return stage.key if pins is None else (stage.key, pins.decisions(source.units))
 
     def pipelined(self, chunks, micro_batch_size: int, m: int, *flight) -> tuple[CostTable, HeldAllStep]:
-        """`cost_models.pipeline.pipelined` of the rank's table (`flight`: its flight, drained, later), once per kind
-        of stage: its table once per micro-batch, what it holds once per flight too."""
+        """`cost_models.pipeline.pipelined` of the rank's table (`flight`: its flight, drained, later, split backward's
+        bytes), once per kind of stage: its table once per micro-batch, what it holds once per flight too."""
         source = self.source(chunks)[1]
         key = (self.kind(chunks), micro_batch_size, m)
         if key not in self.priced:
@@ -180,7 +180,9 @@ def search_pipeline(request: PlanRequest, mesh: Mesh, layout: TpLayout | None, s
     refusals: list[str | None] = []
     for micro_batch_size, accum in request.batch.candidates(search.cluster.mesh.dp):
         m = accum if request.batch.global_batch is not None else DEFAULT_MICROBATCHES_PER_STAGE * mesh.pp
-        tried = undominated([row for row in rows if _runs(row, mesh.pp, m, units, refusals)], schedule)
+        refused = {row.name: refusal(row, mesh.pp, m, units) for row in rows}
+        refusals += refused.values()
+        tried = undominated([row for row in rows if refused[row.name] is None], schedule)
         outcomes = [_schedule(search, row, weights, micro_batch_size, m) for row in tried]
         found = [o for o in outcomes if isinstance(o, PipelineOutcome)]
         best = min(found, key=lambda o: (o.step_time_s, o.schedule), default=None)
@@ -201,11 +203,6 @@ def search_pipeline(request: PlanRequest, mesh: Mesh, layout: TpLayout | None, s
         raise search.lean or UsageError(f"no schedule runs on pipeline degree {mesh.pp}: {why}")
     search.best.steps = steps
     return search.best, _as_sweep(search.best, time.perf_counter() - start)
-
-
-def _runs(row, pp: int, m: int, units: int, refusals: list[str | None]) -> bool:
-    refusals.append(refusal(row, pp, m, units))
-    return refusals[-1] is None
 
 
 def _bound_s(search: _Search, row, cuts: list[int], micro_batch_size: int, m: int) -> tuple[float, float]:
@@ -271,7 +268,9 @@ def _ranks(search: _Search, row, cuts: list[int], micro_batch_size: int, m: int,
         flight, drained = in_flight(row, pp, rank, m), row.stages_per_rank is StagesPerRank.ONE
         # PipelineStage's receive buffers, one per micro-batch: each stage's input (not the first's), output grad
         buffers = m * sum((bounds[s - 1] if s > 0 else 0) + (bounds[s] if s + 1 < stages else 0) for s in mine)
-        holds = (flight, buffers, drained, later_flight(row, flight, m), sum(bounds[s] for s in mine))
+        split = weight_outputs(search.source(chunks)[1], chunks, micro_batch_size, search.request.training,
+                               deferred(row, pp, rank, m))  # the split backward's bytes: zero bubble
+        holds = (flight, buffers, drained, later_flight(row, flight, m), sum(bounds[s] for s in mine), split)
         outcome = _solve_rank(search, chunks, micro_batch_size, m, holds, solve)
         if outcome is None:
             return ranks, mine[0]
@@ -310,11 +309,11 @@ def fixed_pipelines(request: PlanRequest, mesh: Mesh, layout: TpLayout | None, s
 
 def _solve_rank(search: _Search, chunks, micro_batch_size: int, m: int, holds: tuple, solve: bool = True):
     """One rank's units solved (or the uniform strategy evaluated, or fixed choices taken) with what it holds (`holds`:
-    `pipelined`'s flight, drained and later, its receive buffers' bytes and its stages' outputs per micro-batch); None
-    where nothing fits (the search's InfeasibleError, with how far over)."""
+    `pipelined`'s flight, drained, later, receive buffers' bytes, stages' outputs per micro-batch, split backward's);
+    None where nothing fits (the search's InfeasibleError, with how far over)."""
     request = search.request
-    flight, buffers, drained, later, outputs = holds
-    table, held = search.pipelined(chunks, micro_batch_size, m, flight, drained, later)
+    flight, buffers, drained, later, outputs, split = holds
+    table, held = search.pipelined(chunks, micro_batch_size, m, flight, drained, later, split)
     held = replace(held, buffers=buffers, outputs=(int(outputs * later), int(outputs * flight)))
     if search.decide is not None:
         return search.decide(table), SolveStatus.FIXED, table, held

@@ -110,18 +110,21 @@ def rank_floor(table: CostTable, held: HeldAllStep, rows: _Rows | None = None) -
 def _floor(rows: _Rows, held: HeldAllStep) -> tuple[MemoryRows, int]:
     """The rank's memory rows with its held bytes (cut to the options searched), and its floor."""
     keep = rows.keep
-    kept = HeldAllStep(*[[[values[u][i] for i in k] for u, k in enumerate(keep)]
-                         for values in (held.activations, held.gathered, held.grads)], held.buffers, held.drained,
-                       [[held.first[u][i] for i in k] for u, k in enumerate(keep)] if held.first else None,
-                       held.outputs)
+    def cut(values):
+        return [[values[u][i] for i in k] for u, k in enumerate(keep)]
+
+    kept = HeldAllStep(cut(held.activations), cut(held.gathered), cut(held.grads), held.buffers, held.drained,
+                       cut(held.first) if held.first else None, held.outputs,
+                       tuple(v and cut(v) for v in held.split) if held.split else None)
     memory = _held_rows(rows, kept)
     return memory, memory.floor(rows.algebra.offsets)
 
 
 # a point of the rank's timeline: (its point in the one-micro-batch timeline, the table whose timeline it is taken
 # from, which micro-batches in flight it holds (None: none beside its own), whether it holds the parameters gathered
-# for the step, whether the gradients accumulated for the step, its label's suffix)
-_Point = tuple[int, str, str | None, bool, bool, str]
+# for the step, whether the gradients accumulated for the step, its label's suffix, the segment whose backward it is
+# where the split backward holds more there (HeldAllStep.split), else None)
+_Point = tuple[int, str, str | None, bool, bool, str, int | None]
 _FIRST = ", before the first backward is done"
 
 
@@ -132,18 +135,21 @@ def _layout(labels: list[str], held: HeldAllStep) -> list[_Point]:
     nor the unsharded gradients (the reductions reshard and free them). Where more micro-batches are in flight until
     the first backward is done (`held.first`), each forward and backward point has a twin for then: from
     `_first_pass`' timeline (no gradient accumulated before the first backward, those of the units it has finished
-    during it) with the first's flight."""
+    during it) with the first's flight. Backward points are one per segment, the last segment's first."""
     points: list[_Point] = []
+    backwards = sum(label.startswith("bwd ") for label in labels)
     for i, label in enumerate(labels):
         kind, phase = label.split(" ", 1)[0], phase_of(label)
         if phase == "optimizer":
-            points.append((i, "base", None, False, False, ""))
+            points.append((i, "base", None, False, False, "", None))
         elif kind == "reduce":
-            points.append((i, "base", None if held.drained else "later", True, True, ""))
+            points.append((i, "base", None if held.drained else "later", True, True, "", None))
         else:
+            backwards -= kind == "bwd"
+            split = backwards if kind == "bwd" and held.split and held.split[backwards] is not None else None
             if held.first is not None:
-                points.append((i, "first", "first", True, kind == "bwd", _FIRST))
-            points.append((i, "backward" if kind == "bwd" else "base", "later", True, True, ""))
+                points.append((i, "first", "first", True, kind == "bwd", _FIRST, split))
+            points.append((i, "backward" if kind == "bwd" else "base", "later", True, True, "", split))
     return points
 
 
@@ -162,7 +168,7 @@ _VARIANTS = {"base": lambda table: table, "backward": lambda table: _accumulatin
 
 
 def _sources(table: CostTable, layout: list[_Point]) -> dict[str, CostTable]:
-    return {name: _VARIANTS[name](table) for name in {source for _, source, _, _, _, _ in layout}}
+    return {name: _VARIANTS[name](table) for name in {point[1] for point in layout}}
 
 
 def _outputs(held: HeldAllStep, flight: str | None) -> int:
@@ -180,11 +186,13 @@ def _held_rows(base: _Rows, held: HeldAllStep) -> MemoryRows:
 
     flights = {"later": vector(held.activations), "first": vector(held.first) if held.first else None}
     gathered, grads = vector(held.gathered), vector(held.grads)
-    rows = {name: base.variant(name) for name in {source for _, source, _, _, _, _ in layout}}
+    rows = {name: base.variant(name) for name in {point[1] for point in layout}}
+    splits = {split: vector(held.split[split]) for *_, split in layout if split is not None}
     dense, const = [], []
-    for i, source, flight, with_gathered, with_grads, _ in layout:
+    for i, source, flight, with_gathered, with_grads, _, split in layout:
         row = rows[source].row(i).copy()
         row += (flights[flight] if flight else 0) + (gathered if with_gathered else 0) + (grads if with_grads else 0)
+        row += splits[split] if split is not None else 0
         dense.append(row)
         const.append(int(rows[source].const[i]) + held.buffers + _outputs(held, flight))
     return MemoryRows(base.rows.size, np.array(const, dtype=np.int64), dense=np.stack(dense))
@@ -201,10 +209,12 @@ def held_evaluation(table: CostTable, held: HeldAllStep, choices: list[int]) -> 
     gathered = sum(held.gathered[u][c] for u, c in enumerate(choices))
     grads = sum(held.grads[u][c] for u, c in enumerate(choices))
     points = []
-    for i, source, flight, with_gathered, with_grads, suffix in layout:
+    for i, source, flight, with_gathered, with_grads, suffix, split in layout:
         p = timelines[source][i]
         parts = dict(p.parts)
         parts[MemCategory.ACTIVATIONS] += held.buffers + (flights[flight] if flight else 0) + _outputs(held, flight)
+        if split is not None:
+            parts[MemCategory.ACTIVATIONS] += sum(held.split[split][u][c] for u, c in enumerate(choices))
         parts[MemCategory.GATHERED] += gathered if with_gathered else 0
         parts[MemCategory.GRADS] += grads if with_grads else 0
         points.append(MemoryPoint(p.label + suffix, parts))

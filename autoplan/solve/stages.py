@@ -21,6 +21,7 @@ from functools import cached_property, lru_cache
 from autoplan.solve.cluster import Cluster
 from autoplan.solve.tables import CostTables, TableSource, TensorParallelTables, _Source
 from cost_models.mesh import Mesh
+from cost_models.pipeline import weight_output_bytes
 from cost_models.profile import DeviceProfile
 from cost_models.records import LOSS_NODE, OpRecord, Unit
 from cost_models.schedules import StagesPerRank
@@ -30,7 +31,8 @@ from cost_models.tensor_parallel import TpLayout
 from cost_models.training import Training
 
 __all__ = ["StageTables", "balanced_cuts", "boundary_bytes", "forward_units", "rank_chunks", "shifted", "slot_bounds",
-           "stage_boundaries", "stage_cluster", "stage_modules", "undominated", "unit_weights"]
+           "stage_boundaries", "stage_cluster", "stage_modules", "undominated", "unit_weights",
+           "weight_outputs"]
 
 
 def forward_units(units: list[Unit]) -> list[int]:
@@ -230,6 +232,18 @@ class StageTables(_Source):
         root = set(next(unit for unit in self.units if unit.is_root).ops)
         root_ops = tuple(self.op_ids[i] for i, op in enumerate(self.trace_1.ops) if op.name in root)
         return tuple(classes[u] for u in self.unit_index), root_ops, len(self.chunks)
+
+
+def weight_outputs(source, chunks, micro_batch_size: int, training, pending: int = 0) -> tuple | None:
+    """What cost_models.pipeline.split_backward reads for a rank of `source`: its `pending` deferred chunks, the first
+    op of its later stage and of its stages that split their backward (not the model's first stage: that one runs no
+    input-gradient pass), per op its weight output's gradient bytes. None: no split backward, or the later stage is
+    the first."""
+    if not pending or chunks[-1][0] == 0:
+        return None
+    ops = source.inputs(micro_batch_size, Training(training.seq_len, training.dtype, training.optimizer)).ops
+    later = len(ops) - (chunks[-1][1] - chunks[-1][0] + 1)
+    return pending, later, later if chunks[0][0] == 0 else 0, weight_output_bytes(ops)
 
 
 def boundary_bytes(base: CostTables, first: int, last: int, micro_batch_size: int) -> int:
