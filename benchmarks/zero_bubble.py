@@ -18,8 +18,10 @@ the live bytes (autoplan.run.memtrack) above the forward's end at the backward's
 `stage_backward`) and split (`stage_backward_input`, then `stage_backward_weight`), and what the split holds
 between its two passes. Last, from each schedule class's own action order (built for every rank on torch's fake
 process group, `pipeline_order` counted): the most stage-chunks (one stage's micro-batch) whose forward ran and
-whose weight pass (or full backward) has not, per rank, beside interleaved 1F1B's, which the pricing uses for
-zero bubble (cost_models.pipeline.in_flight).
+whose weight pass (or full backward) has not, per rank, beside interleaved 1F1B's, which the pricing once used for
+zero bubble (cost_models.pipeline.in_flight); and one layer under FSDP2 (a gloo world of one) through two split
+backwards: the weight pass leaves its gradients in bf16, which FSDP2 accumulates in fp32 only at the end of the
+next input-gradient pass (cost_models.pipeline.split_backward prices both).
 """
 
 from __future__ import annotations
@@ -160,6 +162,46 @@ def split_backward_bytes() -> dict[str, int]:
     return found
 
 
+def split_gradients() -> list[str]:
+    """One layer under FSDP2 (bf16 parameters, fp32 reduction, as PipelineStage runs a micro-batch's backward) on a gloo
+    world of one, two micro-batches through the split backward: after each pass, how many parameters hold a
+    compute-dtype gradient (written by the weight pass) and an accumulated one (FSDP2's post-backward, at the end of
+    an input-gradient pass)."""
+    import tempfile
+
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    from autoplan.models.llama import rope_tables
+    from autoplan.models.zoo import build_model, get_config
+
+    with tempfile.NamedTemporaryFile() as store:
+        dist.init_process_group("gloo", init_method=f"file://{store.name}", rank=0, world_size=1)
+        torch.manual_seed(SEED)
+        model = build_model(get_config("llama-tiny", n_layers=4, d_model=128, n_heads=4, n_kv_heads=2,
+                                       ffn_hidden=352), device="cpu")
+        layer, rope = model.layers[1], rope_tables(model.get_buffer("inv_freq"), 128, torch.bfloat16)
+        fully_shard(layer, reshard_after_forward=False,
+                    mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+        layer.set_requires_gradient_sync(False)  # as PipelineStage runs every micro-batch's backward
+        layer.set_reshard_after_backward(False)
+        layer.set_is_last_backward(False)
+        params = layer._get_fsdp_state()._fsdp_param_group.fsdp_params
+        runs = [(x, layer(x, *rope)) for x in (torch.randn(4, 128, 128, dtype=torch.bfloat16, requires_grad=True)
+                                               for _ in range(2))]
+        lines = []
+        for m, (x, y) in enumerate(runs):
+            _, groups = stage_backward_input([y], [torch.randn_like(y)], [x], layer.parameters())
+            for name in (f"I{m}", f"W{m}"):
+                if name.startswith("W"):
+                    stage_backward_weight(layer.parameters(), groups)
+                held = sum(p._unsharded_param.grad is not None for p in params)
+                accumulated = sum(p.unsharded_accumulated_grad is not None for p in params)
+                lines.append(f"after {name}: {held} of {len(params)} bf16 gradients, {accumulated} accumulated")
+        dist.destroy_process_group()
+    return lines
+
+
 def peak_chunks(torch_class: str, pp: int, m: int, v_shape: bool) -> list[int]:
     """Per pipeline rank, the most stage-chunks in flight in the schedule's order (2 stages per rank)."""
     import re
@@ -200,6 +242,7 @@ def main() -> None:
                 ("interleaved_1f1b", "ScheduleInterleaved1F1B"))}
             print(f"pp {pp}, {m} micro-batches, stage-chunks in flight at each rank's peak: "
                   + "; ".join(f"{name} {counts[name]}" for name in counts))
+    print("one layer under FSDP2, the split backward's gradients: " + "; ".join(split_gradients()))
     found = split_backward_bytes()
     print("one layer, one micro-batch of 4 x 128 (bf16), the backward's live bytes above the forward's end: "
           + ", ".join(f"{name} {value / 1e6:.3f} MB" for name, value in found.items()))
