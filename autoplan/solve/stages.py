@@ -111,18 +111,21 @@ def slot_bounds(tables: list[CostTable], m: int) -> tuple[float, float]:
 
 
 # schedule -> the one that beats it wherever both run, under this cost model: 1F1B has GPipe's bubble with fewer
-# micro-batches in flight; zero bubble has interleaved 1F1B's stages, in-flight count and sends, and a third of its bubble
-_DOMINATED_BY = {"gpipe": "1f1b", "interleaved_1f1b": "zero_bubble"}
+# micro-batches in flight. (Zero bubble no longer counts as beating interleaved 1F1B: it holds min(m, pp)
+# micro-batches and its split backward's bytes on every rank, where interleaved 1F1B holds more on rank 0 only.)
+_DOMINATED_BY = {"gpipe": "1f1b"}
+# schedules offered only when asked for (`--schedule`), and why: ZB-V's drain holds pp + r stage-chunks with 2r + 1
+# weight passes pending on rank r >= 1 (torch's pipeline_order at pp 4 and 8), which outweighs the steady state
+# priced (2 pp chunks, 1 pending: cost_models.pipeline.deferred) where a chunk's activations are under 2r / (pp - r)
+# times its weight outputs' gradients (a llama layer's are about 2 times: every pp >= 3); checked at pp 2 only
+_ASKED_ONLY = {"zbv"}
 
 
 def undominated(rows: list, fixed: str | None) -> list:
     """The schedules worth solving: a dominated one only where what beats it does not run, or when asked for."""
     if fixed is not None:
         return rows
-    # the schedules deferring weight gradients run (autoplan.run.pipeline) but their peaks are under-priced, by up
-    # to 22% on a rank on gloo (RESULTS.md section 20: torch's zero bubble holds min(m, pp) micro-batches on every
-    # rank, not the interleaved count priced, and more in its split backward): offered only when asked for
-    rows = [row for row in rows if not row.splits_backward]
+    rows = [row for row in rows if row.name not in _ASKED_ONLY]
     names = {row.name for row in rows}
     return [row for row in rows if _DOMINATED_BY.get(row.name) not in names]
 
