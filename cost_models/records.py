@@ -7,11 +7,14 @@ Byte and FLOP counts are per rank and per micro-batch.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import networkx as nx
+if TYPE_CHECKING:
+    import networkx as nx
 
-__all__ = ["LOSS_NODE", "OpRecord", "ModelTrace", "ParamInfo", "Unit", "extrapolate_ops"]
+__all__ = ["LOSS_NODE", "GraphEdges", "OpRecord", "ModelTrace", "ParamInfo", "Unit", "extrapolate_ops"]
 
 LOSS_NODE = "loss"  # the loss computed after the model's output; belongs to the root module ""
 
@@ -59,7 +62,8 @@ class OpRecord:
 class ModelTrace:
     """The traced operator graph (networkx, nodes carry an OpRecord under 'op') in execution order. `graph` may be
     given as a function that builds it, called when it is first read (an expanded 3000-layer trace's graph of
-    132,000 nodes is read by nothing that plans, and took a fifth of the trace to build)."""
+    132,000 nodes is read by nothing that plans, and took a fifth of the trace to build), or as its GraphEdges,
+    whose neighbours `adjacency` reads without building it."""
 
     graph: nx.DiGraph
     ops: list[OpRecord]
@@ -79,15 +83,75 @@ class ModelTrace:
             by_name = self.__dict__["_by_name"] = {op.name: op for op in self.ops}
         return by_name[name]
 
+    def adjacency(self) -> tuple[Mapping[str, Iterable[str]], Mapping[str, Iterable[str]]]:
+        """Each node's predecessors and successors in the graph's order (networkx's `pred` and `succ`)."""
+        graph = self.__dict__["_graph"]
+        if isinstance(graph, GraphEdges):
+            return graph.adjacency()[:2]
+        graph = self.graph
+        return graph.pred, graph.succ
+
+    def nodes(self) -> list[tuple[str, dict]]:
+        """The graph's nodes with their attributes ({"op": OpRecord} or none), in networkx's order."""
+        graph = self.__dict__["_graph"]
+        if isinstance(graph, GraphEdges):
+            return [(name, {"op": op} if op is not None else {}) for name, op in graph.adjacency()[2].items()]
+        return list(self.graph.nodes(data=True))
+
+    def edges(self) -> list[tuple[str, str]]:
+        """The graph's edges in networkx's order (each node's successors, node by node)."""
+        _pred, succ = self.adjacency()
+        return [(a, b) for a, ends in succ.items() for b in ends]
+
 
 def _graph(trace: ModelTrace) -> nx.DiGraph:
     graph = trace.__dict__["_graph"]
-    if not isinstance(graph, nx.DiGraph):
+    if callable(graph):  # a builder (a networkx graph is not callable)
         graph = trace.__dict__["_graph"] = graph()
     return graph
 
 
 ModelTrace.graph = property(_graph, lambda trace, graph: trace.__dict__.__setitem__("_graph", graph))
+
+
+class GraphEdges:
+    """A trace's graph as its nodes (name, OpRecord or None) and edges, built into a networkx DiGraph when called
+    (ModelTrace.graph, for a reader that wants networkx). The tracers, the cache and the expansion of repeated
+    blocks read only nodes, edges and neighbours (ModelTrace.adjacency, nodes, edges), so a search imports no
+    networkx (0.08 CPU-s) and builds no graph."""
+
+    def __init__(self, nodes: Iterable[tuple[str, OpRecord | None]], edges: Iterable[tuple[str, str]]):
+        self.nodes, self.edges = list(nodes), list(edges)
+        self._adjacency: tuple[dict, dict, dict] | None = None
+
+    def __call__(self) -> nx.DiGraph:
+        import networkx as nx
+
+        graph = nx.DiGraph()
+        graph.add_nodes_from((name, {"op": op} if op is not None else {}) for name, op in self.nodes)
+        graph.add_edges_from(self.edges)
+        return graph
+
+    def feeding(self, sink: str) -> GraphEdges:
+        """This graph with an edge to `sink` from each other node that has no successor (a trace's last ops feed
+        its loss)."""
+        _pred, succ, ops = self.adjacency()
+        return GraphEdges(self.nodes, self.edges + [(name, sink) for name in ops if name != sink and not succ[name]])
+
+    def adjacency(self) -> tuple[dict[str, dict[str, None]], dict[str, dict[str, None]], dict[str, OpRecord | None]]:
+        """Predecessors, successors and each node's op, ordered as networkx orders them: the nodes, then an edge's
+        ends not among them (without an op); a node's neighbours in the order of their first edge."""
+        if self._adjacency is None:
+            ops = dict(self.nodes)
+            pred: dict[str, dict[str, None]] = {name: {} for name in ops}
+            succ: dict[str, dict[str, None]] = {name: {} for name in ops}
+            for a, b in self.edges:
+                for end in (a, b):
+                    if end not in ops:
+                        ops[end], pred[end], succ[end] = None, {}, {}
+                succ[a][b] = pred[b][a] = None
+            self._adjacency = pred, succ, ops
+        return self._adjacency
 
 
 _SCALED_FIELDS = (

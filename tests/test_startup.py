@@ -85,6 +85,18 @@ def test_explaining_and_comparing_plans_imports_no_solver(tmp_path):
         assert not _imported_after(_cli(*argv))["ortools"], argv
 
 
+def test_a_search_imports_no_networkx(tmp_path):
+    # a trace's graph is kept as its nodes and edges (cost_models.records.GraphEdges): tracing, the trace cache's
+    # write and read, and the expansion of repeated blocks read those; networkx is imported where a graph is asked for
+    argv = ["search", "--model", "gpt2-tiny", "--gpus", "2", "--seq-len", "32", "--mem", "40MB", "-o",
+            str(tmp_path / "plan.json")]
+    for switch in ("off", "on", "on"):  # traced; traced and written to the cache; read from it
+        env = f"import os\nos.environ.update(AUTOPLAN_TRACE_CACHE={switch!r}, AUTOPLAN_CACHE_DIR={str(tmp_path)!r})\n"
+        imported = _imported_after(env + _cli(*argv))
+        assert imported["torch"] and imported["ortools"] and not imported["networkx"], switch
+    assert len(list((tmp_path / "traces").glob("*.json"))) == 1
+
+
 def test_a_trace_imports_no_dynamo_and_leaves_torch_as_it_was():
     """torch's Python meta kernels import torch._dynamo on their first call; a trace runs them as themselves
     (autoplan.tracing.meta_kernels) and takes its mark off them afterwards."""

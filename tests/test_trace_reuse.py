@@ -226,3 +226,21 @@ def test_a_2000_layer_hugging_face_llama_plans(tmp_path):
     pair = traced.traces("bf16")
     assert pair.reuse == "2000 blocks of model.layers from traces of 3 and 4"
     assert len(build_units(model, pair.at_1)) == 2003  # embedding, 2000 layers, head, root
+
+
+@pytest.mark.parametrize("tracer", ["fx", "dispatch"])
+def test_a_traces_graph_read_without_networkx_is_the_networkx_graph(tracer):
+    """The tracers and the expansion keep a graph as its nodes and edges (cost_models.records.GraphEdges): what the
+    cache, the reuse check and the expansion read of it (nodes, edges, neighbours) is what networkx's graph built
+    from it holds, in networkx's order."""
+    pair = trace_pair(_zoo("gpt2"), SEQ, "bf16", tracer=tracer)
+    assert pair.blocks is not None
+    for trace in (pair.at_1, pair.at_2, pair.blocks.at_1, pair.blocks.at_2):
+        nodes, edges = trace.nodes(), trace.edges()
+        pred, succ = ({name: list(ends) for name, ends in side.items()} for side in trace.adjacency())
+        graph = trace.graph  # built here
+        assert type(graph).__module__.startswith("networkx") and len(edges) > len(nodes) > 50
+        assert list(graph.nodes(data=True)) == nodes and list(graph.edges) == edges
+        assert pred == {name: list(graph.predecessors(name)) for name in graph}
+        assert succ == {name: list(graph.successors(name)) for name in graph}
+        assert trace.nodes() == nodes and trace.edges() == edges  # read from the built graph now

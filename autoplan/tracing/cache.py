@@ -31,7 +31,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import networkx as nx
 import torch
 import torch.nn as nn
 
@@ -40,7 +39,7 @@ from autoplan.tracing import reuse
 from autoplan.tracing.expand import Mismatch, Repeats
 from autoplan.tracing.tracer import BlockTraces, ExampleInputs, Pricing, TracePair, trace_pair
 from autoplan.version import __version__
-from cost_models.records import ModelTrace, OpRecord
+from cost_models.records import GraphEdges, ModelTrace, OpRecord
 
 __all__ = ["CACHE_DIR_ENV", "CACHE_SWITCH_ENV", "MAX_ENTRIES", "cached_trace_pair", "trace_cache_dir"]
 
@@ -159,14 +158,14 @@ def _inputs_signature(inputs: ExampleInputs | None) -> Any:
 
 def _trace_data(trace: ModelTrace) -> dict | None:
     nodes = []
-    for name, attributes in trace.graph.nodes(data=True):
+    for name, attributes in trace.nodes():
         if set(attributes) - {"op"}:
             return None  # a graph of another kind than the tracers make: not cached
         nodes.append([name, "op" in attributes])
     return {
         "micro_batch_size": trace.micro_batch_size, "seq_len": trace.seq_len, "dtype": trace.dtype,
         "ops": [[getattr(op, f) for f in _OP_FIELDS] for op in trace.ops], "nodes": nodes,
-        "edges": [list(edge) for edge in trace.graph.edges],
+        "edges": [list(edge) for edge in trace.edges()],
         "input_storages": {name: storages for name, storages in trace.input_storages.items()},
         "storage_producer": [[key, name] for key, name in trace.storage_producer.items()],
         "saved_storages": [[key, nbytes, name] for key, (nbytes, name) in trace.saved_storages.items()],
@@ -180,10 +179,8 @@ def _trace_of(data: dict) -> ModelTrace:
         fields["input_shapes"] = tuple(tuple(shape) for shape in fields["input_shapes"])
         ops.append(OpRecord(**fields))
     by_name = {op.name: op for op in ops}
-    graph = nx.DiGraph()
-    for name, has_op in data["nodes"]:
-        graph.add_node(name, **({"op": by_name[name]} if has_op else {}))
-    graph.add_edges_from(tuple(edge) for edge in data["edges"])
+    graph = GraphEdges(((name, by_name[name] if has_op else None) for name, has_op in data["nodes"]),
+                       (tuple(edge) for edge in data["edges"]))  # networkx's graph built only where it is read
     return ModelTrace(
         graph=graph, ops=ops, micro_batch_size=data["micro_batch_size"], seq_len=data["seq_len"], dtype=data["dtype"],
         input_storages={name: [tuple(s) for s in storages] for name, storages in data["input_storages"].items()},
@@ -251,8 +248,8 @@ def _write(path: Path, key: str, pair: TracePair) -> None:
 def _comparable(pair: TracePair, stored: bool = False) -> Any:
     """What a pair holds, to compare; `stored`: what its entry holds (a reused pair's few blocks, not the whole)."""
     def one(trace: ModelTrace):
-        return (trace.ops, trace.micro_batch_size, trace.seq_len, trace.dtype, list(trace.graph.nodes),
-                list(trace.graph.edges), trace.input_storages, trace.storage_producer, trace.saved_storages)
+        return (trace.ops, trace.micro_batch_size, trace.seq_len, trace.dtype, [name for name, _ in trace.nodes()],
+                trace.edges(), trace.input_storages, trace.storage_producer, trace.saved_storages)
     if stored and pair.blocks is not None:
         short = pair.blocks
         return (pair.tracer, pair.reuse, one(short.at_1), one(short.at_2), short.repeats, short.periods,

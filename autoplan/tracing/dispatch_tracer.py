@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 
-import networkx as nx
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -42,7 +41,7 @@ from autoplan.tracing.counting import (
     to_meta,
 )
 from autoplan.tracing.trace_options import TraceOptions
-from cost_models.records import LOSS_NODE, ModelTrace, OpRecord
+from cost_models.records import LOSS_NODE, GraphEdges, ModelTrace, OpRecord
 
 __all__ = ["trace_dispatch"]
 
@@ -242,20 +241,17 @@ def trace_dispatch(
     )
 
 
-def _op_graph(recorder: _Recorder) -> nx.DiGraph:
+def _op_graph(recorder: _Recorder) -> GraphEdges:
     """The ops linked from the op that produced each storage to those that read it, every last op feeding the
     loss; each op marked a matmul when matmuls did at least half its work."""
     records, mode = recorder.records, recorder.mode
-    graph = nx.DiGraph()
     for name, record in records.items():
         work = record.fwd_flops + record.bwd_flops
         record.is_matmul = work > 0 and mode.matmul_flops.get(name, 0) >= 0.5 * work
-        graph.add_node(name, op=record)
+    edges = []
     for name, inputs in recorder.input_storages.items():
         for storage, _nbytes in inputs:
             producer = mode.storage_producer.get(storage)
             if producer in records and producer != name:
-                graph.add_edge(producer, name)
-    for name in [n for n in graph.nodes if n != LOSS_NODE and graph.out_degree(n) == 0]:
-        graph.add_edge(name, LOSS_NODE)
-    return graph
+                edges.append((producer, name))
+    return GraphEdges(records.items(), edges).feeding(LOSS_NODE)

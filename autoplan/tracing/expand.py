@@ -20,12 +20,9 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass
 
-import networkx as nx
-
-from cost_models.records import LOSS_NODE, ModelTrace, OpRecord
+from cost_models.records import LOSS_NODE, GraphEdges, ModelTrace, OpRecord
 
 __all__ = ["Mismatch", "Repeats", "block_of", "expand"]
 
@@ -158,6 +155,7 @@ def _templates(trace: ModelTrace, repeats: Repeats, periods: int, tracer: str, t
         saved_by.setdefault(name, []).append(key)
     ids = _storage_ids(trace, homes, positions, produced, saved_by, tensors, repeats.period)
     index_of = {op.name: i for i, op in enumerate(ops)}
+    predecessors, successors = trace.adjacency()
     segments: dict[int, list[_Template]] = {}
     for i, op in enumerate(ops):
         block = block_of(op.module, repeats.path + ".")
@@ -166,12 +164,12 @@ def _templates(trace: ModelTrace, repeats: Repeats, periods: int, tracer: str, t
             own = f"{repeats.path}.{block}"
             module_parts = (repeats.path + ".", block, op.module[len(own):])
         sources, sinks_after = [], []
-        for source in trace.graph.predecessors(op.name):
+        for source in predecessors[op.name]:
             j = index_of[source]
             if not (0 <= homes[j] < periods and homes[i] == periods):  # those come with the period's copies
                 sources.append((homes[j], int(homes[j] >= 0), positions[j]))
         if 0 <= homes[i] < periods:
-            sinks_after = [positions[j] for j in map(index_of.get, trace.graph.successors(op.name))
+            sinks_after = [positions[j] for j in map(index_of.get, successors[op.name])
                            if homes[j] == periods]
         segments.setdefault(homes[i], []).append(_Template(
             op, positions[i], _name_parts(op, block, tracer, step, repeats), module_parts,
@@ -243,8 +241,8 @@ class _Copies:
         self.edges.extend(((home + shift * moves, position), name) for home, moves, position in t.sources)
         self.edges.extend((name, (self.total, position)) for position in t.sinks_after)
 
-    def graph(self) -> Callable[[], nx.DiGraph]:
-        """What builds the copies' graph (ModelTrace builds it when it is read); Mismatch where renamed ops collide
+    def graph(self) -> GraphEdges:
+        """The copies' graph, unbuilt (ModelTrace builds it when it is read); Mismatch where renamed ops collide
         or an edge leads to an op not copied."""
         ops = self.ops
         if len({record.name for record in ops}) != len(ops):
@@ -255,14 +253,7 @@ class _Copies:
                      for a, b in self.edges]
         except KeyError as exc:
             raise Mismatch(f"an edge leads to op {exc} that the whole model does not have") from None
-
-        def build() -> nx.DiGraph:
-            graph = nx.DiGraph()
-            graph.add_nodes_from((record.name, {"op": record}) for record in ops)
-            graph.add_edges_from(edges)
-            return graph
-
-        return build
+        return GraphEdges(((record.name, record) for record in ops), edges)
 
 
 def _check_storages(keys: dict[tuple, int], segments: dict[int, list[_Template]], templates: dict[int, int],

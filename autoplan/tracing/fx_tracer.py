@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import networkx as nx
 import torch
 import torch.fx as fx
 import torch.nn as nn
@@ -39,7 +38,7 @@ from autoplan.tracing.counting import (
     to_meta,
 )
 from autoplan.tracing.trace_options import TraceOptions
-from cost_models.records import LOSS_NODE, ModelTrace, OpRecord
+from cost_models.records import LOSS_NODE, GraphEdges, ModelTrace, OpRecord
 
 __all__ = ["param_uses", "symbolic_trace", "trace_model"]
 
@@ -237,23 +236,15 @@ def _run(gm: fx.GraphModule, meta_model: nn.Module, inputs: tuple, pack, tally: 
         loss.backward()
 
 
-def _op_graph(gm: fx.GraphModule, records: dict[str, OpRecord], mode: CostMode) -> nx.DiGraph:
+def _op_graph(gm: fx.GraphModule, records: dict[str, OpRecord], mode: CostMode) -> GraphEdges:
     """The ops as the graph's data flow, every last op feeding the loss; each op marked a matmul when matmuls
     did at least half its work."""
-    graph = nx.DiGraph()
     for name, record in records.items():
         total = record.fwd_flops + record.bwd_flops
         record.is_matmul = total > 0 and mode.matmul_flops.get(name, 0) >= 0.5 * total
-        graph.add_node(name, op=record)
-    for node in gm.graph.nodes:
-        if node.name in records:
-            for user in node.users:
-                if user.name in records:
-                    graph.add_edge(node.name, user.name)
-    last_nodes = [n for n in graph.nodes if n != LOSS_NODE and graph.out_degree(n) == 0]
-    for name in last_nodes:
-        graph.add_edge(name, LOSS_NODE)
-    return graph
+    edges = [(node.name, user.name) for node in gm.graph.nodes if node.name in records
+             for user in node.users if user.name in records]
+    return GraphEdges(records.items(), edges).feeding(LOSS_NODE)
 
 
 def _rebind(graph_module: fx.GraphModule, model: nn.Module) -> fx.GraphModule:

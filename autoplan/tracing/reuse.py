@@ -160,8 +160,8 @@ def trace_difference(a: ModelTrace, b: ModelTrace) -> str | None:
     for x, y in zip(a.ops, b.ops):
         if x != y:
             return f"op {x.name} vs {y.name}: {x} != {y}"
-    if set(a.graph.nodes) != set(b.graph.nodes) or set(a.graph.edges) != set(b.graph.edges):
-        return f"graph edges: {sorted(set(a.graph.edges) ^ set(b.graph.edges))[:4]}"
+    if {name for name, _ in a.nodes()} != {name for name, _ in b.nodes()} or set(a.edges()) != set(b.edges()):
+        return f"graph edges: {sorted(set(a.edges()) ^ set(b.edges()))[:4]}"
     for x, y in zip(storage_layout(a), storage_layout(b)):
         if x != y:
             return f"storages at op {x[0]}: {x[1:]} vs {y[1:]}"
