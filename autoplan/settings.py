@@ -17,7 +17,8 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
 from autoplan.errors import UsageError
-from autoplan.settings_flags import FIT_TO, GRANULARITIES, POSITIVE_SETTINGS, Flag, check_choice, choices_of
+from autoplan.settings_flags import (FIT_TO, GRANULARITIES, POSITIVE_SETTINGS, Flag, check_choice, choices_of,
+                                     document_fields)
 from autoplan.sizes import check_mem_limit, parse_mem_bytes
 from cost_models.allocator_margin import is_expandable
 from cost_models.attention import KERNEL_ALIASES
@@ -51,8 +52,12 @@ def mesh_of(gpus: int | None, nodes: int | None, gpus_per_node: int | None) -> M
 
 
 class _Settings(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True,
-                              arbitrary_types_allowed=True, validate_default=False)
+    model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True, validate_default=False,
+                              defer_build=True)  # built when first validated: a search builds SearchSettings' alone
+
+    @classmethod
+    def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
+        document_fields(cls)  # each field's help is the docstring under it (before the schema is built)
 
     @classmethod
     def create(cls, base: _Settings | None = None, **fields: Any):
@@ -149,22 +154,16 @@ class PlanningSettings(_Settings):
 
     gpus: int | None = None
     """total GPUs, the world size (default 8: one node of 8)"""
-
     nodes: int | None = None
     """number of nodes (default 1)"""
-
     gpus_per_node: int | None = None
     """GPUs per node (default: gpus / nodes, else 8)"""
-
     profile: str | None = None
     """device profile name or path (see `autoplan profiles`; default a100-sxm4-80gb)"""
-
     seq_len: int | None = None
     """sequence length (default: the model's context)"""
-
     batch_size: int | None = None
     """micro-batch per GPU (default: a search sweeps it, an estimate takes 1 or the plan's)"""
-
     global_batch: int | None = None
     """samples per optimizer step over all GPUs (gradient accumulation fills the gap)"""
 
