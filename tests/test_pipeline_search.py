@@ -90,7 +90,14 @@ def test_pins_a_pipeline_cannot_hold_are_named_in_the_message(run_cli, tmp_path)
     assert run_cli(*args).returncode == 0  # without the pin a plan fits
     out.unlink()
     pinned = run_cli(*args, "--pin", "layers.*=replicate")
-    assert pinned.returncode == 3 and "on pipeline degree 2 with the pins:" in pinned.stderr
+    # the pins are the cause (a pipelined plan fits without them), named on the rank where they fail
+    assert pinned.returncode == 3 and "on pipeline rank 0 of 2" in pinned.stderr, pinned.stderr
+    assert "and one does without them" in pinned.stderr
+    assert "The pin `layers.*: replicate` (from --pin) cannot hold by itself; loosen it." in pinned.stderr
+    assert not out.exists()
+    tight = run_cli(*[a if a != "3MB" else "1MB" for a in args], "--pin", "layers.*=replicate")
+    assert tight.returncode == 3 and "on pipeline degree 2 with the pins:" in tight.stderr
+    assert "The pins are not the cause: without them no pipelined plan fits either." in tight.stderr
     assert not out.exists()
 
 

@@ -32,6 +32,7 @@ from autoplan.models.tp_layout import TpRefusal, check_with_experts, recognise
 from autoplan.solve.cluster import Cluster
 from autoplan.solve.expert_tables import mesh_source
 from autoplan.solve.pipeline import PipelineOutcome, search_pipeline
+from autoplan.solve.pipeline_pins import best_explained
 from autoplan.solve.progress import MeshProgress
 from autoplan.solve.request import PlanRequest, Uniform
 from autoplan.solve.solver import cp_sat
@@ -139,7 +140,7 @@ def search_meshes(request: PlanRequest) -> MeshSearch:
             # a pipelined schedule whose bound cannot beat the best plan without a pipeline is not solved
             beat = max((r.throughput for r in results if r.outcome is not None), default=0.0)
             results += _search_all(request, meshes, progress, workers, len(results), beat)
-    return MeshSearch(results, best_result(results))
+    return MeshSearch(results, best_explained(request, results, best_result))  # pins in a pipeline: pipeline_pins
 
 
 def _at_best_degree(pipelined: tuple[Mesh, ...], results: list[MeshResult]) -> tuple[Mesh, ...]:

@@ -97,16 +97,19 @@ class PinResolution:
         return out
 
     def explain_infeasible(self, table: CostTable, limit_bytes: int, model_name: str, mem_limit_bytes: int,
-                           headroom: float, time_limit_s: float) -> PinsInfeasibleError | None:
+                           headroom: float, time_limit_s: float, model=None) -> PinsInfeasibleError | None:
         """The error for pins that no plan under `limit_bytes` can keep at `table` (unrestricted), or
-        None when no plan fits without them either (the pins are not the cause)."""
-        without = solve_min_memory(table, time_limit_s=time_limit_s)
+        None when no plan fits without them either (the pins are not the cause). `model(t)`: the solver's model
+        of `table` or a restriction of it (default `AffineModel.of`; a pipeline rank's holds more: stage_solve)."""
+        model = model or AffineModel.of
+        without = solve_min_memory(table, time_limit_s=time_limit_s, affine=model(table))
         if without.objective is None or without.objective > limit_bytes:
             return None
-        pinned = solve_min_memory(self.restrict(table), time_limit_s=time_limit_s)
+        restricted = self.restrict(table)
+        pinned = solve_min_memory(restricted, time_limit_s=time_limit_s, affine=model(restricted))
         peak_with = int(pinned.objective) if pinned.objective is not None else None
         peak_without = int(without.objective)
-        cores = _cores(self, table, limit_bytes, time_limit_s)
+        cores = _cores(self, table, limit_bytes, time_limit_s, model(table))
         blamed = [pin for core in cores for pin in core]
         if not cores:
             loosen = "the solver could not tell which pins within `time_limit_s`; loosen some of them"
@@ -185,9 +188,10 @@ def _not_an_option(unit, options: list[Option], decision: Decision, pins: list[P
             + (f": {why}" if why else "") + f"; its options: {', '.join(o.label for o in options)}")
 
 
-def _cores(resolution: PinResolution, table: CostTable, limit_bytes: int, time_limit_s: float) -> list[list[Pin]]:
-    """Sets of pins that cannot all hold under `limit_bytes` (each minimal), until the rest can."""
-    affine = AffineModel.of(table)
+def _cores(resolution: PinResolution, table: CostTable, limit_bytes: int, time_limit_s: float,
+           affine: AffineModel) -> list[list[Pin]]:
+    """Sets of pins that cannot all hold under `limit_bytes` (each minimal), until the rest can (`affine`: the
+    table's solver model)."""
     deadline = time.perf_counter() + time_limit_s
     index = {unit.path: u for u, unit in enumerate(table.units)}
     active = list(range(len(resolution.pins)))

@@ -34,7 +34,7 @@ from cost_models.memory import MemCategory, MemoryPoint, phase_of, total
 from cost_models.pipeline import HeldAllStep
 from cost_models.table import CostTable
 
-__all__ = ["RankSolve", "held_evaluation", "leanest", "rank_floor", "rank_rows", "solve_rank"]
+__all__ = ["RankSolve", "held_evaluation", "held_model", "leanest", "rank_floor", "rank_rows", "solve_rank"]
 
 
 @dataclass(frozen=True)
@@ -99,6 +99,16 @@ def solve_rank(request: PlanRequest, table: CostTable, held: HeldAllStep, rows: 
     if result.choices is None:
         return RankSolve(None, result.status, floor)
     return RankSolve([k[c] for k, c in zip(rows.keep, result.choices)], result.status, floor)
+
+
+def held_model(table: CostTable, held: HeldAllStep):
+    """A function of a table whose options are some of `table`'s (the options searched, or fewer: pins'): its
+    solver model with what the rank holds all step (the held bytes are `table`'s options')."""
+    def model(cut: CostTable) -> AffineModel:
+        keep = [[options.index(option) for option in kept] for options, kept in zip(table.options, cut.options)]
+        rows = _Rows(cut, keep, *table_rows(cut))
+        return AffineModel.of(cut, (rows.algebra, _floor(rows, held)[0], rows.labels))
+    return model
 
 
 def rank_floor(table: CostTable, held: HeldAllStep, rows: _Rows | None = None) -> int:
