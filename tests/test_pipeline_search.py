@@ -254,3 +254,13 @@ def test_zero_bubble_counts_are_torchs(name):
     for pp, m in ((2, 4), (2, 8), (4, 8), (4, 16)):
         priced = [(round(in_flight(row, pp, r, m) * stages_per_rank(row)), deferred(row, pp, r, m)) for r in range(pp)]
         assert priced == _torch_peaks(row, pp, m), (pp, m)
+
+
+def test_zbv_beyond_two_ranks_warns_what_its_memory_leaves_out(run_cli):
+    args = ["estimate", "--model", "llama-tiny[n_layers=8]", "--tp", "1", "--schedule", "zbv", "--batch-size", "1",
+            "--global-batch", "16", "--seq-len", "64", "--profile", "h100-sxm-80gb", "--mem", "80GB"]
+    four = run_cli(*args, "--gpus", "4", "--pp", "4")
+    assert four.returncode == 0 and "warning: ZB-V on pipeline degree 4" in four.stderr, four.stderr
+    assert "--schedule zero_bubble" in four.stderr
+    two = run_cli(*args, "--gpus", "2", "--pp", "2")  # pp 2: measured within the fidelity target (RESULTS 20)
+    assert two.returncode == 0 and "ZB-V" not in two.stderr, two.stderr
