@@ -19,9 +19,13 @@ Natively a flat factor wastes memory: the
 excess comes from blocks that a smaller request splits and strands (a layer's saved activations in segments its
 larger transients left, the optimizer's foreach temporaries in the backward's segments, a step's largest block,
 the loss's fp32 logits, in its own segment that the next step cannot reuse once smaller blocks split it), so it
-follows what the step holds, not its total. The native bound is per time point: each memory category's bytes times
-its weight (1.35 for temporaries, 1.15 for activations, 1 for the optimizer states, which keep their blocks all
-step).
+follows what the step holds, not its total, and which block lands in which cached segment follows the model's
+tensor sizes (llama2-7b's 86 MiB MLP blocks leave segments its 64 MiB saved tensors fill in part; llama3-8b's 224
+MiB ones hold three of its 64 MiB tensors and more). The native bound is per time point: each memory category's
+bytes times its weight, the activations' from a simulation of the model's own forward (`native_margin`:
+1.022 + 1.10 x what its repeated blocks strand per byte they keep, cost_models.stranding; llama2-7b 1.19,
+gpt2-1.5b 1.05-1.13, llama3-8b 1.02-1.08), the temporaries 1.48, the rest 1; a model whose trace records no
+storages gets the category weights alone (`NATIVE`: 1.35 for temporaries, 1.15 for activations).
 
 Three figures per plan: allocated (live bytes, the memory timeline's peak), needed (the smallest limit the step
 runs in; what a plan is fitted to by default) and reserved (what torch.cuda.max_memory_reserved shows with
@@ -31,7 +35,7 @@ memory to spare: the allocator keeps freed segments cached until it runs short).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -40,9 +44,11 @@ from cost_models.allocator import FRAGMENTATION, SEGMENT_SLACK
 from cost_models.memory import CATEGORIES, MemoryPoint, total
 from cost_models.options import Recompute
 
-__all__ = ["ALLOC_CONF_ENV", "DEFAULT_ALLOC_CONF", "EXPANDABLE", "NATIVE", "Margin", "PointMargin", "allocated_within",
-           "fitted_totals", "is_expandable", "margin_of", "needed_bytes", "needed_of_parts", "needed_of_points",
-           "point_margin", "reserved_bytes", "selective_bytes", "SELECTIVE_RECOMPUTE"]
+__all__ = ["ALLOC_CONF_ENV", "DEFAULT_ALLOC_CONF", "EXPANDABLE", "EXPANDABLE_BY_SIZES", "EXPANDABLE_STRANDING", "NATIVE",
+           "NATIVE_BY_SIZES", "STRANDING", "Margin", "PointMargin", "allocated_within", "expandable_margin",
+           "fitted_totals", "is_expandable", "margin_of", "native_margin",
+           "needed_bytes", "needed_of_parts", "needed_of_points", "point_margin", "reserved_bytes", "selective_bytes",
+           "SELECTIVE_RECOMPUTE"]
 
 ALLOC_CONF_ENV = "PYTORCH_CUDA_ALLOC_CONF"
 DEFAULT_ALLOC_CONF = "expandable_segments:True"
@@ -136,9 +142,55 @@ EXPANDABLE = PointMargin({category.value: 1.013 for category in CATEGORIES}, sla
                          selective=0.053)
 
 
-def point_margin(conf: str) -> PointMargin:
-    """The per-point bound for a configuration."""
-    return EXPANDABLE if is_expandable(conf) else NATIVE
+# Native, per time point and per model: the activations weighted by 1.022 + STRANDING x what the model's repeated
+# blocks strand per byte they keep in a simulation of its forward at the table's micro-batch and tensor-parallel
+# layout (cost_models.stranding.forward_stranding: llama2-7b 0.15, gpt2-1.5b 0.03-0.09 by micro-batch, llama3-8b 0,
+# 0.02-0.06 tensor-parallel), the temporaries by 1.48 (the loss's fp32 logits in a segment that smaller blocks
+# split; the optimizer's foreach temporaries in the backward's segments), every other category by 1. The least
+# weights and coefficient (a linear programme over the 30 native replays of benchmarks/allocator.py: the grid's 12
+# plans, the 9 default plans made under NATIVE and the 9 made under this bound's first fit, each replay's peak
+# point made to reach its needed limit x 1.01: activations 1.021, temporaries 1.477, STRANDING 1.097, the rest 1.0;
+# `python benchmarks/allocator_weights.py --stranding`), rounded up. NATIVE, the same categories' weights without
+# the simulation, is the bound of a table whose trace records no storages.
+STRANDING = 1.10
+NATIVE_BY_SIZES = {"params": 1.0, "grads": 1.0, "optimizer": 1.0, "activations": 1.022, "gathered": 1.0,
+                   "temporaries": 1.48}
+
+
+def native_margin(stranding: float | None) -> PointMargin:
+    """The native per-point bound of a model whose forward strands `stranding` per live byte
+    (cost_models.stranding.forward_stranding; None: unknown, NATIVE)."""
+    if stranding is None:
+        return NATIVE
+    weights = dict(NATIVE_BY_SIZES, activations=NATIVE_BY_SIZES["activations"] + STRANDING * stranding)
+    return PointMargin(weights, slack=NATIVE.slack)
+
+
+# Expandable segments, per time point and per model: the live bytes x 1.012, plus EXPANDABLE_STRANDING x what the
+# model's selectively checkpointed forward strands per live byte in a simulation with expandable segments at the
+# table's micro-batch and tensor-parallel layout (cost_models.stranding.forward_stranding(..., expandable=True):
+# llama2-7b 0.045 at micro-batch 1, llama3-8b 0.013-0.019, gpt2-1.5b 0.007) x the activations selective units
+# save, plus 46 MiB and the kernel workspaces. The least (factor, coefficient, slack) with every replay of
+# benchmarks/allocator.py made with expandable segments (the grid's 12 plans and the 9 default plans) at most its
+# bound / 1.005 (a linear programme: factor 0.0115, coefficient 2.320, slack 45 MiB; `python
+# benchmarks/allocator_weights.py --expandable`), rounded up. EXPANDABLE (5.3% of every model's selective
+# activations) is the bound of a table whose trace records no storages.
+EXPANDABLE_STRANDING = 2.33
+EXPANDABLE_BY_SIZES = PointMargin({category.value: 1.012 for category in CATEGORIES}, slack=(46 << 20) + SEGMENT_SLACK)
+
+
+def expandable_margin(stranding: float | None) -> PointMargin:
+    """The expandable segments' per-point bound of a model whose selective blocks strand `stranding` per byte they
+    keep (None: unknown, EXPANDABLE)."""
+    if stranding is None:
+        return EXPANDABLE
+    return replace(EXPANDABLE_BY_SIZES, selective=EXPANDABLE_STRANDING * stranding)
+
+
+def point_margin(conf: str, stranding: float | None = None) -> PointMargin:
+    """The per-point bound for a configuration, of a model that strands `stranding` under it (cost_models.stranding;
+    None: the bound that needs no simulation)."""
+    return expandable_margin(stranding) if is_expandable(conf) else native_margin(stranding)
 
 
 def selective_bytes(table, alg):
@@ -186,15 +238,18 @@ def fitted_totals(table, points: list[MemoryPoint], alg) -> list:
     return rows
 
 
-def needed_of_points(points: list[MemoryPoint], conf: str, selective: int = 0) -> int:
+def needed_of_points(points: list[MemoryPoint], conf: str, selective: int = 0,
+                     margin: PointMargin | None = None) -> int:
     """What one plan's step needs under `conf`, from its numeric timeline and the activations its selectively
-    checkpointed units save (`selective_bytes`): the per-point bound's highest point plus the slack."""
-    return needed_of_parts([{c.value: point.parts[c] for c in CATEGORIES} for point in points], conf, selective)
+    checkpointed units save (`selective_bytes`): the per-point bound's highest point plus the slack. `margin`:
+    the bound its table carries (`CostTable.allocator`; None: `point_margin(conf)`)."""
+    return needed_of_parts([{c.value: point.parts[c] for c in CATEGORIES} for point in points], conf, selective,
+                           margin)
 
 
-def needed_of_parts(parts: list[dict], conf: str, selective: int = 0) -> int:
+def needed_of_parts(parts: list[dict], conf: str, selective: int = 0, margin: PointMargin | None = None) -> int:
     """As `needed_of_points`, from each point's bytes by memory category (a plan file's timeline breakdowns,
     keyed by the categories' values: "params", ...) and its selective units' activation bytes."""
-    margin = point_margin(conf)
+    margin = margin or point_margin(conf)
     return (math.ceil(max(_weighted({c: p[c.value] for c in CATEGORIES}, margin) for p in parts)
                       + selective * margin.selective) + margin.slack)

@@ -12,7 +12,10 @@ from pathlib import Path
 import pytest
 
 from autoplan.run.launch import run_allocator_conf
-from cost_models.allocator_margin import ALLOC_CONF_ENV, needed_of_parts
+from autoplan.api.prepare import prepare
+from autoplan.settings import EstimateSettings
+from cost_models.allocator_margin import ALLOC_CONF_ENV, is_expandable, needed_of_parts, point_margin
+from cost_models.stranding import forward_stranding
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ["--model", "gpt2-tiny", "--gpus", "2", "--seq-len", "64", "--profile", "h100-sxm-80gb"]
@@ -28,10 +31,14 @@ def _cli(tmp_path: Path, *args: str, conf: str | None = None) -> subprocess.Comp
 
 
 def _needed(plan: dict, conf: str) -> int:
-    """The needed bound of a plan file's timeline under `conf`, with its selectively checkpointed units' activations."""
+    """The needed bound of a plan file's timeline under `conf`, with its selectively checkpointed units' activations
+    and what gpt2-tiny's tensor sizes strand under `conf` at the plan's micro-batch (cost_models.stranding)."""
     timeline = [{k.removesuffix("_bytes"): v for k, v in p["breakdown"].items()} for p in plan["predicted"]["timeline"]]
     selective = sum(u["predicted"]["activation_bytes"] for u in plan["units"] if u["checkpoint"] == "selective")
-    return needed_of_parts(timeline, conf, selective)
+    settings = EstimateSettings(model="gpt2-tiny", seq_len=64, gpus=2, profile="h100-sxm-80gb")
+    strands = forward_stranding(prepare(settings).tables.trace_1, plan["training"]["micro_batch_size"],
+                                is_expandable(conf))
+    return needed_of_parts(timeline, conf, selective, point_margin(conf, strands))
 
 
 def test_a_cuda_plan_is_fitted_to_what_the_allocator_needs_with_expandable_segments(tmp_path):

@@ -125,7 +125,7 @@ def request_table(request: PlanRequest, plan: Plan | None = None) -> tuple[CostT
     source = context_source(mesh_source(request, mesh, layout), mesh.cp)
     table = source.table(micro_batch.size, micro_batch.grad_accum_steps, cluster, t.seq_len, t.dtype, t.optimizer,
                          offload=offloads or None)
-    table = request.limits.with_margin(table)  # the allocator's margin per time point, where fitted to it
+    table = request.limits.with_margin(table, source)  # the allocator's margin per time point, where fitted to it
     if plan is not None:
         return table, plan_choices(table, plan)
     choices = uniform_choices(table, uniform.strategy, uniform.checkpoint, offload=uniform.offload,

@@ -61,8 +61,8 @@ def prediction(table: CostTable, result: Evaluation, allocator_conf: str | None 
     """The plan's predicted figures; on a CUDA profile (an `allocator_conf`) with what the caching allocator
     needs and reserves for the allocated peak (cost_models.allocator_margin)."""
     samples = table.samples_per_step
-    needed = (needed_of_points(result.points, allocator_conf, selective_bytes(table, NumericAlgebra(result.choices)))
-              if allocator_conf else 0)
+    needed = (needed_of_points(result.points, allocator_conf, selective_bytes(table, NumericAlgebra(result.choices)),
+                               table.allocator) if allocator_conf else 0)
     return Prediction(
         peak_mem_bytes=result.peak_mem_bytes,
         peak_point=result.peak_point.label,

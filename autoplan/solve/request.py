@@ -23,12 +23,14 @@ from autoplan.solve.cluster import Cluster
 from autoplan.solve.pins import PinResolution
 from autoplan.solve.rows import sparse_rows
 from autoplan.solve.tables import CostTables, micro_batch_candidates
-from cost_models.allocator_margin import allocated_within, needed_bytes, point_margin
+from cost_models.allocator_margin import allocated_within, is_expandable, needed_bytes, point_margin
 from cost_models.mesh import Mesh
+from cost_models.stranding import forward_stranding
+from cost_models.tensor_parallel import tp_ops
 from cost_models.table import CostTable
 from cost_models.training import MicroBatch, Training
 
-__all__ = ["Batch", "Limits", "ModelInfo", "PlanRequest", "Uniform"]
+__all__ = ["Batch", "Limits", "ModelInfo", "PlanRequest", "Uniform", "model_stranding"]
 
 
 @dataclass(frozen=True)
@@ -78,13 +80,17 @@ class Limits:
         kept = int(self.mem_limit_bytes * (1 - self.headroom))
         return allocated_within(kept, self.allocator_conf) if self.fits_needed else kept
 
-    def with_margin(self, table: CostTable) -> CostTable:
+    def with_margin(self, table: CostTable, source=None) -> CostTable:
         """`table` carrying the allocator's margin per time point where the plan is fitted to what that allocator
         needs (cost_models.allocator_margin; not on a table whose rows are written sparse: that keeps the flat
-        bound of `planned_bytes`)."""
+        bound of `planned_bytes`). The margin follows what the model's tensor sizes strand under the configuration,
+        simulated from the trace of `source` (the TableSource `table` came from; None: the bound that needs no
+        trace)."""
         if not self.fits_needed or sparse_rows(table):
             return table
-        return replace(table, allocator=point_margin(self.allocator_conf))
+        expandable = is_expandable(self.allocator_conf)
+        stranding = model_stranding(source, table.micro_batch_size, expandable) if source is not None else None
+        return replace(table, allocator=point_margin(self.allocator_conf, stranding))
 
     def fitted_of(self, evaluation) -> int:
         """What a plan (a cost_models.evaluate.Evaluation) is fitted to: its live peak, or what the caching
@@ -108,6 +114,34 @@ class Limits:
         if table.allocator is None:
             return self.planned_bytes
         return int(self.mem_limit_bytes * (1 - self.headroom)) - table.allocator.slack
+
+
+def model_stranding(source, micro_batch: int, expandable: bool = False) -> float | None:
+    """What the model's tensor sizes strand in the caching allocator at this micro-batch (cost_models.stranding;
+    `expandable`: with expandable segments), simulated once per trace, micro-batch, configuration and
+    tensor-parallel layout from the trace under `source`, each op's storages scaled to a rank's share of its
+    outputs under the layout (a pipeline stage's source: its whole model's). None under context or expert
+    parallelism (sizes the simulation has not been checked against by replay) or for a trace without storages:
+    the caller keeps the bound that needs none."""
+    layout, tp_source = None, None
+    while not hasattr(source, "trace_1") and getattr(source, "base", None) is not None:
+        if hasattr(source, "cp") or hasattr(source, "experts"):
+            return None
+        if getattr(source, "layout", None) is not None and layout is None:
+            layout, tp_source = source.layout, source
+        source = source.base
+    trace = getattr(source, "trace_1", None)
+    if trace is None:
+        return None
+    key = (micro_batch, expandable, (layout.degree, layout.sequence_parallel) if layout is not None else None)
+    known = trace.__dict__.setdefault("_stranding", {})  # the ops are not changed once traced
+    if key not in known:
+        scale = None
+        if layout is not None:  # a rank's share of each op's outputs (the ops keep their names)
+            scale = {new.name: new.out_bytes / old.out_bytes
+                     for old, new in zip(trace.ops, tp_ops(trace.ops, layout, tp_source.op_ids)) if old.out_bytes}
+        known[key] = forward_stranding(trace, micro_batch, expandable, scale)
+    return known[key]
 
 
 @dataclass(frozen=True)

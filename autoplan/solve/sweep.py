@@ -140,7 +140,7 @@ def _tables(request: PlanRequest, source: TableSource, cluster: Cluster, micro_b
     uniform, training = request.uniform, request.training
     table = source.table(micro_batch_size, accum, cluster, training.seq_len, training.dtype, training.optimizer,
                          offload=True if uniform is not None and uniform.offload else None)
-    table = request.limits.with_margin(table)  # the allocator's margin per time point, where fitted to it
+    table = request.limits.with_margin(table, source)  # the allocator's margin per time point, where fitted to it
     searched = table
     if request.pins is not None and uniform is None:
         searched = request.pins.restrict(searched)
