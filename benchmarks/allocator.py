@@ -86,11 +86,16 @@ SEARCH_TIME_CASES = [
 LIVE_FIT = ["--fit-to", "allocated", "--fit-allocator", "off"]
 
 
+def selective_activation_bytes(plan) -> int:
+    """The activations `plan`'s selectively checkpointed units save (what the expandable bound's selective term
+    counts)."""
+    return sum(u.predicted.activation_bytes for u in plan.units if u.checkpoint in ("selective", "selective_op"))
+
+
 def plan_needed_bytes(plan, conf: str) -> int:
     """The needed bound of `plan`'s predicted timeline under `conf` (cost_models.allocator_margin, per time point),
     whichever configuration the plan was made for."""
-    selective = sum(u.predicted.activation_bytes for u in plan.units if u.checkpoint in ("selective", "selective_op"))
-    return needed_of_parts(timeline_parts(plan), conf, selective)
+    return needed_of_parts(timeline_parts(plan), conf, selective_activation_bytes(plan))
 
 
 def search_times(repeats: int) -> list[dict]:
@@ -188,10 +193,11 @@ def default_rows(cases, configs=CONFIGS) -> list[dict]:
                 needed = min_limit(events, expandable=expandable) + SEGMENT_SLACK
                 mem = plan.cluster.mem_limit_bytes
                 row = {"model": model, "seq_len": seq_len, "limit": limit, "limit_bytes": mem, "allocator_conf": conf,
-                       "tp": plan.cluster.tp_degree, "micro_batch": plan.training.micro_batch_size, "peak_bytes": plan.predicted.peak_mem_bytes,
+                       "tp": plan.cluster.tp_degree, "sp": plan.cluster.sequence_parallel, "micro_batch": plan.training.micro_batch_size, "peak_bytes": plan.predicted.peak_mem_bytes,
                        "bound_bytes": plan.predicted.needed_bytes, "needed_bytes": needed,
                        "reserved_bytes": replay(events, expandable=expandable).peak_reserved, "fits": needed <= mem,
-                       "used": needed / mem, "parts": packed(timeline_parts(plan))}
+                       "used": needed / mem, "parts": packed(timeline_parts(plan)),
+                       "selective_bytes": selective_activation_bytes(plan)}
                 where = None if expandable else stranded(events, needed - SEGMENT_SLACK - ROUND_LARGE)
                 if where is not None:
                     row["stranded"] = {"event": where.event, "request_bytes": where.request, "total_bytes": where.total,
@@ -225,7 +231,7 @@ def refit_rows(cases, configs=CONFIGS) -> list[dict]:
                 fit_s = time.perf_counter() - started - search_s
                 mem, needed = plan.cluster.mem_limit_bytes, plan.predicted.allocator_needed_bytes
                 row = {"model": model, "seq_len": seq_len, "limit": limit, "limit_bytes": mem, "allocator_conf": conf,
-                       "tp": plan.cluster.tp_degree, "micro_batch": plan.training.micro_batch_size,
+                       "tp": plan.cluster.tp_degree, "sp": plan.cluster.sequence_parallel, "micro_batch": plan.training.micro_batch_size,
                        "peak_bytes": plan.predicted.peak_mem_bytes, "needed_bytes": needed, "fits": needed <= mem,
                        "used": needed / mem, "rounds_used": [r.needed_bytes / mem for r in replays],
                        "search_s": search_s, "fit_s": fit_s, "throughput": plan.predicted.throughput_samples_s}
