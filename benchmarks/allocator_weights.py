@@ -1,20 +1,23 @@
-"""The native allocator bound's category weights (cost_models.allocator_margin.NATIVE) fitted to the replays of
-benchmarks/allocator.py: how they were chosen, and how far category weights can go.
+"""The allocator bounds' constants (cost_models.allocator_margin) fitted to the replays of benchmarks/allocator.py:
+how they were chosen, and how far they can go.
 
 Why: the native bound is, at each time point, each memory category's bytes times a weight plus the slack; the
 weights are the smallest that keep every replayed plan's `needed` within its bound. This fits them again from the
 results files (benchmarks/results/allocator.json, the grid; allocator_default*.json, the default plans made for the
-native configuration, every round kept: `default_rows`), as a linear programme (OR-Tools GLOP): weights at least 1, each replay's bound at its point
-at least its needed limit x (1 + --margin), the sum of bound/needed the least. A bound is the highest of a plan's
-points, so which point must reach the need is a choice: each replay's highest point under the weights of the
-round before, from NATIVE's, until the weights settle. `--by-model` fits each model's replays alone: were the
-weights known per model, how close would category weights come. `--stranding` fits the bound the search plans to
-(allocator_margin.native_margin): the activations weighted by 1 + a coefficient x what each replay's model strands
-in a simulation of its forward at its micro-batch (cost_models.stranding; the models traced here, a few seconds),
-the coefficient fitted with the weights.
+native configuration, every round kept: `default_rows`), as a linear programme (OR-Tools GLOP): weights at least 1,
+each replay's bound at its point at least its needed limit x (1 + --margin), the sum of bound/needed the least. A
+bound is the highest of a plan's points, so which point must reach the need is a choice: each replay's highest
+point under the weights of the round before, from NATIVE's, until the weights settle. `--by-model` fits each
+model's replays alone: were the weights known per model, how close would category weights come. `--stranding`
+fits the bound the search plans to (allocator_margin.native_margin): the activations weighted by a base plus a
+coefficient x what each replay's model strands in a simulation of its forward at its micro-batch and
+tensor-parallel layout (cost_models.stranding; the models traced here, a few seconds), fitted with the weights.
+`--expandable` fits expandable_margin (live bytes x (1 + factor), a coefficient x the model's simulated selective
+stranding x the selective units' activations, a slack) to the replays with expandable segments (each at most its
+bound / 1.005).
 
-    python benchmarks/allocator.py && python benchmarks/allocator.py --default --conf native  # the replays
-    python benchmarks/allocator_weights.py [--by-model] [--stranding] [--margin 0.01]
+    python benchmarks/allocator.py && python benchmarks/allocator.py --default  # the replays
+    python benchmarks/allocator_weights.py [--by-model] [--stranding] [--expandable] [--margin M]
 """
 
 from __future__ import annotations
@@ -240,7 +243,8 @@ def show_expandable(rows: list[dict], fitted: dict[str, float]) -> None:
             EXPANDABLE.selective * row["selective"] + EXPANDABLE.slack
         print(f"  {row['label']:<48} needed {row['needed'] / 2 ** 30:6.2f} GiB  stranding {row['stranding']:.4f}  "
               f"bound/needed: EXPANDABLE {flat / row['needed']:.3f}, expandable_margin "
-              f"{expandable_bound(row, shipped) / row['needed']:.3f}, fitted {expandable_bound(row, fitted) / row['needed']:.3f}")
+              f"{expandable_bound(row, shipped) / row['needed']:.3f}, "
+              f"fitted {expandable_bound(row, fitted) / row['needed']:.3f}")
 
 
 def main() -> None:

@@ -11,10 +11,12 @@ the plan. Both are measured by replaying real plans' allocation sequences throug
 (cost_models.allocator, cost_models.expandable_segments; benchmarks/allocator.py, benchmarks/RESULTS.md
 section 11), and bounded here. Both bounds are per time point (`PointMargin`), and a table that carries one
 (`CostTable.allocator`) has solver rows of what the allocator needs (`fitted_totals`), so the search stays linear
-and each plan pays for what it holds. With expandable segments the need is the live bytes x 1.013, plus 5.3% of
-the activations that selectively checkpointed units save (their mix of saved and recomputed blocks leaves holes
-in the pages: 2-3.3% of the live peak on llama2-7b plans made of them, 0.3-1.1% without), plus the slack; a
-flat `needed <= allocated x (1 + factor) + slack` (`Margin`) remains for tables whose rows are written sparse.
+and each plan pays for what it holds. With expandable segments the need is the live bytes x 1.012, plus the
+activations that selectively checkpointed units save times 2.33 x what the model's selective forward strands in a
+simulation of its pages (`expandable_margin`: their mix of saved and recomputed blocks leaves holes in the pages,
+2-3.3% of the live peak on llama2-7b plans made of them, next to nothing on gpt2-1.5b's and llama3-8b's; 0.3-1.1%
+without them), plus the slack; a flat `needed <= allocated x (1 + factor) + slack` (`Margin`) remains for tables
+whose rows are written sparse.
 Natively a flat factor wastes memory: the
 excess comes from blocks that a smaller request splits and strands (a layer's saved activations in segments its
 larger transients left, the optimizer's foreach temporaries in the backward's segments, a step's largest block,
@@ -44,8 +46,8 @@ from cost_models.allocator import FRAGMENTATION, SEGMENT_SLACK
 from cost_models.memory import CATEGORIES, MemoryPoint, total
 from cost_models.options import Recompute
 
-__all__ = ["ALLOC_CONF_ENV", "DEFAULT_ALLOC_CONF", "EXPANDABLE", "EXPANDABLE_BY_SIZES", "EXPANDABLE_STRANDING", "NATIVE",
-           "NATIVE_BY_SIZES", "STRANDING", "Margin", "PointMargin", "allocated_within", "expandable_margin",
+__all__ = ["ALLOC_CONF_ENV", "DEFAULT_ALLOC_CONF", "EXPANDABLE", "EXPANDABLE_BY_SIZES", "EXPANDABLE_STRANDING",
+           "NATIVE", "NATIVE_BY_SIZES", "STRANDING", "Margin", "PointMargin", "allocated_within", "expandable_margin",
            "fitted_totals", "is_expandable", "margin_of", "native_margin",
            "needed_bytes", "needed_of_parts", "needed_of_points", "point_margin", "reserved_bytes", "selective_bytes",
            "SELECTIVE_RECOMPUTE"]
@@ -176,7 +178,8 @@ def native_margin(stranding: float | None) -> PointMargin:
 # benchmarks/allocator_weights.py --expandable`), rounded up. EXPANDABLE (5.3% of every model's selective
 # activations) is the bound of a table whose trace records no storages.
 EXPANDABLE_STRANDING = 2.33
-EXPANDABLE_BY_SIZES = PointMargin({category.value: 1.012 for category in CATEGORIES}, slack=(46 << 20) + SEGMENT_SLACK)
+EXPANDABLE_BY_SIZES = PointMargin({category.value: 1.012 for category in CATEGORIES},
+                                  slack=(46 << 20) + SEGMENT_SLACK)
 
 
 def expandable_margin(stranding: float | None) -> PointMargin:
