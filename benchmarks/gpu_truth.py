@@ -275,7 +275,13 @@ def _run_under(plan, device: str, conf: str | None, gpu_mem: int | None) -> dict
     from autoplan.errors import AutoplanError
     from autoplan.run.fake_world import run_fake_world
     from autoplan.run.memtrack import allocation_failure
-    from cost_models.allocator_margin import SELECTIVE_RECOMPUTE, needed_bytes, needed_of_parts, reserved_bytes
+    from cost_models.allocator_margin import (
+        SELECTIVE_RECOMPUTE,
+        is_expandable,
+        needed_bytes,
+        needed_of_parts,
+        reserved_bytes,
+    )
     from cost_models.options import CHECKPOINT_MODES
 
     summary: dict = {}
@@ -290,6 +296,9 @@ def _run_under(plan, device: str, conf: str | None, gpu_mem: int | None) -> dict
         bound = needed_of_parts([{k.removesuffix("_bytes"): v for k, v in p.breakdown.model_dump().items()}
                                  for p in plan.predicted.timeline], conf, selective) if plan.predicted.timeline else \
             needed_bytes(peak, conf)
+        made_for = plan.cluster.allocator_conf
+        if made_for is not None and plan.predicted.needed_bytes and is_expandable(made_for) == is_expandable(conf):
+            bound = plan.predicted.needed_bytes  # the configuration it was made for: its model's own bound
         summary.update(needed_bound_bytes=bound, predicted_reserved_bytes=reserved_bytes(peak, conf))
         if gpu_mem is not None:  # None: uncapped
             torch.cuda.set_per_process_memory_fraction(min(1.0, bound / gpu_mem))
