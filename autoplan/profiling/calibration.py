@@ -116,6 +116,7 @@ def uniform_plan(traced, strategy: str, checkpoint: bool, world_size: int, micro
     traced.price_for(None, cluster.profile.device_type)  # as a search prices it
     tables = traced.cache(PRECISIONS[dtype].compute_dtype, granularity)
     table = tables.table(micro_batch, 1, cluster, traced.seq_len, dtype, optimizer)
+    table = limits.with_margin(table, tables)  # the allocator's bound per time point, as a search's table carries
     choices = uniform_choices(table, strategy, checkpoint, exact=True)
     if choices is None:
         raise ValueError(f"calibration plan {strategy!r} is not an option on {world_size} ranks of one node")

@@ -26,7 +26,6 @@ from autoplan.solve.tables import CostTables, micro_batch_candidates
 from cost_models.allocator_margin import allocated_within, is_expandable, needed_bytes, point_margin
 from cost_models.mesh import Mesh
 from cost_models.stranding import forward_stranding
-from cost_models.tensor_parallel import tp_ops
 from cost_models.table import CostTable
 from cost_models.training import MicroBatch, Training
 
@@ -136,10 +135,7 @@ def model_stranding(source, micro_batch: int, expandable: bool = False) -> float
     key = (micro_batch, expandable, (layout.degree, layout.sequence_parallel) if layout is not None else None)
     known = trace.__dict__.setdefault("_stranding", {})  # the ops are not changed once traced
     if key not in known:
-        scale = None
-        if layout is not None:  # a rank's share of each op's outputs (the ops keep their names)
-            scale = {new.name: new.out_bytes / old.out_bytes
-                     for old, new in zip(trace.ops, tp_ops(trace.ops, layout, tp_source.op_ids)) if old.out_bytes}
+        scale = tp_source.output_shares if layout is not None else None  # a rank's share of each op's outputs
         known[key] = forward_stranding(trace, micro_batch, expandable, scale)
     return known[key]
 

@@ -186,6 +186,14 @@ class TensorParallelTables(_Source):
         return _ids([(base_id, op_role(op, self.layout, roles))
                      for base_id, op in zip(self.base.op_ids, self.base.trace_1.ops)])
 
+    @cached_property
+    def output_shares(self) -> dict[str, float]:
+        """Per traced op (by name), the share of its outputs one rank of the group makes (what
+        cost_models.stranding scales the trace's storages by)."""
+        ops = self.base.trace_1.ops
+        return {new.name: new.out_bytes / old.out_bytes
+                for old, new in zip(ops, tp_ops(ops, self.layout, self.op_ids)) if old.out_bytes}
+
     def inputs(self, micro_batch_size: int, training: Training) -> TableInputs:
         """The base inputs at this micro-batch, transformed: each op as a rank runs it, and what a checkpointed
         unit keeps per rank (cost_models.tensor_parallel.tp_keep_bytes)."""
