@@ -120,16 +120,16 @@ def test_default_search_on_two_nodes_tries_pipelines_beside_the_rest():
 
 def test_pipelined_meshes_that_cannot_beat_the_plan_without_one_are_pruned_to_the_same_plan(monkeypatch):
     from autoplan.plan.pipeline_report import pipeline_lines
-    from autoplan.solve import mesh_search
+    from autoplan.solve import one_mesh
 
     settings = dict(nodes=4, gpus_per_node=2, tp=1, global_batch=32, **TOY)
     pruned = autoplan.search("llama-tiny", "80GB", **settings)
     notes = {entry.pp_degree: entry.note for entry in pruned.solver.tp_degrees}
     assert notes[4].startswith("pruned: no pipelined plan beats") and notes[2] == "" and notes[1] == ""
     assert any("1 pipelined mesh not searched" in line for line in pipeline_lines(pruned))
-    searched = mesh_search.search_pipeline
-    monkeypatch.setattr(mesh_search, "search_pipeline",
-                        lambda request, mesh, layout, schedule, beat: searched(request, mesh, layout, schedule))
+    searched = one_mesh.search_pipeline
+    monkeypatch.setattr(one_mesh, "search_pipeline",
+                        lambda request, mesh, layout, schedule, beat, bounds: searched(request, mesh, layout, schedule))
     full = autoplan.search("llama-tiny", "80GB", **settings)
     entries = {entry.pp_degree: entry for entry in full.solver.tp_degrees}
     assert entries[4].note == "" and entries[4].throughput_samples_s < pruned.predicted.throughput_samples_s
@@ -137,6 +137,44 @@ def test_pipelined_meshes_that_cannot_beat_the_plan_without_one_are_pruned_to_th
     assert strip(full) == strip(pruned)  # the same plan: only the pruned mesh's entry differs
     assert [e for e in full.solver.tp_degrees if e.pp_degree < 4] == \
         [e for e in pruned.solver.tp_degrees if e.pp_degree < 4]
+
+
+@pytest.mark.parametrize("known", [False, True])
+def test_pipelined_meshes_searched_before_the_beat_is_known_give_the_plan_made_mesh_by_mesh(monkeypatch, known):
+    """With workers, the pipelined meshes start beside the meshes without a pipeline, before the throughput they
+    must beat is known: such a search prunes nothing against it and stands only where every bound it compared is
+    above the beat (else it is searched again with it). Here every pipelined mesh of the first round is searched so
+    (the beat never handed to the workers) or none is (each claimed after the beat), and the plan, every mesh's entry
+    (pp 4's `pruned`) included, is the one made mesh by mesh."""
+    from autoplan.solve import mesh_search, mesh_workers
+
+    settings = dict(nodes=4, gpus_per_node=2, tp=1, global_batch=32, **TOY)
+    one_by_one = autoplan.search("llama-tiny", "80GB", **settings)
+    monkeypatch.setattr(mesh_search, "PARALLEL_MIN_UNITS", 0)
+    monkeypatch.setattr(mesh_search.os, "sched_getaffinity", lambda pid: {0, 1})  # one worker even on 1 core
+    if not known:
+        monkeypatch.setattr(mesh_workers.MeshWorkers, "publish", lambda self, value: None)
+    else:  # the meshes without a pipeline (the first, here) found before any pipelined mesh is claimed
+        monkeypatch.setattr(mesh_workers.MeshWorkers, "_claim", _after_the_first(mesh_workers.MeshWorkers._claim))
+    forked = autoplan.search("llama-tiny", "80GB", **settings)
+    assert forked.solver.tp_degrees[-1].note.startswith("pruned: no pipelined plan beats")
+    assert json.loads(forked.to_json()) | {"timing": None} == json.loads(one_by_one.to_json()) | {"timing": None}
+
+
+def _after_the_first(claim):
+    """MeshWorkers._claim where the workers claim nothing before the beat is handed to them (the search's first
+    mesh, the only one without a pipeline here, is this process's)."""
+    import math
+    import os
+    import time
+
+    parent = os.getpid()
+
+    def claimed(self, tasks):
+        while os.getpid() != parent and math.isnan(self._shared[1]) and not self._shared[2]:
+            time.sleep(0.01)
+        return claim(self, tasks)
+    return claimed
 
 
 def test_explain_covers_the_stages_and_their_boundaries():

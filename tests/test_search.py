@@ -144,6 +144,7 @@ def test_the_pipelined_meshes_go_to_the_workers_forked_for_the_first_meshes(monk
     import multiprocessing
 
     import autoplan.solve.mesh_search as mesh_search
+    import autoplan.solve.mesh_workers as mesh_workers
 
     settings = dict(model="llama-tiny", mem="80GB", nodes=2, gpus_per_node=2, seq_len=128, global_batch=16,
                     profile="h100-sxm-80gb", fit_to="allocated")
@@ -153,7 +154,7 @@ def test_the_pipelined_meshes_go_to_the_workers_forked_for_the_first_meshes(monk
     context = multiprocessing.get_context("fork")
     monkeypatch.setattr(mesh_search, "PARALLEL_MIN_UNITS", 0)
     monkeypatch.setattr(mesh_search.os, "sched_getaffinity", lambda pid: {0, 1})  # one worker even on 1 core
-    monkeypatch.setattr(mesh_search.multiprocessing, "get_context",
+    monkeypatch.setattr(mesh_workers.multiprocessing, "get_context",
                         lambda method: pools.append(method) or context)
     forked = search(**settings)
     assert pools == ["fork"]

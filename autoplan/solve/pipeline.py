@@ -120,8 +120,9 @@ class _Search:
     lean: InfeasibleError | None = None
     decide: object = None  # fixed choices in place of the solves: a function of a rank's table
     over: float = 0.0  # the last rank that did not fit: its floor over the planned bytes
-    beat: float = 0.0  # samples/s of the best plan without a pipeline; `pruned`: schedules whose bound cannot beat it
-    pruned: int = 0
+    beat: float | None = 0.0  # samples/s of the best plan without a pipeline (None: not known yet); `pruned`: schedules
+    pruned: int = 0  # whose bound cannot beat it; `bounds`: each bound over any cut compared with `beat`
+    bounds: list = field(default_factory=list)
 
     def source(self, chunks: tuple[tuple[int, int], ...]):
         if chunks not in self.sources:
@@ -165,13 +166,16 @@ class _Search:
 
 
 def search_pipeline(request: PlanRequest, mesh: Mesh, layout: TpLayout | None, schedule: str | None = None,
-                    beat: float = 0.0) -> tuple[PipelineOutcome, SweepOutcome]:
-    """The fastest pipelined plan on `mesh` (see the module docstring) faster than `beat` samples/s where its
-    bound can beat that, and the same in the sweep's terms (the busiest rank's table and evaluation, the step the
-    makespan). InfeasibleError where nothing fits, MeshPruned where no schedule's bound beats `beat`."""
+                    beat: float | None = 0.0, bounds: list[float] | None = None) -> tuple[PipelineOutcome, SweepOutcome]:
+    """The fastest pipelined plan on `mesh` (see the module docstring) faster than `beat` samples/s where its bound
+    can beat that, and the same in the sweep's terms (the busiest rank's table and evaluation, the step the makespan).
+    InfeasibleError where nothing fits, MeshPruned where no schedule's bound beats `beat`. `beat` None: not known yet,
+    none prunes; `bounds` gets each bound over any cut compared with `beat` (samples/s): where all are above the beat
+    found, a search with it takes the same path (it prunes only what one is not above)."""
     if mesh.ep > 1:
         raise UsageError("expert parallelism is not combined with a pipeline (`pp` above 1) yet")
-    search = _Search(request, mesh, layout, stage_cluster(request.cluster, mesh), beat=beat)
+    bounds = [] if bounds is None else bounds
+    search = _Search(request, mesh, layout, stage_cluster(request.cluster, mesh), beat=beat, bounds=bounds)
     start, steps = time.perf_counter(), []
     rows = [SCHEDULES[schedule]] if schedule else sorted(SCHEDULES.values(), key=lambda r: bubble_slots(r, mesh.pp))
     units = len(forward_units(request.tables.units))
@@ -186,12 +190,12 @@ def search_pipeline(request: PlanRequest, mesh: Mesh, layout: TpLayout | None, s
         outcomes = [_schedule(search, row, weights, micro_batch_size, m) for row in tried]
         found = [o for o in outcomes if isinstance(o, PipelineOutcome)]
         best = min(found, key=lambda o: (o.step_time_s, o.schedule), default=None)
-        if best is not None and (search.best is None or _faster(best, search.best)):
+        if best is not None and (search.best is None or best.samples_per_step / best.step_time_s >
+                                 search.best.samples_per_step / search.best.step_time_s * (1 + 1e-9)):
             search.best = best
         infeasible = tried and all(o is None for o in outcomes)
-        steps.append(SweepStep(micro_batch_size, m, SolveStatus.OPTIMAL if best else
-                               SolveStatus.INFEASIBLE if infeasible else SolveStatus.PRUNED,
-                               best.step_time_s if best else None,
+        steps.append(SweepStep(micro_batch_size, m, SolveStatus.OPTIMAL if best else SolveStatus.INFEASIBLE if
+                               infeasible else SolveStatus.PRUNED, best.step_time_s if best else None,
                                best.samples_per_step / best.step_time_s if best else None))
         if infeasible:
             break  # a larger micro-batch needs more memory still
@@ -215,10 +219,6 @@ def _bound_s(search: _Search, row, cuts: list[int], micro_batch_size: int, m: in
     return tuple(makespan_s(slot, 0.0, row, pp, m) for slot in slot_bounds(tables, m))
 
 
-def _faster(a: PipelineOutcome, b: PipelineOutcome) -> bool:
-    return a.samples_per_step / a.step_time_s > b.samples_per_step / b.step_time_s * (1 + 1e-9)
-
-
 _PRUNED = "pruned"  # a schedule not solved at a micro-batch: it cannot beat the best found
 
 
@@ -230,13 +230,14 @@ def _schedule(search: _Search, row, weights: list[float], micro_batch_size: int,
     units = len(forward_units(search.request.tables.units))
     cuts = balanced_cuts(weights, stages)
     best, samples = search.best, micro_batch_size * m * search.cluster.mesh.dp
-    if best is not None or search.beat > 0:
+    if best is not None or search.beat != 0:  # None: not known yet
         this_cut, any_cut = (samples / bound for bound in _bound_s(search, row, cuts, micro_batch_size, m))
         if best is not None and this_cut <= best.samples_per_step / best.step_time_s:
             return _PRUNED  # cannot beat the best found even with no memory limit
         # nor the best without a pipeline, which wins a tie (best_result: the lower pipeline degree); unless a
         # rank's floor says, as a solve would (below), that no cut fits: a larger micro-batch fits no better
-        if any_cut <= search.beat:
+        search.bounds.append(any_cut)
+        if search.beat is not None and any_cut <= search.beat:
             _, failed = _ranks(search, row, cuts, micro_batch_size, m, solve=False)
             if failed is not None and search.over > 1 + stages / units:
                 return None
