@@ -162,6 +162,7 @@ class TensorParallelTables(_Source):
         self.base, self.layout = base, layout
         self.tracer = base.tracer
         self.units = tp_units(base.units, layout)
+        self._inputs: dict[tuple, TableInputs] = {}  # by micro-batch and training: each table and split backward reads
 
     # what a table needs beyond the units, made at the first (a pipelined mesh makes a view per cut of the model's
     # stages and builds tables for few: alike stages share theirs)
@@ -196,7 +197,13 @@ class TensorParallelTables(_Source):
 
     def inputs(self, micro_batch_size: int, training: Training) -> TableInputs:
         """The base inputs at this micro-batch, transformed: each op as a rank runs it, and what a checkpointed
-        unit keeps per rank (cost_models.tensor_parallel.tp_keep_bytes)."""
+        unit keeps per rank (cost_models.tensor_parallel.tp_keep_bytes). Made once per micro-batch and training."""
+        key = (micro_batch_size, training.seq_len, training.dtype, training.optimizer)
+        if key not in self._inputs:
+            self._inputs[key] = self._transformed(micro_batch_size, training)
+        return self._inputs[key]
+
+    def _transformed(self, micro_batch_size: int, training: Training) -> TableInputs:
         base, layout = self.base.inputs(micro_batch_size), self.layout
         ops = tp_ops(base.ops, layout, self.op_ids)  # alike ops transformed once
         activation = micro_batch_size * training.seq_len * layout.hidden * training.precision.compute_bytes
