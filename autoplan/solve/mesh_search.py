@@ -128,23 +128,25 @@ def _in_rounds(request: PlanRequest, progress: MeshProgress, workers: MeshWorker
     meshes begin beside the others, before the beat is known (`search_pipeline`'s `beat` None) until it is (the
     workers' shared value); such a result stands where every bound it compared is above the beat, as the search
     with the beat would have pruned nothing either; the others, and the pipeline degrees at the best tensor degree
-    (known only then), are searched in a second round. The same results as `_one_by_one`, in the same order."""
+    (known only then), are searched in a second round, or by this process while a worker finishes the first
+    (`_Round.spare`). The same results as `_one_by_one`, in the same order."""
     flat, piped = request.meshes, request.pipeline_meshes
     first = _Round(request, progress, len(flat), workers)
-    workers.run([(mesh, 0.0) for mesh in flat] + [(mesh, None) for mesh in piped], first.here, first.done)
+    workers.run([(mesh, 0.0) for mesh in flat] + [(mesh, None) for mesh in piped], first.here, first.done,
+                first.spare)
     results = first.ordered[:len(flat)]
     if not first.pays:
         return _searched(request, results)
-    beat, meshes = first.beat, piped + _at_best_degree(piped, results)
+    meshes = first.second
     progress.meshes += len(meshes)
     second = _Round(request, progress, len(meshes), workers, results)
-    ahead = {i: first.found.get(len(flat) + i) for i in range(len(piped))}
-    for i, result in ahead.items():
-        if result is not None and not isinstance(result, BaseException) and result.beat_bound > beat:
-            second.done(i, result, None)
+    for i in range(len(meshes)):
+        ahead = first.later.get(i, first.found.get(len(flat) + i) if i < len(piped) else None)
+        if ahead is not None and first.stands(ahead):
+            second.done(i, ahead, None)
     again = [i for i in range(len(meshes)) if i not in second.found]
     second.indices = again
-    workers.run([(meshes[i], beat) for i in again], second.here, second.done)
+    workers.run([(meshes[i], first.beat) for i in again], second.here, second.done)
     results = second.ordered
     return _searched(request, results)
 
@@ -163,6 +165,8 @@ class _Round:
         self.found: dict = {}
         self.indices: list[int] | None = None  # the round's tasks' mesh indices (None: the same)
         self.pays, self.beat = False, 0.0
+        self.second: tuple[Mesh, ...] = ()  # the first round's: the pipelined meshes, then those at the best degree
+        self.later: dict[int, MeshResult] = {}  # of those, searched here with the beat while a worker was busy
 
     def here(self, index: int, task: tuple, value: float) -> MeshResult:
         mesh, beat = task
@@ -191,8 +195,28 @@ class _Round:
         if self.request.pipeline_meshes and pipeline_pays(results):
             self.pays, self.beat = True, _beat(results)
             self.workers.publish(self.beat)
+            piped = self.request.pipeline_meshes
+            self.second = piped + _at_best_degree(piped, results)
         else:
             self.workers.stop()
+
+    def stands(self, result) -> bool:
+        """Whether a pipelined mesh's result of the first round is its result with the beat."""
+        return isinstance(result, MeshResult) and result.beat_bound > self.beat
+
+    def spare(self) -> bool:
+        """A mesh of the second round searched here while a worker finishes the first (True), or none left (False):
+        a pipelined mesh whose search before the beat came back and does not stand, or one at the best degree."""
+        if not self.pays:
+            return False
+        before = len(self.request.meshes)
+        for i, mesh in enumerate(self.second):
+            if i in self.later or i < len(self.request.pipeline_meshes) and (
+                    before + i not in self.found or self.stands(self.found[before + i])):
+                continue
+            self.later[i] = search_mesh(self.request, mesh, beat=self.beat)
+            return True
+        return False
 
 
 def _at_best_degree(pipelined: tuple[Mesh, ...], results: list[MeshResult]) -> tuple[Mesh, ...]:

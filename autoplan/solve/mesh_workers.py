@@ -56,10 +56,11 @@ class MeshWorkers:
             self._processes.append(process)
 
     def run(self, tasks: list, here: Callable[[int, object, float], object],
-            done: Callable[[int, object, bool], None]) -> None:
+            done: Callable[[int, object, bool], None], spare: Callable[[], bool] | None = None) -> None:
         """Every task of `tasks` run once, by whichever process claims it first: `here(index, task, value)` in this
         process (which claims the first before the workers start), `work(task, value)` in a worker. `done(index,
-        result, here)` is told each result as it arrives (an exception a worker's task raised comes as its result)."""
+        result, here)` is told each result as it arrives (an exception a worker's task raised comes as its result).
+        `spare()`, while nothing is left to claim and a worker is still busy: other work done here (True), or none."""
         self._drain()
         with self._lock:
             self._shared[_NEXT], self._shared[_STOPPED] = 0, 0
@@ -74,7 +75,8 @@ class MeshWorkers:
                 pass
             claim = self._claim(len(tasks))
         while self._busy and not self._shared[_STOPPED]:
-            self._receive(done, block=True)
+            if not self._receive(done, block=False) and not (spare is not None and spare()):
+                self._receive(done, block=True)
 
     def publish(self, value: float) -> None:
         """`value` for the claims from now on (NaN until published)."""
