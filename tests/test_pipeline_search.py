@@ -161,6 +161,24 @@ def test_pipelined_meshes_searched_before_the_beat_is_known_give_the_plan_made_m
     assert json.loads(forked.to_json()) | {"timing": None} == json.loads(one_by_one.to_json()) | {"timing": None}
 
 
+def test_pipelined_meshes_begun_where_no_pipeline_pays_are_left_out_as_mesh_by_mesh(monkeypatch):
+    """Where the best plan without a pipeline leaves a pipeline nothing to win, the pipelined meshes the workers began
+    beside the others are dropped (the round stopped, their results not waited for): the plan made mesh by mesh."""
+    from autoplan.solve import mesh_search, mesh_workers
+
+    monkeypatch.setattr(mesh_search, "PIPELINE_MFU", 0.0)  # no model FLOPs use is below it: a pipeline never pays
+    settings = dict(nodes=2, gpus_per_node=2, tp=1, global_batch=16, **TOY)
+    one_by_one = autoplan.search("llama-tiny", "80GB", **settings)
+    assert one_by_one.pipeline is None and all(entry.pp_degree == 1 for entry in one_by_one.solver.tp_degrees)
+    monkeypatch.setattr(mesh_search, "PARALLEL_MIN_UNITS", 0)
+    monkeypatch.setattr(mesh_search.os, "sched_getaffinity", lambda pid: {0, 1})  # one worker even on 1 core
+    stopped, stop = [], mesh_workers.MeshWorkers.stop
+    monkeypatch.setattr(mesh_workers.MeshWorkers, "stop", lambda self: stopped.append(1) or stop(self))
+    forked = autoplan.search("llama-tiny", "80GB", **settings)
+    assert stopped == [1]
+    assert json.loads(forked.to_json()) | {"timing": None} == json.loads(one_by_one.to_json()) | {"timing": None}
+
+
 def _after_the_first(claim):
     """MeshWorkers._claim where the workers claim nothing before the beat is handed to them (the search's first
     mesh, the only one without a pipeline here, is this process's)."""
