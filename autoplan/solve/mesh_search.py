@@ -172,7 +172,7 @@ class _Round:
         mesh, beat = task
         mesh_index = index if self.indices is None else self.indices[index]
         sweeping = self.progress.sweeping(self.offset + mesh_index, mesh) if mesh.pp == 1 else None
-        return search_mesh(self.request, mesh, sweeping, beat if beat is not None or math.isnan(value) else value)
+        return search_mesh(self.request, mesh, sweeping, _beat_of(beat, value))
 
     def done(self, index: int, result, here: bool | None) -> None:
         """`here` None: a result taken as it is (a pipelined mesh searched in the round before)."""
@@ -259,11 +259,17 @@ def _workers(request: PlanRequest, meshes: int) -> int:
 _REQUEST: PlanRequest | None = None  # the request a forked worker searches
 
 
+def _beat_of(beat: float | None, value: float) -> float | None:
+    """A task's beat (None: a pipelined mesh handed out before the beat was known), or the one published since
+    (`value`, NaN until then)."""
+    return beat if beat is not None or math.isnan(value) else value
+
+
 def _search_in_worker(task: tuple[Mesh, float | None], value: float) -> MeshResult:
     """A mesh searched in a worker (`value`: the beat once published, NaN before), sent back without its tables
     and cluster (made again where it is read: the traces stay out of the pipes)."""
     mesh, beat = task
-    result = search_mesh(_REQUEST, mesh, beat=beat if beat is not None or math.isnan(value) else value)
+    result = search_mesh(_REQUEST, mesh, beat=_beat_of(beat, value))
     if result.pipeline is not None:
         for rank in result.pipeline.ranks:
             rank.source = None

@@ -102,14 +102,15 @@ class PinResolution:
         None when no plan fits without them either (the pins are not the cause). `model(t)`: the solver's model
         of `table` or a restriction of it (default `AffineModel.of`; a pipeline rank's holds more: stage_solve)."""
         model = model or AffineModel.of
-        without = solve_min_memory(table, time_limit_s=time_limit_s, affine=model(table))
+        full = model(table)
+        without = solve_min_memory(table, time_limit_s=time_limit_s, affine=full)
         if without.objective is None or without.objective > limit_bytes:
             return None
         restricted = self.restrict(table)
         pinned = solve_min_memory(restricted, time_limit_s=time_limit_s, affine=model(restricted))
         peak_with = int(pinned.objective) if pinned.objective is not None else None
         peak_without = int(without.objective)
-        cores = _cores(self, table, limit_bytes, time_limit_s, model(table))
+        cores = _cores(self, table, limit_bytes, time_limit_s, full)
         blamed = [pin for core in cores for pin in core]
         if not cores:
             loosen = "the solver could not tell which pins within `time_limit_s`; loosen some of them"

@@ -13,11 +13,10 @@ from __future__ import annotations
 from dataclasses import replace
 
 from autoplan.errors import InfeasibleError, UsageError
-from autoplan.models.tp_layout import recognise
 from autoplan.solve.pipeline import search_pipeline
 from autoplan.solve.request import PlanRequest
 from autoplan.solve.solver import solve_min_memory
-from autoplan.solve.stage_solve import held_model, rank_rows
+from autoplan.solve.stage_solve import held_model, searched_table
 from autoplan.solve.sweep import MeshPruned
 
 __all__ = ["best_explained", "explain_pinned_pipeline"]
@@ -43,16 +42,15 @@ def explain_pinned_pipeline(request: PlanRequest, results: list, error: Infeasib
     if request.pins is None or request.uniform is not None or failed is None or failed.mesh.pp == 1:
         return error
     mesh = failed.mesh
-    layout = recognise(request.model.module, mesh.tp, mesh.sequence_parallel) if mesh.tp > 1 else None
-    try:
-        free, _ = search_pipeline(replace(request, pins=None), mesh, layout, request.schedule)
+    try:  # on the mesh's own tensor-parallel layout (kept in its result, a worker's too)
+        free, _ = search_pipeline(replace(request, pins=None), mesh, failed.layout, request.schedule)
     except (InfeasibleError, UsageError, MeshPruned):
         error.args = (_sentence(error.args[0]) + NOT_THE_CAUSE,)
         return error
     limits, pins = request.limits, request.pins
     for rank in free.ranks:
         model = held_model(rank.table, rank.held)
-        searched = rank_rows(rank.table).table  # the options the search offers: the model's literals
+        searched = searched_table(rank.table)[0]  # the options the search offers: the model's literals
         restricted = pins.restrict(searched)
         lean = solve_min_memory(restricted, time_limit_s=limits.time_limit_s, affine=model(restricted))
         if lean.objective is not None and lean.objective <= limits.planned_bytes:

@@ -119,9 +119,8 @@ def model_stranding(source, micro_batch: int, expandable: bool = False) -> float
     """What the model's tensor sizes strand in the caching allocator at this micro-batch (cost_models.stranding;
     `expandable`: with expandable segments), simulated once per trace, micro-batch, configuration and
     tensor-parallel layout from the trace under `source`, each op's storages scaled to a rank's share of its
-    outputs under the layout (a pipeline stage's source: its whole model's). None under context or expert
-    parallelism (sizes the simulation has not been checked against by replay) or for a trace without storages:
-    the caller keeps the bound that needs none."""
+    outputs under the layout. None under context or expert parallelism (sizes the simulation has not been checked
+    against by replay) or for a trace without storages: the caller keeps the bound that needs none."""
     layout, tp_source = None, None
     while not hasattr(source, "trace_1") and getattr(source, "base", None) is not None:
         if hasattr(source, "cp") or hasattr(source, "experts"):

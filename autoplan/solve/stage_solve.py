@@ -34,7 +34,8 @@ from cost_models.memory import MemCategory, MemoryPoint, phase_of, total
 from cost_models.pipeline import HeldAllStep
 from cost_models.table import CostTable
 
-__all__ = ["RankSolve", "held_evaluation", "held_model", "leanest", "rank_floor", "rank_rows", "solve_rank"]
+__all__ = ["RankSolve", "held_evaluation", "held_model", "leanest", "rank_floor", "rank_rows", "searched_table",
+           "solve_rank"]
 
 
 @dataclass(frozen=True)
@@ -70,10 +71,16 @@ class _Rows:
 def rank_rows(table: CostTable) -> _Rows:
     """What `solve_rank` and `rank_floor` build from the rank's table before its held bytes: made once, handed to
     each (a caller's cache, per kind of stage and micro-batch)."""
-    keep = [searched_options(options) for options in table.options]
-    searched = replace(table, options=[[o[i] for i in k] for o, k in zip(table.options, keep)],
-                       costs=[[c[i] for i in k] for c, k in zip(table.costs, keep)])
+    searched, keep = searched_table(table)
     return _Rows(searched, keep, *table_rows(searched))
+
+
+def searched_table(table: CostTable) -> tuple[CostTable, list[list[int]]]:
+    """The rank's table cut to the options the search offers (cost_models.choices.searched_options), and per unit
+    the indices kept."""
+    keep = [searched_options(options) for options in table.options]
+    return replace(table, options=[[o[i] for i in k] for o, k in zip(table.options, keep)],
+                   costs=[[c[i] for i in k] for c, k in zip(table.costs, keep)]), keep
 
 
 def solve_rank(request: PlanRequest, table: CostTable, held: HeldAllStep, rows: _Rows | None = None) -> RankSolve:
