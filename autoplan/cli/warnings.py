@@ -25,10 +25,12 @@ def device_warnings(plan) -> list[str]:
 
 
 def schedule_note(pipeline) -> str | None:
-    """Where a plan's pipeline (its PipelineSpec, or None) runs ZB-V on 3 or more ranks: what its memory leaves out."""
-    if pipeline is None or pipeline.schedule != "zbv" or pipeline.degree < 3:
+    """Where a plan's pipeline (its PipelineSpec, or None) runs a schedule whose memory is not all priced at its
+    degree (autoplan.solve.stages.ASKED_ONLY: ZB-V from 3 ranks): what it leaves out."""
+    from autoplan.solve.stages import ASKED_ONLY
+
+    if pipeline is None or pipeline.schedule not in ASKED_ONLY or pipeline.degree < ASKED_ONLY[pipeline.schedule][0]:
         return None
-    return (f"ZB-V on pipeline degree {pipeline.degree}: near the step's end its rank r >= 1 holds pp + r stage-chunks "
-            "with 2r + 1 weight passes pending (torch's own order), beyond the steady state priced (2 pp chunks, one "
-            "pending), so the predicted peak of ranks 1 and up may be low; keep memory in hand, or take "
-            "`schedule` zero_bubble (priced as it runs)")
+    name = "ZB-V" if pipeline.schedule == "zbv" else pipeline.schedule
+    return (f"{name} on pipeline degree {pipeline.degree}: {ASKED_ONLY[pipeline.schedule][1]}, so the predicted peak "
+            "of ranks 1 and up may be low; keep memory in hand, or take `schedule` zero_bubble (priced as it runs)")

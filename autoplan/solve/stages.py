@@ -30,8 +30,8 @@ from cost_models.table import CostTable, TableInputs, unit_classes
 from cost_models.tensor_parallel import TpLayout
 from cost_models.training import Training
 
-__all__ = ["StageTables", "balanced_cuts", "boundary_bytes", "forward_units", "rank_chunks", "shifted", "slot_bounds",
-           "stage_boundaries", "stage_cluster", "stage_modules", "undominated", "unit_weights",
+__all__ = ["ASKED_ONLY", "StageTables", "balanced_cuts", "boundary_bytes", "forward_units", "rank_chunks", "shifted",
+           "slot_bounds", "stage_boundaries", "stage_cluster", "stage_modules", "undominated", "unit_weights",
            "weight_outputs"]
 
 
@@ -114,18 +114,20 @@ def slot_bounds(tables: list[CostTable], m: int) -> tuple[float, float]:
 # micro-batches in flight. (Zero bubble no longer counts as beating interleaved 1F1B: it holds min(m, pp)
 # micro-batches and its split backward's bytes on every rank, where interleaved 1F1B holds more on rank 0 only.)
 _DOMINATED_BY = {"gpipe": "1f1b"}
-# schedules offered only when asked for (`--schedule`), and why: ZB-V's drain holds pp + r stage-chunks with 2r + 1
-# weight passes pending on rank r >= 1 (torch's pipeline_order at pp 4 and 8), which outweighs the steady state
-# priced (2 pp chunks, 1 pending: cost_models.pipeline.deferred) where a chunk's activations are under 2r / (pp - r)
-# times its weight outputs' gradients (a llama layer's are about 2 times: every pp >= 3); checked at pp 2 only
-_ASKED_ONLY = {"zbv"}
+# schedules offered only when asked for (`--schedule`): from which pipeline degree their memory is not all priced, and
+# what it leaves out (said beside such a plan: autoplan.cli.warnings). ZB-V's drain outweighs the steady state priced
+# (cost_models.pipeline.deferred) where a chunk's activations are under 2r / (pp - r) times its weight outputs'
+# gradients (a llama layer's are about 2 times: every pp >= 3); checked at pp 2 only
+ASKED_ONLY: dict[str, tuple[int, str]] = {"zbv": (3, (
+    "near the step's end its rank r >= 1 holds pp + r stage-chunks with 2r + 1 weight passes pending (torch's own "
+    "order), beyond the steady state priced (2 pp chunks, one pending)"))}
 
 
 def undominated(rows: list, fixed: str | None) -> list:
     """The schedules worth solving: a dominated one only where what beats it does not run, or when asked for."""
     if fixed is not None:
         return rows
-    rows = [row for row in rows if row.name not in _ASKED_ONLY]
+    rows = [row for row in rows if row.name not in ASKED_ONLY]
     names = {row.name for row in rows}
     return [row for row in rows if _DOMINATED_BY.get(row.name) not in names]
 
