@@ -38,9 +38,11 @@ def _why_not(plan: Plan, searched: list) -> list[str]:
     world, seq = plan.cluster.world_size, plan.training.seq_len
     ours = plan.predicted.throughput_tokens_s / world
     pruned = sum(e.note.startswith("pruned") for e in searched)
-    # the meshes and schedules whose bound (every unit at its fastest option, no memory limit) cannot beat this plan
+    # the meshes and schedules whose bound (every unit at its fastest option, with no memory limit or within its rank's:
+    # autoplan.solve.slot_bound) cannot beat this plan
     unsolved = (f"; {pruned} pipelined mesh{'es' if pruned > 1 else ''} not searched: no plan of theirs beats this one "
-                "even with every unit at its fastest option and no memory limit") if pruned else ""
+                "even with every unit at its fastest option, with no memory limit or within its rank's"
+                ) if pruned else ""
     if fitting:
         best = max(fitting, key=lambda e: e.throughput_samples_s)
         theirs = best.throughput_samples_s * seq / world

@@ -14,7 +14,8 @@ rank's micro-batch and sends, times the micro-batches plus the bubble, then the 
 Stages of the same blocks (and pins) share their tables and, at the same micro-batches in flight, their
 solves (`_Search.kind`): the pipeline dimension adds about one whole-model pricing per mesh and micro-batch,
 not one per stage. A schedule whose makespan with every unit at its fastest option cannot beat the best
-found (on the mesh, or without a pipeline: `beat`) is not solved.
+found (on the mesh, or without a pipeline: `beat`) is not solved; nor one whose ranks, each shown to fit, cannot
+beat it within their memory (autoplan.solve.slot_bound: a relaxation of each rank's memory rows).
 """
 from __future__ import annotations
 
@@ -26,12 +27,13 @@ from autoplan.errors import InfeasibleError, UsageError
 from autoplan.sizes import format_bytes
 from autoplan.solve.cluster import Cluster
 from autoplan.solve.request import PlanRequest
+from autoplan.solve.pipeline_outcome import PipelineOutcome, RankOutcome
+from autoplan.solve.slot_bound import rank_slot_bound
 from autoplan.solve.solver import SolveResult, SolveStatus
-from autoplan.solve.stage_solve import RankSolve, held_evaluation, rank_floor, rank_rows, solve_rank
+from autoplan.solve.stage_solve import RankSolve, held_evaluation, rank_memory, rank_rows, solve_rank
 from autoplan.solve.stages import StageTables, balanced_cuts, forward_units, rank_chunks, shifted, slot_bounds, \
     stage_boundaries, stage_cluster, undominated, unit_weights, weight_outputs
 from autoplan.solve.sweep import MeshPruned, SweepOutcome, SweepStep
-from cost_models.evaluate import Evaluation
 from cost_models.mesh import Mesh
 from cost_models.pipeline import HeldAllStep, bubble_slots, deferred, held_all_step, in_flight, later_flight, \
     makespan_s, pipelined_table, refusal, send_s, stages_per_rank
@@ -42,63 +44,6 @@ from cost_models.tensor_parallel import TpLayout
 __all__ = ["DEFAULT_MICROBATCHES_PER_STAGE", "PipelineOutcome", "RankOutcome", "fixed_pipelines", "search_pipeline"]
 
 DEFAULT_MICROBATCHES_PER_STAGE = 4  # without a global batch: 4 pp micro-batches per step, a bubble under a fifth
-
-
-@dataclass
-class RankOutcome:
-    """One pipeline rank's units solved: its stages, tables, choices and figures (its in-flight bytes in)."""
-
-    rank: int
-    stages: list[int]  # the stage indices it runs, in forward order
-    chunks: tuple[tuple[int, int], ...]  # their op ranges [first, last] in the model's trace
-    source: object  # its TableSource (StageTables, or their tensor-parallel view); None out of a worker
-    table: CostTable  # as the pipeline runs it (cost_models.pipeline.pipelined)
-    choices: list[int]
-    evaluation: Evaluation  # with what it holds all step added (micro-batches in flight, unsharded parameters)
-    flight: float
-    status: SolveStatus
-    send_s: float  # its sends per micro-batch
-    held: HeldAllStep | None = None  # what it holds all step beyond one micro-batch's timeline
-
-    @property
-    def slot_s(self) -> float:
-        return self.evaluation.micro_batch_s + self.send_s
-
-    @property
-    def positions(self) -> list[int]:
-        """Its ops' positions in the model's trace, in its tables' order."""
-        return [p for first, last in self.chunks for p in range(first, last + 1)]
-
-    @property
-    def trace_ops(self) -> list:
-        """Its ops as traced (their module paths)."""
-        stage = self.source if isinstance(self.source, StageTables) else self.source.base
-        return stage.trace_1.ops
-
-
-@dataclass
-class PipelineOutcome:
-    """A pipelined mesh's best plan: the schedule, the cut, every rank's plan and the step's figures."""
-
-    schedule: str
-    degree: int
-    microbatches: int
-    micro_batch_size: int
-    cuts: list[int]  # per stage, its first unit (an index into stages.forward_units)
-    ranks: list[RankOutcome]
-    step_time_s: float
-    bubble_s: float
-    p2p_s: float
-    steps: list[SweepStep] = field(default_factory=list)
-
-    @property
-    def busiest(self) -> RankOutcome:
-        """The rank with the highest peak (the plan's predicted peak)."""
-        return max(self.ranks, key=lambda r: (r.evaluation.peak_mem_bytes, -r.rank))
-
-    @property
-    def samples_per_step(self) -> int:
-        return self.ranks[0].table.samples_per_step
 
 
 @dataclass
@@ -123,6 +68,7 @@ class _Search:
     beat: float | None = 0.0  # samples/s of the best plan without a pipeline (None: not known yet); `pruned`: schedules
     pruned: int = 0  # whose bound cannot beat it; `bounds`: each bound over any cut compared with `beat`
     bounds: list = field(default_factory=list)
+    slot_bounds: dict = field(default_factory=dict)  # (key, micro-batch, m, holds) -> slot_bound.rank_slot_bound
 
     def source(self, chunks: tuple[tuple[int, int], ...]):
         if chunks not in self.sources:
@@ -201,7 +147,8 @@ def search_pipeline(request: PlanRequest, mesh: Mesh, layout: TpLayout | None, s
             break  # a larger micro-batch needs more memory still
     if search.best is None and search.pruned:  # what was not pruned did not fit: it might have, so say pruned
         raise MeshPruned(f"pruned: no pipelined plan beats {beat:,.2f} samples/s (the best without a pipeline): with "
-                         "every unit at its fastest option and no memory limit, every schedule tried is slower")
+                         "every unit at its fastest option, with no memory limit or within its rank's memory, every "
+                         "schedule tried is slower")
     if search.best is None:
         why = "; ".join([r for r in refusals if r][:3])
         raise search.lean or UsageError(f"no schedule runs on pipeline degree {mesh.pp}: {why}")
@@ -220,6 +167,7 @@ def _bound_s(search: _Search, row, cuts: list[int], micro_batch_size: int, m: in
 
 
 _PRUNED = "pruned"  # a schedule not solved at a micro-batch: it cannot beat the best found
+BOUND_MARGIN = 1e-7  # a memory-aware bound (a float search) prunes only what it is below by more than this
 
 
 def _schedule(search: _Search, row, weights: list[float], micro_batch_size: int, m: int) -> PipelineOutcome | str | None:
@@ -230,6 +178,10 @@ def _schedule(search: _Search, row, weights: list[float], micro_batch_size: int,
     units = len(forward_units(search.request.tables.units))
     cuts = balanced_cuts(weights, stages)
     best, samples = search.best, micro_batch_size * m * search.cluster.mesh.dp
+    if best is None and search.beat != 0:  # rank 0 first, as every path below (its floor alone: no other rank's table)
+        _, failed = _ranks(search, row, cuts, micro_batch_size, m, solve=False, upto=1)
+        if failed is not None and search.over > 1 + stages / units:
+            return None  # over by more than a unit of its stage: no cut fits, whatever the bound
     if best is not None or search.beat != 0:  # None: not known yet
         this_cut, any_cut = (samples / bound for bound in _bound_s(search, row, cuts, micro_batch_size, m))
         if best is not None and this_cut <= best.samples_per_step / best.step_time_s:
@@ -243,6 +195,15 @@ def _schedule(search: _Search, row, weights: list[float], micro_batch_size: int,
                 return None
             search.pruned += 1
             return _PRUNED
+        bound = _memory_bound_s(search, row, cuts, micro_batch_size, m)  # this cut's, where it is kept (no rank
+        if bound is not None:  # moves it: each is shown to fit); the margin: no rounding prunes a tie's winner
+            this_cut = samples / bound * (1 + BOUND_MARGIN)
+            if best is not None and this_cut <= best.samples_per_step / best.step_time_s:
+                return _PRUNED
+            search.bounds.append(this_cut)
+            if search.beat is not None and this_cut <= search.beat:
+                search.pruned += 1
+                return _PRUNED
     for _ in range(stages):  # a unit moved off a rank that does not fit, at most once per stage
         ranks, failed = _ranks(search, row, cuts, micro_batch_size, m)
         if failed is None:
@@ -255,16 +216,33 @@ def _schedule(search: _Search, row, weights: list[float], micro_batch_size: int,
     return None
 
 
-def _ranks(search: _Search, row, cuts: list[int], micro_batch_size: int, m: int,
-           solve: bool = True) -> tuple[list[RankOutcome], int | None]:
-    """Every rank of the cut priced (solved, or the fixed choices evaluated), and the first stage of the first
-    rank where nothing fits (None: all fit). Not `solve`: no ranks, the first stage whose rank's floor is over."""
+def _ranks(search: _Search, row, cuts: list[int], micro_batch_size: int, m: int, solve: bool = True,
+           upto: int | None = None) -> tuple[list[RankOutcome], int | None]:
+    """Every rank of the cut (the first `upto`) priced (solved, or the fixed choices evaluated), and the first stage of
+    the first rank where nothing fits (None: all fit). Not `solve`: no ranks, the first stage whose rank's floor is
+    over."""
+    ranks = []
+    for rank, mine, chunks, holds, sends in _rank_holds(search, row, cuts, micro_batch_size, m, upto):
+        outcome = _solve_rank(search, chunks, micro_batch_size, m, holds, solve)
+        if outcome is None:
+            return ranks, mine[0]
+        if not solve:
+            continue
+        choices, status, table, held = outcome
+        ranks.append(RankOutcome(rank, mine, chunks, search.source(chunks)[1], table, choices,
+                                 held_evaluation(table, held, choices), holds[0], status, sends, held))
+    return ranks, None
+
+
+def _rank_holds(search: _Search, row, cuts: list[int], micro_batch_size: int, m: int, upto: int | None = None):
+    """Per rank of the cut (the first `upto`): its stages, their op ranges, what it holds (`_solve_rank`'s `holds`)
+    and its sends per micro-batch."""
     pp, stages = search.mesh.pp, search.mesh.pp * stages_per_rank(row)
-    base, ranks = search.request.tables, []
+    base = search.request.tables
     order = forward_units(base.units)
     starts = [0] + [base.units[order[c]].first_op for c in cuts[1:]]
     bounds = stage_boundaries(search.request.tables, search.layout, starts, micro_batch_size)
-    for rank in range(pp):
+    for rank in range(upto or pp):
         mine, chunks = rank_chunks(row, pp, rank, starts, len(base.trace_1.ops))
         flight, drained = in_flight(row, pp, rank, m), row.stages_per_rank is StagesPerRank.ONE
         # PipelineStage's receive buffers, one per micro-batch: each stage's input (not the first's), output grad
@@ -272,16 +250,29 @@ def _ranks(search: _Search, row, cuts: list[int], micro_batch_size: int, m: int,
         split = weight_outputs(search.source(chunks)[1], chunks, micro_batch_size, search.request.training,
                                deferred(row, pp, rank, m))  # the split backward's bytes: zero bubble
         holds = (flight, buffers, drained, later_flight(row, flight, m), sum(bounds[s] for s in mine), split)
-        outcome = _solve_rank(search, chunks, micro_batch_size, m, holds, solve)
-        if outcome is None:
-            return ranks, mine[0]
-        if not solve:
-            continue
-        choices, status, table, held = outcome
         sends = sum(2 * send_s(search.cluster.profile, bounds[s], search.mesh) for s in mine if s + 1 < stages)
-        ranks.append(RankOutcome(rank, mine, chunks, search.source(chunks)[1], table, choices,
-                                 held_evaluation(table, held, choices), flight, status, sends, held))
-    return ranks, None
+        yield rank, mine, chunks, holds, sends
+
+
+def _memory_bound_s(search: _Search, row, cuts: list[int], micro_batch_size: int, m: int) -> float | None:
+    """The makespan no plan of this cut beats within its ranks' memory (autoplan.solve.slot_bound: each rank's
+    fastest micro-batch that fits, bounded, with its sends), or None where a rank is not shown to fit."""
+    if search.request.uniform is not None or search.decide is not None:
+        return None
+    slot = 0.0
+    for _, _, chunks, holds, sends in _rank_holds(search, row, cuts, micro_batch_size, m):
+        kind = (search.kind(chunks), micro_batch_size, m)
+        if (*kind, holds) not in search.slot_bounds:
+            table, held = _held(search, chunks, micro_batch_size, m, holds)
+            rows = search.rows(kind, table)
+            search.slot_bounds[(*kind, holds)] = rank_slot_bound(rows.table, rows.algebra.offsets,
+                                                                 rank_memory(rows, held)[0],
+                                                                 search.request.limits.planned_bytes)
+        bound = search.slot_bounds[(*kind, holds)]
+        if bound is None:
+            return None
+        slot = max(slot, bound + sends)
+    return makespan_s(slot, 0.0, row, search.mesh.pp, m)
 
 
 def fixed_pipelines(request: PlanRequest, mesh: Mesh, layout: TpLayout | None, schedule: str,
@@ -313,15 +304,13 @@ def _solve_rank(search: _Search, chunks, micro_batch_size: int, m: int, holds: t
     `pipelined`'s flight, drained, later, receive buffers' bytes, stages' outputs per micro-batch, split backward's);
     None where nothing fits (the search's InfeasibleError, with how far over)."""
     request = search.request
-    flight, buffers, drained, later, outputs, split = holds
-    table, held = search.pipelined(chunks, micro_batch_size, m, flight, drained, later, split)
-    held = replace(held, buffers=buffers, outputs=(int(outputs * later), int(outputs * flight)))
+    table, held = _held(search, chunks, micro_batch_size, m, holds)
     if search.decide is not None:
         return search.decide(table), SolveStatus.FIXED, table, held
     kind = (search.kind(chunks), micro_batch_size, m)
     key = (*kind, holds)
     if not solve and key not in search.solved and request.uniform is None:  # the floor alone, no solve
-        floor = search.floors[key] = search.floors.get(key) or rank_floor(table, held, search.rows(kind, table))
+        floor = search.floors[key] = search.floors.get(key) or rank_memory(search.rows(kind, table), held)[1]
         found = RankSolve(None if floor > request.limits.planned_bytes else [], SolveStatus.PRUNED, floor)
     else:
         if key not in search.solved:  # the uniform strategy's evaluation needs no rows
@@ -333,11 +322,18 @@ def _solve_rank(search: _Search, chunks, micro_batch_size: int, m: int, holds: t
         search.over = found.floor_bytes / limits.planned_bytes if limits.planned_bytes > 0 else math.inf
         search.lean = InfeasibleError(
             f"no pipelined plan for {request.model.name} fits in {format_bytes(limits.mem_limit_bytes)} per GPU on "
-            f"pipeline degree {search.mesh.pp}{' with the pins' if request.pins else ''}: a rank with {flight:g} "
+            f"pipeline degree {search.mesh.pp}{' with the pins' if request.pins else ''}: a rank with {holds[0]:g} "
             f"micro-batches in flight needs at least {format_bytes(found.floor_bytes)} (micro-batch {micro_batch_size})"
             f": a limit of at least {format_bytes(least)}", min_mem_bytes=least)
         return None
     return found.choices, found.status, table, held
+
+
+def _held(search: _Search, chunks, micro_batch_size: int, m: int, holds: tuple) -> tuple[CostTable, HeldAllStep]:
+    """A rank's pipelined table and what it holds all step (`_solve_rank`'s `holds`)."""
+    flight, buffers, drained, later, outputs, split = holds
+    table, held = search.pipelined(chunks, micro_batch_size, m, flight, drained, later, split)
+    return table, replace(held, buffers=buffers, outputs=(int(outputs * later), int(outputs * flight)))
 
 
 def _priced(row, pp: int, m: int, micro_batch_size: int, cuts: list[int], ranks: list[RankOutcome]) -> PipelineOutcome:

@@ -34,8 +34,8 @@ from cost_models.memory import MemCategory, MemoryPoint, phase_of, total
 from cost_models.pipeline import HeldAllStep
 from cost_models.table import CostTable
 
-__all__ = ["RankSolve", "held_evaluation", "held_model", "leanest", "rank_floor", "rank_rows", "searched_table",
-           "solve_rank"]
+__all__ = ["RankSolve", "held_evaluation", "held_model", "leanest", "rank_floor", "rank_memory", "rank_rows",
+           "searched_table", "solve_rank"]
 
 
 @dataclass(frozen=True)
@@ -96,7 +96,7 @@ def solve_rank(request: PlanRequest, table: CostTable, held: HeldAllStep, rows: 
         peak = held_evaluation(table, held, choices).peak_mem_bytes if choices is not None else limit + 1
         return RankSolve(choices if peak <= limit else None, SolveStatus.FIXED, peak)
     rows = rows or rank_rows(table)
-    memory, floor = _floor(rows, held)
+    memory, floor = rank_memory(rows, held)
     if floor > limit:
         return RankSolve(None, SolveStatus.INFEASIBLE, floor)
     if rows.affine is None:
@@ -114,18 +114,19 @@ def held_model(table: CostTable, held: HeldAllStep):
     def model(cut: CostTable) -> AffineModel:
         keep = [[options.index(option) for option in kept] for options, kept in zip(table.options, cut.options)]
         rows = _Rows(cut, keep, *table_rows(cut))
-        return AffineModel.of(cut, (rows.algebra, _floor(rows, held)[0], rows.labels))
+        return AffineModel.of(cut, (rows.algebra, rank_memory(rows, held)[0], rows.labels))
     return model
 
 
 def rank_floor(table: CostTable, held: HeldAllStep, rows: _Rows | None = None) -> int:
     """The least any plan of the rank's units (among the options the search offers) can peak at: each point's
     smallest bytes, unit by unit, with what the rank holds all step."""
-    return _floor(rows or rank_rows(table), held)[1]
+    return rank_memory(rows or rank_rows(table), held)[1]
 
 
-def _floor(rows: _Rows, held: HeldAllStep) -> tuple[MemoryRows, int]:
-    """The rank's memory rows with its held bytes (cut to the options searched), and its floor."""
+def rank_memory(rows: _Rows, held: HeldAllStep) -> tuple[MemoryRows, int]:
+    """The rank's memory rows with its held bytes (cut to the options searched), and its floor (`rank_rows`: the
+    rows before the held bytes)."""
     keep = rows.keep
     def cut(values):
         return [[values[u][i] for i in k] for u, k in enumerate(keep)]

@@ -1,0 +1,115 @@
+"""A pipeline rank's fastest micro-batch within its memory limit, bounded from below without a solve.
+
+A pipelined schedule is pruned where its makespan cannot beat the best plan found (autoplan.solve.pipeline). With
+every unit at its fastest option that bound ignores memory, and on a large model the ranks' memory decides: the
+405B-class Llama on 32 x 8 H100s has pipelined plans of 14-16 samples/s whose memory-blind bounds are 18-21, above
+the 18.1 of the best plan without a pipeline, so each was solved rank by rank only to lose.
+
+A rank's micro-batch time is a sum over its units of the option each takes (cost_models.step), and a plan fits
+where every memory point's row (stage_solve's rows with what the rank holds all step) is within the limit. For any
+one row r and multiplier lam >= 0, every plan that fits has
+
+    sum_u t[u, o_u] >= sum_u t[u, o_u] + lam (a_r . x + c_r - limit)
+                    >= sum_u min_o (t[u, o] + lam a_r[u, o]) - lam (limit - c_r)
+
+(the Lagrangian relaxation of that row), so the largest right-hand side over the rows and a search over lam bounds the
+rank's time from below. It is taken only where a plan of the rank is shown to fit (`fitting`): then the rank's solve
+finds one and the search keeps the cut it bounds (a rank that does not fit moves the cut, and the bound says nothing
+of other cuts).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from cost_models.step import micro_batch_s
+from cost_models.table import CostTable
+
+__all__ = ["rank_slot_bound", "slot_lower_bound"]
+
+SEARCH_STEPS = 40  # ternary-search steps on each row's multiplier: the bracket shrinks to (2/3)^40, about 1e-7
+
+
+def rank_slot_bound(table: CostTable, offsets, memory, limit: int) -> float | None:
+    """A lower bound on the micro-batch time of any plan of the rank's `table` (its searched options, literals between
+    `offsets`) whose memory rows (`memory`: stage_solve's, dense) are within `limit`; None where no plan is known to
+    fit (nothing is then bounded) or the rows are not held dense."""
+    if not getattr(memory, "dense", False):
+        return None
+    times = np.array([micro_batch_s(c, u == table.root, table.overlap_enabled, table.comm_sm_fraction)
+                      for u, costs in enumerate(table.costs) for c in costs])
+    rows, room = np.stack([memory.row(p) for p in range(memory.points)]), limit - memory.const
+    host = np.array([cost.host_bytes for costs in table.costs for cost in costs], dtype=np.int64)
+    if table.host_limit_bytes is not None and host.any():  # the solver's host constraint (solver.AffineModel), a row
+        rows, room = np.vstack([rows, host]), np.append(room, table.host_limit_bytes)
+    return slot_lower_bound(times, offsets, rows, room)
+
+
+def slot_lower_bound(times: np.ndarray, offsets, rows: np.ndarray, room: np.ndarray) -> float | None:
+    """The least sum of `times` (per literal; one literal per unit, units' literals between `offsets`) over the plans
+    x with rows @ x <= room (integer rows: the memory points' bytes, `room` the limit less each point's constant),
+    bounded from below; None where no such plan is found."""
+    starts = np.asarray(offsets[:-1])
+    real = rows.astype(np.float64)
+    lam, value = _best_multipliers(times, starts, real, room.astype(np.float64))
+    binding = int(np.argmax(relaxed_values(times, starts, real, room.astype(np.float64), lam)))
+    # a plan that fits: the binding row's relaxed plan, else the leanest (each unit's smallest share of the rooms)
+    # each repaired until every row fits
+    share = (real / np.maximum(room.astype(np.float64), 1.0)[:, None]).max(axis=0)
+    for start in (times + lam[binding] * real[binding], share):
+        plan = _repaired(_argmin_per_unit(start, starts), times, starts, real, room)
+        x = np.zeros(len(times), dtype=np.int64)
+        x[plan or []] = 1
+        if plan is not None and ((rows @ x) <= room).all():  # checked in integers, as the solver's rows
+            return max(float(np.minimum.reduceat(times, starts).sum()), value)
+    return None
+
+
+def _best_multipliers(times: np.ndarray, starts: np.ndarray, rows: np.ndarray, room: np.ndarray):
+    """Per row, the multiplier found by a ternary search of its (concave) relaxation, and the best value over rows."""
+    spread = float(times.max() - times.min()) * len(starts) + 1e-12
+    lo = np.zeros(len(room))
+    hi = spread / (rows.max(axis=1) - rows.min(axis=1) + 1.0)  # beyond it the memory term outweighs any time
+    for _ in range(SEARCH_STEPS):
+        third = (hi - lo) / 3
+        left = relaxed_values(times, starts, rows, room, lo + third) < relaxed_values(times, starts, rows, room,
+                                                                                      hi - third)
+        lo, hi = np.where(left, lo + third, lo), np.where(left, hi, hi - third)
+    lam = (lo + hi) / 2
+    return lam, float(relaxed_values(times, starts, rows, room, lam).max())
+
+
+def relaxed_values(times: np.ndarray, starts: np.ndarray, rows: np.ndarray, room: np.ndarray,
+                   lam: np.ndarray) -> np.ndarray:
+    """Per row r, its relaxation at multiplier lam[r]: sum_u min_o (t + lam a_r) - lam (limit - c_r)."""
+    return np.minimum.reduceat(times[None, :] + lam[:, None] * rows, starts, axis=1).sum(axis=1) - lam * room
+
+
+def _repaired(plan: list[int], times: np.ndarray, starts: np.ndarray, rows: np.ndarray,
+              room: np.ndarray) -> list[int] | None:
+    """`plan` (one literal per unit) made to fit greedily: while a row is over, the unit's option that takes most
+    bytes off the row most over per second it adds. None where no change helps."""
+    unit_of = np.repeat(np.arange(len(starts)), np.diff(np.append(starts, len(times))))
+    plan = list(plan)
+    for _ in range(len(times)):
+        x = np.zeros(len(times))
+        x[plan] = 1
+        over = rows @ x - room
+        worst = int(np.argmax(over))
+        if over[worst] <= 0:
+            return plan
+        current = np.asarray(plan)[unit_of]  # per literal, its unit's chosen literal
+        saved = rows[worst][current] - rows[worst]
+        cost = np.maximum(times - times[current], 0.0)
+        score = np.where(saved > 0, saved / (cost + 1e-12), -np.inf)
+        best = int(np.argmax(score))
+        if score[best] == -np.inf:
+            return None
+        plan[unit_of[best]] = best
+    return None
+
+
+def _argmin_per_unit(values: np.ndarray, starts: np.ndarray) -> list[int]:
+    """Per unit, the literal of its smallest value: the plan minimising a row's relaxation."""
+    ends = list(starts[1:]) + [len(values)]
+    return [int(s + np.argmin(values[s:e])) for s, e in zip(starts, ends)]
