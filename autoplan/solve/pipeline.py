@@ -60,7 +60,6 @@ class _Search:
     held: dict = field(default_factory=dict)  # (key, micro-batch, m, flight...) -> `pipelined`'s held bytes
     rank_rows: dict = field(default_factory=dict)  # (key, micro-batch, m) -> stage_solve.rank_rows
     solved: dict = field(default_factory=dict)  # (key, micro-batch, m, flight) -> (choices, status) or None
-    floors: dict = field(default_factory=dict)  # the same -> a rank's floor, where it was not solved
     best: PipelineOutcome | None = None
     lean: InfeasibleError | None = None
     decide: object = None  # fixed choices in place of the solves: a function of a rank's table
@@ -69,6 +68,7 @@ class _Search:
     pruned: int = 0  # whose bound cannot beat it; `bounds`: each bound over any cut compared with `beat`
     bounds: list = field(default_factory=list)
     slot_bounds: dict = field(default_factory=dict)  # (key, micro-batch, m, holds) -> slot_bound.rank_slot_bound
+    memory: dict = field(default_factory=dict)  # the same -> stage_solve.rank_memory (its rows with what it holds)
 
     def source(self, chunks: tuple[tuple[int, int], ...]):
         if chunks not in self.sources:
@@ -98,6 +98,12 @@ class _Search:
         if kind not in self.rank_rows:
             self.rank_rows[kind] = rank_rows(table)
         return self.rank_rows[kind]
+
+    def held_rows(self, kind: tuple, holds: tuple, table: CostTable, held: HeldAllStep):
+        """`stage_solve.rank_memory` of a rank's pipelined `table` with what it holds, once per kind and holds."""
+        if (*kind, holds) not in self.memory:
+            self.memory[(*kind, holds)] = rank_memory(self.rows(kind, table), held)
+        return self.memory[(*kind, holds)]
 
     def table(self, chunks, micro_batch_size: int, microbatches: int) -> CostTable:
         source = self.source(chunks)[1]
@@ -264,14 +270,12 @@ def _memory_bound_s(search: _Search, row, cuts: list[int], micro_batch_size: int
         kind = (search.kind(chunks), micro_batch_size, m)
         if (*kind, holds) not in search.slot_bounds:
             table, held = _held(search, chunks, micro_batch_size, m, holds)
-            rows = search.rows(kind, table)
-            search.slot_bounds[(*kind, holds)] = rank_slot_bound(rows.table, rows.algebra.offsets,
-                                                                 rank_memory(rows, held)[0],
+            rows, memory = search.rows(kind, table), search.held_rows(kind, holds, table, held)[0]
+            search.slot_bounds[(*kind, holds)] = rank_slot_bound(rows.table, rows.algebra.offsets, memory,
                                                                  search.request.limits.planned_bytes)
-        bound = search.slot_bounds[(*kind, holds)]
-        if bound is None:
+        if search.slot_bounds[(*kind, holds)] is None:
             return None
-        slot = max(slot, bound + sends)
+        slot = max(slot, search.slot_bounds[(*kind, holds)] + sends)
     return makespan_s(slot, 0.0, row, search.mesh.pp, m)
 
 
@@ -310,7 +314,7 @@ def _solve_rank(search: _Search, chunks, micro_batch_size: int, m: int, holds: t
     kind = (search.kind(chunks), micro_batch_size, m)
     key = (*kind, holds)
     if not solve and key not in search.solved and request.uniform is None:  # the floor alone, no solve
-        floor = search.floors[key] = search.floors.get(key) or rank_memory(search.rows(kind, table), held)[1]
+        floor = search.held_rows(kind, holds, table, held)[1]
         found = RankSolve(None if floor > request.limits.planned_bytes else [], SolveStatus.PRUNED, floor)
     else:
         if key not in search.solved:  # the uniform strategy's evaluation needs no rows

@@ -27,7 +27,7 @@ from cost_models.table import CostTable
 
 __all__ = ["rank_slot_bound", "slot_lower_bound"]
 
-SEARCH_STEPS = 40  # ternary-search steps on each row's multiplier: the bracket shrinks to (2/3)^40, about 1e-7
+SEARCH_STEPS = 30  # ternary-search steps on each row's multiplier: the bracket shrinks to (2/3)^30, about 5e-6
 
 
 def rank_slot_bound(table: CostTable, offsets, memory, limit: int) -> float | None:
@@ -50,23 +50,29 @@ def slot_lower_bound(times: np.ndarray, offsets, rows: np.ndarray, room: np.ndar
     x with rows @ x <= room (integer rows: the memory points' bytes, `room` the limit less each point's constant),
     bounded from below; None where no such plan is found."""
     starts = np.asarray(offsets[:-1])
-    real = rows.astype(np.float64)
-    lam, value = _best_multipliers(times, starts, real, room.astype(np.float64))
-    binding = int(np.argmax(relaxed_values(times, starts, real, room.astype(np.float64), lam)))
-    # a plan that fits: the binding row's relaxed plan, else the leanest (each unit's smallest share of the rooms)
+    fastest = _argmin_per_unit(times, starts)
+    blind = float(times[fastest].sum())
+    # a row the fastest plan is within cannot raise the bound (its relaxation is at most that plan's time there)
+    over = rows[:, fastest].sum(axis=1) > room
+    if not over.any():
+        return blind  # the fastest plan fits
+    real, full = rows.astype(np.float64), room.astype(np.float64)
+    lam, values = _best_multipliers(times, starts, real[over], full[over])
+    k = int(np.argmax(values))
+    # a plan that fits: the binding row's relaxed plan, else the leanest (each unit's smallest share of the rooms),
     # each repaired until every row fits
-    share = (real / np.maximum(room.astype(np.float64), 1.0)[:, None]).max(axis=0)
-    for start in (times + lam[binding] * real[binding], share):
-        plan = _repaired(_argmin_per_unit(start, starts), times, starts, real, room)
+    share = (real / np.maximum(full, 1.0)[:, None]).max(axis=0)
+    for start in (times + lam[k] * real[np.flatnonzero(over)[k]], share):
+        plan = _repaired(_argmin_per_unit(start, starts), times, starts, real, full)
         x = np.zeros(len(times), dtype=np.int64)
         x[plan or []] = 1
         if plan is not None and ((rows @ x) <= room).all():  # checked in integers, as the solver's rows
-            return max(float(np.minimum.reduceat(times, starts).sum()), value)
+            return max(blind, float(values[k]))
     return None
 
 
 def _best_multipliers(times: np.ndarray, starts: np.ndarray, rows: np.ndarray, room: np.ndarray):
-    """Per row, the multiplier found by a ternary search of its (concave) relaxation, and the best value over rows."""
+    """Per row, the multiplier found by a ternary search of its (concave) relaxation, and the relaxation there."""
     spread = float(times.max() - times.min()) * len(starts) + 1e-12
     lo = np.zeros(len(room))
     hi = spread / (rows.max(axis=1) - rows.min(axis=1) + 1.0)  # beyond it the memory term outweighs any time
@@ -76,7 +82,7 @@ def _best_multipliers(times: np.ndarray, starts: np.ndarray, rows: np.ndarray, r
                                                                                       hi - third)
         lo, hi = np.where(left, lo + third, lo), np.where(left, hi, hi - third)
     lam = (lo + hi) / 2
-    return lam, float(relaxed_values(times, starts, rows, room, lam).max())
+    return lam, relaxed_values(times, starts, rows, room, lam)
 
 
 def relaxed_values(times: np.ndarray, starts: np.ndarray, rows: np.ndarray, room: np.ndarray,
