@@ -152,13 +152,11 @@ class UnitPricer:
         recompute_scale = fsdp.compute_recompute_scale or fsdp.compute_bwd_scale
         fwd_s = compute.ops_time_s(unit_ops, "fwd", fsdp.compute_fwd_scale)
         bwd_s = compute.ops_time_s(unit_ops, "bwd", fsdp.compute_bwd_scale)
-        recompute_s = {
-            Recompute.NOTHING: 0.0,
-            Recompute.ALL: compute.ops_time_s(unit_ops, "fwd", recompute_scale),
-            **{mode: compute.ops_time_s([op for op in unit_ops if op.name not in kept_outputs(unit_ops, mode)],
-                                        "fwd", recompute_scale)
-               for mode in (Recompute.CHEAP, Recompute.ALTERNATE)},
-        }
+        recompute_s = {Recompute.NOTHING: 0.0, Recompute.ALL: compute.ops_time_s(unit_ops, "fwd", recompute_scale)}
+        for mode in (Recompute.CHEAP, Recompute.ALTERNATE):
+            kept = kept_outputs(unit_ops, mode)  # once per mode, not once per op
+            rerun = [op for op in unit_ops if op.name not in kept]
+            recompute_s[mode] = compute.ops_time_s(rerun, "fwd", recompute_scale)
         return fwd_s, bwd_s, recompute_s, sum(op.saved_bytes for op in unit_ops)
 
     def option_cost(self, unit: Unit, option: Option, times: tuple, keep: dict[Recompute, list[int]],

@@ -8,18 +8,18 @@ the memory timeline and the step time are made of. A model's repeated blocks are
 
 from __future__ import annotations
 
-from operator import attrgetter
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 
 from cost_models.activations import Segment, loss_kept_bytes
-from cost_models.choices import Option, options_for
+from cost_models.choices import Option
 from cost_models.mesh import Mesh
-from cost_models.option_cost import OptionCost, UnitPricer, pending_reduce_bytes, reduce_peak_bytes
+from cost_models.option_cost import OptionCost, pending_reduce_bytes, reduce_peak_bytes
 from cost_models.options import Precision, Recompute
 from cost_models.profile import DeviceProfile
 from cost_models.records import OpRecord, Unit
 from cost_models.segments import build_segments
 from cost_models.training import MicroBatch, Training
+from cost_models.unit_prices import UnitPrices, copied, op_content
 
 __all__ = ["CostTable", "OptionCost", "TableInputs", "build_cost_table", "op_content", "unit_classes", "without_gloo_copy"]
 
@@ -90,7 +90,7 @@ def build_cost_table(inputs: TableInputs, profile: DeviceProfile, mesh: Mesh, mi
     Units alike in everything their costs read (a model's repeated blocks: unit_classes) are priced once."""
     if offload and profile.host_link is None:
         raise ValueError(f"profile {profile.name} has no host_link: offload cannot be priced on it")
-    pricer = UnitPricer(profile, mesh, training, offload)
+    prices = UnitPrices.on(profile, mesh, training, offload)
     units, by_name = inputs.units, {op.name: op for op in inputs.ops}
     classes = unit_classes(inputs)
     all_options: list[list[Option]] = []
@@ -99,21 +99,18 @@ def build_cost_table(inputs: TableInputs, profile: DeviceProfile, mesh: Mesh, mi
         alike = classes[index]
         if alike != index:  # the same unit again: its own copies (later steps adjust a unit's costs in place)
             all_options.append(list(all_options[alike]))
-            all_costs.append([_copy(cost) for cost in all_costs[alike]])
+            all_costs.append([copied(cost) for cost in all_costs[alike]])
             continue
-        options = [option for option in options_for(unit.is_leaf, unit.is_root, mesh.nodes, offload, bool(unit.params))
-                   if not option.mode.checkpoints or option.recompute in inputs.keep]  # modes the inputs price
-        times = pricer.unit_times([by_name[name] for name in unit.ops])
+        options, costs = prices.of(inputs, index, [by_name[name] for name in unit.ops])
         all_options.append(options)
-        all_costs.append([pricer.option_cost(unit, option, times, inputs.keep, inputs.backward_keep, index)
-                          for option in options])
+        all_costs.append(costs)
     owner = {name: index for index, unit in enumerate(units) for name in unit.ops}
     for (u, recompute), kept_bytes in loss_kept_bytes(inputs.ops, owner, inputs.kept_saved).items():
         for option, cost in zip(all_options[u], all_costs[u]):
             if option.mode.checkpoints and option.recompute is recompute:
                 cost.loss_kept_bytes = kept_bytes
     precision = training.precision
-    cs, ms = pricer.slowdowns
+    cs, ms = prices.pricer.slowdowns
     return CostTable(
         units=units, options=all_options, costs=all_costs, segments=build_segments(inputs, owner, classes),
         micro_batch_size=micro_batch.size, grad_accum_steps=micro_batch.grad_accum_steps, seq_len=training.seq_len,
@@ -121,25 +118,8 @@ def build_cost_table(inputs: TableInputs, profile: DeviceProfile, mesh: Mesh, mi
         overlap_compute=cs, overlap_comm=ms, overlap_enabled=profile.overlap.enabled, host_limit_bytes=host_limit_bytes,
         comm_sm_fraction=profile.overlap.comm_sm_fraction,
         model_flops=float(sum(op.fwd_flops + op.bwd_flops for op in inputs.ops)),
-        peak_flops=pricer.compute.peak_flops,
+        peak_flops=prices.pricer.compute.peak_flops,
     )
-
-
-def _copy(cost: OptionCost) -> OptionCost:
-    """A shallow copy (copy.copy is 10x slower on a dataclass: a 3000-layer table copies 54,000)."""
-    copied = object.__new__(type(cost))
-    copied.__dict__.update(cost.__dict__)
-    return copied
-
-
-# what an op's costs read: all of it but its name and module path (which differ between a model's repeated blocks)
-_OP_CONTENT = tuple(f.name for f in fields(OpRecord) if f.name not in ("name", "module"))
-_content = attrgetter(*_OP_CONTENT)
-
-
-def op_content(op: OpRecord) -> tuple:
-    """Everything of an op that its costs read."""
-    return _content(op)
 
 
 def unit_classes(inputs: TableInputs) -> list[int]:
