@@ -8,14 +8,12 @@ names), its parameters' shapes, whether it is the root or a leaf, what each way 
 the profile, the mesh, the training and whether offload is offered; `UnitPrices` keys the priced classes on
 exactly that and hands every table its own copies (later steps adjust a table's costs in place).
 
-The classes are kept only inside `priced_once()` (the mesh search enters it): outside it every table prices its
-units afresh, so nothing priced outlives the search (no model or profile kept alive, none read after a change
-to a profile between two searches in one process).
+The classes are kept only while a search runs (cost_models.search_memo): outside one every table prices its
+units afresh.
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from dataclasses import fields
 from operator import attrgetter
 
@@ -24,63 +22,47 @@ from cost_models.mesh import Mesh
 from cost_models.option_cost import OptionCost, UnitPricer
 from cost_models.profile import DeviceProfile
 from cost_models.records import OpRecord, Unit
+from cost_models.search_memo import memo
 from cost_models.training import Training
 
-__all__ = ["UnitPrices", "copied", "op_content", "priced_once"]
-
-# the searches running in this process, innermost last: each one's UnitPrices by what they price on
-_SEARCHES: list[dict[tuple, UnitPrices]] = []
-
-
-@contextmanager
-def priced_once():
-    """While inside, tables built on the same profile, mesh, training and offload share their priced classes."""
-    _SEARCHES.append({})
-    try:
-        yield
-    finally:
-        _SEARCHES.pop()
+__all__ = ["UnitPrices", "copied", "op_content"]
 
 
 class UnitPrices:
     """Units' options and their costs on one profile, mesh, training and offload, each class priced once."""
 
     def __init__(self, profile: DeviceProfile, mesh: Mesh, training: Training, offload: bool):
-        self.profile = profile  # held while its id keys this object (see `on`)
         self.pricer = UnitPricer(profile, mesh, training, offload)
-        self.mesh, self.offload = mesh, offload
+        self.profile, self.mesh, self.training, self.offload = profile, mesh, training, offload
         self._priced: dict[tuple, tuple[list[Option], list[OptionCost]]] = {}
 
     @classmethod
     def on(cls, profile: DeviceProfile, mesh: Mesh, training: Training, offload: bool) -> UnitPrices:
-        """The search's prices on these (a new one outside `priced_once`)."""
-        if not _SEARCHES:
-            return cls(profile, mesh, training, offload)
-        key = (id(profile), mesh, training, offload)  # the profile by identity: held by the value, never reused
-        prices = _SEARCHES[-1].get(key)
-        if prices is None:
-            prices = _SEARCHES[-1][key] = cls(profile, mesh, training, offload)
-        return prices
+        """The running search's prices on these (new ones outside a search)."""
+        return memo((cls, id(profile), mesh, training, offload), lambda: cls(profile, mesh, training, offload),
+                    held=(profile,))
 
     def of(self, inputs, index: int, unit_ops: list) -> tuple[list[Option], list[OptionCost]]:
         """The options of `inputs`' (a table.TableInputs) `index`-th unit, whose ops are `unit_ops` (in its order),
         and what each costs: the caller's own copies."""
         unit: Unit = inputs.units[index]
         modes = sorted(inputs.keep)
-        key = (unit.is_root, unit.is_leaf, tuple(p.shape for p in unit.params),
-               tuple(map(_content, unit_ops)),
+        contents = tuple(map(_content, unit_ops))
+        key = (unit.is_root, unit.is_leaf, tuple(p.shape for p in unit.params), contents,
                tuple((mode, inputs.keep[mode][index], inputs.backward_keep[mode][index]) for mode in modes))
         priced = self._priced.get(key)
         if priced is None:
-            priced = self._priced[key] = self._price(inputs, index, unit_ops)
+            priced = self._priced[key] = self._price(inputs, index, unit_ops, contents)
         return list(priced[0]), [copied(cost) for cost in priced[1]]
 
-    def _price(self, inputs, index: int, unit_ops: list) -> tuple[list[Option], list[OptionCost]]:
+    def _price(self, inputs, index: int, unit_ops: list, contents: tuple) -> tuple[list[Option], list[OptionCost]]:
         unit, pricer = inputs.units[index], self.pricer
         options = [option for option in options_for(unit.is_leaf, unit.is_root, self.mesh.nodes, self.offload,
                                                      bool(unit.params))
                    if not option.mode.checkpoints or option.recompute in inputs.keep]  # modes the inputs price
-        times = pricer.unit_times(unit_ops)
+        # its compute reads the ops, the profile and the compute dtype, not the mesh: shared by every mesh's tables
+        times = memo(("unit times", id(self.profile), self.training.dtype, contents),
+                     lambda: pricer.unit_times(unit_ops), held=(self.profile,))
         return options, [pricer.option_cost(unit, option, times, inputs.keep, inputs.backward_keep, index)
                          for option in options]
 

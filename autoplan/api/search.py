@@ -16,7 +16,7 @@ from autoplan.plan.schema import PinRecord, Plan
 from autoplan.settings import SearchSettings
 from autoplan.solve.mesh_search import search_meshes
 from autoplan.solve.request import PlanRequest
-from cost_models.unit_prices import priced_once
+from cost_models.search_memo import search_scope
 
 __all__ = ["plan_of", "search"]
 
@@ -49,7 +49,7 @@ def search(model: Any = None, mem: str | int | None = None, *, settings: SearchS
 
 def plan_of(request: PlanRequest) -> Plan:
     """The plan a prepared search request makes (with the pins it was searched with)."""
-    with priced_once():  # the search's tables price each class of units once (cost_models.unit_prices)
+    with search_scope():  # what the search's tables read alike, computed once (cost_models.search_memo)
         plan = assemble_plan(search_meshes(request), request)
     if request.pins is None:
         return plan
