@@ -25,6 +25,7 @@ from cost_models.pipeline import weight_output_bytes
 from cost_models.profile import DeviceProfile
 from cost_models.records import LOSS_NODE, OpRecord, Unit
 from cost_models.schedules import StagesPerRank
+from cost_models.search_memo import memo
 from cost_models.step import unit_step_s
 from cost_models.table import CostTable, TableInputs, unit_classes
 from cost_models.tensor_parallel import TpLayout
@@ -248,7 +249,9 @@ def weight_outputs(source, chunks, micro_batch_size: int, training, pending: int
         return None
     ops = source.inputs(micro_batch_size, Training(training.seq_len, training.dtype, training.optimizer)).ops
     later = len(ops) - (chunks[-1][1] - chunks[-1][0] + 1)
-    return pending, later, later if chunks[0][0] == 0 else 0, weight_output_bytes(ops)
+    # read for every schedule, rank and flight: once per ops list (a source's at one micro-batch, never changed)
+    weights = memo(("weight outputs", id(ops)), lambda: weight_output_bytes(ops), held=(ops,))
+    return pending, later, later if chunks[0][0] == 0 else 0, weights
 
 
 def boundary_bytes(base: CostTables, first: int, last: int, micro_batch_size: int) -> int:
@@ -288,18 +291,23 @@ def _restricted(layout: TpLayout, units: list[Unit], ops: list[OpRecord]) -> TpL
     """The layout's regions, embedding and head that lie in `units` (others would fall to the root), and the
     roles of the modules that run here (`ops`' modules and their ancestors): the other stages' modules would
     charge this one their DTensor dispatch (`tp_time.tp_collectives`)."""
-    running = {module.rsplit(".", k)[0] for module in {op.module for op in ops} for k in range(module.count(".") + 1)}
-    running.add("")
+    running = {""}
+    for module in {op.module for op in ops}:
+        running.update(_ancestors(module))
     paths = {u.path for u in units if not u.is_root}
     params = {p.name for u in units for p in u.params}
 
     def inside(path: str | None) -> bool:  # the path, or a dotted prefix of it, a unit's
-        if path is None:
-            return False
-        parts = path.split(".")
-        return any(".".join(parts[:k]) in paths for k in range(1, len(parts) + 1)) or f"{path}.weight" in params
+        return path is not None and (not paths.isdisjoint(_ancestors(path)) or f"{path}.weight" in params)
 
     return replace(layout, regions=tuple(r for r in layout.regions if inside(r)),
                    roles={path: role for path, role in layout.roles.items() if path in running},
                    embedding=layout.embedding if inside(layout.embedding) else None,
                    head=layout.head if inside(layout.head) else None)
+
+
+@lru_cache(maxsize=65536)  # a module path's ancestors: every stage of every pipelined mesh asks for its modules'
+def _ancestors(path: str) -> frozenset[str]:
+    """The path and its dotted prefixes ("a.b.c": "a.b.c", "a.b", "a")."""
+    parts = path.split(".")
+    return frozenset(".".join(parts[:k]) for k in range(1, len(parts) + 1))
