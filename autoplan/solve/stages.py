@@ -226,7 +226,7 @@ class StageTables(_Source):
         """These tables under a tensor-parallel layout, restricted to the rank's modules."""
         if layout is None or layout.degree == 1:
             return self
-        return TensorParallelTables(self, _restricted(layout, self.units, self.trace_1.ops))
+        return TensorParallelTables(self, _restricted(layout, self.units, self.trace_1.ops), whole=layout)
 
     def full_units(self) -> list[Unit]:
         return self.units

@@ -21,7 +21,8 @@ from autoplan.tracing.tracer import TracePair, trace_pair
 from autoplan.tracing.units import build_units
 from cost_models.activations import checkpoint_keeps
 from cost_models.options import Recompute
-from cost_models.records import Unit, extrapolate_ops
+from cost_models.records import LOSS_NODE, OpRecord, Unit, extrapolate_ops
+from cost_models.search_memo import memo, searching
 from cost_models.table import CostTable, TableInputs, build_cost_table, op_content
 from cost_models.tensor_parallel import (
     TpLayout,
@@ -150,7 +151,10 @@ class CostTables(_Source):
 
     def for_layout(self, layout: TpLayout | None) -> TableSource:
         """This model's tables under a tensor-parallel layout (itself for none)."""
-        return self if layout is None or layout.degree == 1 else TensorParallelTables(self, layout)
+        if layout is None or layout.degree == 1:
+            return self
+        # one view per layout in a search: its meshes and its pipeline stages (`_split_ops`) read its split ops
+        return memo(("tp view", id(self), id(layout)), lambda: TensorParallelTables(self, layout), held=(self, layout))
 
 
 class TensorParallelTables(_Source):
@@ -158,11 +162,14 @@ class TensorParallelTables(_Source):
     parameters (cost_models.tensor_parallel), what a checkpointed unit keeps of them, the data-parallel
     kinds that run beside tensor parallelism, and each unit's tensor-parallel collectives."""
 
-    def __init__(self, base: CostTables, layout: TpLayout):
-        self.base, self.layout = base, layout
+    def __init__(self, base: CostTables, layout: TpLayout, whole: TpLayout | None = None):
+        # `whole`: where `base` is a pipeline stage's tables (stages.StageTables) and `layout` the whole model's
+        # restricted to the stage, the whole model's (its transformed ops are the stage's: `_split_ops`)
+        self.base, self.layout, self.whole = base, layout, whole
         self.tracer = base.tracer
         self.units = tp_units(base.units, layout)
         self._inputs: dict[tuple, TableInputs] = {}  # by micro-batch and training: each table and split backward reads
+        self._ops: dict[int, list[OpRecord]] = {}  # by micro-batch: the split ops
 
     # what a table needs beyond the units, made at the first (a pipelined mesh makes a view per cut of the model's
     # stages and builds tables for few: alike stages share theirs)
@@ -205,7 +212,7 @@ class TensorParallelTables(_Source):
 
     def _transformed(self, micro_batch_size: int, training: Training) -> TableInputs:
         base, layout = self.base.inputs(micro_batch_size), self.layout
-        ops = tp_ops(base.ops, layout, self.op_ids)  # alike ops transformed once
+        ops = self._split_ops(micro_batch_size, base.ops)
         activation = micro_batch_size * training.seq_len * layout.hidden * training.precision.compute_bytes
 
         def kept(full: list[int], cheap: list[int]) -> list[tuple[int, int]]:
@@ -221,10 +228,29 @@ class TensorParallelTables(_Source):
             units=self.units, ops=ops,
             keep={Recompute.ALL: [k[0] for k in keep], Recompute.CHEAP: [k[1] for k in keep]},
             backward_keep={Recompute.ALL: [k[0] for k in keep], Recompute.CHEAP: [k[1] for k in cheap_after]},
-            kept_saved={mode: {name: int(nbytes * share.get(name, 1.0)) for name, nbytes in entries.items()}
-                        for mode, entries in base.kept_saved.items()},
+            kept_saved={mode: _scaled(entries, share) for mode, entries in base.kept_saved.items()},
             op_ids=self.op_ids,
         )
+
+    def _split_ops(self, micro_batch_size: int, ops: list[OpRecord]) -> list[OpRecord]:
+        """`ops` (the base's at this micro-batch) as a rank of the group runs them, alike ops transformed once. In a
+        search, a pipeline stage's are the whole model's (its view's, which the search shares: `for_layout`), taken at
+        the stage's positions: tp_op reads an op's contents and its module's role, which the restriction keeps for
+        every module that runs on the stage, and the head only for the loss; not where the stage's loss would read
+        another head, nor for experts (whose transform reads the op's own module: the first alike op decides)."""
+        whole, layout = self.whole, self.layout
+        if (whole is None or not searching() or whole.expert_widths
+                or (self._has_loss and whole.head != layout.head)):
+            if micro_batch_size not in self._ops:
+                self._ops[micro_batch_size] = tp_ops(ops, layout, self.op_ids)
+            return self._ops[micro_batch_size]
+        model = self.base.base.for_layout(whole)
+        every = model._split_ops(micro_batch_size, model.base.inputs(micro_batch_size).ops)
+        return [every[p] for p in self.base.positions]
+
+    @cached_property
+    def _has_loss(self) -> bool:
+        return any(op.name == LOSS_NODE for op in self.base.trace_1.ops)
 
     def finish(self, table: CostTable, cluster: Cluster) -> CostTable:
         """Only the data-parallel kinds that run beside tensor parallelism; each unit's TP collectives added."""
@@ -238,6 +264,16 @@ class TensorParallelTables(_Source):
     def full_units(self) -> list[Unit]:
         """The units as the whole model holds them (the plan records their full parameter shapes)."""
         return self.base.units
+
+
+def _scaled(entries: dict[str, int], share: dict[str, float]) -> dict[str, int]:
+    """`entries` with each op's in `share` scaled by it (in their order; the others as they are, which is what
+    scaling them by 1.0 gives: whole byte counts)."""
+    scaled = dict(entries)
+    for name, factor in share.items():
+        if name in scaled:
+            scaled[name] = int(scaled[name] * factor)
+    return scaled
 
 
 def _ids(keys: list) -> list[int]:
