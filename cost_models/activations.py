@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cost_models.op_index import OpIndex
 from cost_models.options import SAVED_BY_SELECTIVE_KINDS, Recompute
 from cost_models.records import LOSS_NODE, ModelTrace, OpRecord, Unit
 
@@ -197,7 +198,7 @@ def _keeps(trace: ModelTrace, units: list[Unit], recompute: Recompute,
             [sum(nbytes for nbytes, _ in held.values()) for held in through], kept)
 
 
-def loss_kept_bytes(ops: list[OpRecord], owner: dict[str, int],
+def loss_kept_bytes(ops: list[OpRecord], index: OpIndex,
                     kept_saved: dict[Recompute, dict[str, int]]) -> dict[tuple[int, Recompute], int]:
     """Per (unit, way of checkpointing), how much of the loss's forward temporaries the unit keeps already.
     The loss's forward counts its inputs that nothing saves among its transients (the logits); where the
@@ -205,19 +206,19 @@ def loss_kept_bytes(ops: list[OpRecord], owner: dict[str, int],
     kept bytes count it too. kept_saved carries the bytes of each producer's kept outputs the loss reads
     (see kept_saved_bytes), taken as at most the producer's output as `ops` have it (a vocabulary-parallel
     head's 1/t). The loss's largest allocation stays. Several units' shares are each taken off the same
-    transient (a lower bound then; one producer, the head, in the models seen)."""
-    loss = next((op for op in ops if op.name == LOSS_NODE), None)
-    if loss is None:
+    transient (a lower bound then; one producer, the head, in the models seen). `index`: where the ops are
+    (cost_models.op_index)."""
+    if index.loss is None:
         return {}
-    by_name, prefix = {op.name: op for op in ops}, loss_reads_key("")
+    loss, prefix = ops[index.loss], loss_reads_key("")
     temp = max(loss.fwd_max_alloc_bytes, loss.fwd_transient_bytes)
     out: dict[tuple[int, Recompute], int] = {}
     for recompute, entries in kept_saved.items():
         for key, nbytes in entries.items():
-            producer = by_name.get(key[len(prefix):]) if key.startswith(prefix) else None
+            producer = index.position.get(key[len(prefix):]) if key.startswith(prefix) else None
             if producer is not None:
-                read = min(nbytes, producer.out_bytes)
-                where = (owner[producer.name], recompute)
+                read = min(nbytes, ops[producer].out_bytes)
+                where = (index.owners[producer], recompute)
                 out[where] = out.get(where, 0) + temp - max(loss.fwd_max_alloc_bytes, loss.fwd_transient_bytes - read)
     return out
 

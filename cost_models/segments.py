@@ -13,31 +13,31 @@ from __future__ import annotations
 import heapq
 
 from cost_models.activations import BackwardPeak, Segment, backward_peak
+from cost_models.op_index import OpIndex
 from cost_models.options import Recompute
-from cost_models.records import LOSS_NODE
 
 __all__ = ["build_segments"]
 
 
-def build_segments(inputs, owner: dict[str, int], classes: list[int]) -> list[Segment]:
-    """The segments of `inputs` (a table.TableInputs); `owner`: op name -> its unit's index; `classes`: per
-    unit, the first unit alike (table.unit_classes)."""
+def build_segments(inputs, index: OpIndex, classes: list[int]) -> list[Segment]:
+    """The segments of `inputs` (a table.TableInputs); `index`: where its ops are (cost_models.op_index);
+    `classes`: per unit, the first unit alike (table.unit_classes)."""
     ops = inputs.ops
     segments: list[Segment] = []
-    for position, op in enumerate(ops):
-        if segments and segments[-1].unit == owner[op.name] and op.name != LOSS_NODE:
-            seg = segments[-1]
-            seg.last_op = position
-        else:
-            seg = Segment(owner[op.name], position, position, 0, 0, outside_model=op.name == LOSS_NODE)
-            segments.append(seg)
-        seg.saved_bytes += op.saved_bytes
-        seg.fwd_temp_bytes = max(seg.fwd_temp_bytes, op.fwd_max_alloc_bytes, op.fwd_transient_bytes)
-    owners = [owner[op.name] for op in ops]
-    positions: dict[int, list[int]] = {}  # unit -> where its ops are: a deep model must not scan every op per segment
-    for position, u in enumerate(owners):
-        positions.setdefault(u, []).append(position)
-    _backward_peaks(inputs, segments, owners, positions, classes)
+    summed: dict[tuple[int, int], tuple[int, int]] = {}  # (class, place) -> its saved bytes and forward temporaries
+    places: dict[int, int] = {}
+    for u, first, last in index.runs:
+        place = places.get(u, 0)
+        places[u] = place + 1
+        key = (classes[u], place)  # alike units' runs hold alike ops (unit_classes: contents, relative positions)
+        if key not in summed:
+            run = ops[first:last + 1]
+            summed[key] = (sum(op.saved_bytes for op in run),
+                           max(0, *(max(op.fwd_max_alloc_bytes, op.fwd_transient_bytes) for op in run)))
+        saved, temp = summed[key]
+        segments.append(Segment(u, first, last, saved, temp, outside_model=first == index.loss))
+    positions = dict(enumerate(index.unit_positions))  # unit -> where its ops are (unit.ops order)
+    _backward_peaks(inputs, segments, index.owners, positions, classes)
     _outer_gradients(inputs, segments, positions)
     return segments
 

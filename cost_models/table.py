@@ -9,10 +9,12 @@ the memory timeline and the step time are made of. A model's repeated blocks are
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from operator import attrgetter
 
 from cost_models.activations import Segment, loss_kept_bytes
 from cost_models.choices import Option
 from cost_models.mesh import Mesh
+from cost_models.op_index import OpIndex, op_index
 from cost_models.option_cost import OptionCost, pending_reduce_bytes, reduce_peak_bytes
 from cost_models.options import Precision, Recompute
 from cost_models.profile import DeviceProfile
@@ -91,56 +93,69 @@ def build_cost_table(inputs: TableInputs, profile: DeviceProfile, mesh: Mesh, mi
     if offload and profile.host_link is None:
         raise ValueError(f"profile {profile.name} has no host_link: offload cannot be priced on it")
     prices = UnitPrices.on(profile, mesh, training, offload)
-    units, by_name = inputs.units, {op.name: op for op in inputs.ops}
-    classes = unit_classes(inputs)
+    units, ops = inputs.units, inputs.ops
+    index = op_index(tuple(map(_name, ops)), units, inputs.op_ids)
+    classes = unit_classes(inputs, index)
     all_options: list[list[Option]] = []
     all_costs: list[list[OptionCost]] = []
-    for index, unit in enumerate(units):
-        alike = classes[index]
-        if alike != index:  # the same unit again: its own copies (later steps adjust a unit's costs in place)
+    flops: dict[int, int] = {}  # per class, its ops' FLOPs (whole numbers: summed in any order, the same)
+    for u in range(len(units)):
+        alike = classes[u]
+        if alike != u:  # the same unit again: its own copies (later steps adjust a unit's costs in place)
             all_options.append(list(all_options[alike]))
             all_costs.append([copied(cost) for cost in all_costs[alike]])
             continue
-        options, costs = prices.of(inputs, index, [by_name[name] for name in unit.ops])
+        unit_ops = [ops[p] for p in index.unit_positions[u]]
+        options, costs = prices.of(inputs, u, unit_ops)
         all_options.append(options)
         all_costs.append(costs)
-    owner = {name: index for index, unit in enumerate(units) for name in unit.ops}
-    for (u, recompute), kept_bytes in loss_kept_bytes(inputs.ops, owner, inputs.kept_saved).items():
+        flops[u] = sum(op.fwd_flops + op.bwd_flops for op in unit_ops)
+    for (u, recompute), kept_bytes in loss_kept_bytes(ops, index, inputs.kept_saved).items():
         for option, cost in zip(all_options[u], all_costs[u]):
             if option.mode.checkpoints and option.recompute is recompute:
                 cost.loss_kept_bytes = kept_bytes
     precision = training.precision
     cs, ms = prices.pricer.slowdowns
     return CostTable(
-        units=units, options=all_options, costs=all_costs, segments=build_segments(inputs, owner, classes),
+        units=units, options=all_options, costs=all_costs, segments=build_segments(inputs, index, classes),
         micro_batch_size=micro_batch.size, grad_accum_steps=micro_batch.grad_accum_steps, seq_len=training.seq_len,
         mesh=mesh, precision=precision, root=next(i for i, unit in enumerate(units) if unit.is_root),
         overlap_compute=cs, overlap_comm=ms, overlap_enabled=profile.overlap.enabled, host_limit_bytes=host_limit_bytes,
         comm_sm_fraction=profile.overlap.comm_sm_fraction,
-        model_flops=float(sum(op.fwd_flops + op.bwd_flops for op in inputs.ops)),
+        model_flops=float(_model_flops(flops, classes, ops)),
         peak_flops=prices.pricer.compute.peak_flops,
     )
 
 
-def unit_classes(inputs: TableInputs) -> list[int]:
+def unit_classes(inputs: TableInputs, index: OpIndex | None = None) -> list[int]:
     """Per unit, the first unit alike in everything its costs and its segments' backward peaks read: its ops'
     contents and relative positions, its parameters' shapes, whether it is the root or a leaf, what each way
-    of checkpointing keeps of it and of each of its ops. A model's repeated blocks form one class."""
-    position = {op.name: i for i, op in enumerate(inputs.ops)}
+    of checkpointing keeps of it and of each of its ops. A model's repeated blocks form one class. `index`:
+    the inputs' (op_index), where the caller has it."""
+    if index is None:
+        index = op_index(tuple(map(_name, inputs.ops)), inputs.units, inputs.op_ids)
     modes = sorted(inputs.keep)
-    if inputs.op_ids is not None:
-        op_key = {op.name: inputs.op_ids[i] for i, op in enumerate(inputs.ops)}
-    else:
-        op_key = {op.name: (op_content(op), tuple(inputs.kept_saved[m].get(op.name) for m in modes))
-                  for op in inputs.ops}
+    shapes = index.op_shapes
+    if shapes is None:  # no ids: the ops compared themselves
+        op_key = [(op_content(op), tuple(inputs.kept_saved[m].get(op.name) for m in modes)) for op in inputs.ops]
+        shapes = [tuple((p - where[0], op_key[p]) for p in where) for where in index.unit_positions]
     first: dict[tuple, int] = {}
     classes = []
-    for index, unit in enumerate(inputs.units):
-        start = position[unit.ops[0]] if unit.ops else 0
+    for u, unit in enumerate(inputs.units):
         signature = (
-            unit.is_root, unit.is_leaf, tuple(p.shape for p in unit.params),
-            tuple((position[name] - start, op_key[name]) for name in unit.ops),
-            tuple((inputs.keep[m][index], inputs.backward_keep[m][index]) for m in modes),
+            unit.is_root, unit.is_leaf, tuple(p.shape for p in unit.params), shapes[u],
+            tuple((inputs.keep[m][u], inputs.backward_keep[m][u]) for m in modes),
         )
-        classes.append(first.setdefault(signature, index))
+        classes.append(first.setdefault(signature, u))
     return classes
+
+
+_name = attrgetter("name")
+
+
+def _model_flops(flops: dict[int, int], classes: list[int], ops: list[OpRecord]) -> int | float:
+    """The ops' FLOPs, from each class's (`flops`) where they are whole numbers (any order sums them alike), else
+    summed op by op as before."""
+    if all(type(count) is int for count in flops.values()):
+        return sum(flops[alike] for alike in classes)
+    return sum(op.fwd_flops + op.bwd_flops for op in ops)
