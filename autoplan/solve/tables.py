@@ -189,7 +189,11 @@ class TensorParallelTables(_Source):
 
     @cached_property
     def op_ids(self) -> list[int]:
-        """An op is transformed by its role alone: alike ops of one role stay alike."""
+        """An op is transformed by its role alone: alike ops of one role stay alike. In a search, a pipeline stage's
+        are the whole model's numbered again (its ops' roles are the whole model's, see `_split_ops`)."""
+        if self.whole is not None and searching():
+            model = self.base.base.for_layout(self.whole)
+            return _ids([model.op_ids[p] for p in self.base.positions])
         roles: dict = {}
         return _ids([(base_id, op_role(op, self.layout, roles))
                      for base_id, op in zip(self.base.op_ids, self.base.trace_1.ops)])
