@@ -15,6 +15,8 @@ import heapq
 from cost_models.activations import BackwardPeak, Segment, backward_peak
 from cost_models.op_index import OpIndex
 from cost_models.options import Recompute
+from cost_models.search_memo import memo
+from cost_models.unit_prices import op_content
 
 __all__ = ["build_segments"]
 
@@ -56,13 +58,24 @@ def _backward_peaks(inputs, segments: list[Segment], owners: list[int], position
         key = (classes[seg.unit], place)
         if key not in simulated:
             where = positions[seg.unit]
-            simulated[key] = (
-                backward_peak(ops, owners, seg, checkpointed=False, positions=where),
-                *(backward_peak(ops, owners, seg, checkpointed=True, kept_saved=kept_saved[mode], positions=where)
-                  if mode in kept_saved else BackwardPeak(0, 0)
-                  for mode in (Recompute.ALL, Recompute.CHEAP, Recompute.ALTERNATE)),
-            )
+            # what the simulation reads: its unit's ops (contents, places around the segment's) and what each mode
+            # keeps of them; alike in other tables of the search (another stage, mesh or schedule holding the block)
+            reads = (tuple(op_content(ops[p]) for p in where), tuple(p - seg.first_op for p in where),
+                     seg.last_op - seg.first_op,
+                     tuple(tuple(map(kept_saved[mode].get, (ops[p].name for p in where))) if mode in kept_saved
+                           else None for mode in _MODES))
+            simulated[key] = memo(("backward peaks", reads), lambda: _simulated(ops, owners, seg, where, kept_saved))
         seg.bwd_peak, seg.bwd_peak_checkpointed, seg.bwd_peak_selective, seg.bwd_peak_alternate = simulated[key]
+
+
+_MODES = (Recompute.ALL, Recompute.CHEAP, Recompute.ALTERNATE)
+
+
+def _simulated(ops, owners: list[int], seg: Segment, where: list[int], kept_saved: dict) -> tuple:
+    """The segment's backward peaks: unchecked, then checkpointed under each of `_MODES`."""
+    return (backward_peak(ops, owners, seg, checkpointed=False, positions=where),
+            *(backward_peak(ops, owners, seg, checkpointed=True, kept_saved=kept_saved[mode], positions=where)
+              if mode in kept_saved else BackwardPeak(0, 0) for mode in _MODES))
 
 
 def _outer_gradients(inputs, segments: list[Segment], positions: dict[int, list[int]]) -> None:
