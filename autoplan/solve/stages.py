@@ -195,18 +195,17 @@ class StageTables(_Source):
         ops = base.trace_1.ops
         names = {ops[p].name for p in self.positions}
         root_modules = {ops[p].module for p in self.positions}
-        self.units = [self._unit(base.units[u], new_index, names, root_modules, chunks) for u in self.unit_index]
+        paths = {base.units[u].path for u in self.unit_index}
+        self.units = [self._unit(base.units[u], new_index, names, root_modules, paths) for u in self.unit_index]
         self.trace_1 = _Trace([ops[p] for p in self.positions])
         self.op_ids = [base.op_ids[p] for p in self.positions]
         self._inputs: dict[int, TableInputs] = {}
 
-    def _unit(self, unit: Unit, new_index: dict[int, int], names: set[str], modules: set[str],
-              chunks: list[tuple[int, int]]) -> Unit:
-        paths = {self.base.units[u].path for u in self.unit_index}
+    def _unit(self, unit: Unit, new_index: dict[int, int], names: set[str], modules: set[str], paths: set[str]) -> Unit:
         if not unit.is_root:
             return replace(unit, first_op=new_index[unit.first_op], last_op=new_index[unit.last_op],
                            children=[c for c in unit.children if c in paths])
-        last_stage = chunks[-1][1] == len(self.base.trace_1.ops) - 1
+        last_stage = self.chunks[-1][1] == len(self.base.trace_1.ops) - 1
         params = [p for p in unit.params if p.name.rpartition(".")[0] in modules
                   or last_stage and not _used(p.name, self.base.trace_1.ops)]
         return replace(unit, params=params, children=[c for c in unit.children if c in paths],
