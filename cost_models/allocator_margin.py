@@ -24,10 +24,12 @@ the loss's fp32 logits, in its own segment that the next step cannot reuse once 
 follows what the step holds, not its total, and which block lands in which cached segment follows the model's
 tensor sizes (llama2-7b's 86 MiB MLP blocks leave segments its 64 MiB saved tensors fill in part; llama3-8b's 224
 MiB ones hold three of its 64 MiB tensors and more). The native bound is per time point: each memory category's
-bytes times its weight, the activations' from a simulation of the model's own forward (`native_margin`:
-1.022 + 1.10 x what its repeated blocks strand per byte they keep, cost_models.stranding; llama2-7b 1.19,
-gpt2-1.5b 1.05-1.13, llama3-8b 1.02-1.08), the temporaries 1.48, the rest 1; a model whose trace records no
-storages gets the category weights alone (`NATIVE`: 1.35 for temporaries, 1.15 for activations).
+bytes times its weight, each option's activations by its checkpoint mode's weight, from a simulation of the model's
+own forward (`native_margin`: a base plus a coefficient x what its repeated blocks strand per byte they keep,
+cost_models.stranding, per mode: llama2-7b's selective blocks 1.18, its blocks without checkpointing 1.08, fully
+checkpointed ones 1.075; gpt2-1.5b's and llama3-8b's 1.0-1.11), the gathered parameters by 1 + 3.02 x the same
+figure, the temporaries 1.48, the rest 1-1.041; a model whose trace records no storages gets the category weights
+alone (`NATIVE`: 1.35 for temporaries, 1.15 for activations).
 
 Three figures per plan: allocated (live bytes, the memory timeline's peak), needed (the smallest limit the step
 runs in; what a plan is fitted to by default) and reserved (what torch.cuda.max_memory_reserved shows with
@@ -43,11 +45,11 @@ import numpy as np
 
 from cost_models.algebra import Affine
 from cost_models.allocator import FRAGMENTATION, SEGMENT_SLACK
-from cost_models.memory import CATEGORIES, MemoryPoint, total
+from cost_models.memory import CATEGORIES, MemCategory, MemoryPoint, total
 from cost_models.options import Recompute
 
 __all__ = ["ALLOC_CONF_ENV", "DEFAULT_ALLOC_CONF", "EXPANDABLE", "EXPANDABLE_BY_SIZES", "EXPANDABLE_STRANDING",
-           "NATIVE", "NATIVE_BY_SIZES", "STRANDING", "Margin", "PointMargin", "allocated_within", "expandable_margin",
+           "BY_MODE", "GATHERED_STRANDING", "NATIVE", "NATIVE_BY_SIZES", "Margin", "PointMargin", "allocated_within", "expandable_margin",
            "fitted_totals", "is_expandable", "margin_of", "native_margin",
            "needed_bytes", "needed_of_parts", "needed_of_points", "point_margin", "reserved_bytes", "selective_bytes",
            "SELECTIVE_RECOMPUTE"]
@@ -124,6 +126,10 @@ class PointMargin:
     weights: dict[str, float]  # MemCategory value -> bytes needed per live byte (at least 1)
     slack: int  # bytes: partly used pages and segments, and the kernel workspaces a replay cannot see
     selective: float = 0.0  # bytes needed per activation byte a selectively checkpointed unit saves
+    # Recompute value -> bytes needed per activation byte of a unit with that checkpoint mode, in place of the
+    # activations' weight where the timeline weighs them per option (MemoryPoint.fitted_activations); the
+    # activations' weight is then the largest of them, a bound for a point that does not
+    by_mode: dict[str, float] | None = None
 
 
 # Native, per time point: the smallest weights (a linear programme over the replays, each replay's peak point made to
@@ -144,28 +150,43 @@ EXPANDABLE = PointMargin({category.value: 1.013 for category in CATEGORIES}, sla
                          selective=0.053)
 
 
-# Native, per time point and per model: the activations weighted by 1.022 + STRANDING x what the model's repeated
-# blocks strand per byte they keep in a simulation of its forward at the table's micro-batch and tensor-parallel
-# layout (cost_models.stranding.forward_stranding: llama2-7b 0.15, gpt2-1.5b 0.03-0.09 by micro-batch, llama3-8b 0,
-# 0.02-0.06 tensor-parallel), the temporaries by 1.48 (the loss's fp32 logits in a segment that smaller blocks
-# split; the optimizer's foreach temporaries in the backward's segments), every other category by 1. The least
-# weights and coefficient (a linear programme over the 30 native replays of benchmarks/allocator.py: the grid's 12
-# plans, the 9 default plans made under NATIVE and the 9 made under this bound's first fit, each replay's peak
-# point made to reach its needed limit x 1.01: activations 1.021, temporaries 1.477, STRANDING 1.097, the rest 1.0;
-# `python benchmarks/allocator_weights.py --stranding`), rounded up. NATIVE, the same categories' weights without
-# the simulation, is the bound of a table whose trace records no storages.
-STRANDING = 1.10
-NATIVE_BY_SIZES = {"params": 1.0, "grads": 1.0, "optimizer": 1.0, "activations": 1.022, "gathered": 1.0,
+# Native, per time point, per model and per checkpoint mode: each option's activations weighted by its mode's base plus
+# its coefficient x what the model's repeated blocks strand per byte they keep in a simulation of its forward at the
+# table's micro-batch and tensor-parallel layout (cost_models.stranding.forward_stranding: llama2-7b 0.15, 0.12 at
+# tensor degree 2, gpt2-1.5b 0.03-0.09 by micro-batch, llama3-8b 0, 0.02-0.06 tensor-parallel); the gathered
+# parameters by 1 + 3.02 x that figure (all-gather outputs and units kept gathered, allocated among the activations:
+# llama2-7b's tensor-parallel plans keep 2.8 GiB of them), the temporaries by 1.48 (the loss's fp32 logits in a
+# segment that smaller blocks split; the optimizer's foreach temporaries in the backward's segments), the parameters
+# by 1.041, the rest by 1. Per mode because what a unit keeps decides where its blocks land: selectively
+# checkpointed, a block keeps its matmuls' outputs amid freed transients (1.0 + 1.20 x the model's figure: llama2-7b
+# 1.18); without checkpointing it keeps every saved tensor, whose own segments hold them (1.008 + 0.46 x: 1.08);
+# fully checkpointed its input alone (1.075, whatever the model). One weight for every mode, the largest, had to
+# cover the selective blocks and so over-charged plans made mostly without checkpointing by 5-6% of their need
+# (llama2-7b at 40GB). The least constants with every native replay whose plan's modes are recorded within its bound
+# (a linear programme over 32: benchmarks/allocator.py's grid of 12 uniform plans, the 9 default plans of f29b459
+# made again with their modes, and the default plans of two rounds of this bound; each replay's peak point made to
+# reach its needed limit x 1.01: params 1.0403, gathered 1 + 3.0107 x, temporaries 1.4782, nothing 1.0073 + 0.4517 x,
+# selective 1.0 + 1.1949 x, all 1.0697; `python benchmarks/allocator_weights.py --by-mode`), rounded up. In-sample:
+# fitted without llama2-7b's replays the coefficients lose what its selective blocks strand and its plans replay up
+# to 6% over that fit's bound; without gpt2-1.5b's, its plans stay within (benchmarks/RESULTS.md section 11b). NATIVE,
+# the same categories' weights without the simulation, is the bound of a table whose trace records no storages.
+NATIVE_BY_SIZES = {"params": 1.041, "grads": 1.0, "optimizer": 1.0, "activations": 1.0, "gathered": 1.0,
                    "temporaries": 1.48}
+GATHERED_STRANDING = 3.02  # the gathered parameters' weight: 1 + this x the model's simulated stranding
+# Recompute value -> (base, coefficient of the simulated stranding) of a unit's activations in that mode
+BY_MODE = {"nothing": (1.008, 0.46), "cheap": (1.0, 1.20), "alternate": (1.0, 1.20), "all": (1.075, 0.0)}
 
 
 def native_margin(stranding: float | None) -> PointMargin:
     """The native per-point bound of a model whose forward strands `stranding` per live byte
-    (cost_models.stranding.forward_stranding; None: unknown, NATIVE)."""
+    (cost_models.stranding.forward_stranding; None: unknown, NATIVE): the activations weighted per checkpoint mode
+    (BY_MODE), their one weight the largest of those (a bound for a point not weighted per mode)."""
     if stranding is None:
         return NATIVE
-    weights = dict(NATIVE_BY_SIZES, activations=NATIVE_BY_SIZES["activations"] + STRANDING * stranding)
-    return PointMargin(weights, slack=NATIVE.slack)
+    by_mode = {mode: base + coefficient * stranding for mode, (base, coefficient) in BY_MODE.items()}
+    weights = dict(NATIVE_BY_SIZES, activations=max(by_mode.values()),
+                   gathered=NATIVE_BY_SIZES["gathered"] + GATHERED_STRANDING * stranding)
+    return PointMargin(weights, slack=NATIVE.slack, by_mode=by_mode)
 
 
 # Expandable segments, per time point and per model: the live bytes x 1.012, plus EXPANDABLE_STRANDING x what the
@@ -213,12 +234,16 @@ def selective_bytes(table, alg):
 SELECTIVE_RECOMPUTE = (Recompute.CHEAP, Recompute.ALTERNATE)  # what `selective_bytes` counts
 
 
-def _weighted(parts: dict, margin: PointMargin):
-    """A point's parts (memory category -> bytes or expression) summed with the margin's weights."""
+def _weighted(parts: dict, margin: PointMargin, fitted_activations=None):
+    """A point's parts (memory category -> bytes or expression) summed with the margin's weights; the activations
+    weighted per checkpoint mode (`fitted_activations`) where the margin and the point have them."""
     expr = 0
     for category in CATEGORIES:
         weight = margin.weights[category.value]
-        expr = expr + (parts[category] if weight == 1 else parts[category] * weight)
+        if category is MemCategory.ACTIVATIONS and margin.by_mode and fitted_activations is not None:
+            expr = expr + fitted_activations
+        else:
+            expr = expr + (parts[category] if weight == 1 else parts[category] * weight)
     return expr
 
 
@@ -232,7 +257,7 @@ def fitted_totals(table, points: list[MemoryPoint], alg) -> list:
     selective = selective_bytes(table, alg) * margin.selective if margin.selective else 0
     rows = []
     for point in points:
-        expr = _weighted(point.parts, margin) + selective
+        expr = _weighted(point.parts, margin, point.fitted_activations) + selective
         if isinstance(expr, Affine):
             expr = Affine(np.ceil(expr.coef).astype(np.int64), math.ceil(expr.const))
         elif isinstance(expr, (int, float)):
@@ -249,12 +274,15 @@ def needed_of_points(points: list[MemoryPoint], conf: str, selective: int = 0,
     checkpointed units save (`selective_bytes`): the per-point bound's highest point plus the slack. `margin`:
     the bound its table carries (`CostTable.allocator`; None: `point_margin(conf)`)."""
     return needed_of_parts([{c.value: point.parts[c] for c in CATEGORIES} for point in points], conf, selective,
-                           margin)
+                           margin, [point.fitted_activations for point in points])
 
 
-def needed_of_parts(parts: list[dict], conf: str, selective: int = 0, margin: PointMargin | None = None) -> int:
+def needed_of_parts(parts: list[dict], conf: str, selective: int = 0, margin: PointMargin | None = None,
+                    fitted: list | None = None) -> int:
     """As `needed_of_points`, from each point's bytes by memory category (a plan file's timeline breakdowns,
-    keyed by the categories' values: "params", ...) and its selective units' activation bytes."""
+    keyed by the categories' values: "params", ...), its selective units' activation bytes and, where known, each
+    point's activations weighted per checkpoint mode (`fitted`; else the activations' one weight)."""
     margin = margin or point_margin(conf)
-    return (math.ceil(max(_weighted({c: p[c.value] for c in CATEGORIES}, margin) for p in parts)
+    fitted = fitted or [None] * len(parts)
+    return (math.ceil(max(_weighted({c: p[c.value] for c in CATEGORIES}, margin, f) for p, f in zip(parts, fitted))
                       + selective * margin.selective) + margin.slack)

@@ -1,8 +1,8 @@
 """Per-rank memory at each time point of a training step, by category.
 
-Time points: the forward of each op segment in execution order, the backward of each segment in
-reverse order, and the optimizer step (one point per unit whose parameters may hold its largest
-scratch on the CPU: see _optimizer_step_points). At the forward of segment s (ops a..b, owned by unit u):
+Time points: the forward of each op segment in execution order, the backward of each segment in reverse order, and
+the optimizer step (one point per unit whose parameters may hold its largest scratch on the CPU: see
+_optimizer_step_points). At the forward of segment s (ops a..b, owned by unit u):
     params + optimizer states                      (all units, sharded or not per their option)
   + gradients                                      (only with gradient accumulation > 1)
   + activations saved by segments 1..s
@@ -11,29 +11,29 @@ scratch on the CPU: see _optimizer_step_points). At the forward of segment s (op
     last (FSDP2, torch 2.13: each unit's all-gather output stays alive until the next unit's copy-out;
     the forward prefetches nothing by default)
   + the largest tensor the segment allocates.
-Before the first segment of each unit with parameters, a "pre-fwd" point: its copy-out, when the
-previous unit's all-gather output, its own and its unsharded parameters are alive at once.
-At the backward of s: the activations of segments 1..s-1 (those of later segments are freed), what a
-checkpointed u keeps that its recomputation leaves held (activations.backward_keep_bytes), reduced gradients of units whose backward finished, the parameter
-gradients the units around u have computed so far (unsharded, compute dtype), and the peak of s's
-backward simulated op by op (table.backward_peak): s's saved or recomputed activations not yet
+Before the first segment of each unit with parameters, a "pre-fwd" point: its copy-out, when the previous unit's
+all-gather output, its own and its unsharded parameters are alive at once.
+At the backward of s: the activations of segments 1..s-1 (those of later segments are freed), what a checkpointed u
+keeps that its recomputation leaves held (activations.backward_keep_bytes), reduced gradients of units whose
+backward finished, the parameter gradients the units around u have computed so far (unsharded, compute dtype), and
+the peak of s's backward simulated op by op (table.backward_peak): s's saved or recomputed activations not yet
 consumed, gradients in flight and u's parameter gradients so far.
-The loss is a segment of its own: it runs after the model's forward and before its backward, when
-FSDP2 holds no unit gathered (not even the root: apply sets reshard_after_forward explicitly). Its
-forward's transients hold its input (the logits) unless a checkpointed unit keeps that input already
-(a selectively checkpointed head: OptionCost.loss_kept_bytes, taken off there).
-When a unit's backward is done, FSDP2 reshards it and copies its gradients into the reduction input
-(reduce dtype): a "reduce" point with that unit's activations freed.
-FSDP2 keeps that reduction input alive until the next unit's post-backward (it frees the previous
-one just before allocating its own; reduce_scatter_max_input_buffers=1), so the backward points
-between two reductions hold the last reduced unit's reduction input too (on the CPU, with gloo's copy
-of it: table._pending_reduce_bytes).
+The loss is a segment of its own: it runs after the model's forward and before its backward, when FSDP2 holds no
+unit gathered (not even the root: apply sets reshard_after_forward explicitly). Its forward's transients hold its
+input (the logits) unless a checkpointed unit keeps that input already (a selectively checkpointed head:
+OptionCost.loss_kept_bytes, taken off there).
+When a unit's backward is done, FSDP2 reshards it and copies its gradients into the reduction input (reduce dtype):
+a "reduce" point with that unit's activations freed.
+FSDP2 keeps that reduction input alive until the next unit's post-backward (it frees the previous one just before
+allocating its own; reduce_scatter_max_input_buffers=1), so the backward points between two reductions hold the last
+reduced unit's reduction input too (on the CPU, with gloo's copy of it: table._pending_reduce_bytes).
 """
 
 from __future__ import annotations
 
 import bisect
 import heapq
+import math
 from dataclasses import dataclass
 from enum import Enum
 
@@ -42,10 +42,11 @@ from collections.abc import Callable
 from .algebra import Algebra, NumericAlgebra, add_all
 from .choices import Option
 from .option_cost import OptionCost
+from .optimizer_points import optimizer_scratch
 from .options import Recompute
 from .table import CostTable
 
-__all__ = ["MemCategory", "CATEGORIES", "MAX_SCRATCH_POINTS", "MemoryPoint", "PHASE_OF_POINT", "phase_of", "timeline",
+__all__ = ["MemCategory", "CATEGORIES", "MemoryPoint", "PHASE_OF_POINT", "phase_of", "timeline",
            "total"]
 
 
@@ -84,6 +85,9 @@ def phase_of(label: str) -> str | None:
 class MemoryPoint:
     label: str
     parts: dict[MemCategory, object]  # category -> expression (a number under NumericAlgebra)
+    # the activations, each option's weighted by what its checkpoint mode strands where the table's allocator margin
+    # weights them per mode (cost_models.allocator_margin.PointMargin.by_mode; None: the activations' one weight)
+    fitted_activations: object = None
 
 
 def _parts(*, params, grads, optimizer, activations, gathered, temporaries) -> dict[MemCategory, object]:
@@ -137,6 +141,17 @@ class _Timeline:
         self.spanning: list[tuple[int, int]] = []  # (last op, unit) of the units started by the segment, less some ended
         self.started = 0
 
+    def both(self, unit: int, value: Callable[[Option, OptionCost], int]) -> tuple:
+        """per_option of value, and of value weighted by the option's checkpoint mode where the table's allocator
+        margin weights activations per mode (else None): the same literals, other coefficients."""
+        by_mode = getattr(self.table.allocator, "by_mode", None)
+        return self.per_option(unit, value), None if not by_mode else self.per_option(
+            unit, lambda option, cost: math.ceil(value(option, cost) * by_mode[option.recompute.value]))
+
+    def fitted_before(self, index: int):
+        """The weighted activations of segments before `index` (None where they are not weighted per mode)."""
+        return self.fitted_upto[index - 1] if index > 0 or self.fitted_upto[0] is None else 0
+
     def pick(self, unit: int, field: str):
         if self.chosen is not None:
             return getattr(self.table.costs[unit][self.chosen[unit]], field)
@@ -170,14 +185,16 @@ class _Timeline:
             self.held_upto[rank + 1] = alg.define(self.held_upto[rank] + self.pick(unit, "held_bytes"), f"held_{rank}")
         # activations saved by segments 1..s: a prefix sum over segments
         self.first_segment_of: dict[int, int] = {}
-        self.activations_upto: list = []
-        running = 0
+        self.activations_upto, self.fitted_upto = [], []  # fitted: weighted per mode (`both`), else None
+        running, fitted = 0, 0
         for index, seg in enumerate(table.segments):
             first = self.first_segment_of.setdefault(seg.unit, index) == index
-            saved = self.per_option(seg.unit, lambda option, cost, first=first, seg=seg: (
+            saved, weighted = self.both(seg.unit, lambda option, cost, first=first, seg=seg: (
                 (cost.activation_bytes if first else 0) if option.mode.checkpoints else seg.saved_bytes))
             running = alg.define(running + saved, f"act_{index}")
+            fitted = None if weighted is None else alg.define(fitted + weighted, f"fitted_act_{index}")
             self.activations_upto.append(running)
+            self.fitted_upto.append(fitted)
 
     def _spans(self) -> None:
         """Units by where their ops start and end, and in the order FSDP2 gathers them in the forward (by first
@@ -268,7 +285,7 @@ class _Timeline:
                 activations=self.activations_upto[index - 1] if index > 0 else 0,
                 gathered=gathered_fwd + (self.pick(previous, "gathered_bytes") if previous is not None else 0),
                 temporaries=0,
-            )))
+            ), self.fitted_before(index)))
         # the loss's unsaved inputs are among its transients; a unit that keeps one counts it already
         kept_by = ([self.per_option(u, lambda _, cost: -cost.loss_kept_bytes) for u in self.loss_keepers]
                    if seg.outside_model else [])
@@ -276,7 +293,7 @@ class _Timeline:
             params=self.params_all, grads=self.grads_in_step, optimizer=self.optimizer_all,
             activations=self.activations_upto[index], gathered=gathered_fwd,
             temporaries=_sum([seg.fwd_temp_bytes] + kept_by),
-        )))
+        ), self.fitted_upto[index]))
         return points
 
     def backward(self, index: int, seg, around: list[int]) -> list[MemoryPoint]:
@@ -296,20 +313,22 @@ class _Timeline:
         # gradients as simulated op by op, the checkpointed unit's kept inputs, earlier segments' activations
         first = index == self.first_segment_of[seg.unit]
         earlier = self.activations_upto[index - 1] if index > 0 else 0
+        fitted_earlier = self.fitted_before(index)
+        own, fitted_own = self.both(seg.unit, lambda option, cost: (
+            (cost.bwd_kept_bytes if option.mode.checkpoints and first else 0)
+            + getattr(seg, _PEAK_OF[option.recompute]).activations))
         points = [MemoryPoint(f"bwd {self._label(seg)}", _parts(
             params=self.params_all, grads=grads_done, optimizer=self.optimizer_all,
-            activations=earlier + self.per_option(seg.unit, lambda option, cost: (
-                (cost.bwd_kept_bytes if option.mode.checkpoints and first else 0)
-                + getattr(seg, _PEAK_OF[option.recompute]).activations)),
+            activations=earlier + own,
             gathered=gathered_bwd + _sum([self.pick(u, "gathered_bytes") for u in around]),
             temporaries=self.per_option(seg.unit, lambda option, _: getattr(seg, _PEAK_OF[option.recompute]).temporaries)
             + seg.outer_grad_bytes + pending_reduce,
-        ))]
+        ), None if fitted_own is None else fitted_earlier + fitted_own)]
         for u in self.reduced_after.get(index, []):
-            points.append(self._reduce_point(u, earlier, gathered_bwd))
+            points.append(self._reduce_point(u, earlier, gathered_bwd, fitted_earlier))
         return points
 
-    def _reduce_point(self, u: int, activations, gathered_bwd) -> MemoryPoint:
+    def _reduce_point(self, u: int, activations, gathered_bwd, fitted_activations) -> MemoryPoint:
         """[Point] FSDP2's post-backward: u is resharded, its gradients copied into the reduction input (the
         previous unit's input freed just before); the activations of its subtree are freed by now."""
         table, n_units = self.table, len(self.units)
@@ -322,37 +341,14 @@ class _Timeline:
             activations=activations,
             gathered=gathered_bwd + _sum([self.pick(v, "gathered_bytes") for v in outer]),
             temporaries=self.pick(u, "reduce_peak_bytes") + _sum([self.pick(v, "unsharded_grad_bytes") for v in outer]),
-        ))
+        ), fitted_activations)
 
     def optimizer_step(self) -> list[MemoryPoint]:
         state = _parts(params=self.params_all, grads=self.grads_all, optimizer=self.optimizer_all, activations=0,
                        gathered=0, temporaries=_sum([self.pick(u, "optimizer_temp_bytes")
                                                      for u in range(len(self.units))]))
-        return _optimizer_step_points(self.table, self.alg, state)
-
-
-MAX_SCRATCH_POINTS = 64
-
-
-def _optimizer_step_points(table: CostTable, alg: Algebra, state: dict[MemCategory, object]) -> list[MemoryPoint]:
-    """The optimizer step: every unit's state plus its scratch. A foreach step's scratch spans every
-    parameter (`optimizer_temp_bytes`, summed in `state`); a per-tensor step's (the CPU's) is that of
-    one parameter at a time, so the step's peak holds the largest of the units' `tensor_scratch_bytes`.
-    A maximum is not linear in the options; one point per unit that can hold it is: with `surely` the
-    largest scratch some unit has under every option, unit u's point holds max(its scratch, surely),
-    and the highest of these points is the plan's maximum. Units that never exceed `surely` need no
-    point; with none left, one point holds `surely`. Past MAX_SCRATCH_POINTS units (each point is a
-    solver row over every option), one point holds the largest scratch any unit can have: an upper bound."""
-    scratch = [_values(table, u, "tensor_scratch_bytes") for u in range(len(table.units))]
-    surely = max((min(values) for values in scratch), default=0)
-    holders = [u for u, values in enumerate(scratch) if max(values) > surely]
-    if not holders or len(holders) > MAX_SCRATCH_POINTS:
-        bound = max((max(scratch[u]) for u in holders), default=surely)
-        return [MemoryPoint("optimizer step", {**state, MemCategory.TEMPORARIES: state[MemCategory.TEMPORARIES] + bound})]
-    return [MemoryPoint("optimizer step" if len(holders) == 1 else f"optimizer step {table.units[u].path or '<root>'}",
-                        {**state, MemCategory.TEMPORARIES: state[MemCategory.TEMPORARIES]
-                         + alg.pick(u, [max(v, surely) for v in scratch[u]])})
-            for u in holders]
+        return [MemoryPoint(label, {**state, MemCategory.TEMPORARIES: state[MemCategory.TEMPORARIES] + scratch})
+                for label, scratch in optimizer_scratch(self.table, self.alg)]
 
 
 def total(point: MemoryPoint):

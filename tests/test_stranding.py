@@ -3,15 +3,22 @@ bound that follows it: on hand-made forwards, on real models' traces, and in the
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
 import pytest
 
-import autoplan
 from autoplan.api.prepare import prepare
 from autoplan.settings import EstimateSettings
 from cost_models.allocator_margin import NATIVE, native_margin, needed_of_parts, point_margin
 from cost_models.records import ModelTrace, OpRecord
 from cost_models.stranding import forward_events, forward_stranding
 
+REPO = Path(__file__).resolve().parents[1]
 MiB = 1 << 20
 NATIVE_CONF = "expandable_segments:False"
 
@@ -61,24 +68,52 @@ def test_a_trace_without_storages_keeps_the_bound_that_needs_none():
     assert native_margin(None) is NATIVE and point_margin(NATIVE_CONF) is NATIVE
 
 
-def _estimate_and_stranding(model: str):
+def _estimate_and_stranding(model: str, checkpoint: str = "none"):
+    """`autoplan estimate --json` of every unit sharded in one checkpoint mode (natively), its timeline, and what its
+    model strands (cost_models.stranding)."""
+    done = subprocess.run([sys.executable, "-m", "autoplan", "estimate", "--model", model, "--seq-len", "1024",
+                           "--gpus", "8", "--profile", "h100-sxm-80gb", "--strategy", "shard", "--checkpoint",
+                           checkpoint, "--allocator-conf", NATIVE_CONF, "--json"], capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=str(REPO)), timeout=600)
+    assert done.returncode == 0, done.stderr
+    est = json.loads(done.stdout)
+    timeline = [{k.removesuffix("_bytes"): v for k, v in p["breakdown"].items()} for p in est["predicted"]["timeline"]]
     settings = EstimateSettings(model=model, seq_len=1024, gpus=8, profile="h100-sxm-80gb")
-    est = autoplan.estimate(settings=settings.model_copy(update={"strategy": "shard", "allocator_conf": NATIVE_CONF}))
-    timeline = [{k.removesuffix("_bytes"): v for k, v in p.breakdown.model_dump().items()}
-                for p in est.predicted.timeline]
-    return est, timeline, forward_stranding(prepare(settings).tables.trace_1, est.training.micro_batch_size)
+    return est["predicted"], timeline, forward_stranding(prepare(settings).tables.trace_1,
+                                                         est["training"]["micro_batch_size"])
+
+
+def _at(strands: float, mode: str):
+    """native_margin(strands) with every activation weighted as `mode`'s."""
+    margin = native_margin(strands)
+    return replace(margin, weights=dict(margin.weights, activations=margin.by_mode[mode]), by_mode=None)
 
 
 def test_a_model_whose_blocks_strand_more_is_given_a_larger_native_bound():
     """llama2-7b's MLP (11008 wide) leaves segments its saved tensors fill in part, llama3-8b's (14336) much less:
     the simulation of each forward tells them apart, and the needed figure a plan reports weights its activations
-    by its own model's (the same timeline with llama3-8b's stranding would need less)."""
+    by its own model's (the same timeline with llama3-8b's stranding would need less). Without checkpointing every
+    activation is weighted as that mode's."""
     llama2, llama2_timeline, llama2_strands = _estimate_and_stranding("llama2-7b[n_layers=4]")
     llama3, llama3_timeline, llama3_strands = _estimate_and_stranding("llama3-8b[n_layers=4]")
     assert llama2_strands > llama3_strands + 0.1
-    for est, timeline, strands in ((llama2, llama2_timeline, llama2_strands),
-                                   (llama3, llama3_timeline, llama3_strands)):
-        assert est.predicted.needed_bytes == needed_of_parts(timeline, NATIVE_CONF, margin=native_margin(strands))
-        assert est.predicted.needed_bytes > est.predicted.peak_mem_bytes
-    with_llama3s = needed_of_parts(llama2_timeline, NATIVE_CONF, margin=native_margin(llama3_strands))
-    assert llama2.predicted.needed_bytes > with_llama3s
+    for predicted, timeline, strands in ((llama2, llama2_timeline, llama2_strands),
+                                         (llama3, llama3_timeline, llama3_strands)):
+        # each option's weighted bytes rounded up: a byte or so per segment
+        assert predicted["needed_bytes"] == pytest.approx(
+            needed_of_parts(timeline, NATIVE_CONF, margin=_at(strands, "nothing")), abs=1024)
+        assert predicted["needed_bytes"] > predicted["peak_mem_bytes"]
+    with_llama3s = needed_of_parts(llama2_timeline, NATIVE_CONF, margin=_at(llama3_strands, "nothing"))
+    assert llama2["needed_bytes"] > with_llama3s
+
+
+def test_each_checkpoint_modes_activations_are_weighted_by_what_that_mode_strands():
+    """Fully checkpointed blocks keep their inputs alone and strand less per byte than selective ones on a model
+    whose blocks strand (allocator_margin.BY_MODE): the plan's needed figure weights each unit's activations by
+    its own mode's weight (the root, not checkpointed, by that mode's), under the figure that weights them all as
+    the heaviest mode's and over the one that weights them all as full checkpointing's."""
+    predicted, timeline, strands = _estimate_and_stranding("llama2-7b[n_layers=4]", "full")
+    margin = native_margin(strands)
+    assert margin.by_mode["all"] < margin.by_mode["cheap"] == margin.weights["activations"]
+    heaviest = needed_of_parts(timeline, NATIVE_CONF, margin=margin)
+    assert needed_of_parts(timeline, NATIVE_CONF, margin=_at(strands, "all")) <= predicted["needed_bytes"] < heaviest

@@ -26,7 +26,8 @@ import numpy as np
 
 from cost_models.algebra import Affine, AffineAlgebra, SparseAffine, SparseAlgebra
 from cost_models.allocator_margin import fitted_totals
-from cost_models.memory import MAX_SCRATCH_POINTS, timeline
+from cost_models.memory import timeline
+from cost_models.optimizer_points import MAX_SCRATCH_POINTS
 
 __all__ = ["DENSE_LIMIT", "MemoryRows", "sparse_rows", "table_rows"]
 
