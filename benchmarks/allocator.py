@@ -19,10 +19,12 @@ limit has to hold.
     python benchmarks/allocator.py --kit DIR  # the GPU kit's plans (DIR/gpu_truth.json) replayed, beside what
                                               # the GPU reserved running them
     python benchmarks/allocator.py --default  # the default search's plans at three limits per model, made for each
-                                              # allocator configuration and replayed under it (issue 23)
+                                              # allocator configuration and replayed under it (issue 23);
+                                              # --conf native / expandable: one configuration, written to
+                                              # results/allocator_default_<conf>.json (two run side by side)
     python benchmarks/allocator.py --default --refit --conf native  # the same cases fitted by replay
                                               # (--fit-allocator on): each round's need, the fit's time
-    python benchmarks/allocator_weights.py    # the native bound's category weights fitted to these runs' replays
+    python benchmarks/allocator_weights.py --by-mode  # the native bound's constants fitted to these runs' replays
     python benchmarks/allocator.py --search-time  # `autoplan search` fitted to needed (the default, with the
                                               # replay check) beside --fit-to allocated --fit-allocator off, in turn
 
@@ -38,7 +40,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from allocator_weights import packed, stranded_text, timeline_parts
+from allocator_weights import mode_parts, packed, stranded_text, timeline_parts
 from common import write_results
 
 import autoplan
@@ -96,6 +98,13 @@ def plan_needed_bytes(plan, conf: str) -> int:
     """The needed bound of `plan`'s predicted timeline under `conf` (cost_models.allocator_margin, per time point),
     whichever configuration the plan was made for."""
     return needed_of_parts(timeline_parts(plan), conf, selective_activation_bytes(plan))
+
+
+def default_results_name(args) -> str:
+    """The results file of a --default run: one per configuration where --conf names one (two runs side by side,
+    one per configuration, would otherwise overwrite each other's file), per model and limit where asked for."""
+    return ("allocator_default" + ("_refit" if args.refit else "") + (f"_{args.conf}" if args.conf else "")
+            + (f"_{args.only}" if args.only else "") + (f"_{args.limit}" if args.limit else ""))
 
 
 def search_times(repeats: int) -> list[dict]:
@@ -196,7 +205,8 @@ def default_rows(cases, configs=CONFIGS) -> list[dict]:
                        "tp": plan.cluster.tp_degree, "sp": plan.cluster.sequence_parallel, "micro_batch": plan.training.micro_batch_size, "peak_bytes": plan.predicted.peak_mem_bytes,
                        "bound_bytes": plan.predicted.needed_bytes, "needed_bytes": needed,
                        "reserved_bytes": replay(events, expandable=expandable).peak_reserved, "fits": needed <= mem,
-                       "used": needed / mem, "parts": packed(timeline_parts(plan)),
+                       "used": needed / mem,
+                       "parts": packed(timeline_parts(plan) if expandable else mode_parts(plan)),
                        "selective_bytes": selective_activation_bytes(plan)}
                 where = None if expandable else stranded(events, needed - SEGMENT_SLACK - ROUND_LARGE)
                 if where is not None:
@@ -308,9 +318,7 @@ def main() -> None:
         print(f"fit: {sum(r['fits'] for r in replayed)} of {len(replayed)} replayed ({len(rows) - len(replayed)} not "
               f"replayable); used {min(r['used'] for r in replayed):.1%}-{max(r['used'] for r in replayed):.1%} of the "
               "limit (target: at most 100%, at least 95%)")
-        path = write_results("allocator_default" + ("_refit" if args.refit else "")
-                             + (f"_{args.only}" if args.only else "") + (f"_{args.limit}" if args.limit else ""),
-                             {"rows": rows})
+        path = write_results(default_results_name(args), {"rows": rows})
         print(f"written to {path}")
         return
     if args.fit:

@@ -3,21 +3,24 @@ how they were chosen, and how far they can go.
 
 Why: the native bound is, at each time point, each memory category's bytes times a weight plus the slack; the
 weights are the smallest that keep every replayed plan's `needed` within its bound. This fits them again from the
-results files (benchmarks/results/allocator.json, the grid; allocator_default*.json, the default plans made for the
-native configuration, every round kept: `default_rows`), as a linear programme (OR-Tools GLOP): weights at least 1,
+results files (benchmarks/results/allocator.json, the grid; allocator_default*.json, the default plans made for each
+configuration, every round kept: `default_rows`), as a linear programme (OR-Tools GLOP): weights at least 1,
 each replay's bound at its point at least its needed limit x (1 + --margin), the sum of bound/needed the least. A
 bound is the highest of a plan's points, so which point must reach the need is a choice: each replay's highest
 point under the weights of the round before, from NATIVE's, until the weights settle. `--by-model` fits each
-model's replays alone: were the weights known per model, how close would category weights come. `--stranding`
-fits the bound the search plans to (allocator_margin.native_margin): the activations weighted by a base plus a
-coefficient x what each replay's model strands in a simulation of its forward at its micro-batch and
-tensor-parallel layout (cost_models.stranding; the models traced here, a few seconds), fitted with the weights.
+model's replays alone: were the weights known per model, how close would category weights come. `--by-mode`
+fits the bound the search plans to (allocator_margin.native_margin): each checkpoint mode's activations weighted by
+a base plus a coefficient x what each replay's model strands in a simulation of its forward at its micro-batch and
+tensor-parallel layout (cost_models.stranding; the models traced here, a few seconds), the gathered parameters by
+1 + a coefficient x the same, the other categories by a weight each; over the replays whose plans' timelines were
+recorded split by checkpoint mode (`mode_parts`: the grid's, uniform, and the default plans' since it was
+recorded). `--held-out` with it fits again without each model's replays and shows that model's under that fit.
 `--expandable` fits expandable_margin (live bytes x (1 + factor), a coefficient x the model's simulated selective
 stranding x the selective units' activations, a slack) to the replays with expandable segments (each at most its
 bound / 1.005).
 
     python benchmarks/allocator.py && python benchmarks/allocator.py --default  # the replays
-    python benchmarks/allocator_weights.py [--by-model] [--stranding] [--expandable] [--margin M]
+    python benchmarks/allocator_weights.py [--by-model] [--by-mode [--held-out]] [--expandable] [--margin M]
 """
 
 from __future__ import annotations
@@ -31,16 +34,20 @@ from ortools.linear_solver import pywraplp
 
 from cost_models.allocator import SEGMENT_SLACK
 from cost_models.allocator_margin import (
+    BY_MODE,
     EXPANDABLE,
     EXPANDABLE_BY_SIZES,
     EXPANDABLE_STRANDING,
+    GATHERED_STRANDING,
     NATIVE,
     NATIVE_BY_SIZES,
-    STRANDING,
 )
 from cost_models.memory import CATEGORIES
 
 NAMES = [c.value for c in CATEGORIES]
+OTHER = [name for name in NAMES if name != "activations"]
+GROUPS = {"none": ("nothing",), "sel": ("cheap", "alternate"), "full": ("all",)}  # checkpoint modes, as BY_MODE's
+MODE_KEYS = [f"act_{group}" for group in GROUPS]
 ROUNDS = 10
 
 
@@ -52,9 +59,35 @@ def timeline_parts(plan) -> list[dict]:
     return [p for p in unique if not any(q is not p and all(q[c] >= p[c] for c in p) for q in unique)]
 
 
+def mode_parts(plan) -> list[dict]:
+    """The points of `plan`'s timeline as timeline_parts gives them, with the activations also split by checkpoint
+    mode (MODE_KEYS: each group of GROUPS), from the plan's own cost table (rebuilt as `autoplan estimate --plan`
+    does); the points no other equals or passes in every one of these figures."""
+    from dataclasses import replace
+
+    from autoplan.api.estimate import request_table
+    from autoplan.api.prepare import prepare
+    from autoplan.settings import EstimateSettings
+    from cost_models.algebra import NumericAlgebra
+    from cost_models.allocator_margin import PointMargin
+    from cost_models.memory import timeline
+
+    request = prepare(EstimateSettings.create(plan=plan), plan, None)
+    table, choices = request_table(request, plan)
+    points = timeline(replace(table, allocator=None), NumericAlgebra(choices))
+    rows = [{c.value: int(p.parts[c]) for c in CATEGORIES} for p in points]
+    for group, modes in GROUPS.items():
+        only = PointMargin({name: 1.0 for name in NAMES}, 0, by_mode={m: float(m in modes) for m in BY_MODE})
+        for row, point in zip(rows, timeline(replace(table, allocator=only), NumericAlgebra(choices))):
+            row[f"act_{group}"] = int(point.fitted_activations or 0)
+    unique = [dict(t) for t in dict.fromkeys(tuple(sorted(p.items())) for p in rows)]
+    return [p for p in unique if not any(q is not p and all(q[c] >= p[c] for c in p) for q in unique)]
+
+
 def packed(parts: list[dict]) -> list[str]:
-    """Timeline parts as the results files keep them: a line of bytes per point, in CATEGORIES' order."""
-    return [" ".join(str(p[c.value]) for c in CATEGORIES) for p in parts]
+    """Timeline parts as the results files keep them: a line of bytes per point, in CATEGORIES' order (then
+    MODE_KEYS' where the parts split the activations by checkpoint mode)."""
+    return [" ".join(str(p[key]) for key in NAMES + [k for k in MODE_KEYS if k in p]) for p in parts]
 
 
 def stranded_text(where) -> str:
@@ -70,14 +103,21 @@ def replays() -> list[dict]:
     rows = []
     for row in json.loads((RESULTS / "allocator.json").read_text())["rows"]:
         rows.append({"label": f"{row['plan']} mb{row['micro_batch']}", "model": row["model"],
-                     "seq_len": row["seq_len"], "micro_batch": row["micro_batch"], "parts": unpacked(row["parts"]),
+                     "seq_len": row["seq_len"], "micro_batch": row["micro_batch"], "parts": grid_modes(row),
                      "needed": row["needed_limit_bytes"], **grid_tp(row)})
     for row in default_rows():
         if row.get("allocator_conf") == "expandable_segments:False" and "parts" in row:
             rows.append({"label": f"{row['model']} default @ {row['limit']}", "model": row["model"],
                          "seq_len": row["seq_len"], "micro_batch": row["micro_batch"], "parts": unpacked(row["parts"]),
-                         "needed": row["needed_bytes"], **default_tp(row)})
+                         "needed": row["needed_bytes"], "limit_bytes": row["limit_bytes"], **default_tp(row)})
     return rows
+
+
+def grid_modes(row: dict) -> list[dict]:
+    """A grid plan's timeline parts, its activations all of its one checkpoint mode (its label's)."""
+    group = "full" if "full ckpt" in row["plan"] else "sel" if "selective" in row["plan"] else "none"
+    return [{**p, **{f"act_{g}": p["activations"] if g == group else 0 for g in GROUPS}}
+            for p in unpacked(row["parts"])]
 
 
 def grid_tp(row: dict) -> dict:
@@ -96,16 +136,21 @@ def default_rows() -> list[dict]:
     stranding (allocator_default_prior.json), the rounds made while fitting it (allocator_default_round*.json) and
     the last run (allocator_default.json)."""
     files = [RESULTS / "allocator_default_prior.json", *sorted(RESULTS.glob("allocator_default_round*.json")),
-             RESULTS / "allocator_default.json"]
+             RESULTS / "allocator_default.json", *sorted(RESULTS.glob("allocator_default_native*.json")),
+             *sorted(RESULTS.glob("allocator_default_expandable*.json"))]
     rows = [row for path in files if path.exists() for row in json.loads(path.read_text())["rows"]]
-    unique = {(r["model"], r.get("limit"), r.get("allocator_conf"), r.get("peak_bytes"), r.get("needed_bytes")): r
-              for r in rows}  # a plan replayed again: once
+    unique: dict[tuple, dict] = {}
+    for row in rows:  # a plan replayed again: once, the row that records its checkpoint modes if one does
+        key = (row["model"], row.get("limit"), row.get("allocator_conf"), row.get("peak_bytes"), row.get("needed_bytes"))
+        if key not in unique or len(row.get("parts", [""])[0].split()) >= len(unique[key].get("parts", [""])[0].split()):
+            unique[key] = row
     return list(unique.values())
 
 
 def unpacked(lines: list[str]) -> list[dict]:
-    """A results file's timeline parts (benchmarks/allocator.py's `packed`): bytes by category per point."""
-    return [dict(zip(NAMES, map(int, line.split()))) for line in lines]
+    """A results file's timeline parts (benchmarks/allocator.py's `packed`): bytes by category per point, and by
+    checkpoint mode where recorded."""
+    return [dict(zip(NAMES + MODE_KEYS, map(int, line.split()))) for line in lines]
 
 
 def bound(parts: list[dict], weights: dict[str, float]) -> float:
@@ -138,29 +183,49 @@ def add_stranding(rows: list[dict], expandable: bool = False) -> None:
         row["stranding"] = min(found)
 
 
-def with_stranding(weights: dict[str, float], row: dict) -> dict[str, float]:
-    """The weights for one replay: the activations' plus the coefficient (key "stranding") x its model's
-    stranding (none where the weights have no coefficient)."""
-    coefficient = weights.get("stranding", 0.0)
-    return {c: weights[c] + (coefficient * row["stranding"] if c == "activations" else 0.0) for c in NAMES}
+def shipped_weights() -> dict[str, float]:
+    """native_margin's constants as `fit(..., by_mode=True)` names them."""
+    weights = {c: NATIVE_BY_SIZES[c] for c in OTHER}
+    weights["b_gathered"] = GATHERED_STRANDING
+    for group, modes in GROUPS.items():
+        weights[f"a_{group}"], weights[f"b_{group}"] = BY_MODE[modes[0]]
+    return weights
 
 
-def fit(rows: list[dict], margin: float, stranding: bool = False) -> dict[str, float]:
-    """The least weights (at least 1) whose bound reaches every replay's need x (1 + margin); `stranding`: with
-    the activations' coefficient per unit of the replay's simulated stranding (the rows' "stranding")."""
-    weights = dict(NATIVE_BY_SIZES, stranding=STRANDING) if stranding else dict(NATIVE.weights)
+def point_bound(point: dict, weights: dict[str, float], stranding: float) -> float:
+    """One point's bound (less the slack): by category, where the weights have no per-mode constants (NATIVE's);
+    else the gathered parameters' weight plus its coefficient x the model's stranding, and the activations per
+    checkpoint mode, each its base plus its coefficient x the model's stranding."""
+    if "a_none" not in weights:
+        return sum(point[c] * weights[c] for c in NAMES)
+    return (sum(point[c] * weights[c] for c in OTHER) + point["gathered"] * weights["b_gathered"] * stranding
+            + sum(point[f"act_{g}"] * (weights[f"a_{g}"] + weights[f"b_{g}"] * stranding) for g in GROUPS))
+
+
+def row_bound(row: dict, weights: dict[str, float]) -> float:
+    return max(point_bound(p, weights, row.get("stranding", 0.0)) for p in row["parts"]) + SEGMENT_SLACK
+
+
+def fit(rows: list[dict], margin: float, by_mode: bool = False) -> dict[str, float]:
+    """The least weights (at least 1) whose bound reaches every replay's need x (1 + margin); `by_mode`: the
+    activations weighted per checkpoint mode, a base and a coefficient of the replay's simulated stranding (the
+    rows' "stranding") each, as native_margin's."""
+    weights = shipped_weights() if by_mode else dict(NATIVE.weights)
     for _ in range(ROUNDS):
         solver = pywraplp.Solver.CreateSolver("GLOP")
-        w = {c: solver.NumVar(1.0, 4.0, c) for c in NAMES}
-        if stranding:
-            w["stranding"] = solver.NumVar(0.0, 10.0, "stranding")
+        w = {c: solver.NumVar(1.0, 4.0, c) for c in (OTHER if by_mode else NAMES)}
+        if by_mode:
+            w["b_gathered"] = solver.NumVar(0.0, 10.0, "b_gathered")
+        for group in GROUPS if by_mode else ():
+            w[f"a_{group}"], w[f"b_{group}"] = solver.NumVar(1.0, 4.0, f"a_{group}"), solver.NumVar(0.0, 10.0, f"b_{group}")
         gib, objective = 2 ** 30, 0
         for row in rows:
-            mine = with_stranding(weights, row)
-            point = max(row["parts"], key=lambda p: sum(p[c] * mine[c] for c in NAMES))
-            expr = sum(point[c] / gib * w[c] for c in NAMES) + SEGMENT_SLACK / gib
-            if stranding:
-                expr += point["activations"] * row["stranding"] / gib * w["stranding"]
+            point = max(row["parts"], key=lambda p: point_bound(p, weights, row.get("stranding", 0.0)))
+            expr = sum(point[c] / gib * w[c] for c in (OTHER if by_mode else NAMES)) + SEGMENT_SLACK / gib
+            if by_mode:
+                expr += point["gathered"] * row["stranding"] / gib * w["b_gathered"]
+            for group in GROUPS if by_mode else ():
+                expr += point[f"act_{group}"] / gib * (w[f"a_{group}"] + row["stranding"] * w[f"b_{group}"])
             solver.Add(expr >= row["needed"] * (1 + margin) / gib)
             objective += expr * (gib / row["needed"])
         solver.Minimize(objective)
@@ -175,16 +240,16 @@ def fit(rows: list[dict], margin: float, stranding: bool = False) -> dict[str, f
 
 
 def show(title: str, rows: list[dict], weights: dict[str, float]) -> None:
-    print(f"{title}: " + ", ".join(f"{c} {value:.3f}" for c, value in weights.items()))
+    print(f"{title}: " + ", ".join(f"{c} {value:.4f}" for c, value in weights.items()))
     for row in rows:
         shipped = ""
         if "stranding" in row:
-            searched = with_stranding(dict(NATIVE_BY_SIZES, stranding=STRANDING), row)
-            shipped = (f"native_margin {bound(row['parts'], searched) / row['needed']:.3f} "
+            shipped = (f"native_margin {row_bound(row, shipped_weights()) / row['needed']:.3f} "
                        f"(stranding {row['stranding']:.3f}), ")
+        used = f"  bound/--mem {row_bound(row, weights) / row['limit_bytes']:.3f}" if "limit_bytes" in row else ""
         print(f"  {row['label']:<48} needed {row['needed'] / 2 ** 30:6.2f} GiB  bound/needed: NATIVE "
-              f"{bound(row['parts'], NATIVE.weights) / row['needed']:.3f}, {shipped}"
-              f"fitted {bound(row['parts'], with_stranding(weights, row)) / row['needed']:.3f}")
+              f"{row_bound(row, NATIVE.weights) / row['needed']:.3f}, {shipped}"
+              f"fitted {row_bound(row, weights) / row['needed']:.3f}{used}")
 
 
 def expandable_replays() -> list[dict]:
@@ -252,8 +317,11 @@ def main() -> None:
     parser.add_argument("--by-model", action="store_true", help="fit each model's replays alone as well")
     parser.add_argument("--margin", type=float, help="each bound at least needed x (1 + this); default 0.01, with "
                         "--expandable 0.005")
-    parser.add_argument("--stranding", action="store_true",
-                        help="fit native_margin's weights and coefficient of the simulated stranding")
+    parser.add_argument("--by-mode", action="store_true",
+                        help="fit native_margin: weights, and per checkpoint mode a base and a coefficient of the "
+                        "simulated stranding (the replays whose plans' modes are recorded)")
+    parser.add_argument("--held-out", action="store_true",
+                        help="with --by-mode: fit again without each model's replays, and show that model's")
     parser.add_argument("--expandable", action="store_true",
                         help="fit expandable_margin's factor, slack and coefficient of the simulated stranding")
     args = parser.parse_args()
@@ -264,13 +332,19 @@ def main() -> None:
         return
     args.margin = 0.01 if args.margin is None else args.margin
     rows = replays()
-    if args.stranding:
+    if args.by_mode:
+        left = [row["label"] for row in rows if MODE_KEYS[0] not in row["parts"][0]]
+        print(f"{len(left)} replays whose plans' checkpoint modes were not recorded left out")
+        rows = [row for row in rows if MODE_KEYS[0] in row["parts"][0]]
         add_stranding(rows)
-    show(f"all {len(rows)} replays", rows, fit(rows, args.margin, args.stranding))
-    if args.by_model:
-        for model in sorted({row["model"] for row in rows}):
-            mine = [row for row in rows if row["model"] == model]
-            show(f"{model} alone ({len(mine)} replays)", mine, fit(mine, args.margin, args.stranding))
+    show(f"all {len(rows)} replays", rows, fit(rows, args.margin, args.by_mode))
+    for model in sorted({row["model"] for row in rows}) if args.by_model or args.held_out else ():
+        mine = [row for row in rows if row["model"] == model]
+        if args.held_out:
+            others = [row for row in rows if row["model"] != model]
+            show(f"fitted without {model} ({len(others)} replays), {model}'s", mine, fit(others, args.margin, True))
+        else:
+            show(f"{model} alone ({len(mine)} replays)", mine, fit(mine, args.margin, args.by_mode))
 
 
 if __name__ == "__main__":
