@@ -142,9 +142,14 @@ def default_rows() -> list[dict]:
     unique: dict[tuple, dict] = {}
     for row in rows:  # a plan replayed again: once, the row that records its checkpoint modes if one does
         key = (row["model"], row.get("limit"), row.get("allocator_conf"), row.get("peak_bytes"), row.get("needed_bytes"))
-        if key not in unique or len(row.get("parts", [""])[0].split()) >= len(unique[key].get("parts", [""])[0].split()):
+        if key not in unique or _columns(row) >= _columns(unique[key]):
             unique[key] = row
     return list(unique.values())
+
+
+def _columns(row: dict) -> int:
+    """How many figures a results row records per timeline point (more where split by checkpoint mode)."""
+    return len(row.get("parts", [""])[0].split())
 
 
 def unpacked(lines: list[str]) -> list[dict]:
@@ -217,7 +222,8 @@ def fit(rows: list[dict], margin: float, by_mode: bool = False) -> dict[str, flo
         if by_mode:
             w["b_gathered"] = solver.NumVar(0.0, 10.0, "b_gathered")
         for group in GROUPS if by_mode else ():
-            w[f"a_{group}"], w[f"b_{group}"] = solver.NumVar(1.0, 4.0, f"a_{group}"), solver.NumVar(0.0, 10.0, f"b_{group}")
+            w[f"a_{group}"] = solver.NumVar(1.0, 4.0, f"a_{group}")
+            w[f"b_{group}"] = solver.NumVar(0.0, 10.0, f"b_{group}")
         gib, objective = 2 ** 30, 0
         for row in rows:
             point = max(row["parts"], key=lambda p: point_bound(p, weights, row.get("stranding", 0.0)))

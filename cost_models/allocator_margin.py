@@ -49,8 +49,8 @@ from cost_models.memory import CATEGORIES, MemCategory, MemoryPoint, total
 from cost_models.options import Recompute
 
 __all__ = ["ALLOC_CONF_ENV", "DEFAULT_ALLOC_CONF", "EXPANDABLE", "EXPANDABLE_BY_SIZES", "EXPANDABLE_STRANDING",
-           "BY_MODE", "GATHERED_STRANDING", "NATIVE", "NATIVE_BY_SIZES", "Margin", "PointMargin", "allocated_within", "expandable_margin",
-           "fitted_totals", "is_expandable", "margin_of", "native_margin",
+           "BY_MODE", "GATHERED_STRANDING", "NATIVE", "NATIVE_BY_SIZES", "Margin", "PointMargin", "allocated_within",
+           "expandable_margin", "fitted_totals", "is_expandable", "margin_of", "native_margin",
            "needed_bytes", "needed_of_parts", "needed_of_points", "point_margin", "reserved_bytes", "selective_bytes",
            "SELECTIVE_RECOMPUTE"]
 
