@@ -3,6 +3,9 @@ docstring says why the order loses no plan), and each option's rank in that orde
 
 from __future__ import annotations
 
+import struct
+from operator import itemgetter
+
 from cost_models.table import CostTable
 
 __all__ = ["canonical", "identical_runs"]
@@ -42,8 +45,40 @@ def identical_runs(table: CostTable) -> tuple[list[list[int]], list[list[int]]]:
 
 def _cost_key(cost) -> tuple:
     """An option's costs, equal where their reprs are (each field's type and value; a float's exact bits, so 0.0
-    and -0.0 differ), at a fraction of a dataclass repr's time."""
-    return tuple(value.hex() if type(value) is float else (type(value), value) for value in vars(cost).values())
+    and -0.0 differ), at a fraction of a dataclass repr's time: the fields' types, the other fields' values and
+    the floats packed as bytes (their bits), each in C; a cost holding a NaN (whose bits may differ where its hex
+    does not) is keyed field by field, as `_exact_key`."""
+    values = tuple(vars(cost).values())
+    types = tuple(map(type, values))
+    split = _SPLITS.get(types)
+    if split is None:
+        split = _SPLITS[types] = _split(types)
+    floats, others, fmt = split
+    packed = floats(values)
+    if not all(map(float.__eq__, packed, packed)):  # a NaN
+        return _exact_key(values)
+    return types, others(values), struct.pack(fmt, *packed)
+
+
+def _exact_key(values: tuple) -> tuple:
+    return tuple(value.hex() if type(value) is float else (type(value), value) for value in values)
+
+
+_SPLITS: dict[tuple, tuple] = {}  # the fields' types -> (their floats, the others, the floats' struct format)
+
+
+def _split(types: tuple) -> tuple:
+    floats = [i for i, kind in enumerate(types) if kind is float]
+    others = [i for i, kind in enumerate(types) if kind is not float]
+    return _getter(floats), _getter(others), f"<{len(floats)}d"
+
+
+def _getter(indices: list[int]):
+    """A function of a tuple: its items at `indices`, as a tuple."""
+    if not indices:
+        return lambda values: ()
+    get = itemgetter(*indices)
+    return get if len(indices) > 1 else (lambda values: (get(values),))
 
 
 def canonical(choices: list[int], runs: list[list[int]] | None, order: list[list[int]] | None) -> list[int]:
