@@ -147,6 +147,12 @@ class MemoryRows:
             self._expanded[point] = self._expand(point)
         return self._expanded[point]
 
+    def rows_at(self, points: list[int]) -> np.ndarray:
+        """The points' coefficients over the literals, one row each (a new array)."""
+        if self._dense is not None:
+            return self._dense[points]
+        return np.stack([self.row(point) for point in points]) if points else np.zeros((0, self.size), np.int64)
+
     def terms(self, point: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """The point's own terms: (literal, coefficient) and (named sum, coefficient)."""
         rows = self._rows

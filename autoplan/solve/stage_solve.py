@@ -127,14 +127,7 @@ def rank_floor(table: CostTable, held: HeldAllStep, rows: _Rows | None = None) -
 def rank_memory(rows: _Rows, held: HeldAllStep) -> tuple[MemoryRows, int]:
     """The rank's memory rows with its held bytes (cut to the options searched), and its floor (`rank_rows`: the
     rows before the held bytes)."""
-    keep = rows.keep
-    def cut(values):
-        return [[values[u][i] for i in k] for u, k in enumerate(keep)]
-
-    kept = HeldAllStep(cut(held.activations), cut(held.gathered), cut(held.grads), held.buffers, held.drained,
-                       cut(held.first) if held.first else None, held.outputs,
-                       tuple(v and cut(v) for v in held.split) if held.split else None)
-    memory = _held_rows(rows, kept)
+    memory = _held_rows(rows, held)
     return memory, memory.floor(rows.algebra.offsets)
 
 
@@ -195,25 +188,37 @@ def _outputs(held: HeldAllStep, flight: str | None) -> int:
 
 
 def _held_rows(base: _Rows, held: HeldAllStep) -> MemoryRows:
-    """The table's memory rows as the rank runs its units (`_layout`)."""
+    """The table's memory rows as the rank runs its units (`_layout`), its held bytes (per unit and option of the
+    uncut table) taken at the options searched (`base.keep`): each source's rows taken at once, the held bytes
+    added to every point holding them (integers: the sums are exact in any order)."""
     layout = _layout(base.labels, held)
-    sizes = [len(options) for options in base.table.options]
+    flat = np.concatenate([np.asarray(k, dtype=np.int64) + start for k, start in
+                           zip(base.keep, np.cumsum([0] + [len(v) for v in held.gathered[:-1]]).tolist())])
 
-    def vector(values):
-        return np.array([values[u][o] for u, n in enumerate(sizes) for o in range(n)], dtype=np.int64)
+    def vector(values):  # a held field over the literals of the options searched
+        return np.fromiter((v for unit in values for v in unit), dtype=np.int64)[flat]
 
-    flights = {"later": vector(held.activations), "first": vector(held.first) if held.first else None}
-    gathered, grads = vector(held.gathered), vector(held.grads)
-    rows = {name: base.variant(name) for name in {point[1] for point in layout}}
-    splits = {split: vector(held.split[split]) for *_, split in layout if split is not None}
-    dense, const = [], []
-    for i, source, flight, with_gathered, with_grads, _, split in layout:
-        row = rows[source].row(i).copy()
-        row += (flights[flight] if flight else 0) + (gathered if with_gathered else 0) + (grads if with_grads else 0)
-        row += splits[split] if split is not None else 0
-        dense.append(row)
-        const.append(int(rows[source].const[i]) + held.buffers + _outputs(held, flight))
-    return MemoryRows(base.rows.size, np.array(const, dtype=np.int64), dense=np.stack(dense))
+    points = np.empty((len(layout), base.rows.size), dtype=np.int64)
+    const = np.empty(len(layout), dtype=np.int64)
+    for name in {point[1] for point in layout}:
+        at = [k for k, point in enumerate(layout) if point[1] == name]
+        rows = base.variant(name)
+        points[at] = rows.rows_at([layout[k][0] for k in at])
+        const[at] = rows.const[[layout[k][0] for k in at]]
+    added = {("flight", "later"): vector(held.activations), ("gathered", True): vector(held.gathered),
+             ("grads", True): vector(held.grads)}
+    if held.first:
+        added[("flight", "first")] = vector(held.first)
+    for split in {point[6] for point in layout if point[6] is not None}:
+        added[("split", split)] = vector(held.split[split])
+    for (field, value), row in added.items():
+        where = [k for k, point in enumerate(layout) if point[_FIELD[field]] == value]
+        points[where] += row
+    const += held.buffers + np.array([_outputs(held, point[2]) for point in layout], dtype=np.int64)
+    return MemoryRows(base.rows.size, const, dense=points)
+
+
+_FIELD = {"flight": 2, "gathered": 3, "grads": 4, "split": 6}  # a held field's place in a `_Point`
 
 
 def held_evaluation(table: CostTable, held: HeldAllStep, choices: list[int]) -> Evaluation:
