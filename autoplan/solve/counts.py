@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from autoplan.solve.unit_model import lean_cp_model
+
 __all__ = ["COUNTS", "COUNTS_GAP_LIMIT", "CountsModel", "counted"]
 
 COUNTS = True  # tables with runs of identical units solved as counts (False: per unit, as before this module)
@@ -47,7 +49,7 @@ class CountsModel:
 
     def __init__(self, affine, cp_model):
         self.affine, self.cp = affine, cp_model
-        self.model = cp_model.CpModel()
+        self.model = lean_cp_model(cp_model)
         offsets = affine.algebra.offsets
         in_run = {u for run in affine.runs for u in run}
         # [Variables] x[l] = 1 iff the option of literal l is chosen, for units outside the runs

@@ -20,10 +20,10 @@ argument, adjacent or not); parameters, gradients, optimizer and host state do n
 position.
 
 A table with such runs is solved as counts (autoplan.solve.counts: per run, where each option's segment of the
-canonical order ends), with the same plans and optimum as the per-unit model below, to a proven optimum; a table
-without runs keeps the per-unit model. Its rows are built sparse above DENSE_LIMIT time points x literals
-(autoplan.solve.rows): the prefix sums they share are then integer variables of their own, CP-SAT's probing and
-substitutions, quadratic there, are off, and the first round starts from a seed plan that fits.
+canonical order ends), with the same plans and optimum as the per-unit model, to a proven optimum; a table without
+runs keeps the per-unit model (autoplan.solve.unit_model). Its rows are built sparse above DENSE_LIMIT time points
+x literals (autoplan.solve.rows): the prefix sums they share are then integer variables of their own, CP-SAT's
+probing and substitutions, quadratic there, are off, and the first round starts from a seed plan that fits.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from autoplan.settings import DEFAULT_TIME_LIMIT_S
 from autoplan.solve.counts import COUNTS_GAP_LIMIT, CountsModel, counted
 from autoplan.solve.rows import MemoryRows, table_rows
 from autoplan.solve.symmetry import canonical, identical_runs
+from autoplan.solve.unit_model import UnitModel
 from cost_models.algebra import AffineAlgebra, SparseAlgebra
 from cost_models.step import step_time
 from cost_models.table import CostTable
@@ -165,81 +166,6 @@ def cp_sat():
     return cp_model
 
 
-class _Model:
-    def __init__(self, affine: AffineModel):
-        self.affine = affine
-        self.model = cp_sat().CpModel()
-        offsets = affine.algebra.offsets
-        # [Variables] x[l] = 1 iff the option of literal l is chosen for its unit
-        self.x = [self.model.new_bool_var(f"x_{l}") for l in range(affine.algebra.size)]
-        for unit in range(len(offsets) - 1):
-            # [Constraint] exactly one option per unit
-            self.model.add_exactly_one(self.x[offsets[unit]:offsets[unit + 1]])
-        for run in affine.runs or []:
-            for a, b in zip(run, run[1:]):
-                # [Constraint] identical units take options in the canonical order, in execution order:
-                #   rank(option of a) <= rank(option of b), with rank(u) = sum_i rank_i x[u, i]
-                ranks_a, ranks_b = affine.order[a], affine.order[b]
-                self.model.add(
-                    cp_model.LinearExpr.weighted_sum(self.x[offsets[a]:offsets[a + 1]], ranks_a)
-                    <= cp_model.LinearExpr.weighted_sum(self.x[offsets[b]:offsets[b + 1]], ranks_b))
-        if affine.host_coef is not None:
-            # [Constraint] offloaded state of the node's ranks fits its host memory:
-            #   gpus_per_node * sum_l h_l x_l <= host_mem   (per rank: <= host_mem // gpus_per_node)
-            self.model.add(self.expr(affine.host_coef, 0) <= affine.host_limit_bytes)
-        self.points: list[int] = []
-        self.sums: list | None = None
-
-    def expr(self, coef: np.ndarray, const: int):
-        nonzero = np.flatnonzero(coef)
-        return cp_model.LinearExpr.weighted_sum([self.x[i] for i in nonzero], [int(coef[i]) for i in nonzero]) + const
-
-    def add_point(self, point: int, bound) -> None:
-        # [Constraint] memory(point) <= bound  (the limit, or the peak variable)
-        rows = self.affine.rows
-        if rows.dense:
-            self.model.add(self.expr(rows.row(point), int(rows.const[point])) <= bound)
-        else:
-            self.model.add(self._sparse(*rows.terms(point)) + int(rows.const[point]) <= bound)
-        self.points.append(point)
-
-    def _sparse(self, literals, sums):
-        """A row's own terms, its named sums as variables (made at the first use: `_sums`)."""
-        if self.sums is None:
-            self.sums = self._sum_variables()
-        variables = [self.x[col] for col, _ in literals] + [self.sums[k] for k, _ in sums]
-        return cp_model.LinearExpr.weighted_sum(variables, [c for _, c in literals] + [c for _, c in sums])
-
-    def _sum_variables(self) -> list:
-        """[Variables] s[k] = named sum k (a prefix sum of bytes over units or segments), above DENSE_LIMIT: each
-        memory row is then a few terms, not one per literal, and the model grows linearly with the units."""
-        rows, sums = self.affine.rows, []
-        for k, bound in enumerate(rows.sum_bounds().tolist()):
-            literals, refs = rows.definition(k)
-            sums.append(self.model.new_int_var(-bound, bound, f"s_{k}"))
-            # [Constraint] s[k] = sum of its literals' and earlier sums' terms
-            variables = [self.x[col] for col, _ in literals] + [sums[j] for j, _ in refs]
-            self.model.add(sums[k] == cp_model.LinearExpr.weighted_sum(
-                variables, [c for _, c in literals] + [c for _, c in refs]))
-        return sums
-
-    def step_ns(self):
-        return self.expr(self.affine.step_coef_ns, self.affine.step_const_ns)
-
-    def hint(self, choices: list[int]) -> None:
-        x = self.affine.algebra.literals(choices)
-        for literal, value in zip(self.x, x):
-            self.model.add_hint(literal, int(value))
-        if self.sums:  # a complete hint: CP-SAT follows a partial one poorly
-            for variable, value in zip(self.sums, self.affine.rows.sum_values(x).tolist()):
-                self.model.add_hint(variable, value)
-
-    def choices(self, solver: cp_model.CpSolver) -> list[int]:
-        offsets = self.affine.algebra.offsets
-        values = [solver.value(v) for v in self.x]
-        return [int(np.argmax(values[offsets[u]:offsets[u + 1]])) for u in range(len(offsets) - 1)]
-
-
 def _solve_lazily(affine: AffineModel, build, check, time_limit_s: float, seeds: list[list[int]],
                   hint: list[int] | None = None, work_limit: float | None = None) -> SolveResult:
     """Solve, check the solution against every point, add violated points, repeat. `hint`: a plan known to satisfy
@@ -290,7 +216,7 @@ def solve_min_time(table: CostTable, mem_limit_bytes: int, time_limit_s: float =
     affine = affine or AffineModel.of(table)
 
     def build(points):
-        model = CountsModel(affine, cp_sat()) if affine.counted else _Model(affine)  # solve/counts.py
+        model = (CountsModel if affine.counted else UnitModel)(affine, cp_sat())  # solve/counts.py, unit_model.py
         for point in points:
             model.add_point(point, mem_limit_bytes)
         model.model.minimize(model.step_ns())
@@ -337,7 +263,7 @@ def solve_min_memory(table: CostTable, time_limit_s: float = DEFAULT_TIME_LIMIT_
     state = {}
 
     def build(points):
-        model = CountsModel(affine, cp_sat()) if affine.counted else _Model(affine)  # solve/counts.py
+        model = (CountsModel if affine.counted else UnitModel)(affine, cp_sat())  # solve/counts.py, unit_model.py
         peak = model.model.new_int_var(0, mem_limit_bytes if mem_limit_bytes is not None else horizon, "peak")
         for point in points:
             model.add_point(point, peak)
