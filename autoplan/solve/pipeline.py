@@ -30,7 +30,7 @@ from autoplan.solve.request import PlanRequest
 from autoplan.solve.pipeline_outcome import PipelineOutcome, RankOutcome
 from autoplan.solve.slot_bound import rank_slot_bound
 from autoplan.solve.solver import SolveResult, SolveStatus
-from autoplan.solve.stage_solve import RankSolve, held_evaluation, rank_memory, rank_rows, solve_rank
+from autoplan.solve.stage_solve import RankSolve, rank_evaluation, rank_memory, rank_rows, solve_rank
 from autoplan.solve.stages import StageTables, balanced_cuts, forward_units, rank_chunks, shifted, slot_bounds, \
     stage_boundaries, stage_cluster, undominated, unit_weights, weight_outputs
 from autoplan.solve.sweep import MeshPruned, SweepOutcome, SweepStep
@@ -69,6 +69,7 @@ class _Search:
     bounds: list = field(default_factory=list)
     slot_bounds: dict = field(default_factory=dict)  # (key, micro-batch, m, holds) -> slot_bound.rank_slot_bound
     memory: dict = field(default_factory=dict)  # the same -> stage_solve.rank_memory (its rows with what it holds)
+    evals: dict = field(default_factory=dict)  # the same, choices -> stage_solve.rank_evaluation's
 
     def source(self, chunks: tuple[tuple[int, int], ...]):
         if chunks not in self.sources:
@@ -224,9 +225,8 @@ def _schedule(search: _Search, row, weights: list[float], micro_batch_size: int,
 
 def _ranks(search: _Search, row, cuts: list[int], micro_batch_size: int, m: int, solve: bool = True,
            upto: int | None = None) -> tuple[list[RankOutcome], int | None]:
-    """Every rank of the cut (the first `upto`) priced (solved, or the fixed choices evaluated), and the first stage of
-    the first rank where nothing fits (None: all fit). Not `solve`: no ranks, the first stage whose rank's floor is
-    over."""
+    """Every rank of the cut (the first `upto`) priced (solved, or fixed choices evaluated), and the first stage of the
+    first rank where nothing fits (None: all fit). Not `solve`: no ranks, the first stage whose rank's floor is over."""
     ranks = []
     for rank, mine, chunks, holds, sends in _rank_holds(search, row, cuts, micro_batch_size, m, upto):
         outcome = _solve_rank(search, chunks, micro_batch_size, m, holds, solve)
@@ -234,9 +234,10 @@ def _ranks(search: _Search, row, cuts: list[int], micro_batch_size: int, m: int,
             return ranks, mine[0]
         if not solve:
             continue
-        choices, status, table, held = outcome
+        choices, status, table, held, key = outcome
         ranks.append(RankOutcome(rank, mine, chunks, search.source(chunks)[1], table, choices,
-                                 held_evaluation(table, held, choices), holds[0], status, sends, held))
+                                 rank_evaluation(search.evals, key, table, held, choices), holds[0], status, sends,
+                                 held))
     return ranks, None
 
 
@@ -304,15 +305,14 @@ def fixed_pipelines(request: PlanRequest, mesh: Mesh, layout: TpLayout | None, s
 
 
 def _solve_rank(search: _Search, chunks, micro_batch_size: int, m: int, holds: tuple, solve: bool = True):
-    """One rank's units solved (or the uniform strategy evaluated, or fixed choices taken) with what it holds (`holds`:
-    `pipelined`'s flight, drained, later, receive buffers' bytes, stages' outputs per micro-batch, split backward's);
-    None where nothing fits (the search's InfeasibleError, with how far over)."""
+    """A rank solved (or its uniform strategy evaluated, or fixed choices taken) with what it holds (`holds`: flight,
+    buffers, drained, later, outputs, split backward's), and its key; None where nothing fits (`search.lean`)."""
     request = search.request
     table, held = _held(search, chunks, micro_batch_size, m, holds)
-    if search.decide is not None:
-        return search.decide(table), SolveStatus.FIXED, table, held
     kind = (search.kind(chunks), micro_batch_size, m)
     key = (*kind, holds)
+    if search.decide is not None:
+        return search.decide(table), SolveStatus.FIXED, table, held, key
     if not solve and key not in search.solved and request.uniform is None:  # the floor alone, no solve
         floor = search.held_rows(kind, holds, table, held)[1]
         found = RankSolve(None if floor > request.limits.planned_bytes else [], SolveStatus.PRUNED, floor)
@@ -330,7 +330,7 @@ def _solve_rank(search: _Search, chunks, micro_batch_size: int, m: int, holds: t
             f"micro-batches in flight needs at least {format_bytes(found.floor_bytes)} (micro-batch {micro_batch_size})"
             f": a limit of at least {format_bytes(least)}", min_mem_bytes=least)
         return None
-    return found.choices, found.status, table, held
+    return found.choices, found.status, table, held, key
 
 
 def _held(search: _Search, chunks, micro_batch_size: int, m: int, holds: tuple) -> tuple[CostTable, HeldAllStep]:

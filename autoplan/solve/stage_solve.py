@@ -34,8 +34,8 @@ from cost_models.memory import MemCategory, MemoryPoint, phase_of, total
 from cost_models.pipeline import HeldAllStep
 from cost_models.table import CostTable
 
-__all__ = ["RankSolve", "held_evaluation", "held_model", "leanest", "rank_floor", "rank_memory", "rank_rows",
-           "searched_table", "solve_rank"]
+__all__ = ["RankSolve", "held_evaluation", "held_model", "leanest", "rank_evaluation", "rank_floor", "rank_memory",
+           "rank_rows", "searched_table", "solve_rank"]
 
 
 @dataclass(frozen=True)
@@ -243,6 +243,39 @@ def held_evaluation(table: CostTable, held: HeldAllStep, choices: list[int]) -> 
         points.append(MemoryPoint(p.label + suffix, parts))
     peak = max(range(len(points)), key=lambda i: total(points[i]))
     return replace(e, points=points, peak_index=peak)
+
+
+def rank_evaluation(cache: dict, key: tuple, table: CostTable, held: HeldAllStep, choices: list[int]) -> Evaluation:
+    """`held_evaluation`, once per `key` and `choices` in `cache` (a caller's, per search): the key holds what else the
+    evaluation reads but the units' paths (the kind of stage, micro-batch, m, what the rank holds), so ranks of one
+    kind share it, each with its own units' labels: relabelled from the first rank's units by position (a label names
+    a unit by its path); computed afresh where a path could be read as a label's other word or the units differ in
+    number."""
+    key = (*key, tuple(choices))
+    found = cache.get(key)
+    if found is None:
+        found = cache[key] = (table.units, held_evaluation(table, held, choices))
+    units, evaluation = found  # a copy each time, as each rank had its own
+    paths = {a.path or "<root>": b.path or "<root>" for a, b in zip(units, table.units)}
+    if len(units) != len(table.units) or not _relabels(paths):
+        return held_evaluation(table, held, choices)
+    return replace(evaluation, choices=list(evaluation.choices),
+                   points=[MemoryPoint(_relabel(p.label, paths), dict(p.parts)) for p in evaluation.points])
+
+
+def _relabels(paths: dict[str, str]) -> bool:
+    """Whether labels can be relabelled by these paths: none is a label's other word or holds a space or a comma."""
+    names = set(paths) | set(paths.values())
+    return not (names & {"loss", "step"}) and not any(" " in name or "," in name for name in names)
+
+
+def _relabel(label: str, paths: dict[str, str]) -> str:
+    """A time point's label ("fwd layers.3", "optimizer step layers.3", "bwd loss", each maybe with `_FIRST`) with its
+    unit's path replaced (`paths`: old -> new); a label naming no unit as it is."""
+    prefix = "optimizer step " if label.startswith("optimizer step ") else label.partition(" ")[0] + " "
+    rest, suffix = label[len(prefix):], _FIRST if label.endswith(_FIRST) else ""
+    path = rest[:len(rest) - len(suffix)]
+    return prefix + paths[path] + suffix if " " in label and path in paths else label
 
 
 def leanest(table: CostTable, held: HeldAllStep) -> list[int]:
