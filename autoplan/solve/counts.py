@@ -87,14 +87,18 @@ class CountsModel:
         for r, ranked in enumerate(self.ranked):
             a = coef[ranked]  # [units of the run, options in canonical order]
             const += int(a[:, -1].sum())
+            d = a[:, :-1] - a[:, 1:]  # D_k along the run, one column per k
+            ks, bs = np.nonzero(np.diff(d, axis=0).T)  # its kinks, by k, then by where along the run
+            steps = (d[bs + 1, ks] - d[bs, ks]).tolist()
+            kinks = np.searchsorted(ks, np.arange(len(self.ends[r]) + 1)).tolist()  # each k's kinks: a slice
+            ks, bs, firsts = ks.tolist(), (bs + 1).tolist(), d[0].tolist()
             for k, end in enumerate(self.ends[r]):
-                d = a[:, k] - a[:, k + 1]
-                if d[0]:
+                if firsts[k]:
                     variables.append(end)
-                    weights.append(int(d[0]))
-                for b in np.flatnonzero(np.diff(d)) + 1:
-                    variables.append(self._kink(r, k, int(b)))
-                    weights.append(int(d[b] - d[b - 1]))
+                    weights.append(firsts[k])
+                for i in range(kinks[k], kinks[k + 1]):
+                    variables.append(self._kink(r, k, bs[i]))
+                    weights.append(steps[i])
         return cp.LinearExpr.weighted_sum(variables, weights) + const
 
     def _kink(self, r: int, k: int, b: int):
