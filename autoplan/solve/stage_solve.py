@@ -22,6 +22,7 @@ flight, had said 72.06.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from itertools import chain
 
 import numpy as np
 
@@ -61,6 +62,13 @@ class _Rows:
     labels: list[str]
     variants: dict[str, MemoryRows] = field(default_factory=dict)
     affine: AffineModel | None = None
+    layouts: dict[tuple, list] = field(default_factory=dict)  # `_layout`'s, per what of `held` it reads
+
+    def layout(self, held: HeldAllStep) -> list:
+        key = (held.drained, held.first is not None, tuple(s is not None for s in held.split) if held.split else None)
+        if key not in self.layouts:
+            self.layouts[key] = _layout(self.labels, held)
+        return self.layouts[key]
 
     def variant(self, name: str) -> MemoryRows:
         if name not in self.variants:
@@ -191,12 +199,12 @@ def _held_rows(base: _Rows, held: HeldAllStep) -> MemoryRows:
     """The table's memory rows as the rank runs its units (`_layout`), its held bytes (per unit and option of the
     uncut table) taken at the options searched (`base.keep`): each source's rows taken at once, the held bytes
     added to every point holding them (integers: the sums are exact in any order)."""
-    layout = _layout(base.labels, held)
+    layout = base.layout(held)
     flat = np.concatenate([np.asarray(k, dtype=np.int64) + start for k, start in
                            zip(base.keep, np.cumsum([0] + [len(v) for v in held.gathered[:-1]]).tolist())])
 
     def vector(values):  # a held field over the literals of the options searched
-        return np.fromiter((v for unit in values for v in unit), dtype=np.int64)[flat]
+        return np.fromiter(chain.from_iterable(values), dtype=np.int64)[flat]
 
     points = np.empty((len(layout), base.rows.size), dtype=np.int64)
     const = np.empty(len(layout), dtype=np.int64)
