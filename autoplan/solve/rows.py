@@ -100,7 +100,7 @@ class MemoryRows:
         self.size, self.points, self.const = size, len(const), const
         self._dense, self._defs, self._rows = dense, defs, rows
         self._expanded: dict[int, np.ndarray] = {}
-        self._column_max: np.ndarray | None = None  # sparse rows' column_max, once
+        self._column_max: np.ndarray | None = None  # column_max, once (the rows are not changed once made)
 
     @classmethod
     def of_dense(cls, rows: list[Affine]) -> "MemoryRows":
@@ -138,6 +138,15 @@ class MemoryRows:
         if self._dense is not None:
             return self._dense @ x + self.const
         return self._rows.literal_part(x) + self._rows.sum_part(self.sum_values(x)) + self.const
+
+    def memory_of(self, chosen: np.ndarray) -> np.ndarray:
+        """Every point's bytes under the plan whose chosen literals are `chosen` (one per unit): dense rows summed over
+        those columns (integers: the same sums as `memory` of its literal vector, without the product over the rest)."""
+        if self._dense is not None:
+            return self._dense[:, chosen].sum(axis=1) + self.const
+        x = np.zeros(self.size, dtype=np.int64)
+        x[chosen] = 1
+        return self.memory(x)
 
     def row(self, point: int) -> np.ndarray:
         """The point's coefficients over the literals."""
@@ -222,9 +231,10 @@ class MemoryRows:
 
     def column_max(self) -> np.ndarray:
         """Per literal, its largest coefficient over the points (above DENSE_LIMIT: over a sample of points)."""
-        if self._dense is not None:
-            return self._dense.max(axis=0)
         if self._column_max is not None:  # asked by each solve's seeds
+            return self._column_max
+        if self._dense is not None:
+            self._column_max = self._dense.max(axis=0)
             return self._column_max
         sample = np.unique(np.linspace(0, self.points - 1, min(SAMPLED_ROWS, self.points)).astype(int)).tolist()
         step = max(1, EXPAND_CHUNK // self.size)

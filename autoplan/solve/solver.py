@@ -135,7 +135,7 @@ class AffineModel:
         return self.rows.row(point)
 
     def memory(self, choices) -> np.ndarray:
-        return self.rows.memory(self.algebra.literals(choices))
+        return self.rows.memory_of(self.algebra.offsets[:-1] + np.asarray(choices, dtype=int))
 
     def step_s(self, choices: list[int]) -> float:
         return (int(self.step_coef_ns @ self.algebra.literals(choices)) + self.step_const_ns) / NS_PER_S
