@@ -265,25 +265,33 @@ def rank_evaluation(cache: dict, key: tuple, table: CostTable, held: HeldAllStep
         found = cache[key] = (table.units, held_evaluation(table, held, choices))
     units, evaluation = found  # a copy each time, as each rank had its own
     paths = {a.path or "<root>": b.path or "<root>" for a, b in zip(units, table.units)}
-    if len(units) != len(table.units) or not _relabels(paths):
+    alike = len(units) == len(table.units) == len(paths) and _relabels(paths)
+    labels = [_relabel(p.label, paths) for p in evaluation.points] if alike else [None]
+    if None in labels:
         return held_evaluation(table, held, choices)
     return replace(evaluation, choices=list(evaluation.choices),
-                   points=[MemoryPoint(_relabel(p.label, paths), dict(p.parts)) for p in evaluation.points])
+                   points=[MemoryPoint(label, dict(p.parts)) for label, p in zip(labels, evaluation.points)])
+
+
+_UNNAMED = ("loss", "step")  # what follows a label's first word where it names no unit ("bwd loss", "optimizer step")
 
 
 def _relabels(paths: dict[str, str]) -> bool:
-    """Whether labels can be relabelled by these paths: none is a label's other word or holds a space or a comma."""
+    """Whether labels can be relabelled by these paths: none is a word a label holds in place of a unit's path, or
+    holds a space or a comma."""
     names = set(paths) | set(paths.values())
-    return not (names & {"loss", "step"}) and not any(" " in name or "," in name for name in names)
+    return not names & set(_UNNAMED) and not any(" " in name or "," in name for name in names)
 
 
-def _relabel(label: str, paths: dict[str, str]) -> str:
+def _relabel(label: str, paths: dict[str, str]) -> str | None:
     """A time point's label ("fwd layers.3", "optimizer step layers.3", "bwd loss", each maybe with `_FIRST`) with its
-    unit's path replaced (`paths`: old -> new); a label naming no unit as it is."""
+    unit's path replaced (`paths`: old -> new); a label naming no unit as it is; None for a label of another form."""
     prefix = "optimizer step " if label.startswith("optimizer step ") else label.partition(" ")[0] + " "
     rest, suffix = label[len(prefix):], _FIRST if label.endswith(_FIRST) else ""
     path = rest[:len(rest) - len(suffix)]
-    return prefix + paths[path] + suffix if " " in label and path in paths else label
+    if path in paths:
+        return prefix + paths[path] + suffix
+    return label if path in _UNNAMED else None
 
 
 def leanest(table: CostTable, held: HeldAllStep) -> list[int]:
