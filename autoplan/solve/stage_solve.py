@@ -219,8 +219,8 @@ def _held_rows(base: _Rows, held: HeldAllStep) -> MemoryRows:
         added[("flight", "first")] = vector(held.first)
     for split in {point[6] for point in layout if point[6] is not None}:
         added[("split", split)] = vector(held.split[split])
-    for (field, value), row in added.items():
-        where = [k for k, point in enumerate(layout) if point[_FIELD[field]] == value]
+    for (name, value), row in added.items():
+        where = [k for k, point in enumerate(layout) if point[_FIELD[name]] == value]
         points[where] += row
     const += held.buffers + np.array([_outputs(held, point[2]) for point in layout], dtype=np.int64)
     return MemoryRows(base.rows.size, const, dense=points)
