@@ -13,9 +13,9 @@ one row r and multiplier lam >= 0, every plan that fits has
                     >= sum_u min_o (t[u, o] + lam a_r[u, o]) - lam (limit - c_r)
 
 (the Lagrangian relaxation of that row), so the largest right-hand side over the rows and a search over lam bounds the
-rank's time from below. It is taken only where a plan of the rank is shown to fit (`fitting`): then the rank's solve
-finds one and the search keeps the cut it bounds (a rank that does not fit moves the cut, and the bound says nothing
-of other cuts).
+rank's time from below. It is taken only where a plan of the rank is shown to fit (the relaxed plan repaired until
+every row fits, checked in integers): then the rank's solve finds one and the search keeps the cut it bounds (a
+rank that does not fit moves the cut, and the bound says nothing of other cuts).
 """
 
 from __future__ import annotations
@@ -34,11 +34,11 @@ def rank_slot_bound(table: CostTable, offsets, memory, limit: int) -> float | No
     """A lower bound on the micro-batch time of any plan of the rank's `table` (its searched options, literals between
     `offsets`) whose memory rows (`memory`: stage_solve's, dense) are within `limit`; None where no plan is known to
     fit (nothing is then bounded) or the rows are not held dense."""
-    if not getattr(memory, "dense", False):
+    if not memory.dense:
         return None
     times = np.array([micro_batch_s(c, u == table.root, table.overlap_enabled, table.comm_sm_fraction)
                       for u, costs in enumerate(table.costs) for c in costs])
-    rows, room = np.stack([memory.row(p) for p in range(memory.points)]), limit - memory.const
+    rows, room = memory.rows_at(list(range(memory.points))), limit - memory.const
     host = np.array([cost.host_bytes for costs in table.costs for cost in costs], dtype=np.int64)
     if table.host_limit_bytes is not None and host.any():  # the solver's host constraint (solver.AffineModel), a row
         rows, room = np.vstack([rows, host]), np.append(room, table.host_limit_bytes)
