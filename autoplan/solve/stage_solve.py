@@ -35,8 +35,8 @@ from cost_models.memory import MemCategory, MemoryPoint, phase_of, total
 from cost_models.pipeline import HeldAllStep
 from cost_models.table import CostTable
 
-__all__ = ["RankSolve", "held_evaluation", "held_model", "leanest", "rank_evaluation", "rank_floor", "rank_memory",
-           "rank_rows", "searched_table", "solve_rank"]
+__all__ = ["RankSolve", "held_evaluation", "held_model", "leanest", "rank_evaluation", "rank_memory", "rank_rows",
+           "searched_table", "solve_rank"]
 
 
 @dataclass(frozen=True)
@@ -77,7 +77,7 @@ class _Rows:
 
 
 def rank_rows(table: CostTable) -> _Rows:
-    """What `solve_rank` and `rank_floor` build from the rank's table before its held bytes: made once, handed to
+    """What `solve_rank` and `rank_memory` build from the rank's table before its held bytes: made once, handed to
     each (a caller's cache, per kind of stage and micro-batch)."""
     searched, keep = searched_table(table)
     return _Rows(searched, keep, *table_rows(searched))
@@ -124,12 +124,6 @@ def held_model(table: CostTable, held: HeldAllStep):
         rows = _Rows(cut, keep, *table_rows(cut))
         return AffineModel.of(cut, (rows.algebra, rank_memory(rows, held)[0], rows.labels))
     return model
-
-
-def rank_floor(table: CostTable, held: HeldAllStep, rows: _Rows | None = None) -> int:
-    """The least any plan of the rank's units (among the options the search offers) can peak at: each point's
-    smallest bytes, unit by unit, with what the rank holds all step."""
-    return rank_memory(rows or rank_rows(table), held)[1]
 
 
 def rank_memory(rows: _Rows, held: HeldAllStep) -> tuple[MemoryRows, int]:
