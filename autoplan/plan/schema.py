@@ -227,8 +227,8 @@ class SolverInfo(_Strict):
     bound_s: Seconds  # best proven lower bound; objective - bound is the optimality gap
     # older plans: the micro-batch sweep's wall-clock seconds (newer ones keep it in Plan.timing, apart)
     wall_time_s: Seconds | None = Field(default=None, exclude_if=lambda value: value is None)
-    num_variables: Count
-    num_constraints: Count
+    num_variables: Count  # of the min-time model that gave the plan (its micro-batch's), and the memory points it
+    num_constraints: Count  # kept (older plans: of the last micro-batch solved, often one where nothing fitted)
     micro_batch_sweep: list[SweepEntry]
     # every tensor-parallel degree searched (none: only degree 1 was)
     tp_degrees: list[TpDegreeEntry] = Field(default_factory=list, exclude_if=lambda value: not value)

@@ -62,7 +62,7 @@ class SweepOutcome:
     steps: list[SweepStep] = field(default_factory=list)
     tables: list[CostTable] = field(default_factory=list)  # every micro-batch where some plan fits
     wall_time_s: float = 0.0
-    num_variables: int = 0
+    num_variables: int = 0  # the size of the model that gave the plan (its micro-batch's min-time solve)
     num_constraints: int = 0
 
 
@@ -100,7 +100,6 @@ def sweep(request: PlanRequest, source: TableSource, cluster: Cluster,
         else:
             result = _fixed_strategy(table, affine, request.uniform, planned, request.pins)
         swept.wall_s += result.wall_time_s
-        swept.num_vars, swept.num_cons = result.num_variables, result.num_constraints
         if result.choices is None:
             swept.steps.append(SweepStep(micro_batch_size, accum, result.status, None, None))
             _tell(progress, swept.steps, swept.best)
@@ -129,8 +128,6 @@ class _Swept:
     best: tuple | None = None  # (throughput, table, result, affine)
     first: tuple[CostTable, AffineModel] | None = None  # the first table solved and its model
     wall_s: float = 0.0
-    num_vars: int = 0
-    num_cons: int = 0
 
 
 def _tables(request: PlanRequest, source: TableSource, cluster: Cluster, micro_batch_size: int,
@@ -164,7 +161,7 @@ def _outcome(request: PlanRequest, cluster: Cluster, swept: _Swept) -> SweepOutc
     fitting = [t for t, step in zip(swept.unpinned, swept.steps) if step.status != SolveStatus.INFEASIBLE]
     return SweepOutcome(table=table, choices=choices, evaluation=evaluate(table, choices), result=result,
                         steps=swept.steps, tables=fitting or swept.unpinned, wall_time_s=wall_s,
-                        num_variables=swept.num_vars, num_constraints=swept.num_cons)
+                        num_variables=result.num_variables, num_constraints=result.num_constraints)
 
 
 def _tell(progress, steps: list[SweepStep], best) -> None:
