@@ -22,6 +22,7 @@ from autoplan.solve.solver import AffineModel, SolveResult, SolveStatus, solve_m
 from autoplan.solve.tables import TableSource
 from cost_models.choices import searched_options
 from cost_models.evaluate import Evaluation, evaluate, uniform_choices
+from cost_models.memory_floor import memory_floor
 from cost_models.step import lower_bound_step_s
 from cost_models.table import CostTable
 
@@ -93,6 +94,12 @@ def sweep(request: PlanRequest, source: TableSource, cluster: Cluster,
             swept.seen.append(table)
             _tell(progress, swept.steps, swept.best)
             continue
+        if swept.best is not None and request.uniform is None and \
+                memory_floor(table) > request.limits.planned_for(table):
+            # nothing fits, as a solve would say: even each unit's least bytes overrun a time point (no rows built)
+            swept.steps.append(SweepStep(micro_batch_size, accum, SolveStatus.INFEASIBLE, None, None))
+            _tell(progress, swept.steps, swept.best)
+            break  # a larger micro-batch needs more memory still
         affine, planned = AffineModel.of(table), request.limits.planned_for(table)
         swept.first = swept.first or (table, affine)
         if request.uniform is None:
