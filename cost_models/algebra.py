@@ -123,6 +123,77 @@ def add_all(terms: Sequence) -> object:
     return total
 
 
+SUM_BLOCK = 1 << 15  # entries of the block of rows `summed_rows` sums at once (256 KiB of float64: in a core's L2)
+
+
+def summed_rows(steps: Sequence[tuple[list, object]], size: int, ceil: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Row i of the sums (...((0 + t_1[i]) + t_2[i]) + ...) of int64 dense rows and numbers, as an int64 matrix (a
+    row per i) and the constants, each rounded up where `ceil` (np.ceil, then int64, as each row would be). A step
+    is (objects, weight): t[i] is objects[i] times the weight, as `Affine.__mul__` makes it (None: the object itself),
+    or a list of weights, a weight per row. Each entry takes the IEEE operations of adding its row's terms one at a
+    time: a number adds zeros to the coefficients, which changes no sum (no coefficient is -0.0, whose ceiling is 0
+    anyway), and a block of rows turns to floats at the first step that makes floats in it, where a row whose terms
+    were numbers so far would have stayed integers a step longer (the same figures below 2**53 bytes). A block of
+    rows a step at a time, in buffers that stay in the caches: an array per row and operation costs a Python call
+    each (thousands per table), a matrix of all the rows per step leaves the caches and costs its memory traffic."""
+    count = len(steps[0][0])
+    coef = np.empty((count, size), dtype=np.int64)
+    block = max(1, SUM_BLOCK // size)
+    buffers = {kind: np.empty(block * size, dtype=kind) for kind in (np.int64, np.float64)}
+    stacked, zeros = np.empty(block * size, dtype=np.int64), np.zeros(size, dtype=np.int64)
+    for lo in range(0, count, block):
+        rows = min(count, lo + block) - lo
+        total = None
+        for objects, weights in steps:
+            objects, weights = objects[lo:lo + rows], weights[lo:lo + rows] if isinstance(weights, list) else weights
+            first = objects[0]
+            if not isinstance(weights, list) and all(obj is first for obj in objects):  # one term for all: a row
+                terms = first.coef if isinstance(first, Affine) else zeros
+                terms = terms if weights is None else terms * weights
+            else:
+                np.concatenate([obj.coef if isinstance(obj, Affine) else zeros for obj in objects],
+                               out=stacked[:rows * size])
+                terms = _scaled(stacked[:rows * size].reshape(rows, size), weights)
+            kind = terms.dtype if total is None else np.promote_types(total.dtype, terms.dtype)
+            summed = buffers[kind.type][:rows * size].reshape(rows, size)  # the sum's buffer may be its operand
+            if total is None:  # 0 + t: t
+                np.copyto(summed, terms)
+            else:
+                np.add(total, terms, out=summed)
+            total = summed
+        if ceil:
+            np.ceil(total, out=coef[lo:lo + rows], casting="unsafe")  # integral floats: cast exactly, as astype does
+        else:
+            coef[lo:lo + rows] = total
+    return coef, _summed_consts(steps, ceil)
+
+
+def _summed_consts(steps: Sequence[tuple[list, object]], ceil: bool) -> np.ndarray:
+    """The constants of `summed_rows`: numpy's float64 and int64 operations are Python's on floats and ints."""
+    const = np.zeros(len(steps[0][0]), dtype=np.int64)
+    for objects, weights in steps:
+        consts = [obj.const if isinstance(obj, Affine) else obj for obj in objects]
+        if isinstance(weights, list):
+            const = const + np.array([c if w is None else c * w for c, w in zip(consts, weights)])
+        else:
+            const = const + (np.array(consts) if weights is None else np.array(consts) * weights)
+    return np.ceil(const).astype(np.int64) if ceil else const
+
+
+def _scaled(terms: np.ndarray, weights) -> np.ndarray:
+    """int64 rows times weights (None: as they are; a list: a weight per row), in place: their buffer read as float64
+    (an elementwise ufunc gives what it would give without the overlap)."""
+    if weights is None:
+        return terms
+    out = terms.view(np.float64)
+    if not isinstance(weights, list):
+        return np.multiply(terms, weights, out=out)
+    for weight in dict.fromkeys(weights):  # the rows of each weight (each row in one group: none read once written)
+        rows = [i for i, w in enumerate(weights) if w == weight]
+        out[rows] = terms[rows] if weight is None else terms[rows] * weight
+    return out
+
+
 def _sparse_sum(terms: Sequence) -> SparseAffine:
     summed: dict[int, float] = {}
     const = 0

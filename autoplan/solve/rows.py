@@ -24,8 +24,8 @@ from itertools import chain
 
 import numpy as np
 
-from cost_models.algebra import Affine, AffineAlgebra, SparseAffine, SparseAlgebra
-from cost_models.allocator_margin import fitted_totals
+from cost_models.algebra import AffineAlgebra, SparseAffine, SparseAlgebra
+from cost_models.allocator_margin import fitted_matrix, fitted_totals
 from cost_models.memory import timeline
 from cost_models.optimizer_points import MAX_SCRATCH_POINTS
 
@@ -52,8 +52,11 @@ def table_rows(table) -> tuple[AffineAlgebra, "MemoryRows", list[str]]:
     sparse = sparse_rows(table)  # thousands of units: rows linear in them
     alg = SparseAlgebra(options) if sparse else AffineAlgebra(options)
     points = timeline(table, alg)
-    totals = fitted_totals(table, points, alg)
-    return alg, MemoryRows.of_sparse(alg, totals) if sparse else MemoryRows.of_dense(totals), [p.label for p in points]
+    labels = [point.label for point in points]
+    if sparse:
+        return alg, MemoryRows.of_sparse(alg, fitted_totals(table, points, alg)), labels
+    coef, const = fitted_matrix(table, points, alg)  # fitted_totals' rows as one matrix, not a stack of them
+    return alg, MemoryRows(alg.size, const, dense=coef), labels
 
 
 class _Sparse:
@@ -92,8 +95,8 @@ def _segment_sums(terms: np.ndarray, ptr: np.ndarray) -> np.ndarray:
 
 
 class MemoryRows:
-    """The memory rows of a table's time points (see the module docstring): dense rows over the literals (`of_dense`),
-    or sparse rows with named sums (`of_sparse`)."""
+    """The memory rows of a table's time points (see the module docstring): dense rows over the literals (a matrix and
+    the constants, as `allocator_margin.fitted_matrix` makes them), or sparse rows with named sums (`of_sparse`)."""
 
     def __init__(self, size: int, const: np.ndarray, dense: np.ndarray | None = None,
                  defs: _Sparse | None = None, rows: _Sparse | None = None):
@@ -101,11 +104,6 @@ class MemoryRows:
         self._dense, self._defs, self._rows = dense, defs, rows
         self._expanded: dict[int, np.ndarray] = {}
         self._column_max: np.ndarray | None = None  # column_max, once (the rows are not changed once made)
-
-    @classmethod
-    def of_dense(cls, rows: list[Affine]) -> "MemoryRows":
-        return cls(len(rows[0].coef), np.array([row.const for row in rows], dtype=np.int64),
-                   dense=np.stack([row.coef for row in rows]))
 
     @classmethod
     def of_sparse(cls, algebra: SparseAlgebra, rows: list) -> "MemoryRows":
