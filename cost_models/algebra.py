@@ -63,10 +63,11 @@ class AffineAlgebra:
     def __init__(self, options_per_unit: Sequence[int]):
         self.offsets = np.concatenate([[0], np.cumsum(options_per_unit)]).astype(int)
         self.size = int(self.offsets[-1])
+        self._slices = [slice(lo, hi) for lo, hi in zip(self.offsets[:-1].tolist(), self.offsets[1:].tolist())]
 
     def _row(self, unit: int, values: Sequence, dtype) -> Affine:
         coef = np.zeros(self.size, dtype=dtype)
-        coef[self.offsets[unit]:self.offsets[unit + 1]] = values
+        coef[self._slices[unit]] = values
         return Affine(coef)
 
     def pick(self, unit: int, values: Sequence[int]) -> Affine:
@@ -74,6 +75,15 @@ class AffineAlgebra:
 
     def pick_time(self, unit: int, values: Sequence[float]) -> Affine:
         return self._row(unit, values, np.float64)
+
+    def pick_sum(self, values: Sequence[Sequence[int]]) -> Affine | int:
+        """The sum over every unit u of pick(u, values[u]): the units' slices side by side (integers: exact), one
+        array where adding a row per unit made two each."""
+        if not values:
+            return 0
+        coef = np.array([value for unit_values in values for value in unit_values], dtype=np.int64)
+        assert len(coef) == self.size, "a value per option of every unit"
+        return Affine(coef)
 
     def define(self, expr, name: str):
         return expr
@@ -222,6 +232,9 @@ class SparseAlgebra(AffineAlgebra):
 
     def pick_time(self, unit: int, values: Sequence[float]) -> SparseAffine:
         return SparseAffine({int(self.offsets[unit]) + o: float(v) for o, v in enumerate(values) if v})
+
+    def pick_sum(self, values: Sequence[Sequence[int]]) -> SparseAffine | int:
+        return add_all([self.pick(unit, unit_values) for unit, unit_values in enumerate(values)])
 
     def define(self, expr, name: str):
         if not isinstance(expr, SparseAffine) or len(expr.terms) <= 1:

@@ -222,12 +222,14 @@ def point_margin(conf: str, stranding: float | None = None) -> PointMargin:
 def selective_bytes(table, alg):
     """The activations the selectively checkpointed units of `table` save, as an expression of `alg` (a number for
     one plan under NumericAlgebra, a dense row over the option literals under AffineAlgebra)."""
+    values = [[cost.activation_bytes if option.recompute in SELECTIVE_RECOMPUTE else 0
+               for option, cost in zip(options, costs)] for options, costs in zip(table.options, table.costs)]
+    if isinstance(alg, AffineAlgebra) and not isinstance(alg, SparseAlgebra) and any(map(any, values)):
+        return alg.pick_sum(values)  # the units' rows side by side: the same integers as their sum
     expr = 0
-    for unit, (options, costs) in enumerate(zip(table.options, table.costs)):
-        values = [cost.activation_bytes if option.recompute in SELECTIVE_RECOMPUTE else 0
-                  for option, cost in zip(options, costs)]
-        if any(values):
-            expr = expr + alg.pick(unit, values)
+    for unit, unit_values in enumerate(values):
+        if any(unit_values):
+            expr = expr + alg.pick(unit, unit_values)
     return expr
 
 

@@ -40,10 +40,9 @@ from enum import Enum
 from collections.abc import Callable
 
 from .algebra import Algebra, NumericAlgebra, add_all
-from .choices import Option
 from .option_cost import OptionCost
 from .optimizer_points import optimizer_scratch
-from .options import Recompute
+from .options import CheckpointMode, Recompute
 from .table import CostTable
 
 __all__ = ["MemCategory", "CATEGORIES", "MemoryPoint", "PHASE_OF_POINT", "phase_of", "timeline",
@@ -92,8 +91,7 @@ class MemoryPoint:
 
 def _parts(*, params, grads, optimizer, activations, gathered, temporaries) -> dict[MemCategory, object]:
     return {MemCategory.PARAMS: params, MemCategory.GRADS: grads, MemCategory.OPTIMIZER: optimizer,
-            MemCategory.ACTIVATIONS: activations, MemCategory.GATHERED: gathered,
-            MemCategory.TEMPORARIES: temporaries}
+            MemCategory.ACTIVATIONS: activations, MemCategory.GATHERED: gathered, MemCategory.TEMPORARIES: temporaries}
 
 
 def _values(table: CostTable, unit: int, field: str) -> list:
@@ -113,7 +111,7 @@ def timeline(table: CostTable, alg: Algebra) -> list[MemoryPoint]:
     steps = _Timeline(table, alg)
     fwd_points, bwd_points = [], []
     for index, seg in enumerate(table.segments):  # in op order: a sweep over the units' spans
-        around = steps.around(seg)
+        around = _sum([steps.pick(u, "gathered_bytes") for u in steps.around(seg)])  # the running units, gathered
         fwd_points += steps.forward(index, seg, around)
         bwd_points.append(steps.backward(index, seg, around))
     return fwd_points + [p for points in bwd_points[::-1] for p in points] + steps.optimizer_step()
@@ -130,9 +128,10 @@ class _Timeline:
         self.chosen = alg.choices if isinstance(alg, NumericAlgebra) else None
         self._picked: dict[tuple[int, str], object] = {}
         self.units, n_units = table.units, len(table.units)
-        self.params_all = alg.define(_sum([self.pick(u, "param_bytes") for u in range(n_units)]), "params")
-        self.optimizer_all = alg.define(_sum([self.pick(u, "optimizer_bytes") for u in range(n_units)]), "optimizer")
-        self.grads_all = alg.define(_sum([self.pick(u, "grad_bytes") for u in range(n_units)]), "grads")
+        self._modes: dict[int, list] = {}  # a unit's options' checkpoint modes (Option.mode looks one up at each call)
+        self.params_all = alg.define(self.pick_all("param_bytes"), "params")
+        self.optimizer_all = alg.define(self.pick_all("optimizer_bytes"), "optimizer")
+        self.grads_all = alg.define(self.pick_all("grad_bytes"), "grads")
         self._state_prefixes()
         self._spans()
         self._reductions()
@@ -141,12 +140,12 @@ class _Timeline:
         self.spanning: list[tuple[int, int]] = []  # (last op, unit) of the units started by the segment, less some ended
         self.started = 0
 
-    def both(self, unit: int, value: Callable[[Option, OptionCost], int]) -> tuple:
+    def both(self, unit: int, value: Callable[[CheckpointMode, OptionCost], int]) -> tuple:
         """per_option of value, and of value weighted by the option's checkpoint mode where the table's allocator
         margin weights activations per mode (else None): the same literals, other coefficients."""
         by_mode = getattr(self.table.allocator, "by_mode", None)
         return self.per_option(unit, value), None if not by_mode else self.per_option(
-            unit, lambda option, cost: math.ceil(value(option, cost) * by_mode[option.recompute.value]))
+            unit, lambda mode, cost: math.ceil(value(mode, cost) * by_mode[mode.recompute.value]))
 
     def fitted_before(self, index: int):
         """The weighted activations of segments before `index` (None where they are not weighted per mode)."""
@@ -161,13 +160,20 @@ class _Timeline:
             found = self._picked[key] = self.alg.pick(unit, _values(self.table, unit, field))
         return found
 
-    def per_option(self, unit: int, value: Callable[[Option, OptionCost], int]):
-        """alg.pick of value(option, cost) over the unit's options (for a fixed plan, of its chosen option alone)."""
+    def pick_all(self, field: str):
+        """The sum over every unit of pick(unit, field), as the algebra sums a pick of each unit at once."""
+        if self.chosen is not None:
+            return _sum([self.pick(u, field) for u in range(len(self.units))])
+        return self.alg.pick_sum([_values(self.table, u, field) for u in range(len(self.units))])
+
+    def per_option(self, unit: int, value: Callable[[CheckpointMode, OptionCost], int]):
+        """alg.pick of value(mode, cost) over the unit's options (for a fixed plan, of its chosen option alone)."""
         options, costs = self.table.options[unit], self.table.costs[unit]
         if self.chosen is not None:
             chosen = self.chosen[unit]
-            return value(options[chosen], costs[chosen])
-        return self.alg.pick(unit, [value(option, cost) for option, cost in zip(options, costs)])
+            return value(options[chosen].mode, costs[chosen])
+        modes = self._modes.get(unit) or self._modes.setdefault(unit, [option.mode for option in options])
+        return self.alg.pick(unit, [value(mode, cost) for mode, cost in zip(modes, costs)])
 
     def _state_prefixes(self) -> None:
         table, alg, units, n_units = self.table, self.alg, self.units, len(self.units)
@@ -189,8 +195,8 @@ class _Timeline:
         running, fitted = 0, 0
         for index, seg in enumerate(table.segments):
             first = self.first_segment_of.setdefault(seg.unit, index) == index
-            saved, weighted = self.both(seg.unit, lambda option, cost, first=first, seg=seg: (
-                (cost.activation_bytes if first else 0) if option.mode.checkpoints else seg.saved_bytes))
+            saved, weighted = self.both(seg.unit, lambda mode, cost, first=first, seg=seg: (
+                (cost.activation_bytes if first else 0) if mode.checkpoints else seg.saved_bytes))
             running = alg.define(running + saved, f"act_{index}")
             fitted = None if weighted is None else alg.define(fitted + weighted, f"fitted_act_{index}")
             self.activations_upto.append(running)
@@ -268,13 +274,13 @@ class _Timeline:
     def _label(self, seg) -> str:
         return "loss" if seg.outside_model else self.units[seg.unit].path or "<root>"
 
-    def forward(self, index: int, seg, around: list[int]) -> list[MemoryPoint]:
+    def forward(self, index: int, seg, around) -> list[MemoryPoint]:
         """The segment's forward point, after a pre-forward point where its unit copies out its gathered
-        parameters."""
+        parameters; `around`: the gathered bytes of the units running at the segment."""
         label = self._label(seg)
         points = []
         held_done = self.held_upto[self.ending_before(seg.first_op)]
-        running = _sum([self.pick(u, "gathered_bytes") for u in around]) + held_done
+        running = around + held_done
         latest = None if seg.outside_model else self.latest_gathered(seg.first_op)
         gathered_fwd = running + (self.pick(latest, "gathered_bytes") if latest is not None else 0)
         if not seg.outside_model and seg.unit == latest and self.first_segment_of[seg.unit] == index:
@@ -296,7 +302,7 @@ class _Timeline:
         ), self.fitted_upto[index]))
         return points
 
-    def backward(self, index: int, seg, around: list[int]) -> list[MemoryPoint]:
+    def backward(self, index: int, seg, around) -> list[MemoryPoint]:
         """The segment's backward at its peak, then the reductions of the units whose backward ends with it."""
         table, n_units = self.table, len(self.units)
         held_done = self.held_upto[self.ending_before(seg.first_op)]
@@ -314,14 +320,14 @@ class _Timeline:
         first = index == self.first_segment_of[seg.unit]
         earlier = self.activations_upto[index - 1] if index > 0 else 0
         fitted_earlier = self.fitted_before(index)
-        own, fitted_own = self.both(seg.unit, lambda option, cost: (
-            (cost.bwd_kept_bytes if option.mode.checkpoints and first else 0)
-            + getattr(seg, _PEAK_OF[option.recompute]).activations))
+        own, fitted_own = self.both(seg.unit, lambda mode, cost: (
+            (cost.bwd_kept_bytes if mode.checkpoints and first else 0)
+            + getattr(seg, _PEAK_OF[mode.recompute]).activations))
         points = [MemoryPoint(f"bwd {self._label(seg)}", _parts(
             params=self.params_all, grads=grads_done, optimizer=self.optimizer_all,
             activations=earlier + own,
-            gathered=gathered_bwd + _sum([self.pick(u, "gathered_bytes") for u in around]),
-            temporaries=self.per_option(seg.unit, lambda option, _: getattr(seg, _PEAK_OF[option.recompute]).temporaries)
+            gathered=gathered_bwd + around,
+            temporaries=self.per_option(seg.unit, lambda mode, _: getattr(seg, _PEAK_OF[mode.recompute]).temporaries)
             + seg.outer_grad_bytes + pending_reduce,
         ), None if fitted_own is None else fitted_earlier + fitted_own)]
         for u in self.reduced_after.get(index, []):
@@ -345,8 +351,7 @@ class _Timeline:
 
     def optimizer_step(self) -> list[MemoryPoint]:
         state = _parts(params=self.params_all, grads=self.grads_all, optimizer=self.optimizer_all, activations=0,
-                       gathered=0, temporaries=_sum([self.pick(u, "optimizer_temp_bytes")
-                                                     for u in range(len(self.units))]))
+                       gathered=0, temporaries=self.pick_all("optimizer_temp_bytes"))
         return [MemoryPoint(label, {**state, MemCategory.TEMPORARIES: state[MemCategory.TEMPORARIES] + scratch})
                 for label, scratch in optimizer_scratch(self.table, self.alg)]
 
