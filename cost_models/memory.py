@@ -161,8 +161,8 @@ class _Timeline:
         return found
 
     def pick_all(self, field: str):
-        """The sum over every unit of pick(unit, field), as the algebra sums a pick of each unit at once."""
-        if self.chosen is not None:
+        """The sum over every unit of pick(unit, field): at once where the algebra can (`pick_sum`: one dense row)."""
+        if self.chosen is not None or not hasattr(self.alg, "pick_sum"):
             return _sum([self.pick(u, field) for u in range(len(self.units))])
         return self.alg.pick_sum([_values(self.table, u, field) for u in range(len(self.units))])
 
