@@ -259,16 +259,17 @@ def fitted_totals(table, points: list[MemoryPoint], alg) -> list:
     if isinstance(alg, AffineAlgebra) and not isinstance(alg, SparseAlgebra):
         coef, const = fitted_matrix(table, points, alg)
         return [Affine(row, c) for row, c in zip(coef, const.tolist())]
-    selective = selective_bytes(table, alg) * margin.selective if margin.selective else 0
-    rows = []
-    for point in points:
-        expr = _weighted(point.parts, margin, point.fitted_activations) + selective
-        if isinstance(expr, (int, float)):
-            expr = math.ceil(expr)
+    totals = [0] * len(points)
+    for objects, weights in _steps(table, points, alg):  # `_weighted` + selective, a category at a time for all points
+        if isinstance(weights, list):
+            totals = [t + (o if w is None else o * w) for t, o, w in zip(totals, objects, weights)]
         else:
+            totals = [t + o for t, o in zip(totals, objects)] if weights is None else \
+                [t + o * weights for t, o in zip(totals, objects)]
+    for expr in totals:
+        if not isinstance(expr, (int, float)):
             raise TypeError(f"the allocator's margin needs dense rows, got {type(expr).__name__}")
-        rows.append(expr)
-    return rows
+    return [math.ceil(expr) for expr in totals]
 
 
 def fitted_matrix(table, points: list[MemoryPoint], alg) -> tuple[np.ndarray, np.ndarray]:
