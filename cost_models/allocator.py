@@ -31,9 +31,9 @@ Two parts:
 
 from __future__ import annotations
 
-import bisect
-import itertools
+import copy
 import math
+from bisect import bisect_left, insort
 
 __all__ = ["CachingAllocator", "OutOfMemory", "round_size", "segment_size", "reserved_bound", "FRAGMENTATION",
            "MIN_BLOCK", "SMALL_SIZE", "SMALL_BUFFER", "LARGE_BUFFER", "MIN_LARGE_ALLOC", "ROUND_LARGE"]
@@ -44,6 +44,7 @@ SMALL_BUFFER = 2 << 20  # kSmallBuffer: the small pool's segments
 LARGE_BUFFER = 20 << 20  # kLargeBuffer: segments for large requests under 10 MiB
 MIN_LARGE_ALLOC = 10 << 20  # kMinLargeAlloc
 ROUND_LARGE = 2 << 20  # kRoundLarge: requests from 10 MiB on get their own segment, rounded to 2 MiB
+_EXACT = 1 << 53  # up to here round_size's float division is exact: rounding in integers gives the same size
 
 # The plan-level allowance: the smallest limit a plan's step runs in is at most (1 + FRAGMENTATION) x its
 # allocated peak + SEGMENT_SLACK. From the replays of benchmarks/allocator.py (llama2-7b / llama3-8b, rank 0 of 8,
@@ -90,41 +91,49 @@ class _Block:
         self.next: _Block | None = None
         self.requested = 0
 
-    def key(self) -> tuple[int, int, int]:  # BlockComparatorSize: stream, size, address
-        return (self.stream, self.size, self.addr)
-
     @property
     def whole_segment(self) -> bool:
         return self.prev is None and self.next is None
 
 
 class CachingAllocator:
-    """The native caching allocator's block logic, in bytes; `limit` None means no limit."""
+    """The native caching allocator's block logic, in bytes; `limit` None means no limit.
+
+    The free blocks of each pool are kept as sorted keys (stream, size, address: BlockComparatorSize) with a map
+    from key to block. `demand`: the largest figure compared with the limit so far, the reserved bytes plus what a
+    request would add to them (checked with a limit or not); a run under a limit of at least that has gone exactly
+    as the run without one (allocator_replay.min_limit goes on from such a point)."""
 
     def __init__(self, limit: int | None = None, max_split_size: int | None = None):
         self.limit = limit
         self.max_split_size = max_split_size if max_split_size is not None else 1 << 62
         self._free: dict[bool, list[tuple[int, int, int]]] = {True: [], False: []}  # pool -> sorted keys
         self._by_key: dict[tuple[int, int, int], _Block] = {}
-        self._next_addr = itertools.count(1)
+        self._made = 0  # segments made so far: the next one's address range
         self.allocated = self.reserved = self.requested = 0
         self.peak_allocated = self.peak_reserved = self.peak_requested = 0
-        self.segments = self.retries = 0
+        self.segments = self.retries = self.demand = 0
 
     # -- public -------------------------------------------------------------------------------
 
     def malloc(self, nbytes: int, stream: int = 0) -> _Block:
-        size = round_size(nbytes)
+        if nbytes.__class__ is int and MIN_BLOCK < nbytes <= _EXACT:  # round_size, without the call
+            size = (nbytes + MIN_BLOCK - 1) & -MIN_BLOCK
+        else:
+            size = round_size(nbytes)
         small = size <= SMALL_SIZE
         block = self._find_free(size, stream, small)
         if block is None:
             block = self._grow(size, stream, small, nbytes)
-        self._split(block, size)
+        if block.size > size:  # a block of the size asked for is never split, whatever the pool
+            self._split(block, size)
         block.allocated, block.requested = True, nbytes
-        self.allocated += block.size
-        self.requested += nbytes
-        self.peak_allocated = max(self.peak_allocated, self.allocated)
-        self.peak_requested = max(self.peak_requested, self.requested)
+        allocated = self.allocated = self.allocated + block.size
+        if allocated > self.peak_allocated:
+            self.peak_allocated = allocated
+        requested = self.requested = self.requested + nbytes
+        if requested > self.peak_requested:
+            self.peak_requested = requested
         return block
 
     def free(self, block: _Block) -> None:
@@ -133,7 +142,11 @@ class CachingAllocator:
         block.allocated = False
         self.allocated -= block.size
         self.requested -= block.requested
-        self._put(self._merge(self._merge(block, block.prev), block.next))
+        if block.prev is not None and not block.prev.allocated:
+            self._merge(block, block.prev)
+        if block.next is not None and not block.next.allocated:
+            self._merge(block, block.next)
+        self._put(block)
 
     def empty_cache(self) -> None:
         """Free every cached segment that holds no allocated block (release_cached_blocks)."""
@@ -145,47 +158,88 @@ class CachingAllocator:
                     self.reserved -= block.size
                     self.segments -= 1
 
+    def cached(self, nbytes: int, stream: int = 0) -> bool:
+        """Whether a free block would serve the request: malloc would take no new memory (nor check the limit)."""
+        size = round_size(nbytes)
+        keys = self._free[size <= SMALL_SIZE]
+        i = bisect_left(keys, (stream, size, 0))
+        return i < len(keys) and keys[i][0] == stream and self._fits(size, keys[i][1])
+
+    def fork(self, handles: dict) -> tuple[CachingAllocator, dict]:
+        """A copy of the allocator's state to go on from, and `handles` (any keys -> the blocks allocated here, every
+        one of them) with the copy's blocks."""
+        twin = copy.copy(self)  # the counters and settings; the blocks and their lists are copied below
+        twin_of: dict = {None: None}
+        for block in self._blocks(handles):  # each block's fields (without __init__: a fork copies ~100 blocks)
+            new = twin_of[block] = _Block.__new__(_Block)
+            new.addr, new.size, new.stream, new.small = block.addr, block.size, block.stream, block.small
+            new.allocated, new.mapped, new.requested = block.allocated, block.mapped, block.requested
+        for block, new in twin_of.items():  # and their links
+            if block is not None:
+                new.prev, new.next = twin_of[block.prev], twin_of[block.next]
+        self._relist(twin, twin_of)
+        return twin, {key: twin_of[block] for key, block in handles.items()}
+
     # -- internals ----------------------------------------------------------------------------
 
+    def _blocks(self, handles: dict) -> list[_Block]:
+        """Every block: the allocated ones (`handles`) and the free ones."""
+        return [*handles.values(), *self._by_key.values()]
+
+    def _relist(self, twin: CachingAllocator, twin_of: dict) -> None:
+        """`twin`'s free lists: this allocator's, of the blocks' copies."""
+        twin._free = {small: keys.copy() for small, keys in self._free.items()}
+        twin._by_key = {key: twin_of[block] for key, block in self._by_key.items()}
+
     def _put(self, block: _Block) -> None:
-        key = block.key()
-        bisect.insort(self._free[block.small], key)
+        key = (block.stream, block.size, block.addr)
+        insort(self._free[block.small], key)
         self._by_key[key] = block
 
     def _take(self, block: _Block) -> None:
-        key = block.key()
+        key = (block.stream, block.size, block.addr)
         keys = self._free[block.small]
-        del keys[bisect.bisect_left(keys, key)]
+        del keys[bisect_left(keys, key)]
         del self._by_key[key]
 
     def _find_free(self, size: int, stream: int, small: bool) -> _Block | None:
         keys = self._free[small]
-        i = bisect.bisect_left(keys, (stream, size, 0))
-        if i == len(keys) or keys[i][0] != stream:
+        i = bisect_left(keys, (stream, size, 0))
+        if i == len(keys):
             return None
-        found = keys[i][1]
+        key = keys[i]
+        if key[0] != stream:
+            return None
+        if not self._fits(size, key[1]):
+            return None
+        del keys[i]
+        return self._by_key.pop(key)
+
+    def _fits(self, size: int, found: int) -> bool:
+        """Whether a free block of `found` bytes may serve a request of `size` under max_split_size."""
         if size < self.max_split_size <= found:  # no oversized block for a request under max_split_size
-            return None
-        if size >= self.max_split_size and found >= size + LARGE_BUFFER:
-            return None
-        block = self._by_key[keys[i]]
-        self._take(block)
-        return block
+            return False
+        return size < self.max_split_size or found < size + LARGE_BUFFER
 
     def _grow(self, size: int, stream: int, small: bool, nbytes: int) -> _Block:
         """A new segment for a request no cached block serves (alloc_block), the cache freed first where the
         limit would be passed."""
         seg = segment_size(size)
-        if self.limit is not None and self.reserved + seg > self.limit:
+        demand = self.reserved + seg
+        if demand > self.demand:
+            self.demand = demand
+        if self.limit is not None and demand > self.limit:
             self.retries += 1
             self.empty_cache()  # release_cached_blocks, then alloc_block again
             if self.reserved + seg > self.limit:
                 raise OutOfMemory(nbytes, self.reserved, self.allocated, self.limit)
         self.reserved += seg
         self.segments += 1
-        self.peak_reserved = max(self.peak_reserved, self.reserved)
+        if self.reserved > self.peak_reserved:
+            self.peak_reserved = self.reserved
         # segments never touch: each gets its own address range, so blocks merge only inside one
-        return _Block(next(self._next_addr) << 48, seg, stream, small)
+        self._made += 1
+        return _Block(self._made << 48, seg, stream, small)
 
     def _split(self, block: _Block, size: int) -> None:
         """Split off what the request leaves, a free block, where the pool's rule says to (should_split)."""
@@ -193,9 +247,13 @@ class CachingAllocator:
         if not self._should_split(block, size, remaining):
             return
         rest = _Block(block.addr + size, remaining, block.stream, block.small)
-        self._link_after(block, rest)
-        block.size = size
-        self._put(rest)
+        rest.prev, rest.next = block, block.next  # linked after the block (_link_after), and listed (_put)
+        if block.next is not None:
+            block.next.prev = rest
+        block.next, block.size = rest, size
+        key = (rest.stream, remaining, rest.addr)
+        insort(self._free[rest.small], key)
+        self._by_key[key] = rest
 
     def _should_split(self, block: _Block, size: int, remaining: int) -> bool:
         if block.small:

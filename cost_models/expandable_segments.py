@@ -23,7 +23,7 @@ So what a run needs stays near its live bytes: pages touched by live blocks, rou
 
 from __future__ import annotations
 
-import bisect
+from bisect import bisect_left, insort
 
 from cost_models.allocator import (
     MIN_BLOCK,
@@ -38,6 +38,12 @@ __all__ = ["PAGE", "ExpandableAllocator"]
 PAGE = {True: 2 << 20, False: 20 << 20}  # mapping granularity: small pool 2 MiB, large pool 20 MiB
 _SPAN = 1 << 44  # virtual address space a segment reserves (torch: 1 1/8 of the device's memory)
 _SEGMENT_STRIDE = (20 << 20) << 24  # segments start at multiples of both pages, further apart than _SPAN
+
+
+def _room(block: _Block) -> int:
+    """A free block's size and the unmapped range right after it, if any: how far it could grow."""
+    following = block.next
+    return block.size + (following.size if following is not None and not following.mapped else 0)
 
 
 class _NoPages(Exception):
@@ -66,26 +72,31 @@ class ExpandableAllocator(CachingAllocator):
         """Best fit among the mapped free blocks; among a run of them, the one whose room to grow (its size
         plus an unmapped range right after it) is smallest (get_free_block)."""
         keys = self._free[small]
-        i = bisect.bisect_left(keys, (stream, size, 0))
-        if i == len(keys) or keys[i][0] != stream:
+        i, end = bisect_left(keys, (stream, size, 0)), len(keys)
+        if i == end or keys[i][0] != stream:
             return None
-        while i + 1 < len(keys) and keys[i + 1][0] == stream and (
-                self._room(self._by_key[keys[i + 1]]) < self._room(self._by_key[keys[i]])):
-            i += 1
-        block = self._by_key[keys[i]]
-        self._take(block)
+        by_key = self._by_key
+        block = by_key[keys[i]]
+        if i + 1 < end and keys[i + 1][0] == stream:  # larger blocks of the stream: one may have less room
+            room = _room(block)
+            while i + 1 < end and keys[i + 1][0] == stream:
+                following = by_key[keys[i + 1]]
+                following_room = _room(following)
+                if following_room >= room:
+                    break
+                i, block, room = i + 1, following, following_room
+        del by_key[keys[i]]
+        del keys[i]
         return block
-
-    @staticmethod
-    def _room(block: _Block) -> int:
-        following = block.next
-        return block.size + (following.size if following is not None and not following.mapped else 0)
 
     def _grow(self, size: int, stream: int, small: bool, nbytes: int) -> _Block:
         """Map pages for the request (alloc_block, try_allocate_expandable_block), freeing the cache and
         trying again when the limit would be passed."""
         for attempt in (0, 1):
-            if self.limit is None or self.reserved + segment_size(size) <= self.limit:
+            demand = self.reserved + segment_size(size)
+            if demand > self.demand:
+                self.demand = demand
+            if self.limit is None or demand <= self.limit:
                 try:
                     return self._map_for(size, stream, small)
                 except _NoPages:
@@ -108,7 +119,7 @@ class ExpandableAllocator(CachingAllocator):
         """The lowest address of the stream's segments with room for `size` in free and unmapped blocks
         (find_expandable_block); a new segment where none has it."""
         keys = self._unmapped[small]
-        for i in range(bisect.bisect_left(keys, (stream, 0)), len(keys)):
+        for i in range(bisect_left(keys, (stream, 0)), len(keys)):
             if keys[i][0] != stream:
                 break
             candidate = self._unmapped_at[keys[i]]
@@ -119,7 +130,8 @@ class ExpandableAllocator(CachingAllocator):
                 room, cursor = room + cursor.size, cursor.next
             if room >= size:
                 return candidate
-        block = _Block(next(self._next_addr) * _SEGMENT_STRIDE, _SPAN, stream, small)
+        self._made += 1
+        block = _Block(self._made * _SEGMENT_STRIDE, _SPAN, stream, small)
         block.mapped = False
         self.segments += 1
         self._put_unmapped(block)
@@ -130,7 +142,10 @@ class ExpandableAllocator(CachingAllocator):
         unmapped, and merge what was mapped with its free neighbours (map_block)."""
         page = PAGE[block.small]
         mapped = -(-size // page) * page
-        if self.limit is not None and self.reserved + mapped > self.limit:
+        demand = self.reserved + mapped
+        if demand > self.demand:
+            self.demand = demand
+        if self.limit is not None and demand > self.limit:
             raise _NoPages
         self._take_unmapped(block)
         if mapped < block.size:
@@ -141,7 +156,8 @@ class ExpandableAllocator(CachingAllocator):
             self._put_unmapped(rest)
         block.mapped = True
         self.reserved += mapped
-        self.peak_reserved = max(self.peak_reserved, self.reserved)
+        if self.reserved > self.peak_reserved:
+            self.peak_reserved = self.reserved
         merged = self._merge(self._merge(block, block.prev), block.next)
         self._put(merged)
         return merged
@@ -172,6 +188,14 @@ class ExpandableAllocator(CachingAllocator):
 
     # -- block lists ----------------------------------------------------------------------------
 
+    def _blocks(self, handles: dict) -> list[_Block]:
+        return [*super()._blocks(handles), *self._unmapped_at.values()]
+
+    def _relist(self, twin: CachingAllocator, twin_of: dict) -> None:
+        super()._relist(twin, twin_of)
+        twin._unmapped = {small: keys.copy() for small, keys in self._unmapped.items()}
+        twin._unmapped_at = {key: twin_of[block] for key, block in self._unmapped_at.items()}
+
     def _take_spare(self, block: _Block) -> None:
         """A free block off its list: the mapped free blocks', or the unmapped ranges'."""
         if block.mapped:
@@ -188,13 +212,13 @@ class ExpandableAllocator(CachingAllocator):
 
     def _put_unmapped(self, block: _Block) -> None:
         key = (block.stream, block.addr)
-        bisect.insort(self._unmapped[block.small], key)
+        insort(self._unmapped[block.small], key)
         self._unmapped_at[key] = block
 
     def _take_unmapped(self, block: _Block) -> None:
         key = (block.stream, block.addr)
         keys = self._unmapped[block.small]
-        del keys[bisect.bisect_left(keys, key)]
+        del keys[bisect_left(keys, key)]
         del self._unmapped_at[key]
 
     def _should_split(self, block: _Block, size: int, remaining: int) -> bool:
