@@ -8,10 +8,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from cost_models.allocator import ROUND_LARGE, CachingAllocator, OutOfMemory
+from cost_models.allocator import LARGE_BUFFER, MIN_BLOCK, ROUND_LARGE, CachingAllocator, OutOfMemory
 from cost_models.expandable_segments import ExpandableAllocator
 
-__all__ = ["ReplayResult", "Stranded", "min_limit", "replay", "stranded"]
+__all__ = ["ReplayResult", "Stranded", "min_limit", "replay", "run_and_min_limit", "stranded"]
 
 
 @dataclass
@@ -76,14 +76,26 @@ def stranded(events, limit: int) -> Stranded | None:
     return Stranded(index, request, stream, allocator.reserved, allocator.allocated, by_segment)
 
 
-def _run(allocator, events, live: dict | None = None) -> None:
-    """`events` through `allocator`; an OutOfMemory carries the failing event as (index, bytes, stream)."""
+def _run(allocator, events, live: dict | None = None, start: int = 0, fork_for: float | None = None):
+    """`events` from `start` on through `allocator`; an OutOfMemory carries the failing event as (index, bytes,
+    stream). `fork_for`: a limit L; returns a fork taken before the last allocation that may, as far as can be told
+    before it, be the first to compare more than L with a limit: one the cache does not serve, whose request could
+    take the reserved bytes past L (within a segment's 20 MiB and the rounding), while all compared so far (the
+    allocator's `demand`) is at most L. The fork: that allocation's index, the demand then, and forks of the
+    allocator and of `live`; None where no allocation is such."""
     live = {} if live is None else live
-    for index, event in enumerate(events):
+    found, near = None, None if fork_for is None else fork_for - LARGE_BUFFER - MIN_BLOCK
+    for index in range(start, len(events)):
+        event = events[index]
         if event[0] == "alloc":
             _, key, nbytes, stream = event
             if key in live:
                 raise ValueError(f"allocation {key!r} made twice without a free")
+            if near is not None and allocator.reserved + nbytes > near and not allocator.cached(nbytes, stream):
+                if allocator.demand > fork_for:  # from here on a run under the limit may go otherwise
+                    near = None
+                else:
+                    found = (index, allocator.demand, *allocator.fork(live))
             try:
                 live[key] = allocator.malloc(nbytes, stream)
             except OutOfMemory as exc:
@@ -96,21 +108,70 @@ def _run(allocator, events, live: dict | None = None) -> None:
             allocator.free(block)
         else:
             raise ValueError(f"unknown event {event[0]!r}: expected 'alloc' or 'free'")
+    return found
 
 
 def min_limit(events, max_split_size: int | None = None, step: int = ROUND_LARGE, expandable: bool = False) -> int:
     """The smallest limit (to `step` bytes) that `events` run in without OutOfMemory: between the rounded
     allocated peak and the reserved peak without a limit (the allocator frees its cache under pressure).
     `expandable`: with expandable segments."""
+    return run_and_min_limit(events, max_split_size, step, expandable)[1]
+
+
+def run_and_min_limit(events, max_split_size: int | None = None, step: int = ROUND_LARGE,
+                      expandable: bool = False) -> tuple[ReplayResult, int]:
+    """`replay(events)` without a limit and `min_limit(events)`, from one run without a limit.
+
+    The limit is bisected between the allocated peak and the reserved peak of the run without one; a limit is not
+    monotone in whether the events run (the cache freed earlier or later leaves other blocks), so the bisection's
+    path is the answer. Each try is cheaper than a run from the start: a run under a limit goes exactly as the run
+    without one until a request compares more than the limit with it (the allocator's `demand`), so a try whose
+    limit is at least the demand before some event goes on from a fork of the run without a limit taken there.
+    The fork is taken before the last allocation that could compare that much with a limit at most the lowest
+    limit tried (which the peak of the live bytes bounds from below)."""
     events = list(events)
-    free_run = replay(events, None, max_split_size, expandable)
+    new = (lambda limit: ExpandableAllocator(limit)) if expandable else (
+        lambda limit: CachingAllocator(limit, max_split_size))
+    free, lowest = new(None), _live_peak(events)
+    fork = _run(free, events, {}, 0, None if lowest is None else math.ceil(lowest / step) * step)
+    free_run = ReplayResult(free.peak_requested, free.peak_allocated, free.peak_reserved, free.segments,
+                            free.retries)
+
+    def runs(limit: int, last: bool) -> bool:
+        if fork is not None and fork[1] <= limit:  # the same as the run without a limit up to the fork
+            start, allocator, live = fork[0], *(fork[2:] if last else fork[2].fork(fork[3]))  # the last try uses it up
+            allocator.limit = limit
+        else:
+            start, allocator, live = 0, new(limit), {}
+        try:
+            _run(allocator, events, live, start)
+            return True
+        except OutOfMemory:
+            return False
+
     low = math.ceil(free_run.peak_allocated / step) - 1  # below the allocated peak: fails
     high = math.ceil(free_run.peak_reserved / step)  # the limit is never reached: runs
     while high - low > 1:
         middle = (low + high) // 2
-        try:
-            replay(events, middle * step, max_split_size, expandable)
+        if runs(middle * step, high - low == 2):
             high = middle
-        except OutOfMemory:
+        else:
             low = middle
-    return high * step
+    return free_run, high * step
+
+
+def _live_peak(events) -> float | None:
+    """The peak of the bytes requested and not yet freed, a lower bound of the allocated peak; None for events
+    that do not read as a sequence (the run says what is wrong with them)."""
+    live, total, peak = {}, 0, 0
+    try:
+        for event in events:
+            if event[0] == "alloc":
+                total += event[2] - live.get(event[1], 0)
+                live[event[1]] = event[2]
+                peak = max(peak, total)
+            else:
+                total -= live.pop(event[1], 0)
+    except (IndexError, KeyError, TypeError):
+        return None
+    return peak

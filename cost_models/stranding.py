@@ -36,7 +36,7 @@ from collections.abc import Mapping
 
 from cost_models.activations import saved_by_selective
 from cost_models.allocator import SMALL_SIZE
-from cost_models.allocator_replay import min_limit, replay
+from cost_models.allocator_replay import run_and_min_limit
 from cost_models.records import LOSS_NODE, ModelTrace
 
 __all__ = ["MAX_OPS", "MODES", "forward_events", "forward_stranding"]
@@ -136,5 +136,5 @@ def _excess(events: list[tuple], expandable: bool = False) -> tuple[int, int]:
     """The smallest limit `events` run in less their allocated peak, and their live peak (0, 0 for none)."""
     if not events:
         return 0, 0
-    run = replay(events, expandable=expandable)
-    return min_limit(events, expandable=expandable) - run.peak_allocated, run.peak_requested
+    run, needed = run_and_min_limit(events, expandable=expandable)
+    return needed - run.peak_allocated, run.peak_requested
