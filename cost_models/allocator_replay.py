@@ -169,7 +169,8 @@ def _live_peak(events) -> float | None:
             if event[0] == "alloc":
                 total += event[2] - live.get(event[1], 0)
                 live[event[1]] = event[2]
-                peak = max(peak, total)
+                if total > peak:
+                    peak = total
             else:
                 total -= live.pop(event[1], 0)
     except (IndexError, KeyError, TypeError):

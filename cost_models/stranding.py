@@ -55,14 +55,16 @@ def forward_events(trace: ModelTrace, micro_batch: int, mode: str, ops: int = MA
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}: one of {', '.join(MODES)}")
     events, live, scale = [], set(), scale or {}
+    kept = ("none", "selective") if mode == "none" else ("selective",)  # what the mode keeps for the backward
     for name, made, read_last in _forward(trace)[:ops]:
         share = scale.get(name, 1.0)
-        for key, nbytes, keeps in made:
-            if nbytes * micro_batch * share > SMALL_SIZE:  # the small pool's 2 MiB pages: the bound's slack's
-                events.append(("alloc", key, math.ceil(nbytes * micro_batch * share), 0))
+        for key, nbytes, _ in made:
+            scaled = nbytes * micro_batch * share
+            if scaled > SMALL_SIZE:  # the small pool's 2 MiB pages: the bound's slack's
+                events.append(("alloc", key, math.ceil(scaled), 0))
                 live.add(key)
         for key, keeps in read_last:
-            if key in live and not (keeps == "none" and mode == "none" or keeps == "selective"):
+            if key in live and keeps not in kept:
                 events.append(("free", key))
                 live.discard(key)
     return events
