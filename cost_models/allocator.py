@@ -158,7 +158,7 @@ class CachingAllocator:
                     self.reserved -= block.size
                     self.segments -= 1
 
-    def cached(self, nbytes: int, stream: int = 0) -> bool:
+    def cache_serves(self, nbytes: int, stream: int = 0) -> bool:
         """Whether a free block would serve the request: malloc would take no new memory (nor check the limit)."""
         size = round_size(nbytes)
         keys = self._free[size <= SMALL_SIZE]

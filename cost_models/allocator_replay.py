@@ -91,7 +91,7 @@ def _run(allocator, events, live: dict | None = None, start: int = 0, fork_for: 
             _, key, nbytes, stream = event
             if key in live:
                 raise ValueError(f"allocation {key!r} made twice without a free")
-            if near is not None and allocator.reserved + nbytes > near and not allocator.cached(nbytes, stream):
+            if near is not None and allocator.reserved + nbytes > near and not allocator.cache_serves(nbytes, stream):
                 if allocator.demand > fork_for:  # from here on a run under the limit may go otherwise
                     near = None
                 else:

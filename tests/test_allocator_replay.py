@@ -62,7 +62,7 @@ def test_min_limit_is_the_plain_bisections_on_random_sequences():
             run, needed = run_and_min_limit(events, max_split_size, expandable=expandable)
             assert needed == expected and run == replay(events, None, max_split_size, expandable)
             not_monotone += False in tries[tries.index(True):] if True in tries else 0
-    assert not_monotone >= 5  # sequences that fail at a limit above one they ran in: the path is the answer
+    assert not_monotone >= 20  # sequences that fail at a limit above one they ran in: the path is the answer
 
 
 @pytest.mark.parametrize("make", [CachingAllocator, lambda: CachingAllocator(max_split_size=64 * MiB),
