@@ -6,6 +6,7 @@ tagged); the allocator is the native one (cost_models.allocator) or the one with
 from __future__ import annotations
 
 import math
+from bisect import bisect_right
 from dataclasses import dataclass
 
 from cost_models.allocator import LARGE_BUFFER, MIN_BLOCK, ROUND_LARGE, CachingAllocator, OutOfMemory
@@ -76,16 +77,20 @@ def stranded(events, limit: int) -> Stranded | None:
     return Stranded(index, request, stream, allocator.reserved, allocator.allocated, by_segment)
 
 
-def _run(allocator, events, live: dict | None = None, start: int = 0, fork_for: float | None = None):
-    """`events` from `start` on through `allocator`; an OutOfMemory carries the failing event as (index, bytes,
-    stream). `fork_for`: a limit L; returns a fork taken before the last allocation that may, as far as can be told
-    before it, be the first to compare more than L with a limit: one the cache does not serve, whose request could
-    take the reserved bytes past L (within a segment's 20 MiB and the rounding), while all compared so far (the
-    allocator's `demand`) is at most L. The fork: that allocation's index, the demand then, and forks of the
-    allocator and of `live`; None where no allocation is such."""
+def _run(allocator, events, live: dict | None = None, start: int = 0, stop: int | None = None,
+         fork_for: float | None = None) -> tuple[tuple | None, list[tuple[int, int]]]:
+    """`events[start:stop]` through `allocator`; an OutOfMemory carries the failing event as (index, bytes,
+    stream). Returns a fork and where the allocator's demand grew: (index, demand after it) each time.
+
+    `fork_for`: a limit L; the fork is taken before the last allocation that may, as far as can be told before it,
+    be the first to compare more than L with a limit: one the cache does not serve, whose request could take the
+    reserved bytes past L (within a segment's 20 MiB and the rounding), while all compared so far (the allocator's
+    `demand`) is at most L. The fork: that allocation's index, the demand then, and forks of the allocator and of
+    `live`; None where no allocation is such (or without `fork_for`)."""
     live = {} if live is None else live
     found, near = None, None if fork_for is None else fork_for - LARGE_BUFFER - MIN_BLOCK
-    for index in range(start, len(events)):
+    grew, demand = [], allocator.demand
+    for index in range(start, len(events) if stop is None else stop):
         event = events[index]
         if event[0] == "alloc":
             _, key, nbytes, stream = event
@@ -101,6 +106,9 @@ def _run(allocator, events, live: dict | None = None, start: int = 0, fork_for: 
             except OutOfMemory as exc:
                 exc.event = (index, nbytes, stream)
                 raise
+            if allocator.demand > demand:
+                demand = allocator.demand
+                grew.append((index, demand))
         elif event[0] == "free":
             block = live.pop(event[1], None)
             if block is None:
@@ -108,7 +116,7 @@ def _run(allocator, events, live: dict | None = None, start: int = 0, fork_for: 
             allocator.free(block)
         else:
             raise ValueError(f"unknown event {event[0]!r}: expected 'alloc' or 'free'")
-    return found
+    return found, grew
 
 
 def min_limit(events, max_split_size: int | None = None, step: int = ROUND_LARGE, expandable: bool = False) -> int:
@@ -126,23 +134,36 @@ def run_and_min_limit(events, max_split_size: int | None = None, step: int = ROU
     monotone in whether the events run (the cache freed earlier or later leaves other blocks), so the bisection's
     path is the answer. Each try is cheaper than a run from the start: a run under a limit goes exactly as the run
     without one until a request compares more than the limit with it (the allocator's `demand`), so a try whose
-    limit is at least the demand before some event goes on from a fork of the run without a limit taken there.
-    The fork is taken before the last allocation that could compare that much with a limit at most the lowest
-    limit tried (which the peak of the live bytes bounds from below)."""
+    limit is at least the demand before some event goes on from a fork of the run without a limit taken there; a
+    try that would compare nothing more than its limit runs as the run without one did. The run without a limit
+    forks before the last allocation that could compare more than the lowest limit tried (which the peak of the live
+    bytes bounds from below); a try whose first such event is further on than that fork holds blocks goes on from a
+    fork carried there without a limit, kept for the tries after it (long sequences: a recorded step)."""
     events = list(events)
     new = (lambda limit: ExpandableAllocator(limit)) if expandable else (
         lambda limit: CachingAllocator(limit, max_split_size))
     free, lowest = new(None), _live_peak(events)
-    fork = _run(free, events, {}, 0, None if lowest is None else math.ceil(lowest / step) * step)
+    fork, grew = _run(free, events, {}, 0, None, None if lowest is None else math.ceil(lowest / step) * step)
     free_run = ReplayResult(free.peak_requested, free.peak_allocated, free.peak_reserved, free.segments,
                             free.retries)
+    forks, demands = [] if fork is None else [fork], [demand for _, demand in grew]
 
     def runs(limit: int, last: bool) -> bool:
-        if fork is not None and fork[1] <= limit:  # the same as the run without a limit up to the fork
-            start, allocator, live = fork[0], *(fork[2:] if last else fork[2].fork(fork[3]))  # the last try uses it up
-            allocator.limit = limit
-        else:
+        first = bisect_right(demands, limit)  # the first event where the run compares more than the limit
+        if first == len(grew):
+            return True  # none: it runs as the run without a limit did
+        until = grew[first][0]
+        base = max((f for f in forks if f[0] <= until and f[1] <= limit), key=lambda f: f[0], default=None)
+        if base is None:
             start, allocator, live = 0, new(limit), {}
+        else:
+            if until - base[0] > len(base[3]) + len(base[2]._by_key):  # more events than blocks to copy
+                allocator, live = base[2].fork(base[3])
+                _run(allocator, events, live, base[0], until)
+                base = (until, allocator.demand, allocator, live)
+                forks.append(base)
+            start, allocator, live = base[0], *(base[2:] if last else base[2].fork(base[3]))  # the last try uses it up
+            allocator.limit = limit
         try:
             _run(allocator, events, live, start)
             return True

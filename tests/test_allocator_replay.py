@@ -14,6 +14,7 @@ import random
 import pytest
 
 from cost_models.allocator import ROUND_LARGE, CachingAllocator, OutOfMemory
+from cost_models import allocator_replay
 from cost_models.allocator_replay import min_limit, replay, run_and_min_limit
 from cost_models.expandable_segments import ExpandableAllocator
 
@@ -31,6 +32,25 @@ def _events(seed: int) -> list[tuple]:
             events.append(("free", live.pop(rng.randrange(len(live)) if rng.random() < 0.7 else -1)))
         events.append(("alloc", key, rng.choice(SIZES)(rng), rng.randrange(streams)))
         live.append(key)
+    return events
+
+
+def _steps(seed: int) -> list[tuple]:
+    """A recorded step's shape: weights kept, then three steps of a forward that keeps activations among transients
+    and a backward that frees them, later steps landing in what the first one cached."""
+    rng = random.Random(seed)
+    events = [("alloc", ("w", i), rng.choice(SIZES)(rng), 0) for i in range(rng.randint(5, 30))]
+    for step in range(3):
+        kept = []
+        for i in range(rng.randint(20, 80)):
+            events.append(("alloc", (step, i), rng.choice(SIZES)(rng), rng.choice([0, 0, 0, 1])))
+            if rng.random() < 0.4:
+                events.append(("free", (step, i)))
+            else:
+                kept.append((step, i))
+        for key in reversed(kept):
+            events += [("alloc", (step, key, "grad"), rng.choice(SIZES)(rng), 0), ("free", key)]
+            events += [("free", (step, key, "grad"))] if rng.random() < 0.8 else []
     return events
 
 
@@ -63,6 +83,22 @@ def test_min_limit_is_the_plain_bisections_on_random_sequences():
             assert needed == expected and run == replay(events, None, max_split_size, expandable)
             not_monotone += False in tries[tries.index(True):] if True in tries else 0
     assert not_monotone >= 20  # sequences that fail at a limit above one they ran in: the path is the answer
+
+
+def test_min_limit_is_the_plain_bisections_on_step_like_sequences(monkeypatch):
+    advanced, run = [], allocator_replay._run  # runs without a limit that carry a fork to a later try's start
+
+    def counted(allocator, events, live=None, start=0, stop=None, fork_for=None):
+        advanced.extend([stop] if stop is not None else [])
+        return run(allocator, events, live, start, stop, fork_for)
+
+    monkeypatch.setattr(allocator_replay, "_run", counted)
+    for seed in range(25):
+        events = _steps(seed)
+        for max_split_size, expandable in [(None, False), (None, True)]:
+            assert min_limit(events, max_split_size, expandable=expandable) == _plain(
+                events, max_split_size, expandable)[0], (seed, expandable)
+    assert len(advanced) >= 10, len(advanced)
 
 
 @pytest.mark.parametrize("make", [CachingAllocator, lambda: CachingAllocator(max_split_size=64 * MiB),
