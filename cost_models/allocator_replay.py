@@ -137,8 +137,9 @@ def run_and_min_limit(events, max_split_size: int | None = None, step: int = ROU
     limit is at least the demand before some event goes on from a fork of the run without a limit taken there; a
     try that would compare nothing more than its limit runs as the run without one did. The run without a limit
     forks before the last allocation that could compare more than the lowest limit tried (which the peak of the live
-    bytes bounds from below); a try whose first such event is further on than that fork holds blocks goes on from a
-    fork carried there without a limit, kept for the tries after it (long sequences: a recorded step)."""
+    bytes bounds from below). A try whose first comparison above its limit lies more events past the latest fork it
+    can use than that fork holds blocks goes on from a copy of the fork carried there without a limit, kept for the
+    tries after it (long sequences: a recorded step)."""
     events = list(events)
     new = (lambda limit: ExpandableAllocator(limit)) if expandable else (
         lambda limit: CachingAllocator(limit, max_split_size))
