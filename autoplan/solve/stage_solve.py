@@ -62,13 +62,22 @@ class _Rows:
     labels: list[str]
     variants: dict[str, MemoryRows] = field(default_factory=dict)
     affine: AffineModel | None = None
-    layouts: dict[tuple, list] = field(default_factory=dict)  # `_layout`'s, per what of `held` it reads
+    layouts: dict[tuple, _Placed] = field(default_factory=dict)  # `_layout`'s placed, per what of `held` it reads
+    flats: dict[tuple, np.ndarray] = field(default_factory=dict)  # `_held_rows`' literals kept, per uncut options
 
-    def layout(self, held: HeldAllStep) -> list:
+    def layout(self, held: HeldAllStep) -> _Placed:
         key = (held.drained, held.first is not None, tuple(s is not None for s in held.split) if held.split else None)
         if key not in self.layouts:
-            self.layouts[key] = _layout(self.labels, held)
+            self.layouts[key] = _Placed.of(_layout(self.labels, held))
         return self.layouts[key]
+
+    def flat(self, held: HeldAllStep) -> np.ndarray:
+        """The options searched (`keep`) as places among the uncut table's literals (`held`'s fields')."""
+        counts = tuple(len(v) for v in held.gathered)
+        if counts not in self.flats:
+            self.flats[counts] = np.concatenate([np.asarray(k, dtype=np.int64) + start for k, start in
+                                                 zip(self.keep, np.cumsum((0,) + counts[:-1]).tolist())])
+        return self.flats[counts]
 
     def variant(self, name: str) -> MemoryRows:
         if name not in self.variants:
@@ -91,10 +100,11 @@ def searched_table(table: CostTable) -> tuple[CostTable, list[list[int]]]:
                    costs=[[c[i] for i in k] for c, k in zip(table.costs, keep)]), keep
 
 
-def solve_rank(request: PlanRequest, table: CostTable, held: HeldAllStep, rows: _Rows | None = None) -> RankSolve:
+def solve_rank(request: PlanRequest, table: CostTable, held: HeldAllStep, rows: _Rows | None = None,
+               memory: tuple[MemoryRows, int] | None = None) -> RankSolve:
     """The rank's fastest choices within the request's planned bytes (or its uniform strategy's, where they fit).
     A rank whose floor is over the limit is not handed to CP-SAT (its proof of infeasibility can take long).
-    `rows`: the table's `rank_rows`, where the caller keeps them."""
+    `rows`: the table's `rank_rows`, where the caller keeps them; `memory`: their `rank_memory` with `held`, alike."""
     limit = request.limits.planned_bytes
     if request.uniform is not None:
         u = request.uniform
@@ -104,7 +114,7 @@ def solve_rank(request: PlanRequest, table: CostTable, held: HeldAllStep, rows: 
         peak = held_evaluation(table, held, choices).peak_mem_bytes if choices is not None else limit + 1
         return RankSolve(choices if peak <= limit else None, SolveStatus.FIXED, peak)
     rows = rows or rank_rows(table)
-    memory, floor = rank_memory(rows, held)
+    memory, floor = memory or rank_memory(rows, held)
     if floor > limit:
         return RankSolve(None, SolveStatus.INFEASIBLE, floor)
     if rows.affine is None:
@@ -193,31 +203,59 @@ def _held_rows(base: _Rows, held: HeldAllStep) -> MemoryRows:
     """The table's memory rows as the rank runs its units (`_layout`), its held bytes (per unit and option of the
     uncut table) taken at the options searched (`base.keep`): each source's rows taken at once, the held bytes
     added to every point holding them (integers: the sums are exact in any order)."""
-    layout = base.layout(held)
-    flat = np.concatenate([np.asarray(k, dtype=np.int64) + start for k, start in
-                           zip(base.keep, np.cumsum([0] + [len(v) for v in held.gathered[:-1]]).tolist())])
+    placed, flat = base.layout(held), base.flat(held)
 
     def vector(values):  # a held field over the literals of the options searched
         return np.fromiter(chain.from_iterable(values), dtype=np.int64)[flat]
 
-    points = np.empty((len(layout), base.rows.size), dtype=np.int64)
-    const = np.empty(len(layout), dtype=np.int64)
-    for name in {point[1] for point in layout}:
-        at = [k for k, point in enumerate(layout) if point[1] == name]
+    points = np.empty((placed.points, base.rows.size), dtype=np.int64)
+    const = np.empty(placed.points, dtype=np.int64)
+    for name, (at, timeline) in placed.sources.items():
         rows = base.variant(name)
-        points[at] = rows.rows_at([layout[k][0] for k in at])
-        const[at] = rows.const[[layout[k][0] for k in at]]
-    added = {("flight", "later"): vector(held.activations), ("gathered", True): vector(held.gathered),
-             ("grads", True): vector(held.grads)}
+        points[at] = rows.rows_at(timeline)
+        const[at] = rows.const[timeline]
+    added = {("flight", "later"): held.activations, ("gathered", True): held.gathered, ("grads", True): held.grads}
     if held.first:
-        added[("flight", "first")] = vector(held.first)
-    for split in {point[6] for point in layout if point[6] is not None}:
-        added[("split", split)] = vector(held.split[split])
-    for (name, value), row in added.items():
-        where = [k for k, point in enumerate(layout) if point[_FIELD[name]] == value]
-        points[where] += row
-    const += held.buffers + np.array([_outputs(held, point[2]) for point in layout], dtype=np.int64)
+        added[("flight", "first")] = held.first
+    for split in placed.splits:
+        added[("split", split)] = held.split[split]
+    for key, values in added.items():
+        if key in placed.fields:
+            points[placed.fields[key]] += vector(values)
+    outputs = np.zeros(placed.points, dtype=np.int64)
+    for flight, at in placed.outputs.items():
+        outputs[at] = _outputs(held, flight)
+    const += held.buffers + outputs
     return MemoryRows(base.rows.size, const, dense=points)
+
+
+_FIELD = {"flight": 2, "gathered": 3, "grads": 4, "split": 6}  # a held field's place in a `_Point`
+
+
+@dataclass(frozen=True)
+class _Placed:
+    """A rank's points (`_layout`) as `_held_rows` fills them: per source table, the places of the points taken from
+    it and their points in its timeline; per held field and value (`_FIELD`), the places holding it; per flight
+    whose outputs some hold, their places; the segments whose split backward some hold."""
+
+    points: int
+    sources: dict[str, tuple[list[int], list[int]]]
+    fields: dict[tuple, list[int]]
+    outputs: dict[str, list[int]]
+    splits: list[int]
+
+    @classmethod
+    def of(cls, layout: list[_Point]) -> _Placed:
+        def places(test) -> list[int]:
+            return [k for k, point in enumerate(layout) if test(point)]
+
+        names = {point[1] for point in layout}
+        sources = {name: (places(lambda p: p[1] == name), [p[0] for p in layout if p[1] == name]) for name in names}
+        values = {(name, point[i]) for point in layout for name, i in _FIELD.items()}
+        fields = {(name, value): places(lambda p: p[_FIELD[name]] == value) for name, value in values}
+        outputs = {flight: places(lambda p: p[2] == flight) for flight in ("later", "first")}
+        return cls(len(layout), sources, fields, {f: at for f, at in outputs.items() if at},
+                   sorted({point[6] for point in layout if point[6] is not None}))
 
 
 _FIELD = {"flight": 2, "gathered": 3, "grads": 4, "split": 6}  # a held field's place in a `_Point`
