@@ -12,7 +12,7 @@ unit to its neighbour and the ranks are solved again. The step is the pipeline's
 rank's micro-batch and sends, times the micro-batches plus the bubble, then the optimizer).
 
 Stages of the same blocks (and pins) share their tables and, at the same micro-batches in flight, their
-solves (`_Search.kind`): the pipeline dimension adds about one whole-model pricing per mesh and micro-batch,
+solves (`PipelineSearch.kind`): the pipeline dimension adds about one whole-model pricing per mesh and micro-batch,
 not one per stage. A schedule whose makespan with every unit at its fastest option cannot beat the best
 found (on the mesh, or without a pipeline: `beat`) is not solved; nor one whose ranks, each shown to fit, cannot
 beat it within their memory (autoplan.solve.slot_bound: a relaxation of each rank's memory rows).
@@ -21,22 +21,22 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 from autoplan.errors import InfeasibleError, UsageError
 from autoplan.sizes import format_bytes
-from autoplan.solve.cluster import Cluster
 from autoplan.solve.request import PlanRequest
-from autoplan.solve.pipeline_outcome import PipelineOutcome, RankOutcome
-from autoplan.solve.slot_bound import rank_slot_bound
-from autoplan.solve.solver import SolveResult, SolveStatus
-from autoplan.solve.stage_solve import RankSolve, rank_evaluation, rank_memory, rank_rows, solve_rank
-from autoplan.solve.stages import StageTables, balanced_cuts, forward_units, rank_chunks, shifted, slot_bounds, \
+from autoplan.solve.pipeline_outcome import PipelineOutcome, RankOutcome, as_sweep, priced_pipeline
+from autoplan.solve.pipeline_search import PipelineSearch
+from autoplan.solve.slot_bound import literal_times, rank_slot_bound
+from autoplan.solve.solver import SolveStatus
+from autoplan.solve.stage_solve import RankSolve, rank_evaluation, solve_rank
+from autoplan.solve.stages import balanced_cuts, fastest_slot, forward_units, rank_chunks, shifted, slot_bounds, \
     stage_boundaries, stage_cluster, undominated, unit_weights, weight_outputs
 from autoplan.solve.sweep import MeshPruned, SweepOutcome, SweepStep
 from cost_models.mesh import Mesh
-from cost_models.pipeline import HeldAllStep, bubble_slots, deferred, held_all_step, in_flight, later_flight, \
-    makespan_s, pipelined_table, refusal, send_s, stages_per_rank
+from cost_models.pipeline import HeldAllStep, bubble_slots, deferred, in_flight, later_flight, makespan_s, refusal, \
+    send_s, stages_per_rank
 from cost_models.schedules import SCHEDULES, StagesPerRank
 from cost_models.table import CostTable
 from cost_models.tensor_parallel import TpLayout
@@ -44,78 +44,6 @@ from cost_models.tensor_parallel import TpLayout
 __all__ = ["DEFAULT_MICROBATCHES_PER_STAGE", "PipelineOutcome", "RankOutcome", "fixed_pipelines", "search_pipeline"]
 
 DEFAULT_MICROBATCHES_PER_STAGE = 4  # without a global batch: 4 pp micro-batches per step, a bubble under a fifth
-
-
-@dataclass
-class _Search:
-    """What one pipelined mesh's search shares: the request, mesh, layout, stage cluster, caches."""
-
-    request: PlanRequest
-    mesh: Mesh
-    layout: TpLayout | None
-    cluster: Cluster
-    sources: dict = field(default_factory=dict)  # chunks -> (StageTables, its TableSource)
-    tables: dict = field(default_factory=dict)  # (key, micro-batch, m) -> CostTable
-    priced: dict = field(default_factory=dict)  # (key, micro-batch, m) -> `pipelined`'s table
-    held: dict = field(default_factory=dict)  # (key, micro-batch, m, flight...) -> `pipelined`'s held bytes
-    rank_rows: dict = field(default_factory=dict)  # (key, micro-batch, m) -> stage_solve.rank_rows
-    solved: dict = field(default_factory=dict)  # (key, micro-batch, m, flight) -> (choices, status) or None
-    best: PipelineOutcome | None = None
-    lean: InfeasibleError | None = None
-    decide: object = None  # fixed choices in place of the solves: a function of a rank's table
-    over: float = 0.0  # the last rank that did not fit: its floor over the planned bytes
-    beat: float | None = 0.0  # samples/s of the best plan without a pipeline (None: not known yet); `pruned`: schedules
-    pruned: int = 0  # whose bound cannot beat it; `bounds`: each bound over any cut compared with `beat`
-    bounds: list = field(default_factory=list)
-    slot_bounds: dict = field(default_factory=dict)  # (key, micro-batch, m, holds) -> slot_bound.rank_slot_bound
-    memory: dict = field(default_factory=dict)  # the same -> stage_solve.rank_memory (its rows with what it holds)
-    evals: dict = field(default_factory=dict)  # the same, choices -> stage_solve.rank_evaluation's
-
-    def source(self, chunks: tuple[tuple[int, int], ...]):
-        if chunks not in self.sources:
-            stage = StageTables(self.request.tables, list(chunks))
-            self.sources[chunks] = (stage, stage.for_layout(self.layout))
-        return self.sources[chunks]
-
-    def kind(self, chunks) -> tuple:
-        """Equal for ranks whose tables are equal: their units' classes (`StageTables.key`) and pinned decisions."""
-        stage, source = self.source(chunks)
-        pins = self.request.pins
-        return stage.key if pins is None else (stage.key, pins.decisions(source.units))
-
-    def pipelined(self, chunks, micro_batch_size: int, m: int, *flight) -> tuple[CostTable, HeldAllStep]:
-        """`cost_models.pipeline.pipelined` of the rank's table (`flight`: its flight, drained, later, split backward's
-        bytes), once per kind of stage: its table once per micro-batch, what it holds once per flight too."""
-        source = self.source(chunks)[1]
-        key = (self.kind(chunks), micro_batch_size, m)
-        if key not in self.priced:
-            self.priced[key] = pipelined_table(self.table(chunks, micro_batch_size, m), m)
-        if flight and (*key, *flight) not in self.held:  # no flight: the table alone
-            self.held[(*key, *flight)] = held_all_step(self.table(chunks, micro_batch_size, m), *flight)
-        return replace(self.priced[key], units=source.units), self.held.get((*key, *flight))
-
-    def rows(self, kind: tuple, table: CostTable):
-        """`stage_solve.rank_rows` of a rank's pipelined `table`, once per `kind` of stage, micro-batch and m."""
-        if kind not in self.rank_rows:
-            self.rank_rows[kind] = rank_rows(table)
-        return self.rank_rows[kind]
-
-    def held_rows(self, kind: tuple, holds: tuple, table: CostTable, held: HeldAllStep):
-        """`stage_solve.rank_memory` of a rank's pipelined `table` with what it holds, once per kind and holds."""
-        if (*kind, holds) not in self.memory:
-            self.memory[(*kind, holds)] = rank_memory(self.rows(kind, table), held)
-        return self.memory[(*kind, holds)]
-
-    def table(self, chunks, micro_batch_size: int, microbatches: int) -> CostTable:
-        source = self.source(chunks)[1]
-        key = (self.kind(chunks), micro_batch_size, microbatches)
-        if key not in self.tables:
-            t, pins = self.request.training, self.request.pins
-            table = source.table(micro_batch_size, microbatches, self.cluster, t.seq_len, t.dtype, t.optimizer)
-            if pins is not None and self.decide is None and self.request.uniform is None:  # others overlay pins
-                table = pins.restrict(replace(table, units=source.units))
-            self.tables[key] = table
-        return replace(self.tables[key], units=source.units)
 
 
 def search_pipeline(request: PlanRequest, mesh: Mesh, layout: TpLayout | None, schedule: str | None = None,
@@ -128,7 +56,7 @@ def search_pipeline(request: PlanRequest, mesh: Mesh, layout: TpLayout | None, s
     if mesh.ep > 1:
         raise UsageError("expert parallelism is not combined with a pipeline (`pp` above 1) yet")
     bounds = [] if bounds is None else bounds
-    search = _Search(request, mesh, layout, stage_cluster(request.cluster, mesh), beat=beat, bounds=bounds)
+    search = PipelineSearch(request, mesh, layout, stage_cluster(request.cluster, mesh), beat=beat, bounds=bounds)
     start, steps = time.perf_counter(), []
     rows = [SCHEDULES[schedule]] if schedule else sorted(SCHEDULES.values(), key=lambda r: bubble_slots(r, mesh.pp))
     units = len(forward_units(request.tables.units))
@@ -160,29 +88,33 @@ def search_pipeline(request: PlanRequest, mesh: Mesh, layout: TpLayout | None, s
         why = "; ".join([r for r in refusals if r][:3])
         raise search.lean or UsageError(f"no schedule runs on pipeline degree {mesh.pp}: {why}")
     search.best.steps = steps
-    return search.best, _as_sweep(search.best, time.perf_counter() - start)
+    return search.best, as_sweep(search.best, time.perf_counter() - start)
 
 
-def _bound_s(search: _Search, row, cuts: list[int], micro_batch_size: int, m: int) -> tuple[float, float]:
+def _bound_s(search: PipelineSearch, row, cuts: list[int], micro_batch_size: int, m: int) -> tuple[float, float]:
     """The makespan with every unit at its fastest option, no sends and no optimizer step (memory aside): no plan
     of this cut beats the first, no plan of any cut the second (stages.slot_bounds)."""
-    pp, base = search.mesh.pp, search.request.tables
-    starts = [0] + [base.units[forward_units(base.units)[c]].first_op for c in cuts[1:]]
-    tables = [search.pipelined(rank_chunks(row, pp, rank, starts, len(base.trace_1.ops))[1], micro_batch_size, m)[0]
-              for rank in range(pp)]
-    return tuple(makespan_s(slot, 0.0, row, pp, m) for slot in slot_bounds(tables, m))
+    pp, base, starts = search.mesh.pp, search.request.tables, search.starts(cuts)
+    sums = []
+    for rank in range(pp):  # ranks of one kind share their tables: their fastest slot once
+        chunks = rank_chunks(row, pp, rank, starts, len(base.trace_1.ops))[1]
+        kind = (search.kind(chunks), micro_batch_size, m)
+        if kind not in search.fastest:
+            search.fastest[kind] = fastest_slot(search.pipelined(chunks, micro_batch_size, m, units=False)[0], m)
+        sums.append(search.fastest[kind])
+    return tuple(makespan_s(slot, 0.0, row, pp, m) for slot in slot_bounds(sums))
 
 
 _PRUNED = "pruned"  # a schedule not solved at a micro-batch: it cannot beat the best found
 BOUND_MARGIN = 1e-7  # a memory-aware bound (a float search) prunes only what it is below by more than this
 
 
-def _schedule(search: _Search, row, weights: list[float], micro_batch_size: int, m: int) -> PipelineOutcome | str | None:
+def _schedule(search: PipelineSearch, row, weights: list[float], micro_batch_size: int,
+              m: int) -> PipelineOutcome | str | None:
     """The pipeline under `row` at one micro-batch: balanced cuts, each rank solved, a unit moved off a rank
     that does not fit (at most once per stage); None where no cut fits, _PRUNED where its bound cannot beat
     the best found."""
-    stages = search.mesh.pp * stages_per_rank(row)
-    units = len(forward_units(search.request.tables.units))
+    stages, units = search.mesh.pp * stages_per_rank(row), len(search.order)
     cuts = balanced_cuts(weights, stages)
     best, samples = search.best, micro_batch_size * m * search.cluster.mesh.dp
     if best is None and search.beat != 0:  # rank 0 first, as every path below (its floor alone: no other rank's table)
@@ -214,7 +146,7 @@ def _schedule(search: _Search, row, weights: list[float], micro_batch_size: int,
     for _ in range(stages):  # a unit moved off a rank that does not fit, at most once per stage
         ranks, failed = _ranks(search, row, cuts, micro_batch_size, m)
         if failed is None:
-            return _priced(row, search.mesh.pp, m, micro_batch_size, cuts, ranks)
+            return priced_pipeline(row, search.mesh.pp, m, micro_batch_size, cuts, ranks)
         if search.over > 1 + stages / units:
             return None  # over by more than a unit of its stage: moving one cannot make it fit
         cuts = shifted(cuts, failed, units)
@@ -223,45 +155,52 @@ def _schedule(search: _Search, row, weights: list[float], micro_batch_size: int,
     return None
 
 
-def _ranks(search: _Search, row, cuts: list[int], micro_batch_size: int, m: int, solve: bool = True,
+def _ranks(search: PipelineSearch, row, cuts: list[int], micro_batch_size: int, m: int, solve: bool = True,
            upto: int | None = None) -> tuple[list[RankOutcome], int | None]:
     """Every rank of the cut (the first `upto`) priced (solved, or fixed choices evaluated), and the first stage of the
-    first rank where nothing fits (None: all fit). Not `solve`: no ranks, the first stage whose rank's floor is over."""
-    ranks = []
+    first rank where nothing fits (None: all fit; else no ranks). Not `solve`: no ranks, the first stage whose rank's
+    floor is over."""
+    solved = []
     for rank, mine, chunks, holds, sends in _rank_holds(search, row, cuts, micro_batch_size, m, upto):
         outcome = _solve_rank(search, chunks, micro_batch_size, m, holds, solve)
         if outcome is None:
-            return ranks, mine[0]
-        if not solve:
-            continue
-        choices, status, table, held, key = outcome
-        ranks.append(RankOutcome(rank, mine, chunks, search.source(chunks)[1], table, choices,
+            return [], mine[0]
+        solved.append((rank, mine, chunks, holds, sends, outcome))
+    if not solve:
+        return [], None
+    # evaluated once every rank fits: where one does not, the cut moves and no rank's plan of it is read
+    ranks = []
+    for rank, mine, chunks, holds, sends, (choices, status, held, key) in solved:
+        table = search.pipelined(chunks, micro_batch_size, m)[0]
+        ranks.append(RankOutcome(rank, mine, chunks, search.source(chunks), table, choices,
                                  rank_evaluation(search.evals, key, table, held, choices), holds[0], status, sends,
                                  held))
     return ranks, None
 
 
-def _rank_holds(search: _Search, row, cuts: list[int], micro_batch_size: int, m: int, upto: int | None = None):
+def _rank_holds(search: PipelineSearch, row, cuts: list[int], micro_batch_size: int, m: int, upto: int | None = None):
     """Per rank of the cut (the first `upto`): its stages, their op ranges, what it holds (`_solve_rank`'s `holds`)
-    and its sends per micro-batch."""
+    and its sends per micro-batch; made once per cut (its floors, bound and solves each walk its ranks)."""
     pp, stages = search.mesh.pp, search.mesh.pp * stages_per_rank(row)
-    base = search.request.tables
-    order = forward_units(base.units)
-    starts = [0] + [base.units[order[c]].first_op for c in cuts[1:]]
+    made = search.holds.setdefault((row.name, tuple(cuts), micro_batch_size, m), [])
+    if len(made) >= (upto or pp):
+        return made[:upto or pp]
+    base, starts = search.request.tables, search.starts(cuts)
     bounds = stage_boundaries(search.request.tables, search.layout, starts, micro_batch_size)
-    for rank in range(upto or pp):
+    for rank in range(len(made), upto or pp):
         mine, chunks = rank_chunks(row, pp, rank, starts, len(base.trace_1.ops))
         flight, drained = in_flight(row, pp, rank, m), row.stages_per_rank is StagesPerRank.ONE
         # PipelineStage's receive buffers, one per micro-batch: each stage's input (not the first's), output grad
         buffers = m * sum((bounds[s - 1] if s > 0 else 0) + (bounds[s] if s + 1 < stages else 0) for s in mine)
-        split = weight_outputs(search.source(chunks)[1], chunks, micro_batch_size, search.request.training,
+        split = weight_outputs(search.source, chunks, micro_batch_size, search.request.training,
                                deferred(row, pp, rank, m))  # the split backward's bytes: zero bubble
         holds = (flight, buffers, drained, later_flight(row, flight, m), sum(bounds[s] for s in mine), split)
         sends = sum(2 * send_s(search.cluster.profile, bounds[s], search.mesh) for s in mine if s + 1 < stages)
-        yield rank, mine, chunks, holds, sends
+        made.append((rank, mine, chunks, holds, sends))
+    return made
 
 
-def _memory_bound_s(search: _Search, row, cuts: list[int], micro_batch_size: int, m: int) -> float | None:
+def _memory_bound_s(search: PipelineSearch, row, cuts: list[int], micro_batch_size: int, m: int) -> float | None:
     """The makespan no plan of this cut beats within its ranks' memory (autoplan.solve.slot_bound: each rank's
     fastest micro-batch that fits, bounded, with its sends), or None where a rank is not shown to fit."""
     if search.request.uniform is not None or search.decide is not None:
@@ -270,10 +209,13 @@ def _memory_bound_s(search: _Search, row, cuts: list[int], micro_batch_size: int
     for _, _, chunks, holds, sends in _rank_holds(search, row, cuts, micro_batch_size, m):
         kind = (search.kind(chunks), micro_batch_size, m)
         if (*kind, holds) not in search.slot_bounds:
-            table, held = _held(search, chunks, micro_batch_size, m, holds)
-            rows, memory = search.rows(kind, table), search.held_rows(kind, holds, table, held)[0]
+            held = _held(search, chunks, micro_batch_size, m, holds, units=False)[1]
+            rows, memory = search.rows(kind, chunks), search.held_rows(kind, holds, chunks, held)[0]
+            if kind not in search.times:  # the rows' table's, whatever the rank holds
+                search.times[kind] = literal_times(rows.table)
             search.slot_bounds[(*kind, holds)] = rank_slot_bound(rows.table, rows.algebra.offsets, memory,
-                                                                 search.request.limits.planned_bytes)
+                                                                 search.request.limits.planned_bytes,
+                                                                 search.times[kind])
         if search.slot_bounds[(*kind, holds)] is None:
             return None
         slot = max(slot, search.slot_bounds[(*kind, holds)] + sends)
@@ -286,7 +228,7 @@ def fixed_pipelines(request: PlanRequest, mesh: Mesh, layout: TpLayout | None, s
     of `cut_list` (each stage's first unit among stages.forward_units; None: balanced), `decide(table)` each
     rank's choices into its table; the tables are built once for all. Whether they fit is the caller's to say
     (their ranks' evaluations)."""
-    search = _Search(request, mesh, layout, stage_cluster(request.cluster, mesh), decide=decide)
+    search = PipelineSearch(request, mesh, layout, stage_cluster(request.cluster, mesh), decide=decide)
     row = SCHEDULES[schedule]
     [(micro_batch_size, accum)] = request.batch.candidates(search.cluster.mesh.dp)
     m = accum if request.batch.global_batch is not None else DEFAULT_MICROBATCHES_PER_STAGE * mesh.pp
@@ -300,26 +242,30 @@ def fixed_pipelines(request: PlanRequest, mesh: Mesh, layout: TpLayout | None, s
     for cuts in cut_list:
         cuts = balanced_cuts(weights, mesh.pp * stages_per_rank(row)) if cuts is None else cuts
         ranks, _ = _ranks(search, row, cuts, micro_batch_size, m)
-        outcomes.append(_priced(row, mesh.pp, m, micro_batch_size, cuts, ranks))
+        outcomes.append(priced_pipeline(row, mesh.pp, m, micro_batch_size, cuts, ranks))
     return outcomes
 
 
-def _solve_rank(search: _Search, chunks, micro_batch_size: int, m: int, holds: tuple, solve: bool = True):
+def _solve_rank(search: PipelineSearch, chunks, micro_batch_size: int, m: int, holds: tuple, solve: bool = True):
     """A rank solved (or its uniform strategy evaluated, or fixed choices taken) with what it holds (`holds`: flight,
-    buffers, drained, later, outputs, split backward's), and its key; None where nothing fits (`search.lean`)."""
+    buffers, drained, later, outputs, split backward's): its choices, status, held bytes and key; None where nothing
+    fits (`search.lean`)."""
     request = search.request
-    table, held = _held(search, chunks, micro_batch_size, m, holds)
+    paths = search.decide is not None or request.uniform is not None  # what reads the table's paths (pins, choices)
+    table, held = _held(search, chunks, micro_batch_size, m, holds, paths)
     kind = (search.kind(chunks), micro_batch_size, m)
     key = (*kind, holds)
     if search.decide is not None:
-        return search.decide(table), SolveStatus.FIXED, table, held, key
+        return search.decide(table), SolveStatus.FIXED, held, key
     if not solve and key not in search.solved and request.uniform is None:  # the floor alone, no solve
-        floor = search.held_rows(kind, holds, table, held)[1]
+        floor = search.held_rows(kind, holds, chunks, held)[1]
         found = RankSolve(None if floor > request.limits.planned_bytes else [], SolveStatus.PRUNED, floor)
     else:
         if key not in search.solved:  # the uniform strategy's evaluation needs no rows
-            rows = search.rows(kind, table) if request.uniform is None else None
-            search.solved[key] = solve_rank(request, table, held, rows)
+            rows = memory = None
+            if request.uniform is None:
+                rows, memory = search.rows(kind, chunks), search.held_rows(kind, holds, chunks, held)
+            search.solved[key] = solve_rank(request, table, held, rows, memory)
         found = search.solved[key]
     if found.choices is None:
         limits, least = request.limits, request.limits.limit_for(found.floor_bytes)  # planned 0: margin takes all
@@ -330,31 +276,13 @@ def _solve_rank(search: _Search, chunks, micro_batch_size: int, m: int, holds: t
             f"micro-batches in flight needs at least {format_bytes(found.floor_bytes)} (micro-batch {micro_batch_size})"
             f": a limit of at least {format_bytes(least)}", min_mem_bytes=least)
         return None
-    return found.choices, found.status, table, held, key
+    return found.choices, found.status, held, key
 
 
-def _held(search: _Search, chunks, micro_batch_size: int, m: int, holds: tuple) -> tuple[CostTable, HeldAllStep]:
-    """A rank's pipelined table and what it holds all step (`_solve_rank`'s `holds`)."""
+def _held(search: PipelineSearch, chunks, micro_batch_size: int, m: int, holds: tuple,
+          units: bool = True) -> tuple[CostTable, HeldAllStep]:
+    """A rank's pipelined table (`PipelineSearch.pipelined`'s `units`) and what it holds all step (`_solve_rank`'s
+    `holds`)."""
     flight, buffers, drained, later, outputs, split = holds
-    table, held = search.pipelined(chunks, micro_batch_size, m, flight, drained, later, split)
+    table, held = search.pipelined(chunks, micro_batch_size, m, flight, drained, later, split, units=units)
     return table, replace(held, buffers=buffers, outputs=(int(outputs * later), int(outputs * flight)))
-
-
-def _priced(row, pp: int, m: int, micro_batch_size: int, cuts: list[int], ranks: list[RankOutcome]) -> PipelineOutcome:
-    slot = max(r.slot_s for r in ranks)
-    optimizer = max(r.evaluation.optimizer_s for r in ranks)
-    step = makespan_s(slot, optimizer, row, pp, m)
-    bubble = bubble_slots(row, pp) * slot
-    p2p = (m + bubble_slots(row, pp)) * max(r.send_s for r in ranks)
-    return PipelineOutcome(row.name, pp, m, micro_batch_size, cuts, ranks, step, bubble, p2p)
-
-
-def _as_sweep(outcome: PipelineOutcome, wall_s: float) -> SweepOutcome:
-    """The pipeline in the sweep's terms: the busiest rank's table and evaluation, its step the makespan."""
-    busiest = outcome.busiest
-    evaluation = replace(busiest.evaluation, step_time_s=outcome.step_time_s,
-                         optimizer_s=max(r.evaluation.optimizer_s for r in outcome.ranks))
-    status = SolveStatus.FIXED if all(r.status == SolveStatus.FIXED for r in outcome.ranks) else busiest.status
-    result = SolveResult(status, busiest.choices, outcome.step_time_s, None, wall_s, 0, 0, 0)
-    return SweepOutcome(table=busiest.table, choices=busiest.choices, evaluation=evaluation, result=result,
-                        steps=outcome.steps, tables=[], wall_time_s=wall_s)

@@ -1,18 +1,19 @@
 """What a pipelined mesh's search finds (autoplan.solve.pipeline): each rank's plan and the pipeline's step, the
-records the plan's assembly (autoplan.plan.pipeline_plan) and its inspection read."""
+records the plan's assembly (autoplan.plan.pipeline_plan) and its inspection read, and the pipeline's figures made
+from its ranks' (`priced_pipeline`, `as_sweep`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from autoplan.solve.solver import SolveStatus
+from autoplan.solve.solver import SolveResult, SolveStatus
 from autoplan.solve.stages import StageTables
-from autoplan.solve.sweep import SweepStep
+from autoplan.solve.sweep import SweepOutcome, SweepStep
 from cost_models.evaluate import Evaluation
-from cost_models.pipeline import HeldAllStep
+from cost_models.pipeline import HeldAllStep, bubble_slots, makespan_s
 from cost_models.table import CostTable
 
-__all__ = ["PipelineOutcome", "RankOutcome"]
+__all__ = ["PipelineOutcome", "RankOutcome", "as_sweep", "priced_pipeline"]
 
 
 @dataclass
@@ -70,3 +71,25 @@ class PipelineOutcome:
     @property
     def samples_per_step(self) -> int:
         return self.ranks[0].table.samples_per_step
+
+
+def priced_pipeline(row, pp: int, m: int, micro_batch_size: int, cuts: list[int],
+                    ranks: list[RankOutcome]) -> PipelineOutcome:
+    """The pipeline of these ranks under `row` (a schedule of cost_models.schedules): its makespan, bubble, sends."""
+    slot = max(r.slot_s for r in ranks)
+    optimizer = max(r.evaluation.optimizer_s for r in ranks)
+    step = makespan_s(slot, optimizer, row, pp, m)
+    bubble = bubble_slots(row, pp) * slot
+    p2p = (m + bubble_slots(row, pp)) * max(r.send_s for r in ranks)
+    return PipelineOutcome(row.name, pp, m, micro_batch_size, cuts, ranks, step, bubble, p2p)
+
+
+def as_sweep(outcome: PipelineOutcome, wall_s: float) -> SweepOutcome:
+    """The pipeline in the sweep's terms: the busiest rank's table and evaluation, its step the makespan."""
+    busiest = outcome.busiest
+    evaluation = replace(busiest.evaluation, step_time_s=outcome.step_time_s,
+                         optimizer_s=max(r.evaluation.optimizer_s for r in outcome.ranks))
+    status = SolveStatus.FIXED if all(r.status == SolveStatus.FIXED for r in outcome.ranks) else busiest.status
+    result = SolveResult(status, busiest.choices, outcome.step_time_s, None, wall_s, 0, 0, 0)
+    return SweepOutcome(table=busiest.table, choices=busiest.choices, evaluation=evaluation, result=result,
+                        steps=outcome.steps, tables=[], wall_time_s=wall_s)

@@ -31,9 +31,9 @@ from cost_models.table import CostTable, TableInputs, unit_classes
 from cost_models.tensor_parallel import TpLayout
 from cost_models.training import Training
 
-__all__ = ["ASKED_ONLY", "StageTables", "balanced_cuts", "boundary_bytes", "forward_units", "rank_chunks", "shifted",
-           "slot_bounds", "stage_boundaries", "stage_cluster", "stage_modules", "undominated", "unit_weights",
-           "weight_outputs"]
+__all__ = ["ASKED_ONLY", "StageTables", "balanced_cuts", "boundary_bytes", "fastest_slot", "forward_units",
+           "rank_chunks", "shifted", "slot_bounds", "stage_boundaries", "stage_cluster", "stage_modules", "undominated",
+           "unit_weights", "weight_outputs"]
 
 
 def forward_units(units: list[Unit]) -> list[int]:
@@ -101,13 +101,17 @@ def rank_chunks(row, pp: int, rank: int, starts: list[int], n_ops: int) -> tuple
     return mine, tuple((starts[s], ends[s] - 1) for s in mine)
 
 
-def slot_bounds(tables: list[CostTable], m: int) -> tuple[float, float]:
-    """Lower bounds on a pipeline's slot (its slowest rank's micro-batch) from its ranks' tables as pipelined with
-    `m` micro-batches, every unit at its fastest option (its step less its optimizer, over the micro-batches): the
-    slowest rank's sum (this cut), and the ranks' mean (any cut: each unit's fastest time is its own wherever it is
+def fastest_slot(table: CostTable, m: int) -> float:
+    """A rank's micro-batch from its table as pipelined with `m` micro-batches, every unit at its fastest option (its
+    step less its optimizer, over the micro-batches): a function of the table alone, kept per kind of stage."""
+    return sum(min((step - cost.optimizer_s) / m for step, cost in zip(unit_step_s(table, u), table.costs[u]))
+               for u in range(len(table.units)))
+
+
+def slot_bounds(sums: list[float]) -> tuple[float, float]:
+    """Lower bounds on a pipeline's slot (its slowest rank's micro-batch) from its ranks' `fastest_slot`s: the
+    slowest rank's (this cut), and the ranks' mean (any cut: each unit's fastest time is its own wherever it is
     cut, and the slowest rank holds at least the mean)."""
-    sums = [sum(min((step - cost.optimizer_s) / m for step, cost in zip(unit_step_s(table, u), table.costs[u]))
-                for u in range(len(table.units))) for table in tables]
     return max(sums), sum(sums) / len(sums)
 
 
@@ -239,18 +243,27 @@ class StageTables(_Source):
         return tuple(classes[u] for u in self.unit_index), root_ops, len(self.chunks)
 
 
-def weight_outputs(source, chunks, micro_batch_size: int, training, pending: int = 0) -> tuple | None:
-    """What cost_models.pipeline.split_backward reads for a rank of `source`: its `pending` deferred chunks, the first
-    op of its later stage and of its stages that split their backward (not the model's first stage: that one runs no
-    input-gradient pass), per op its weight output's gradient bytes. None: no split backward, or the later stage is
-    the first."""
+def weight_outputs(source_of, chunks, micro_batch_size: int, training, pending: int = 0) -> tuple | None:
+    """What cost_models.pipeline.split_backward reads for a rank of `source_of(chunks)` (its TableSource, asked for
+    only here): its `pending` deferred chunks, the first op of its later stage and of its stages that split their
+    backward (not the model's first stage: that one runs no input-gradient pass), per op its weight output's gradient
+    bytes. None: no split backward, or the later stage is the first."""
     if not pending or chunks[-1][0] == 0:
         return None
-    ops = source.inputs(micro_batch_size, Training(training.seq_len, training.dtype, training.optimizer)).ops
-    later = len(ops) - (chunks[-1][1] - chunks[-1][0] + 1)
-    # read for every schedule, rank and flight: once per ops list (a source's at one micro-batch, never changed)
-    weights = memo(("weight outputs", id(ops)), lambda: weight_output_bytes(ops), held=(ops,))
+    source, t = source_of(chunks), Training(training.seq_len, training.dtype, training.optimizer)
+    # read for every schedule, rank and flight: once per source (a rank's, never changed) and micro-batch
+    weights = memo(("weight outputs", id(source), micro_batch_size, t.seq_len, t.dtype, t.optimizer),
+                   lambda: weight_output_bytes(_ops(source, micro_batch_size, t)), held=(source,))
+    later = len(weights) - (chunks[-1][1] - chunks[-1][0] + 1)
     return pending, later, later if chunks[0][0] == 0 else 0, weights
+
+
+def _ops(source, micro_batch_size: int, training: Training) -> list[OpRecord]:
+    """A rank's ops as its inputs hold them: of a tensor-parallel view, split as its inputs split them (its `_split_ops`
+    of its stage's ops), without the rest of its inputs (what a unit keeps: read only where its tables are built)."""
+    if type(source) is TensorParallelTables:
+        return source._split_ops(micro_batch_size, source.base.inputs(micro_batch_size).ops)
+    return source.inputs(micro_batch_size, training).ops
 
 
 def boundary_bytes(base: CostTables, first: int, last: int, micro_batch_size: int) -> int:
