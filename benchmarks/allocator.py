@@ -48,7 +48,7 @@ from autoplan.profile_store import load_profile
 from autoplan.run.allocator_fit import record_step
 from cost_models.allocator import ROUND_LARGE, SEGMENT_SLACK
 from cost_models.allocator_margin import needed_of_parts
-from cost_models.allocator_replay import min_limit, replay, stranded
+from cost_models.allocator_replay import run_and_min_limit, stranded
 
 PROFILE = "h100-sxm-80gb"
 WORLD = 8
@@ -199,12 +199,13 @@ def default_rows(cases, configs=CONFIGS) -> list[dict]:
                     continue
                 events, _ = record_step(plan)  # as autoplan.run.allocator_fit.replay_plan, keeping the events
                 expandable = conf.endswith("True")
-                needed = min_limit(events, expandable=expandable) + SEGMENT_SLACK
+                free_run, needed = run_and_min_limit(events, expandable=expandable)
+                needed += SEGMENT_SLACK
                 mem = plan.cluster.mem_limit_bytes
                 row = {"model": model, "seq_len": seq_len, "limit": limit, "limit_bytes": mem, "allocator_conf": conf,
                        "tp": plan.cluster.tp_degree, "sp": plan.cluster.sequence_parallel, "micro_batch": plan.training.micro_batch_size, "peak_bytes": plan.predicted.peak_mem_bytes,
                        "bound_bytes": plan.predicted.needed_bytes, "needed_bytes": needed,
-                       "reserved_bytes": replay(events, expandable=expandable).peak_reserved, "fits": needed <= mem,
+                       "reserved_bytes": free_run.peak_reserved, "fits": needed <= mem,
                        "used": needed / mem,
                        "parts": packed(timeline_parts(plan) if expandable else mode_parts(plan)),
                        "selective_bytes": selective_activation_bytes(plan)}
@@ -334,10 +335,10 @@ def main() -> None:
         started = time.perf_counter()
         plan = plan_for(model, checkpoint, batch, seq_len, limit, *more)
         events, starts = record_step(plan)
-        free_run, expandable_run = replay(events), replay(events, expandable=True)
+        (free_run, needed), (expandable_run, needed_expandable) = (
+            run_and_min_limit(events, expandable=expandable) for expandable in (False, True))
         # as a plan's needed bound counts them: the kernel workspaces a replay cannot see on top
-        needed = min_limit(events) + SEGMENT_SLACK
-        needed_expandable = min_limit(events, expandable=True) + SEGMENT_SLACK
+        needed, needed_expandable = needed + SEGMENT_SLACK, needed_expandable + SEGMENT_SLACK
         predicted = plan.predicted.peak_mem_bytes
         bound, native_bound = (plan_needed_bytes(plan, conf) for conf in CONFIGS)
         label = f"{model} " + (f"shard+{checkpoint}" if limit is None else f"solver@{limit}") + \

@@ -45,7 +45,7 @@ from autoplan.settings import MAX_HEADROOM, SearchSettings
 from autoplan.sizes import format_bytes
 from cost_models.allocator import SEGMENT_SLACK
 from cost_models.allocator_margin import is_expandable
-from cost_models.allocator_replay import min_limit, replay
+from cost_models.allocator_replay import run_and_min_limit
 
 __all__ = ["STREAMS", "AllocatorReplay", "record_step", "replay_plan", "search_fitting_allocator"]
 
@@ -162,9 +162,8 @@ def replay_plan(plan: Plan) -> AllocatorReplay:
     check_replayable(plan)
     events, _ = record_step(plan)
     expandable = is_expandable(plan.cluster.allocator_conf or "")
-    free_run = replay(events, expandable=expandable)
-    return AllocatorReplay(free_run.peak_allocated, free_run.peak_reserved,
-                           min_limit(events, expandable=expandable) + SEGMENT_SLACK, len(events))
+    free_run, needed = run_and_min_limit(events, expandable=expandable)  # one run without a limit for both
+    return AllocatorReplay(free_run.peak_allocated, free_run.peak_reserved, needed + SEGMENT_SLACK, len(events))
 
 
 def search_fitting_allocator(settings: SearchSettings, say: Callable[[str], None] = lambda line: None,
