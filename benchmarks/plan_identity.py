@@ -14,7 +14,7 @@ the predicted figures out: for a change to the cost model that is meant to move 
 
 A change that prunes more of the search (a tighter bound) keeps the plan but not the record of what was
 searched beside it: the solver's micro-batch sweep and meshes (`SEARCH_RECORD`), where a micro-batch or mesh
-is listed as pruned rather than with the plan found there. Such an output is reported as "same plan" with
+is listed as pruned rather than with the plan found there, and the size of the solver's model it reports. Such an output is reported as "same plan" with
 the first difference in that record, and counts as identical.
 
 Exit 0 when every output is identical (or the same plan), 1 when any differs (the first differing path is
@@ -102,8 +102,10 @@ PLAN_REF = "@plan:"  # an argument naming the plan file of an earlier case
 
 # fields that measure the machine, not the plan
 VOLATILE = {"wall_time_s", "timing"}  # timing: plans since its section; wall_time_s: older ones
-# the solver's record of what it searched beside the plan: what a tighter bound lists as pruned
-SEARCH_RECORD = ("micro_batch_sweep", "tp_degrees")
+# the solver's record of what it searched beside the plan: what a tighter bound lists as pruned, and the size of
+# the model it reports (b8797e3 on: the model that gave the plan; before it: the last micro-batch solved, which a
+# sweep stopped by the memory floor no longer solves)
+SEARCH_RECORD = ("micro_batch_sweep", "tp_degrees", "num_variables", "num_constraints")
 
 
 def _strip(value):
