@@ -258,9 +258,6 @@ class _Placed:
                    sorted({point[6] for point in layout if point[6] is not None}))
 
 
-_FIELD = {"flight": 2, "gathered": 3, "grads": 4, "split": 6}  # a held field's place in a `_Point`
-
-
 def held_evaluation(table: CostTable, held: HeldAllStep, choices: list[int]) -> Evaluation:
     """The rank's evaluation as it runs its units (`_layout`)."""
     e = evaluate(table, choices)
