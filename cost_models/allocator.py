@@ -57,6 +57,8 @@ SEGMENT_SLACK = 64 << 20
 
 def round_size(nbytes: int) -> int:
     """The block size a request of `nbytes` gets (round_size, without roundup_power2_divisions)."""
+    if nbytes.__class__ is int and MIN_BLOCK < nbytes <= _EXACT:  # in integers: the float division's result, exactly
+        return (nbytes + MIN_BLOCK - 1) & -MIN_BLOCK
     if nbytes < 0:
         raise ValueError(f"a request of {nbytes} bytes: sizes are at least 0")
     return max(MIN_BLOCK, MIN_BLOCK * math.ceil(nbytes / MIN_BLOCK))
@@ -117,10 +119,7 @@ class CachingAllocator:
     # -- public -------------------------------------------------------------------------------
 
     def malloc(self, nbytes: int, stream: int = 0) -> _Block:
-        if nbytes.__class__ is int and MIN_BLOCK < nbytes <= _EXACT:  # round_size, without the call
-            size = (nbytes + MIN_BLOCK - 1) & -MIN_BLOCK
-        else:
-            size = round_size(nbytes)
+        size = round_size(nbytes)
         small = size <= SMALL_SIZE
         block = self._find_free(size, stream, small)
         if block is None:
@@ -247,13 +246,9 @@ class CachingAllocator:
         if not self._should_split(block, size, remaining):
             return
         rest = _Block(block.addr + size, remaining, block.stream, block.small)
-        rest.prev, rest.next = block, block.next  # linked after the block (_link_after), and listed (_put)
-        if block.next is not None:
-            block.next.prev = rest
-        block.next, block.size = rest, size
-        key = (rest.stream, remaining, rest.addr)
-        insort(self._free[rest.small], key)
-        self._by_key[key] = rest
+        self._link_after(block, rest)
+        block.size = size
+        self._put(rest)
 
     def _should_split(self, block: _Block, size: int, remaining: int) -> bool:
         if block.small:
