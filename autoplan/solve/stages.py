@@ -259,10 +259,10 @@ def weight_outputs(source_of, chunks, micro_batch_size: int, training, pending: 
 
 
 def _ops(source, micro_batch_size: int, training: Training) -> list[OpRecord]:
-    """A rank's ops as its inputs hold them: of a tensor-parallel view, split as its inputs split them (its `_split_ops`
-    of its stage's ops), without the rest of its inputs (what a unit keeps: read only where its tables are built)."""
+    """A rank's ops as its inputs hold them: of a tensor-parallel view, its `split_ops`, without the rest of its inputs
+    (what a unit keeps: read only where its tables are built)."""
     if type(source) is TensorParallelTables:
-        return source._split_ops(micro_batch_size, source.base.inputs(micro_batch_size).ops)
+        return source.split_ops(micro_batch_size)
     return source.inputs(micro_batch_size, training).ops
 
 

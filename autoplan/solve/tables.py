@@ -236,6 +236,11 @@ class TensorParallelTables(_Source):
             op_ids=self.op_ids,
         )
 
+    def split_ops(self, micro_batch_size: int) -> list[OpRecord]:
+        """The ops one rank of the group runs at this micro-batch (its inputs' ops), without the rest of its inputs
+        (what a checkpointed unit keeps)."""
+        return self._split_ops(micro_batch_size, self.base.inputs(micro_batch_size).ops)
+
     def _split_ops(self, micro_batch_size: int, ops: list[OpRecord]) -> list[OpRecord]:
         """`ops` (the base's at this micro-batch) as a rank of the group runs them, alike ops transformed once. In a
         search, a pipeline stage's are the whole model's (its view's, which the search shares: `for_layout`), taken at
@@ -249,7 +254,7 @@ class TensorParallelTables(_Source):
                 self._ops[micro_batch_size] = tp_ops(ops, layout, self.op_ids)
             return self._ops[micro_batch_size]
         model = self.base.base.for_layout(whole)
-        every = model._split_ops(micro_batch_size, model.base.inputs(micro_batch_size).ops)
+        every = model.split_ops(micro_batch_size)
         return [every[p] for p in self.base.positions]
 
     @cached_property
