@@ -16,9 +16,10 @@ byte its live peak grows by, is how much the model's blocks strand; the larger o
 coefficient (`forward_stranding`), which the native bound's weight of each checkpoint mode's activations (and of
 the gathered parameters) follows (cost_models.allocator_margin.native_margin). Per mode the simulation is not the
 weight: from an empty cache a forward without checkpointing frees nothing and strands nothing (llama2-7b 0.000,
-selectively 0.151) while a step's forward lands its saved tensors in the previous backward's segments. The growth, not the ratio at the end: what one block's transients
-hold (a 20 MiB segment for a 2 MiB request) is there at any depth, and on a forward that keeps little (fully
-checkpointed blocks keep their inputs alone) it would be most of a ratio that says nothing of the blocks.
+selectively 0.151) while a step's forward lands its saved tensors in the previous backward's segments. The growth,
+not the ratio at the end: what one block's transients hold (a 20 MiB segment for a 2 MiB request) is there at any
+depth, and on a forward that keeps little (fully checkpointed blocks keep their inputs alone) it would be most of a
+ratio that says nothing of the blocks.
 
 With expandable segments the same simulation (cost_models.expandable_segments) of a selectively checkpointed
 forward gives the coefficient of that bound's selective term (`expandable_margin`): llama2-7b's saved matmul
