@@ -255,11 +255,12 @@ def refit_rows(cases, configs=CONFIGS) -> list[dict]:
 
 
 def kit_rows(folder: Path) -> list[dict]:
-    """The GPU kit's grid plans replayed here: the model's reserved and needed beside CUDA's measured figures
-    (the kit ran each as rank 0 of its world with room to spare, so its max_memory_reserved is the free run's)."""
+    """The GPU kit's grid plans replayed here under both allocator configurations: the replay's reserved peak beside
+    CUDA's (the kit's free run, expandable segments), and the replay's needed beside the bound the kit capped the
+    GPU at and whether the step ran there (a replay that says more than a bound the GPU failed under would have
+    caught it; one that says more than a bound the GPU ran under is conservative by the difference)."""
     from autoplan.errors import AutoplanError
-    from autoplan.plan.schema import load_plan
-    from autoplan.run.allocator_fit import replay_plan
+    from gpu_truth import load_kit_plan
 
     results = json.loads((folder / "gpu_truth.json").read_text())
     plans = json.loads((folder / "plans.json").read_text()) if (folder / "plans.json").is_file() else {}
@@ -269,22 +270,30 @@ def kit_rows(folder: Path) -> list[dict]:
             continue
         label = f"{row['model']} s{row['seq_len']} mb{row['micro_batch']} {row['plan']}"
         try:
-            with tempfile.TemporaryDirectory() as scratch:  # the kit keeps its plans in one file
-                path = Path(scratch) / "plan.json"
-                path.write_text(json.dumps(plans[row["plan_key"]]))
-                replayed = replay_plan(load_plan(path))
+            events, _ = record_step(load_kit_plan(folder, plans[row["plan_key"]]))
         except AutoplanError as exc:
             print(f"{label}: not replayed: {exc}")
             continue
-        out = {"plan": label, "measured_allocated_bytes": row["cuda_max_allocated_bytes"],
-               "measured_reserved_bytes": row["cuda_max_reserved_bytes"],
-               "replayed_allocated_bytes": replayed.allocated_bytes, "replayed_reserved_bytes": replayed.reserved_bytes,
-               "replayed_needed_bytes": replayed.needed_bytes}
+        out = {"plan": label, "plan_key": row["plan_key"], "measured_allocated_bytes": row["cuda_max_allocated_bytes"],
+               "measured_reserved_bytes": row["cuda_max_reserved_bytes"], "confs": {}}
+        for conf, gpu in row.get("allocator", {}).items():
+            free_run, needed = run_and_min_limit(events, expandable=conf.endswith("True"))
+            needed += SEGMENT_SLACK
+            bound = gpu["needed_bound_bytes"]
+            out["confs"][conf] = {"replayed_allocated_bytes": free_run.peak_allocated,
+                                  "replayed_reserved_bytes": free_run.peak_reserved, "replayed_needed_bytes": needed,
+                                  "gpu_bound_bytes": bound, "gpu_status": gpu["status"],
+                                  "gpu_reserved_bytes": gpu.get("reserved"), "gpu_allocated_bytes": gpu.get("allocated"),
+                                  # the replay agrees with the GPU: it needs more than a bound the GPU failed under, or
+                                  # no more than one it ran under
+                                  "agrees": (needed > bound) == (gpu["status"] != "ran")}
+            short = "exp" if conf.endswith("True") else "nat"
+            c = out["confs"][conf]
+            print(f"{label} [{short}]: GPU {gpu['status']} at {bound / mib:.0f} MiB; replay needs {needed / mib:.0f} "
+                  f"MiB ({needed / bound - 1:+.1%}); reserved free run: replay {free_run.peak_reserved / mib:.0f}"
+                  + (f", GPU {row['cuda_max_reserved_bytes'] / mib:.0f} MiB" if short == "exp" else " MiB")
+                  + ("" if c["agrees"] else "  DISAGREES"), flush=True)
         rows.append(out)
-        print(f"{label}: allocated measured {out['measured_allocated_bytes'] / mib:.0f} / replayed "
-              f"{replayed.allocated_bytes / mib:.0f} MiB; reserved measured {out['measured_reserved_bytes'] / mib:.0f} / "
-              f"replayed {replayed.reserved_bytes / mib:.0f} MiB "
-              f"({replayed.reserved_bytes / out['measured_reserved_bytes'] - 1:+.1%})", flush=True)
     return rows
 
 

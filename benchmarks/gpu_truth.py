@@ -255,12 +255,37 @@ def _save_plan(folder: Path, key: str, plan) -> None:
     path.write_text(json.dumps(plans) + "\n")
 
 
+def load_kit_plan(folder: Path, data: dict):
+    """A plan the kit saved in `folder`'s plans.json (`data`), its profile read from `folder` where the path it was
+    made with is not on this machine (the kit writes the measured profile beside its results)."""
+    import tempfile
+
+    from autoplan.plan.schema import load_plan
+
+    profile = Path(data["cluster"]["profile"])
+    if not profile.is_file() and (folder / profile.name).is_file():
+        data = {**data, "cluster": {**data["cluster"], "profile": str(folder / profile.name)}}
+    with tempfile.TemporaryDirectory() as scratch:  # the kit keeps its plans in one file; a plan loads from its own
+        path = Path(scratch) / "plan.json"
+        path.write_text(json.dumps(data))
+        return load_plan(path)
+
+
 # the grid runs each plan under both allocator configurations, capped at what the plan says it needs under each
 ALLOCATOR_CONFS = ("expandable_segments:True", "expandable_segments:False")
 
 
 def _mb(value: int | None) -> str:
     return "-" if value is None else f"{value / 1e6:.0f} MB"
+
+
+def set_allocator_conf(conf: str) -> None:
+    """The caching allocator's configuration for the segments it makes from now on (torch's call for it where this
+    torch has it, else the older one it replaced)."""
+    import torch
+
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or torch.cuda.memory._set_allocator_settings
+    setter(conf)
 
 
 def _run_under(plan, device: str, conf: str | None, gpu_mem: int | None) -> dict:
@@ -288,7 +313,7 @@ def _run_under(plan, device: str, conf: str | None, gpu_mem: int | None) -> dict
     if device == "cuda":
         gc.collect()
         torch.cuda.empty_cache()
-        torch.cuda.memory._set_allocator_settings(conf)  # new segments follow it; the cache is empty
+        set_allocator_conf(conf)  # new segments follow it; the cache is empty
         peak = plan.predicted.peak_mem_bytes
         # the plan's own per-point bound under `conf`, its selectively checkpointed units' saved activations in
         selective = sum(u.predicted.activation_bytes for u in plan.units

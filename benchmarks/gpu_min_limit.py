@@ -1,0 +1,117 @@
+"""On one GPU: the smallest memory cap each of the GPU kit's plans runs under, against the CPU replay's figure.
+
+The kit (gpu_truth.py) runs each plan capped at the plan's own `needed` bound and says whether it ran; that
+tells whether a bound is sound, not how close the replay (cost_models/allocator.py, the check `search
+--fit-allocator` makes) comes to what CUDA's caching allocator really needs. This script takes the replay's
+needed bytes for every plan and allocator configuration (`python benchmarks/allocator.py --kit DIR` writes them to
+results/allocator_kit.json, here, without a GPU) and, on the GPU, runs the plan's step (rank 0 of its 8-rank world
+on the fake process group, warm-up and two steps: the three steps the replay records) capped at that figure, then
+one step (1%) below or above, then a second, pass after pass over all plans so that a budget cut short still
+leaves every plan probed: the GPU's smallest cap bracketed around the replay's. Results are written after every
+run to --out/gpu_min_limit.json.
+
+    python benchmarks/allocator.py --kit benchmarks/results/gpu_truth_cuda    # here: the replay's figures
+    run(command="PYTHONUNBUFFERED=1 python3 benchmarks/gpu_min_limit.py --budget-s 240 --out $OUT",
+        carry=["benchmarks/wheels"], timeout_s=300)
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import time
+from pathlib import Path
+
+from gpu_truth import REPO, ensure_packages, load_kit_plan, set_allocator_conf
+
+KIT = REPO / "benchmarks" / "results" / "gpu_truth_cuda"
+REPLAYS = REPO / "benchmarks" / "results" / "allocator_kit.json"
+STEP = 0.01  # each probe this share of the replay's figure further from it
+PROBES = 3  # per plan and configuration: at the replay's figure, then up to two steps away
+
+
+def run_capped(plan, conf: str, cap: int) -> dict:
+    """The plan's step under allocator configuration `conf`, the process capped at `cap` bytes."""
+    import torch
+
+    from autoplan.errors import AutoplanError
+    from autoplan.run.fake_world import run_fake_world
+    from autoplan.run.memtrack import allocation_failure
+
+    gc.collect()
+    torch.cuda.empty_cache()
+    set_allocator_conf(conf)
+    torch.cuda.set_per_process_memory_fraction(min(1.0, cap / torch.cuda.get_device_properties(0).total_memory))
+    torch.cuda.reset_peak_memory_stats()
+    started = time.monotonic()
+    try:
+        run_fake_world(plan, steps=2, warmup=1, device="cuda")
+        status, note = "ran", None
+    except (AutoplanError, RuntimeError, MemoryError) as exc:
+        note = allocation_failure(exc)
+        status, note = ("out of memory", note) if note else ("failed", repr(exc)[:300])
+    finally:
+        reserved, allocated = torch.cuda.max_memory_reserved(), torch.cuda.max_memory_allocated()
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    return {"cap_bytes": cap, "status": status, "note": note, "reserved": reserved, "allocated": allocated,
+            "wall_s": round(time.monotonic() - started, 2)}
+
+
+def next_cap(replayed: int, probes: list[dict]) -> int | None:
+    """The next cap to try: the replay's figure first, then a step further in the direction that finds the GPU's
+    edge (down after a run, up after an out-of-memory), until the outcome turns or PROBES are spent."""
+    if not probes:
+        return replayed
+    if len(probes) >= PROBES or len({p["status"] for p in probes}) > 1 or probes[-1]["status"] == "failed":
+        return None
+    sign = -1 if probes[-1]["status"] == "ran" else 1
+    return int(replayed * (1 + sign * STEP * len(probes)))
+
+
+def bracket(probes: list[dict]) -> dict:
+    """The GPU's smallest cap as known from the probes: the largest cap it failed under, the smallest it ran under."""
+    ran = [p["cap_bytes"] for p in probes if p["status"] == "ran"]
+    oom = [p["cap_bytes"] for p in probes if p["status"] == "out of memory"]
+    return {"ran_at_bytes": min(ran) if ran else None, "failed_at_bytes": max(oom) if oom else None}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--kit", type=Path, default=KIT, help="the kit's folder: plans.json and the measured profile")
+    parser.add_argument("--replays", type=Path, default=REPLAYS, help="allocator.py --kit's results for that folder")
+    parser.add_argument("--budget-s", type=float, default=240, help="stop starting runs after this many seconds")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    end = time.monotonic() + args.budget_s
+    packages = ensure_packages()
+    import torch
+
+    plans = json.loads((args.kit / "plans.json").read_text())
+    cases = []  # (label, plan key, configuration, the replay's needed bytes)
+    for row in json.loads(args.replays.read_text())["rows"]:
+        key = row.get("plan_key") or "-".join(row["plan"].split())  # "llama-1b s2048 mb2 autoplan"
+        for conf, replay in row["confs"].items():
+            cases.append((row["plan"], key if key in plans else None, conf, replay["replayed_needed_bytes"]))
+    args.out.mkdir(parents=True, exist_ok=True)
+    results = {"device_name": torch.cuda.get_device_name(0), "torch": torch.__version__, "packages": packages,
+               "step": STEP, "rows": [{"plan": label, "allocator_conf": conf, "replayed_needed_bytes": replayed,
+                                       "probes": []} for label, _, conf, replayed in cases]}
+    loaded = {}
+    for _ in range(PROBES):  # a pass over every case per probe: the most telling runs first
+        for (label, key, conf, replayed), row in zip(cases, results["rows"]):
+            cap = next_cap(replayed, row["probes"]) if key else None
+            if cap is None or time.monotonic() > end:
+                continue
+            plan = loaded.get(key) or loaded.setdefault(key, load_kit_plan(args.kit, plans[key]))
+            probe = run_capped(plan, conf, cap)
+            row["probes"].append(probe)
+            row.update(bracket(row["probes"]))
+            print(f"{label} [{conf}]: {probe['status']} capped at {cap / 2**20:.0f} MiB (replay {replayed / 2**20:.0f}; "
+                  f"reserved {probe['reserved'] / 2**20:.0f}, {probe['wall_s']} s)", flush=True)
+            (args.out / "gpu_min_limit.json").write_text(json.dumps(results, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
