@@ -1,6 +1,7 @@
 """A recorded allocation sequence run through the caching allocator's model: its peaks, and the smallest limit it
-runs in, and where a limit just under that fails, what the cache holds that no request could use (`stranded`). The sequence is rank 0's step as autoplan.run.allocator_fit records it (fake tensors, FSDP2's streams
-tagged); the allocator is the native one (cost_models.allocator) or the one with expandable segments
+runs in, and where a limit just under that fails, what the cache holds that no request could use (`stranded`).
+The sequence is rank 0's step as autoplan.run.allocator_fit records it (fake tensors, FSDP2's streams tagged); the
+allocator is the native one (cost_models.allocator) or the one with expandable segments
 (cost_models.expandable_segments)."""
 
 from __future__ import annotations
@@ -12,7 +13,17 @@ from dataclasses import dataclass
 from cost_models.allocator import LARGE_BUFFER, MIN_BLOCK, ROUND_LARGE, CachingAllocator, OutOfMemory
 from cost_models.expandable_segments import ExpandableAllocator
 
-__all__ = ["ReplayResult", "Stranded", "min_limit", "replay", "run_and_min_limit", "stranded"]
+__all__ = ["GPU_REPLAY_ERROR", "ReplayResult", "Stranded", "min_limit", "replay", "replay_room", "run_and_min_limit",
+           "stranded"]
+
+# What a GPU needed beyond a replay's figure (the smallest limit plus cost_models.allocator.SEGMENT_SLACK), by
+# configuration (expandable segments or not): on one H200 (torch 2.11, CUDA 13; benchmarks/gpu_min_limit.py, the GPU
+# kit's 27 plans of 1-8B models, each capped at the replay's figure and 1% steps from it) every step ran capped at
+# 1.01 x its replay's figure with expandable segments and at 1.02 x natively, and 30 of the 54 failed capped at the
+# figure itself: with expandable segments the GPU's need sits within a few MiB of it (the kernel workspaces the slack
+# stands for are 64 MiB there); natively it lies from 2% below to 1.3% above (the order in which blocks free on the
+# GPU's streams moves what the cache strands). A replay's figure is fitted to the limit less this share.
+GPU_REPLAY_ERROR = {True: 0.01, False: 0.02}
 
 
 @dataclass
@@ -39,6 +50,12 @@ class Stranded:
     @property
     def total(self) -> int:
         return sum(self.by_segment.values())
+
+
+def replay_room(limit: int, expandable: bool) -> int:
+    """The most a replay's figure may be for the step to run under `limit` on a GPU: the limit less the replay's
+    measured error (GPU_REPLAY_ERROR)."""
+    return math.floor(limit / (1 + GPU_REPLAY_ERROR[expandable]))
 
 
 def replay(events, limit: int | None = None, max_split_size: int | None = None,

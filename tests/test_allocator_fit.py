@@ -9,6 +9,7 @@ import autoplan
 from autoplan.run.allocator_fit import replay_plan
 from autoplan.sizes import format_bytes
 from cost_models.allocator_margin import allocated_within
+from cost_models.allocator_replay import GPU_REPLAY_ERROR, replay_room
 
 MODEL = "llama-tiny[d_model=512,n_heads=8,n_kv_heads=4,ffn_hidden=1408,vocab_size=32000]"
 ARGS = ["--model", MODEL, "--gpus", "8", "--profile", "h100-sxm-80gb", "--seq-len", "128", "--batch-size", "4"]
@@ -157,14 +158,17 @@ def test_a_native_fit_by_replay_starts_from_the_default_plan_and_plans_up_to_the
     assert "headroom 2.0%" in rounds[0] and "the plan fitted to the needed bound" in rounds[1]
     assert f"predicted peak {format_bytes(default.predicted.peak_mem_bytes)}," in rounds[1]  # the default plan
     plan = autoplan.load_plan(tmp_path / "plan.json")
-    assert 0.95 * limit <= plan.predicted.allocator_needed_bytes <= limit
+    on_gpu = plan.predicted.allocator_needed_bytes * (1 + GPU_REPLAY_ERROR[False])  # what a GPU may need beyond it
+    assert 0.95 * limit <= on_gpu <= limit
     assert plan.predicted.throughput_samples_s >= default.predicted.throughput_samples_s
     assert replay_plan(plan).needed_bytes == plan.predicted.allocator_needed_bytes
 
 
-def test_a_default_plan_already_replayed_is_not_searched_and_replayed_again(monkeypatch):
-    """`search --fit-allocator auto` replays the default plan first; when that replay needs more than the limit,
-    the fit takes the plan and its replay as its round for the default plan instead of making both again."""
+@pytest.mark.parametrize("over", ["the limit", "the limit less the GPU's error"])
+def test_a_default_plan_already_replayed_is_not_searched_and_replayed_again(monkeypatch, over):
+    """`search --fit-allocator auto` replays the default plan first; when that replay needs more than the limit
+    less what a GPU was measured to need beyond a replay, the fit takes the plan and its replay as its round for the
+    default plan instead of making both again, and the plan it chooses leaves that error free."""
     from autoplan.run import allocator_fit
     from autoplan.run.allocator_fit import AllocatorReplay, search_fitting_allocator
     from autoplan.settings import SearchSettings
@@ -173,11 +177,13 @@ def test_a_default_plan_already_replayed_is_not_searched_and_replayed_again(monk
                                      batch_size=4, allocator_conf="expandable_segments:False")
     default = autoplan.search(settings=settings)
     limit = default.cluster.mem_limit_bytes
-    overshoot = AllocatorReplay(default.predicted.peak_mem_bytes, limit, limit + (8 << 20), 1)  # needs 8 MiB more
+    room = replay_room(limit, expandable=False)
+    needs = limit + (8 << 20) if over == "the limit" else room + (2 << 20)  # 8 MiB over; under the limit, over room
+    overshoot = AllocatorReplay(default.predicted.peak_mem_bytes, limit, needs, 1)
     replayed = []
     monkeypatch.setattr(allocator_fit, "replay_plan", lambda plan: replayed.append(plan) or replay_plan(plan))
     lines = []
     plan, replays = search_fitting_allocator(settings, say=lines.append, default=(default, overshoot))
     assert replays[1] is overshoot and "the plan fitted to the needed bound" in lines[1]
     assert len(replayed) == len(replays) - 1 and default not in replayed
-    assert plan.predicted.allocator_needed_bytes <= limit
+    assert plan.predicted.allocator_needed_bytes <= room < limit

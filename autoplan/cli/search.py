@@ -52,12 +52,13 @@ def register(subparsers) -> None:
     parser.add_argument("--json", action="store_true", help="print the plan as JSON instead of the table")
     add_torchtitan_flag(parser, " (its samples per step kept), its layout estimated and printed beside the plan")
     parser.add_argument("--fit-allocator", nargs="?", const="on", default="auto", choices=("auto", "on", "off"),
-                        help="CUDA profiles: check the plan by replaying its step (rank 0, fake tensors) through a model "
-                             "of torch's caching allocator. auto (the default): when the replay takes less than 15%% of "
-                             "the search's time, and if the step needs more than --mem, fit it (as on); on (or bare "
-                             "--fit-allocator): plan to the replay itself: the live bytes to --mem less the headroom, "
-                             "and while the step needs more, the default plan and searches between the two (a few "
-                             "seconds to a minute per round, at most 6); off: no replay")
+                        help="CUDA profiles: check the plan by replaying its step (rank 0, fake tensors) through a "
+                             "model of torch's caching allocator. auto (the default): when the replay takes less than "
+                             "15%% of the search's time, and if the step needs more than --mem less what a GPU was "
+                             "measured to need beyond a replay (1%% with expandable segments, 2%% natively), fit it "
+                             "(as on); on (or bare --fit-allocator): plan to the replay itself: the live bytes to "
+                             "--mem less the headroom, and while the step needs more, the default plan and searches "
+                             "between the two (a few seconds to a minute per round, at most 6); off: no replay")
     parser.set_defaults(handler=_run, subparser=parser)
 
 
@@ -122,9 +123,13 @@ def _search(settings, fit_allocator: str):
         return plan
     from autoplan.run.allocator_fit import search_fitting_allocator
 
-    if replayed.needed_bytes > plan.cluster.mem_limit_bytes:
-        say(f"the replayed step needs {format_bytes(replayed.needed_bytes)}, more than the limit: fitting the plan "
-            "to the replay")
+    from cost_models.allocator_margin import is_expandable
+    from cost_models.allocator_replay import replay_room
+
+    room = replay_room(plan.cluster.mem_limit_bytes, is_expandable(plan.cluster.allocator_conf or ""))
+    if replayed.needed_bytes > room:  # what a GPU needs beyond a replay (GPU_REPLAY_ERROR) left free
+        say(f"the replayed step needs {format_bytes(replayed.needed_bytes)}, more than {format_bytes(room)} (the "
+            "limit less what a GPU was measured to need beyond a replay): fitting the plan to the replay")
         return search_fitting_allocator(settings, say=say, default=(plan, replayed))[0]
     return plan.model_copy(update={"predicted": plan.predicted.model_copy(
         update={"allocator_needed_bytes": replayed.needed_bytes})})
@@ -132,7 +137,8 @@ def _search(settings, fit_allocator: str):
 
 def _cpu_s() -> float:
     """CPU seconds of this process and its finished children (a search's forked workers)."""
-    return sum(u.ru_utime + u.ru_stime for u in map(resource.getrusage, (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)))
+    usage = map(resource.getrusage, (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+    return sum(u.ru_utime + u.ru_stime for u in usage)
 
 
 def _run(args) -> int:

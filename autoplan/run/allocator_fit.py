@@ -19,7 +19,8 @@ as the allocator model's SEGMENT_SLACK, and memory outside the allocator (CUDA c
 Plans that cannot be replayed yet are refused with the reason: units sharded within a node and replicated
 across nodes (a 2-D mesh). Units offloaded to the host replay with their host state left out (on fake tensors the
 host and the device are one memory: autoplan.run.host_storage tells them apart). Tensor-parallel plans replay
-(FSDP2's join of the data- and tensor-parallel meshes runs outside the fake mode: autoplan.run.torch_tracker). A replay of llama2-70b's rank 0 (80 layers) takes about 30 s here.
+(FSDP2's join of the data- and tensor-parallel meshes runs outside the fake mode: autoplan.run.torch_tracker). A
+replay of llama2-70b's rank 0 (80 layers) takes about 30 s here.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from autoplan.settings import MAX_HEADROOM, SearchSettings
 from autoplan.sizes import format_bytes
 from cost_models.allocator import SEGMENT_SLACK
 from cost_models.allocator_margin import is_expandable
-from cost_models.allocator_replay import run_and_min_limit
+from cost_models.allocator_replay import replay_room, run_and_min_limit
 
 __all__ = ["STREAMS", "AllocatorReplay", "record_step", "replay_plan", "search_fitting_allocator"]
 
@@ -175,7 +176,9 @@ def search_fitting_allocator(settings: SearchSettings, say: Callable[[str], None
     replay; with `fit_to` "allocated", searches with more headroom by a secant step until one fits); then,
     between the largest headroom that failed and the smallest that fitted, the headroom where the replays'
     need meets the limit (kept inside the bracket's middle half), until the bracket is BRACKET wide or a plan's
-    step needs within CLOSE of the limit. Returns the fitting plan with the least headroom (its prediction
+    step needs within CLOSE of the limit. The limit a replay's figure meets is the plan's less what a GPU was
+    measured to need beyond a replay (cost_models.allocator_replay.GPU_REPLAY_ERROR: 1% with expandable segments, 2%
+    natively). Returns the fitting plan with the least headroom (its prediction
     records `allocator_needed_bytes`) and every round's replay; InfeasibleError when no round's plan fits. `default`:
     the default plan and its replay where already made (`--fit-allocator auto`), taken as that plan's round."""
     bound_fitted = settings if settings.fit_to == "needed" else None
@@ -192,22 +195,24 @@ def search_fitting_allocator(settings: SearchSettings, say: Callable[[str], None
                 check_replayable(plan)
             result = replay_plan(plan)
         limit, peak = plan.cluster.mem_limit_bytes, plan.predicted.peak_mem_bytes
+        room = replay_room(limit, is_expandable(plan.cluster.allocator_conf or ""))  # the GPU's need: up to 2% more
         replays.append(result)
         if from_bound:
             headroom, bound_fitted = 1 - peak / limit, None  # its live bytes, as a headroom
         say(f"allocator replay {round_}: predicted peak {format_bytes(peak)}, needs a limit of "
-            f"{format_bytes(result.needed_bytes)} under the caching allocator (limit {format_bytes(limit)}, "
-            f"headroom {headroom:.1%}{', the plan fitted to the needed bound' if from_bound else ''})")
-        if result.needed_bytes <= limit:
+            f"{format_bytes(result.needed_bytes)} under the caching allocator (at most {format_bytes(room)} within the "
+            f"limit {format_bytes(limit)}, headroom {headroom:.1%}"
+            f"{', the plan fitted to the needed bound' if from_bound else ''})")
+        if result.needed_bytes <= room:
             prediction = plan.predicted.model_copy(update={"allocator_needed_bytes": result.needed_bytes})
             if best is None or headroom < best[0]:
                 best = (headroom, plan.model_copy(update={"predicted": prediction}), result.needed_bytes)
         elif failed is None or headroom > failed[0]:
             failed = (headroom, result.needed_bytes)
-        if best is not None and (failed is None or best[0] - failed[0] <= BRACKET or best[2] >= limit * (1 - CLOSE)):
+        if best is not None and (failed is None or best[0] - failed[0] <= BRACKET or best[2] >= room * (1 - CLOSE)):
             break
         if best is not None:
-            headroom = _between(failed, best, limit)
+            headroom = _between(failed, best, room)
         elif bound_fitted is None:
             # plan lower by the overshoot, over how much the need fell per byte of peak last round (a secant step:
             # a leaner plan needs less, but by less than its peak fell, since part of the excess is fixed)
@@ -215,7 +220,7 @@ def search_fitting_allocator(settings: SearchSettings, say: Callable[[str], None
             if previous is not None and previous[0] != peak:
                 slope = min(1.0, max(0.1, (previous[1] - result.needed_bytes) / (previous[0] - peak)))
             previous = (peak, result.needed_bytes)
-            target = peak - (result.needed_bytes - limit) / slope
+            target = peak - (result.needed_bytes - room) / slope
             headroom = min(max(1 - target / limit, headroom + BRACKET), MAX_HEADROOM - BRACKET)
             if headroom <= failed[0]:
                 break
@@ -223,8 +228,8 @@ def search_fitting_allocator(settings: SearchSettings, say: Callable[[str], None
         return best[1], replays
     raise InfeasibleError(
         f"no plan fits {format_bytes(limit)} under the caching allocator after {len(replays)} round(s): the last "
-        f"needed {format_bytes(replays[-1].needed_bytes)}; try a larger --mem, a smaller --batch-size, or "
-        "checkpointing")
+        f"needed {format_bytes(replays[-1].needed_bytes)} (at most {format_bytes(room)} leaves room for what a GPU "
+        "needs beyond a replay); try a larger --mem, a smaller --batch-size, or checkpointing")
 
 
 def _between(failed: tuple, best: tuple, limit: int) -> float:
