@@ -48,7 +48,7 @@ from autoplan.profile_store import load_profile
 from autoplan.run.allocator_fit import record_step
 from cost_models.allocator import ROUND_LARGE, SEGMENT_SLACK
 from cost_models.allocator_margin import needed_of_parts
-from cost_models.allocator_replay import run_and_min_limit, stranded
+from cost_models.allocator_replay import replay_room, run_and_min_limit, stranded
 
 PROFILE = "h100-sxm-80gb"
 WORLD = 8
@@ -177,9 +177,10 @@ def fit_cases(cases) -> list[dict]:
     return rows
 
 
-def default_rows(cases, configs=CONFIGS) -> list[dict]:
+def default_rows(cases, configs=CONFIGS, plans: dict | None = None) -> list[dict]:
     """Each default plan (fitted to what the allocator needs, per configuration) replayed under its configuration:
-    what the step needs against the limit, and how much of the limit it leaves unused."""
+    what the step needs against the limit, and how much of the limit it leaves unused. `plans`: filled with each
+    plan (as JSON) under its row's `plan_key`, for gpu_min_limit.py to run on a GPU."""
     from autoplan.errors import UsageError
     from autoplan.run.replayable import check_replayable
 
@@ -197,15 +198,21 @@ def default_rows(cases, configs=CONFIGS) -> list[dict]:
                     rows.append({"model": model, "seq_len": seq_len, "limit": limit, "allocator_conf": conf,
                                  "not_replayed": str(exc)})
                     continue
+                key = f"{model}-s{seq_len}-{limit}-{'expandable' if conf.endswith('True') else 'native'}"
+                if plans is not None:
+                    plans[key] = json.loads(plan.to_json())
                 events, _ = record_step(plan)  # as autoplan.run.allocator_fit.replay_plan, keeping the events
                 expandable = conf.endswith("True")
                 free_run, needed = run_and_min_limit(events, expandable=expandable)
                 needed += SEGMENT_SLACK
                 mem = plan.cluster.mem_limit_bytes
                 row = {"model": model, "seq_len": seq_len, "limit": limit, "limit_bytes": mem, "allocator_conf": conf,
-                       "tp": plan.cluster.tp_degree, "sp": plan.cluster.sequence_parallel, "micro_batch": plan.training.micro_batch_size, "peak_bytes": plan.predicted.peak_mem_bytes,
+                       "plan_key": key, "tp": plan.cluster.tp_degree, "sp": plan.cluster.sequence_parallel,
+                       "micro_batch": plan.training.micro_batch_size, "peak_bytes": plan.predicted.peak_mem_bytes,
                        "bound_bytes": plan.predicted.needed_bytes, "needed_bytes": needed,
                        "reserved_bytes": free_run.peak_reserved, "fits": needed <= mem,
+                       # within the limit less what a GPU needs beyond a replay (GPU_REPLAY_ERROR)
+                       "fits_with_gpu_error": needed <= replay_room(mem, expandable),
                        "used": needed / mem,
                        "parts": packed(timeline_parts(plan) if expandable else mode_parts(plan)),
                        "selective_bytes": selective_activation_bytes(plan)}
@@ -323,12 +330,16 @@ def main() -> None:
         configs = [c for c in CONFIGS if not args.conf or c.endswith("True") == (args.conf == "expandable")]
         cases = [(model, seq, tuple(m for m in limits if not args.limit or m == args.limit))
                  for model, seq, limits in DEFAULT_CASES if not args.only or args.only in model]
-        rows = (refit_rows if args.refit else default_rows)(cases, configs)
+        plans = {}
+        rows = refit_rows(cases, configs) if args.refit else default_rows(cases, configs, plans)
         replayed = [r for r in rows if "fits" in r]
         print(f"fit: {sum(r['fits'] for r in replayed)} of {len(replayed)} replayed ({len(rows) - len(replayed)} not "
               f"replayable); used {min(r['used'] for r in replayed):.1%}-{max(r['used'] for r in replayed):.1%} of the "
-              "limit (target: at most 100%, at least 95%)")
+              f"limit (target: at most 100%, at least 95%); {sum(r.get('fits_with_gpu_error', False) for r in replayed)} "
+              "within it less what a GPU was measured to need beyond a replay")
         path = write_results(default_results_name(args), {"rows": rows})
+        if plans:  # the plans themselves, for gpu_min_limit.py --default on a GPU
+            write_results(default_results_name(args) + "_plans", plans)
         print(f"written to {path}")
         return
     if args.fit:

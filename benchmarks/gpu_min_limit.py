@@ -11,8 +11,17 @@ leaves every plan probed: the GPU's smallest cap bracketed around the replay's. 
 run to --out/gpu_min_limit.json.
 
     python benchmarks/allocator.py --kit benchmarks/results/gpu_truth_cuda    # here: the replay's figures
-    run(command="PYTHONUNBUFFERED=1 python3 benchmarks/gpu_min_limit.py --budget-s 240 --out $OUT",
-        carry=["benchmarks/wheels"], timeout_s=300)
+    run(command="cd benchmarks && PYTHONUNBUFFERED=1 python3 gpu_min_limit.py --budget-s 230 --out $OUT",
+        carry=["benchmarks/wheels"], timeout_s=290)
+
+With --default, the default search's plans of `allocator.py --default` (issue 23's grid, its plans saved beside its
+results) instead, each capped at its --mem, at 95% of it and at the replay's figure: whether the plan runs in its
+limit on the GPU and leaves at most 5% of it unused:
+
+    python benchmarks/allocator.py --default --conf native      # here, and --conf expandable beside it
+    run(command="cd benchmarks && PYTHONUNBUFFERED=1 python3 gpu_min_limit.py --default
+        results/allocator_default_native.json results/allocator_default_expandable.json --budget-s 120 --out $OUT",
+        carry=["benchmarks/wheels"], timeout_s=170)
 """
 
 from __future__ import annotations
@@ -76,10 +85,39 @@ def bracket(probes: list[dict]) -> dict:
     return {"ran_at_bytes": min(ran) if ran else None, "failed_at_bytes": max(oom) if oom else None}
 
 
+def kit_cases(kit: Path, replays: Path) -> tuple[dict, list[dict]]:
+    """The kit's plans (key -> plan JSON) and a case per plan and configuration, probed around the replay's figure."""
+    plans = json.loads((kit / "plans.json").read_text())
+    cases = []
+    for row in json.loads(replays.read_text())["rows"]:
+        key = row.get("plan_key") or "-".join(row["plan"].split())  # "llama-1b s2048 mb2 autoplan"
+        for conf, replay in row["confs"].items():
+            cases.append({"plan": row["plan"], "key": key if key in plans else None, "allocator_conf": conf,
+                          "replayed_needed_bytes": replay["replayed_needed_bytes"], "caps": None})
+    return plans, cases
+
+
+def default_cases(results: list[Path]) -> tuple[dict, list[dict]]:
+    """The default search's plans of `allocator.py --default` (each results file beside its _plans file), each
+    capped at its --mem (it must run there), at 95% of it (a step that runs there leaves more than 5% unused) and at
+    the replay's figure."""
+    plans, cases = {}, []
+    for path in results:
+        plans.update(json.loads(path.with_name(path.stem + "_plans.json").read_text()))
+        for row in json.loads(path.read_text())["rows"]:
+            if row.get("plan_key") in plans:
+                mem, replayed = row["limit_bytes"], row["needed_bytes"]
+                cases.append({"plan": row["plan_key"], "key": row["plan_key"], "allocator_conf": row["allocator_conf"],
+                              "replayed_needed_bytes": replayed, "caps": [mem, int(0.95 * mem), replayed]})
+    return plans, cases
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--kit", type=Path, default=KIT, help="the kit's folder: plans.json and the measured profile")
     parser.add_argument("--replays", type=Path, default=REPLAYS, help="allocator.py --kit's results for that folder")
+    parser.add_argument("--default", type=Path, nargs="+", metavar="RESULTS",
+                        help="instead: allocator.py --default's results files (results/allocator_default_*.json)")
     parser.add_argument("--budget-s", type=float, default=240, help="stop starting runs after this many seconds")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
@@ -87,29 +125,30 @@ def main() -> int:
     packages = ensure_packages()
     import torch
 
-    plans = json.loads((args.kit / "plans.json").read_text())
-    cases = []  # (label, plan key, configuration, the replay's needed bytes)
-    for row in json.loads(args.replays.read_text())["rows"]:
-        key = row.get("plan_key") or "-".join(row["plan"].split())  # "llama-1b s2048 mb2 autoplan"
-        for conf, replay in row["confs"].items():
-            cases.append((row["plan"], key if key in plans else None, conf, replay["replayed_needed_bytes"]))
+    plans, cases = default_cases(args.default) if args.default else kit_cases(args.kit, args.replays)
     args.out.mkdir(parents=True, exist_ok=True)
+    name = "gpu_default_limits.json" if args.default else "gpu_min_limit.json"
     results = {"device_name": torch.cuda.get_device_name(0), "torch": torch.__version__, "packages": packages,
-               "step": STEP, "rows": [{"plan": label, "allocator_conf": conf, "replayed_needed_bytes": replayed,
-                                       "probes": []} for label, _, conf, replayed in cases]}
+               "step": STEP, "rows": [{k: v for k, v in case.items() if k not in ("key", "caps")} | {"probes": []}
+                                      for case in cases]}
     loaded = {}
-    for _ in range(PROBES):  # a pass over every case per probe: the most telling runs first
-        for (label, key, conf, replayed), row in zip(cases, results["rows"]):
-            cap = next_cap(replayed, row["probes"]) if key else None
+    for probe_index in range(PROBES):  # a pass over every case per probe: the most telling runs first
+        for case, row in zip(cases, results["rows"]):
+            key, conf, replayed = case["key"], case["allocator_conf"], case["replayed_needed_bytes"]
+            if case["caps"] is not None:
+                cap = case["caps"][probe_index] if probe_index < len(case["caps"]) else None
+            else:
+                cap = next_cap(replayed, row["probes"]) if key else None
             if cap is None or time.monotonic() > end:
                 continue
-            plan = loaded.get(key) or loaded.setdefault(key, load_kit_plan(args.kit, plans[key]))
+            folder = args.kit if not args.default else args.default[0].parent
+            plan = loaded.get(key) or loaded.setdefault(key, load_kit_plan(folder, plans[key]))
             probe = run_capped(plan, conf, cap)
             row["probes"].append(probe)
             row.update(bracket(row["probes"]))
-            print(f"{label} [{conf}]: {probe['status']} capped at {cap / 2**20:.0f} MiB (replay {replayed / 2**20:.0f}; "
-                  f"reserved {probe['reserved'] / 2**20:.0f}, {probe['wall_s']} s)", flush=True)
-            (args.out / "gpu_min_limit.json").write_text(json.dumps(results, indent=1) + "\n")
+            print(f"{case['plan']} [{conf}]: {probe['status']} capped at {cap / 2**20:.0f} MiB (replay "
+                  f"{replayed / 2**20:.0f}; reserved {probe['reserved'] / 2**20:.0f}, {probe['wall_s']} s)", flush=True)
+            (args.out / name).write_text(json.dumps(results, indent=1) + "\n")
     return 0
 
 

@@ -20,9 +20,9 @@ __all__ = ["GPU_REPLAY_ERROR", "ReplayResult", "Stranded", "min_limit", "replay"
 # configuration (expandable segments or not): on one H200 (torch 2.11, CUDA 13; benchmarks/gpu_min_limit.py, the GPU
 # kit's 27 plans of 1-8B models, each capped at the replay's figure and 1% steps from it) every step ran capped at
 # 1.01 x its replay's figure with expandable segments and at 1.02 x natively, and 30 of the 54 failed capped at the
-# figure itself: with expandable segments the GPU's need sits within a few MiB of it (the kernel workspaces the slack
-# stands for are 64 MiB there); natively it lies from 2% below to 1.3% above (the order in which blocks free on the
-# GPU's streams moves what the cache strands). A replay's figure is fitted to the limit less this share.
+# figure itself: with expandable segments the GPU's need lies within 1% of it either side, natively from 2% below to
+# 2% above (more than 1% above in two: the order in which blocks free on the GPU's streams moves what the cache
+# strands). A replay's figure is fitted to the limit less this share (benchmarks/RESULTS.md section 9).
 GPU_REPLAY_ERROR = {True: 0.01, False: 0.02}
 
 

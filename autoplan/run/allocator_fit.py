@@ -176,9 +176,8 @@ def search_fitting_allocator(settings: SearchSettings, say: Callable[[str], None
     replay; with `fit_to` "allocated", searches with more headroom by a secant step until one fits); then,
     between the largest headroom that failed and the smallest that fitted, the headroom where the replays'
     need meets the limit (kept inside the bracket's middle half), until the bracket is BRACKET wide or a plan's
-    step needs within CLOSE of the limit. The limit a replay's figure meets is the plan's less what a GPU was
-    measured to need beyond a replay (cost_models.allocator_replay.GPU_REPLAY_ERROR: 1% with expandable segments, 2%
-    natively). Returns the fitting plan with the least headroom (its prediction
+    step needs within CLOSE of the limit. The limit, for a replay's figure, less what a GPU needed beyond a replay
+    (cost_models.allocator_replay.GPU_REPLAY_ERROR: 1% with expandable segments, 2% natively). Returns the fitting plan with the least headroom (its prediction
     records `allocator_needed_bytes`) and every round's replay; InfeasibleError when no round's plan fits. `default`:
     the default plan and its replay where already made (`--fit-allocator auto`), taken as that plan's round."""
     bound_fitted = settings if settings.fit_to == "needed" else None
@@ -199,10 +198,8 @@ def search_fitting_allocator(settings: SearchSettings, say: Callable[[str], None
         replays.append(result)
         if from_bound:
             headroom, bound_fitted = 1 - peak / limit, None  # its live bytes, as a headroom
-        say(f"allocator replay {round_}: predicted peak {format_bytes(peak)}, needs a limit of "
-            f"{format_bytes(result.needed_bytes)} under the caching allocator (at most {format_bytes(room)} within the "
-            f"limit {format_bytes(limit)}, headroom {headroom:.1%}"
-            f"{', the plan fitted to the needed bound' if from_bound else ''})")
+        say(f"allocator replay {round_}: predicted peak {format_bytes(peak)}, {_needs(result, room, limit)}, headroom "
+            f"{headroom:.1%}{', the plan fitted to the needed bound' if from_bound else ''})")
         if result.needed_bytes <= room:
             prediction = plan.predicted.model_copy(update={"allocator_needed_bytes": result.needed_bytes})
             if best is None or headroom < best[0]:
@@ -230,6 +227,11 @@ def search_fitting_allocator(settings: SearchSettings, say: Callable[[str], None
         f"no plan fits {format_bytes(limit)} under the caching allocator after {len(replays)} round(s): the last "
         f"needed {format_bytes(replays[-1].needed_bytes)} (at most {format_bytes(room)} leaves room for what a GPU "
         "needs beyond a replay); try a larger --mem, a smaller --batch-size, or checkpointing")
+
+
+def _needs(result: AllocatorReplay, room: int, limit: int) -> str:
+    return (f"needs a limit of {format_bytes(result.needed_bytes)} under the caching allocator (at most "
+            f"{format_bytes(room)} within the limit {format_bytes(limit)}")
 
 
 def _between(failed: tuple, best: tuple, limit: int) -> float:
