@@ -68,13 +68,18 @@ CACHE = Path("/tmp/autoplan-gpu-truth-cache")
 WORLD = 8  # the grid's plans are for 8 GPUs; one of them runs here
 TIGHT = 1.15  # the solver's limit: 15% above the leanest plan's (all-shard+checkpoint) predicted peak
 FIT_FRACTION = 0.92  # a plan predicted above this share of the GPU's memory is not run (it could not be measured)
-# (model, sequence, micro-batches), most telling first: the budget may end the grid early
+# (model, sequence, micro-batches[, plan kinds]), most telling first: the budget may end the grid early. The kinds
+# (default KINDS): all-shard+ckpt, all-shard, autoplan (the solver's at TIGHT x the first's peak), and all-shard@tpN
+# (all-shard with tensor degree N and sequence parallelism). The tensor-parallel row is first: on one H200 the
+# default search's llama3-8b plans at 8192 tokens with tensor degree 2 and 4 allocated one fp32 logits shard (1.1 and
+# 2.1 GB) more than predicted (RESULTS.md section 9); the kit records the blocks alive at such a run's peak.
+KINDS = ("all-shard+ckpt", "all-shard", "autoplan")
 GRID = {
-    "cuda": [("llama3-8b", 2048, (1, 2)), ("llama2-7b", 1024, (1, 2, 4)), ("llama-1b", 2048, (2, 8)),
-             ("gpt2", 1024, (8, 32))],
+    "cuda": [("llama3-8b", 8192, (1,), ("all-shard@tp4", "all-shard@tp2")), ("llama3-8b", 2048, (1, 2)),
+             ("llama2-7b", 1024, (1, 2, 4)), ("llama-1b", 2048, (2, 8)), ("gpt2", 1024, (8, 32))],
     "cuda-quick": [("llama-1b", 1024, (2, 4)), ("gpt2", 512, (4, 8))],
-    "cpu": [("gpt2-tiny", 64, (2, 8)), ("llama-tiny", 64, (2, 8))],
-    "cpu-quick": [("gpt2-tiny", 64, (2, 8))],
+    "cpu": [("gpt2-tiny", 64, (2, 8)), ("llama-tiny", 64, (2, 8)), ("llama-tiny", 64, (2,), ("all-shard@tp2",))],
+    "cpu-quick": [("gpt2-tiny", 64, (2, 8)), ("llama-tiny", 64, (2,), ("all-shard@tp2",))],
 }
 COMPUTE = {  # single-GPU runs: (model, sequence, micro-batch)
     "cuda": [("gpt2", 1024, 16), ("llama-1b", 2048, 4)], "cuda-quick": [("gpt2", 1024, 8)],
@@ -232,6 +237,9 @@ def _plan(model: str, seq_len: int, batch: int, kind: str, profile: str, lean: i
     import autoplan
 
     common = {"gpus": WORLD, "profile": profile, "seq_len": seq_len, "batch_size": batch, "allow_over_device_mem": True}
+    if kind.startswith("all-shard@tp"):  # tensor-parallel: degree N inside the node, sequence parallelism on
+        tp = int(kind.removeprefix("all-shard@tp"))
+        return autoplan.search(model, "10000GB", strategy="shard", tp=tp, sequence_parallel="on", **common)
     if kind == "all-shard":
         return autoplan.search(model, "10000GB", strategy="shard", **common)
     if kind == "all-shard+ckpt":
@@ -378,10 +386,10 @@ def stage_grid(args, profile: str, budget: Budget) -> dict:
     on_gpu = args.device == "cuda"
     gpu_mem = torch.cuda.get_device_properties(0).total_memory if on_gpu else None
     rows = []
-    for model, seq_len, batches in GRID[args.device + ("-quick" if args.quick else "")]:
+    for model, seq_len, batches, *kinds in GRID[args.device + ("-quick" if args.quick else "")]:
         for batch in batches:
             lean = None
-            for kind in ("all-shard+ckpt", "all-shard", "autoplan"):
+            for kind in (kinds[0] if kinds else KINDS):
                 row = {"model": model, "seq_len": seq_len, "micro_batch": batch, "plan": kind, "world_size": WORLD}
                 rows.append(row)
                 if not budget.allows(30):
@@ -497,7 +505,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", help="plan with this profile (default: the one measured, else the shipped one)")
     parser.add_argument("--budget-min", type=float, default=8.0,
                         help="the whole run's minutes, shared out among the stages (default 8)")
-    parser.add_argument("--cache-dir", type=Path, default=CACHE, help=f"the profile's measurement cache (default {CACHE})")
+    parser.add_argument("--cache-dir", type=Path, default=CACHE,
+                        help=f"the profile's measurement cache (default {CACHE})")
     parser.add_argument("--fetch-wheels", action="store_true", help="download the wheels into benchmarks/wheels, exit")
     args = parser.parse_args(argv)
     if args.fetch_wheels:
@@ -531,7 +540,8 @@ def main(argv: list[str] | None = None) -> int:
             profile = args.profile or plan_profile(args, results)
             run = stage_grid if stage == "grid" else stage_compute
             results["stages"][stage] = run(args, profile, budget)
-        results["stages"][stage].update(allowance_s=round(allowance, 1), stage_wall_s=round(time.monotonic() - started, 1))
+        results["stages"][stage].update(allowance_s=round(allowance, 1),
+                                        stage_wall_s=round(time.monotonic() - started, 1))
         results["summary"] = summarize(results)
         (args.out / "gpu_truth.json").write_text(json.dumps(results, indent=2) + "\n")
         (args.out / "gpu_truth.txt").write_text(format_results(results) + "\n")

@@ -51,7 +51,9 @@ def test_quick_cpu_kit_writes_every_stage_into_one_results_file(tmp_path):
     assert not (REPO / "profiles" / Path(profile["path"]).name).exists()
 
     grid = results["stages"]["grid"]
-    assert grid["profile"] == profile["path"] and len(grid["rows"]) == 6  # 2 micro-batches x 3 plans
+    assert grid["profile"] == profile["path"] and len(grid["rows"]) == 7  # 2 micro-batches x 3 plans, a TP plan
+    [tp] = [row for row in grid["rows"] if row["plan"] == "all-shard@tp2"]  # tensor degree 2, sequence-parallel
+    assert plans_tp(out, tp) == (2, True)
     uniform = [row for row in grid["rows"] if row["plan"] != "autoplan"]
     assert all(row["status"] == "ok" for row in uniform), [row.get("note") for row in uniform]
     for row in uniform:  # all-shard plans: FSDP2's memory is what the model predicts, on the fake world too
@@ -75,6 +77,12 @@ def test_quick_cpu_kit_writes_every_stage_into_one_results_file(tmp_path):
     for heading in ("== profile: ok", "== fake-world memory grid", "== single-GPU runs", "summary, grid"):
         assert heading in text
     assert text.strip() == format_results(results).strip()  # the text is the results file's, printed
+
+
+def plans_tp(out: Path, row: dict) -> tuple[int, bool]:
+    """The tensor degree and sequence parallelism of the plan the kit saved for `row`."""
+    cluster = json.loads((out / "plans.json").read_text())[row["plan_key"]]["cluster"]
+    return cluster["tp_degree"], cluster["sequence_parallel"]
 
 
 def test_an_exhausted_budget_skips_work_and_still_writes_the_results(tmp_path, capsys):
