@@ -57,6 +57,7 @@ def test_a_cuda_plan_is_fitted_to_what_the_allocator_needs_with_expandable_segme
     assert predicted["peak_mem_bytes"] < predicted["needed_bytes"]
     assert "needed (CUDA caching allocator, expandable_segments:True)" in done.stdout
     assert "the plan is fitted to this" in done.stdout and "reserved: up to" in done.stdout
+    assert "not checked by replay" not in done.stdout  # the expandable bound holds the held-out models' replays
 
 
 def test_the_environments_allocator_configuration_is_planned_for_and_recorded(tmp_path):
@@ -68,6 +69,9 @@ def test_the_environments_allocator_configuration_is_planned_for_and_recorded(tm
     # per time point, each unit's activations weighted by its checkpoint mode's
     assert _needed(plan, native, min) <= plan["predicted"]["needed_bytes"] <= _needed(plan, native, max)
     assert plan["predicted"]["needed_bytes"] <= 400e6 * 0.98
+    unchecked = _cli(tmp_path, "search", *TINY, "--mem", "400MB", "--fit-allocator", "off", "-o", "off.json",
+                     conf=native)  # natively the bound is in-sample: a plan not replayed says so, and how to check it
+    assert "not checked by replay: natively" in unchecked.stdout and "--fit-allocator" in unchecked.stdout
     given = _cli(tmp_path, "search", *TINY, "--mem", "400MB", "--allocator-conf", "expandable_segments:True",
                  "-o", "given.json", conf=native)  # the flag over the environment
     assert json.loads((tmp_path / "given.json").read_text())["cluster"]["allocator_conf"] == "expandable_segments:True"
