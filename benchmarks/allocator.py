@@ -350,7 +350,7 @@ def main() -> None:
               f"was measured to need beyond a replay; the plan's bound at least its replay in {counts['bound_holds']}")
         path = write_results(default_results_name(args), {"rows": rows})
         if plans:  # the plans themselves, for gpu_min_limit.py --default on a GPU
-            write_results(default_results_name(args) + "_plans", plans)
+            write_results("plans_" + default_results_name(args), plans)  # not a results file: named apart
         print(f"written to {path}")
         return
     if args.fit:

@@ -98,12 +98,12 @@ def kit_cases(kit: Path, replays: Path) -> tuple[dict, list[dict]]:
 
 
 def default_cases(results: list[Path]) -> tuple[dict, list[dict]]:
-    """The default search's plans of `allocator.py --default` (each results file beside its _plans file), each
+    """The default search's plans of `allocator.py --default` (each results file beside its plans_ file), each
     capped at its --mem (it must run there), at 95% of it (a step that runs there leaves more than 5% unused) and at
     the replay's figure."""
     plans, cases = {}, []
     for path in results:
-        plans.update(json.loads(path.with_name(path.stem + "_plans.json").read_text()))
+        plans.update(json.loads(path.with_name("plans_" + path.name).read_text()))
         for row in json.loads(path.read_text())["rows"]:
             if row.get("plan_key") in plans:
                 mem, replayed = row["limit_bytes"], row["needed_bytes"]
