@@ -176,10 +176,10 @@ def search_fitting_allocator(settings: SearchSettings, say: Callable[[str], None
     replay; with `fit_to` "allocated", searches with more headroom by a secant step until one fits); then,
     between the largest headroom that failed and the smallest that fitted, the headroom where the replays'
     need meets the limit (kept inside the bracket's middle half), until the bracket is BRACKET wide or a plan's
-    step needs within CLOSE of the limit. The limit, for a replay's figure, less what a GPU needed beyond a replay
-    (cost_models.allocator_replay.GPU_REPLAY_ERROR: 1% with expandable segments, 2% natively). Returns the fitting plan with the least headroom (its prediction
-    records `allocator_needed_bytes`) and every round's replay; InfeasibleError when no round's plan fits. `default`:
-    the default plan and its replay where already made (`--fit-allocator auto`), taken as that plan's round."""
+    step needs within CLOSE of the limit; a replay's figure is held to the limit less what a GPU needed beyond a
+    replay (cost_models.allocator_replay.GPU_REPLAY_ERROR: 1% with expandable segments, 2% natively). Returns the
+    fitting plan with the least headroom (its prediction records `allocator_needed_bytes`) and every round's replay;
+    InfeasibleError if none fits. `default`: the default plan and its replay, made already (`--fit-allocator auto`)."""
     bound_fitted = settings if settings.fit_to == "needed" else None
     settings = SearchSettings.create(settings, fit_to="allocated")  # the replay fits the live bytes, not a bound
     headroom, replays, previous = settings.headroom, [], None
