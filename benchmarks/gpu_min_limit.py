@@ -8,7 +8,7 @@ results/allocator_kit.json, here, without a GPU) and, on the GPU, runs the plan'
 on the fake process group, warm-up and two steps: the three steps the replay records) capped at that figure, then
 one step (1%) below or above, then a second, pass after pass over all plans so that a budget cut short still
 leaves every plan probed: the GPU's smallest cap bracketed around the replay's. Results are written after every
-run to --out/gpu_min_limit.json.
+run to --out/gpu_min_limit.json (gpu_default_limits.json with --default).
 
     python benchmarks/allocator.py --kit benchmarks/results/gpu_truth_cuda    # here: the replay's figures
     run(command="cd benchmarks && PYTHONUNBUFFERED=1 python3 gpu_min_limit.py --budget-s 230 --out $OUT",
@@ -20,8 +20,8 @@ limit on the GPU and leaves at most 5% of it unused:
 
     python benchmarks/allocator.py --default --conf native      # here, and --conf expandable beside it
     run(command="cd benchmarks && PYTHONUNBUFFERED=1 python3 gpu_min_limit.py --default
-        results/allocator_default_native.json results/allocator_default_expandable.json --budget-s 120 --out $OUT",
-        carry=["benchmarks/wheels"], timeout_s=170)
+        results/allocator_default_native.json results/allocator_default_expandable.json --budget-s 140 --out $OUT",
+        carry=["benchmarks/wheels"], timeout_s=195)
 """
 
 from __future__ import annotations
