@@ -20,7 +20,7 @@ stranding x the selective units' activations, a slack) to the replays with expan
 bound / 1.005).
 
     python benchmarks/allocator.py && python benchmarks/allocator.py --default  # the replays
-    python benchmarks/allocator_weights.py [--by-model] [--by-mode [--held-out]] [--expandable] [--margin M]
+    python benchmarks/allocator_weights.py [--by-model] [--by-mode [--held-out] [--unseen]] [--expandable] [--margin M]
 """
 
 from __future__ import annotations
@@ -111,6 +111,16 @@ def replays() -> list[dict]:
                          "seq_len": row["seq_len"], "micro_batch": row["micro_batch"], "parts": unpacked(row["parts"]),
                          "needed": row["needed_bytes"], "limit_bytes": row["limit_bytes"], **default_tp(row)})
     return rows
+
+
+def unseen_replays() -> list[dict]:
+    """The native replays of the default plans of models the constants were not fitted on (allocator.py --default
+    --held-out --conf native), as `replays()` gives the others."""
+    path = RESULTS / "allocator_default_heldout_native.json"
+    return [{"label": f"{row['model']} unseen @ {row['limit']}", "model": row["model"], "seq_len": row["seq_len"],
+             "micro_batch": row["micro_batch"], "parts": unpacked(row["parts"]), "needed": row["needed_bytes"],
+             "limit_bytes": row["limit_bytes"], **default_tp(row)}
+            for row in json.loads(path.read_text())["rows"] if "parts" in row]
 
 
 def grid_modes(row: dict) -> list[dict]:
@@ -330,6 +340,9 @@ def main() -> None:
                         help="with --by-mode: fit again without each model's replays, and show that model's")
     parser.add_argument("--expandable", action="store_true",
                         help="fit expandable_margin's factor, slack and coefficient of the simulated stranding")
+    parser.add_argument("--unseen", action="store_true",
+                        help="with --by-mode: the default plans of models outside the fit (allocator.py --default "
+                        "--held-out, native) under the shipped constants, and under a fit with them in")
     args = parser.parse_args()
     if args.expandable:
         rows = expandable_replays()
@@ -344,6 +357,14 @@ def main() -> None:
         rows = [row for row in rows if MODE_KEYS[0] in row["parts"][0]]
         add_stranding(rows)
     show(f"all {len(rows)} replays", rows, fit(rows, args.margin, args.by_mode))
+    if args.unseen:
+        unseen = unseen_replays()
+        add_stranding(unseen)
+        show(f"{len(unseen)} default plans of models outside the fit, under the shipped constants", unseen,
+             shipped_weights())
+        both = fit(rows + unseen, args.margin, True)
+        show(f"fitted with them in ({len(rows)} + {len(unseen)} replays), the fit's own", rows, both)
+        show("and theirs", unseen, both)
     for model in sorted({row["model"] for row in rows}) if args.by_model or args.held_out else ():
         mine = [row for row in rows if row["model"] == model]
         if args.held_out:
