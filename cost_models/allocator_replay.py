@@ -19,7 +19,7 @@ __all__ = ["GPU_REPLAY_ERROR", "ReplayResult", "Stranded", "min_limit", "replay"
 # What a GPU needed beyond a replay's figure (the smallest limit plus cost_models.allocator.SEGMENT_SLACK), by
 # configuration (expandable segments or not): on one H200 (torch 2.11, CUDA 13; benchmarks/gpu_min_limit.py, the GPU
 # kit's 27 plans of 1-8B models, each capped at the replay's figure and 1% steps from it) every step ran capped at
-# 1.01 x its replay's figure with expandable segments and at 1.02 x natively, and 30 of the 54 failed capped at the
+# 1.01 x its replay's figure with expandable segments and at 1.02 x natively, and 33 of the 54 failed capped at the
 # figure itself: with expandable segments the GPU's need lies within 1% of it either side, natively from 2% below to
 # 2% above (more than 1% above in two: the order in which blocks free on the GPU's streams moves what the cache
 # strands). A replay's figure is fitted to the limit less this share (benchmarks/RESULTS.md section 9).
