@@ -45,7 +45,7 @@ from common import write_results
 
 import autoplan
 from autoplan.profile_store import load_profile
-from autoplan.run.allocator_fit import record_step
+from autoplan.run.allocator_fit import record_step, replay_events
 from cost_models.allocator import ROUND_LARGE, SEGMENT_SLACK
 from cost_models.allocator_margin import needed_of_parts
 from cost_models.allocator_replay import replay_room, run_and_min_limit, stranded
@@ -207,14 +207,14 @@ def default_rows(cases, configs=CONFIGS, plans: dict | None = None) -> list[dict
                     plans[key] = json.loads(plan.to_json())
                 events, _ = record_step(plan)  # as autoplan.run.allocator_fit.replay_plan, keeping the events
                 expandable = conf.endswith("True")
-                free_run, needed = run_and_min_limit(events, expandable=expandable)
-                needed += SEGMENT_SLACK
+                replayed = replay_events(events, expandable)
+                needed = replayed.needed_bytes
                 mem = plan.cluster.mem_limit_bytes
                 row = {"model": model, "seq_len": seq_len, "limit": limit, "limit_bytes": mem, "allocator_conf": conf,
                        "plan_key": key, "tp": plan.cluster.tp_degree, "sp": plan.cluster.sequence_parallel,
                        "micro_batch": plan.training.micro_batch_size, "peak_bytes": plan.predicted.peak_mem_bytes,
                        "bound_bytes": plan.predicted.needed_bytes, "needed_bytes": needed,
-                       "reserved_bytes": free_run.peak_reserved, "fits": needed <= mem,
+                       "reserved_bytes": replayed.reserved_bytes, "fits": needed <= mem,
                        # within the limit less what a GPU needs beyond a replay (GPU_REPLAY_ERROR)
                        "fits_with_gpu_error": needed <= replay_room(mem, expandable),
                        "bound_holds": plan.predicted.needed_bytes >= needed,  # the bound the plan is fitted to
@@ -291,11 +291,10 @@ def kit_rows(folder: Path) -> list[dict]:
         out = {"plan": label, "plan_key": row["plan_key"], "measured_allocated_bytes": row["cuda_max_allocated_bytes"],
                "measured_reserved_bytes": row["cuda_max_reserved_bytes"], "confs": {}}
         for conf, gpu in row.get("allocator", {}).items():
-            free_run, needed = run_and_min_limit(events, expandable=conf.endswith("True"))
-            needed += SEGMENT_SLACK
-            bound = gpu["needed_bound_bytes"]
-            out["confs"][conf] = {"replayed_allocated_bytes": free_run.peak_allocated,
-                                  "replayed_reserved_bytes": free_run.peak_reserved, "replayed_needed_bytes": needed,
+            replayed = replay_events(events, conf.endswith("True"))
+            needed, bound = replayed.needed_bytes, gpu["needed_bound_bytes"]
+            out["confs"][conf] = {"replayed_allocated_bytes": replayed.allocated_bytes,
+                                  "replayed_reserved_bytes": replayed.reserved_bytes, "replayed_needed_bytes": needed,
                                   "gpu_bound_bytes": bound, "gpu_status": gpu["status"],
                                   "gpu_reserved_bytes": gpu.get("reserved"),
                                   "gpu_allocated_bytes": gpu.get("allocated"),
@@ -305,7 +304,7 @@ def kit_rows(folder: Path) -> list[dict]:
             short = "exp" if conf.endswith("True") else "nat"
             c = out["confs"][conf]
             print(f"{label} [{short}]: GPU {gpu['status']} at {bound / mib:.0f} MiB; replay needs {needed / mib:.0f} "
-                  f"MiB ({needed / bound - 1:+.1%}); reserved free run: replay {free_run.peak_reserved / mib:.0f}"
+                  f"MiB ({needed / bound - 1:+.1%}); reserved free run: replay {replayed.reserved_bytes / mib:.0f}"
                   + (f", GPU {row['cuda_max_reserved_bytes'] / mib:.0f} MiB" if short == "exp" else " MiB")
                   + ("" if c["agrees"] else "  DISAGREES"), flush=True)
         rows.append(out)

@@ -48,7 +48,7 @@ from cost_models.allocator import SEGMENT_SLACK
 from cost_models.allocator_margin import is_expandable
 from cost_models.allocator_replay import replay_room, run_and_min_limit
 
-__all__ = ["STREAMS", "AllocatorReplay", "record_step", "replay_plan", "search_fitting_allocator"]
+__all__ = ["STREAMS", "AllocatorReplay", "record_step", "replay_events", "replay_plan", "search_fitting_allocator"]
 
 STREAMS = {"default": 0, "all_gather": 1, "reduce_scatter": 2}
 MAX_ROUNDS = 6
@@ -162,7 +162,12 @@ def replay_plan(plan: Plan) -> AllocatorReplay:
     configuration (expandable segments or native; native for a plan that records none)."""
     check_replayable(plan)
     events, _ = record_step(plan)
-    expandable = is_expandable(plan.cluster.allocator_conf or "")
+    return replay_events(events, is_expandable(plan.cluster.allocator_conf or ""))
+
+
+def replay_events(events: list[tuple], expandable: bool) -> AllocatorReplay:
+    """A recorded step (`record_step`'s events) through the caching allocator model, native or with expandable
+    segments: its peaks, and the smallest limit it runs in plus SEGMENT_SLACK."""
     free_run, needed = run_and_min_limit(events, expandable=expandable)  # one run without a limit for both
     return AllocatorReplay(free_run.peak_allocated, free_run.peak_reserved, needed + SEGMENT_SLACK, len(events))
 
