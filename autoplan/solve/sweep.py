@@ -94,13 +94,13 @@ def sweep(request: PlanRequest, source: TableSource, cluster: Cluster,
             swept.seen.append(table)
             _tell(progress, swept.steps, swept.best)
             continue
-        if swept.best is not None and request.uniform is None and \
-                memory_floor(table) > request.limits.planned_for(table):
+        planned = request.limits.planned_for(table)
+        if swept.best is not None and request.uniform is None and memory_floor(table) > planned:
             # nothing fits, as a solve would say: even each unit's least bytes overrun a time point (no rows built)
             swept.steps.append(SweepStep(micro_batch_size, accum, SolveStatus.INFEASIBLE, None, None))
             _tell(progress, swept.steps, swept.best)
             break  # a larger micro-batch needs more memory still
-        affine, planned = AffineModel.of(table), request.limits.planned_for(table)
+        affine = AffineModel.of(table)
         swept.first = swept.first or (table, affine)
         if request.uniform is None:
             result = solve_min_time(table, planned, request.limits.time_limit_s, affine=affine)
