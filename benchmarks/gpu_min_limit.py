@@ -131,7 +131,7 @@ def main() -> int:
     results = {"device_name": torch.cuda.get_device_name(0), "torch": torch.__version__, "packages": packages,
                "step": STEP, "rows": [{k: v for k, v in case.items() if k not in ("key", "caps")} | {"probes": []}
                                       for case in cases]}
-    loaded = {}
+    loaded, folder = {}, args.default[0].parent if args.default else args.kit  # where a plan's profile may lie
     for probe_index in range(PROBES):  # a pass over every case per probe: the most telling runs first
         for case, row in zip(cases, results["rows"]):
             key, conf, replayed = case["key"], case["allocator_conf"], case["replayed_needed_bytes"]
@@ -141,7 +141,6 @@ def main() -> int:
                 cap = next_cap(replayed, row["probes"]) if key else None
             if cap is None or time.monotonic() > end:
                 continue
-            folder = args.kit if not args.default else args.default[0].parent
             plan = loaded.get(key) or loaded.setdefault(key, load_kit_plan(folder, plans[key]))
             probe = run_capped(plan, conf, cap)
             row["probes"].append(probe)
