@@ -109,15 +109,20 @@ def _divided(op: OpRecord, t: int, fields: tuple[str, ...]) -> OpRecord:
 
 def _loss_parallel(op: OpRecord, t: int) -> OpRecord:
     """The loss on vocabulary-parallel logits (torch's loss_parallel): its tensors are the rank's vocabulary
-    shard, 1/t of the traced loss's. Its backward is also one tensor lighter: the plain backward holds
-    log_softmax's incoming gradient and the gradient it computes at once (two fp32 tensors of the logits'
-    size, the largest the loss's forward allocates), where loss_parallel computes nll_loss's and
-    log_softmax's backward together into one (measured with autoplan.memtrack on torch 2.13's fake group,
-    [128, 512] bf16 logits at t = 2: the backward peaks 524,288 B over its start in the plain loss, 131,076 B
-    under loss_parallel, one fp32 shard)."""
+    shard, 1/t of the traced loss's, and each pass holds one fp32 shard more than the fused loss would on
+    them. Its forward (torch/distributed/tensor/parallel/loss.py, _log_softmax) holds the fp32 logits, their
+    shifted copy and its exp at once, where the fused log_softmax holds its input and output; its backward
+    (_nll_loss_and_log_softmax_backward) holds zeros_like(x), exp(x) and their sum, then the sum and its
+    product with the incoming gradient, three fp32 shards where the fused backward holds two (nll_loss's
+    gradient and log_softmax's). Measured with autoplan.memtrack seeing inside DTensor's ops on torch 2.13's
+    fake group, [128, 512] bf16 logits at t = 2 (one fp32 shard 131,072 B): the forward peaks 3.01 shards
+    over its bf16 input (the fused loss on the same local logits 2.00), the backward 3.03 over its start
+    (2.00). On an H200 (torch 2.11) the same four fp32 shards were alive at llama3-8b's peak at 8192 tokens
+    (benchmarks/results/gpu_truth_cuda_run3/, peak_blocks)."""
     local = _divided(op, t, _BYTE_FIELDS + ("fwd_flops", "bwd_flops"))
-    fused = max(op.fwd_max_alloc_bytes, op.bwd_live_bytes - op.fwd_max_alloc_bytes)
-    return _with(local, bwd_live_bytes=-(-fused // t))
+    shard = -(-op.fwd_max_alloc_bytes // t)  # one fp32 logits shard: the largest tensor the loss allocates
+    return _with(local, fwd_transient_bytes=local.fwd_transient_bytes + shard,
+                 bwd_live_bytes=local.bwd_live_bytes + shard)
 
 
 def tp_op(op: OpRecord, layout: TpLayout, role: TpRole | None | str = "") -> OpRecord:

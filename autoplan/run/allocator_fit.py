@@ -81,7 +81,8 @@ class _AllocationRecorder(LiveTensorTracker):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = super().__torch_dispatch__(func, types, args, kwargs)
-        self.host.outputs(func, args, kwargs, out)
+        if out is not NotImplemented:  # a wrapper subclass's op: its inner ops come here instead
+            self.host.outputs(func, args, kwargs, out)
         return out
 
 

@@ -6,7 +6,12 @@ the cost model counts: bytes of tensor storages that are alive, at every moment,
 
 How: a TorchDispatchMode sees every tensor an aten op makes or touches (parameters made by
 `to_empty`, gradients, optimizer states, activations, collective buffers; tensor subclasses such as
-DTensor are unwrapped to their local tensors). Each storage is counted once, with a weakref finalizer
+DTensor are unwrapped to their local tensors). An op on a wrapper subclass is handed on to the subclass
+(the mode returns NotImplemented) so that the tracker also sees the ops the subclass runs on its local
+tensors: their temporaries are real allocations (loss_parallel's backward holds three fp32 logits shards
+inside one DTensor op, which a tracker seeing only the op's output would miss). DTensor also runs ops on
+fake tensors of the global shape to learn an output's shape (its sharding propagation): those allocate
+nothing, and the tracker looks away while they run. Each storage is counted once, with a weakref finalizer
 that subtracts it when the storage is freed. FSDP2 frees and re-allocates gathered parameters by
 resizing storages in place, which does not pass through the dispatcher, so `UntypedStorage.resize_`
 is wrapped while the tracker is active. Not seen: scratch memory that C++ code allocates without
@@ -54,6 +59,16 @@ def _plain_tensors(tensor: torch.Tensor):
         yield tensor
 
 
+def _sharding_propagator() -> type:
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+    return ShardingPropagator
+
+
+def _is_wrapper(kind: type) -> bool:
+    """A wrapper subclass (DTensor): its __torch_dispatch__ runs the op on inner tensors that own memory."""
+    return kind is not torch.Tensor and hasattr(kind, "__tensor_flatten__")
+
+
 class LiveTensorTracker(TorchDispatchMode):
     """Context manager: `live_bytes` now, `peak_bytes` since entry (or since `reset_peak()`)."""
 
@@ -66,6 +81,8 @@ class LiveTensorTracker(TorchDispatchMode):
         # Finalizers can run on another thread (a gloo work object dropping its tensors).
         self._lock = threading.RLock()
         self._original_resize = None
+        self._original_propagation = None
+        self._looking_away = 0  # > 0 while DTensor derives an output's metadata on fake tensors
 
     # -- public -------------------------------------------------------------------------------
 
@@ -82,6 +99,7 @@ class LiveTensorTracker(TorchDispatchMode):
 
     def __enter__(self):
         self._wrap_resize()
+        self._wrap_propagation()
         return super().__enter__()
 
     def __exit__(self, *exc):
@@ -89,8 +107,13 @@ class LiveTensorTracker(TorchDispatchMode):
             return super().__exit__(*exc)
         finally:
             self._unwrap_resize()
+            self._unwrap_propagation()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self._looking_away:
+            return func(*args, **(kwargs or {}))
+        if any(_is_wrapper(kind) for kind in types):
+            return NotImplemented  # the subclass runs it on its inner tensors, with this mode still active
         out = func(*args, **(kwargs or {}))
         # Outputs are the new allocations; inputs catch tensors made before the tracker started
         # and storages an in-place op (aten.resize_) has grown.
@@ -140,6 +163,30 @@ class LiveTensorTracker(TorchDispatchMode):
 
         self._original_resize = original
         torch.UntypedStorage.resize_ = resize_
+
+    def _wrap_propagation(self) -> None:
+        """DTensor's sharding propagation runs the op on fake tensors of the global shape (to learn the output's
+        shape and strides): the tracker looks away while it runs. Where torch has no such method, nothing."""
+        propagator = _sharding_propagator()
+        original = getattr(propagator, "_propagate_tensor_meta_non_cached", None)
+        if original is None:
+            return
+        tracker = self
+
+        def propagate(self, *args, **kwargs):
+            tracker._looking_away += 1
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                tracker._looking_away -= 1
+
+        self._original_propagation = original
+        propagator._propagate_tensor_meta_non_cached = propagate
+
+    def _unwrap_propagation(self) -> None:
+        if self._original_propagation is not None:
+            _sharding_propagator()._propagate_tensor_meta_non_cached = self._original_propagation
+            self._original_propagation = None
 
     def _unwrap_resize(self) -> None:
         if self._original_resize is not None:
