@@ -53,15 +53,17 @@ def run_capped(plan, conf: str, cap: int) -> dict:
     set_allocator_conf(conf)
     torch.cuda.set_per_process_memory_fraction(min(1.0, cap / torch.cuda.get_device_properties(0).total_memory))
     torch.cuda.reset_peak_memory_stats()
-    started = time.monotonic()
+    started, result = time.monotonic(), None
     try:
-        run_fake_world(plan, steps=2, warmup=1, device="cuda")
+        result = run_fake_world(plan, steps=2, warmup=1, device="cuda")
         status, note = "ran", None
     except (AutoplanError, RuntimeError, MemoryError) as exc:
         note = allocation_failure(exc)
         status, note = ("out of memory", note) if note else ("failed", repr(exc)[:300])
     finally:
-        reserved, allocated = torch.cuda.max_memory_reserved(), torch.cuda.max_memory_allocated()
+        # the run resets CUDA's peaks per phase: its own figures are the step's; a failed run's, the failing phase's
+        reserved, allocated = ((result.cuda_max_reserved_bytes, result.cuda_max_allocated_bytes) if result is not None
+                               else (torch.cuda.max_memory_reserved(), torch.cuda.max_memory_allocated()))
         torch.cuda.set_per_process_memory_fraction(1.0)
     return {"cap_bytes": cap, "status": status, "note": note, "reserved": reserved, "allocated": allocated,
             "wall_s": round(time.monotonic() - started, 2)}
