@@ -216,7 +216,7 @@ def test_a_rank_s_share_of_an_op_is_not_priced_as_the_whole_op(llama):
 
 
 def _loss_peaks(vocab_shards: int, tokens: int, vocab: int) -> tuple[int, int]:
-    """The loss's backward on [tokens, vocab] bf16 logits, as apply runs it (cast to fp32, cross-entropy), on
+    """The loss on [tokens, vocab] bf16 logits, as apply runs it (cast to fp32, cross-entropy), on
     rank 0 of a fake group of `vocab_shards` (a vocabulary-parallel head under torch's loss_parallel when 2):
     live bytes at the forward's and the backward's peak over their starts, with autoplan's live-tensor tracker
     (which sees inside DTensor's ops)."""
@@ -268,7 +268,7 @@ def test_the_vocabulary_parallel_loss_holds_one_fp32_shard_more_each_pass(llama)
     assert plain.bwd_live_bytes == pytest.approx(fused_backward, abs=64)  # traced as run
     assert plain.fwd_transient_bytes + plain.saved_bytes - bf16_logits == pytest.approx(fused_forward, abs=64)
     forward, backward = _loss_peaks(2, SEQ, vocab)
-    assert backward == pytest.approx(3 * shard, abs=shard // 16)  # zeros_like, exp and their sum (and the small index tensors)
+    assert backward == pytest.approx(3 * shard, abs=shard // 16)  # zeros_like, exp and their sum
     assert forward == pytest.approx(3 * shard, abs=shard // 16)  # the fp32 logits, shifted and exp
     assert local.bwd_live_bytes == pytest.approx(backward, abs=shard // 16)
     assert local.fwd_transient_bytes + local.saved_bytes - bf16_logits // 2 == pytest.approx(forward, abs=shard // 16)
