@@ -1,0 +1,49 @@
+"""Natively, what `max_split_size_mb` would save: each saved default plan's step replayed through the native
+allocator model with blocks above a size kept from being split for smaller requests.
+
+Why: natively a step needs more than its live bytes where a small block lands in a large cached segment and the
+next large request cannot use it. llama-1b's default plan at 14GB fails so on a GPU: a late activation of the
+second step's forward (64 MiB) lands in the first step's fp32 logits segment (2004 MiB), and the loss's backward
+then needs a segment more (benchmarks/RESULTS.md section 11b, "Models the bounds were not fitted on"). torch's
+`PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:N` keeps cached blocks above N MiB whole for requests of their own
+size; the replay (cost_models.allocator) models it. This prints, per plan, the native need (smallest limit plus the
+kernel workspaces, as `needed`) without it and with it at 256, 512 and 1024 MiB. Not checked on a GPU, and the
+native bound (cost_models.allocator_margin) does not model it: a figure for whether it is worth doing, not a claim.
+
+    python benchmarks/allocator_max_split.py results/plans_allocator_default_heldout_native.json
+    python benchmarks/allocator_max_split.py results/plans_allocator_default_native.json --only llama3-8b
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from autoplan.plan.schema import Plan
+from autoplan.run.allocator_fit import record_step
+from cost_models.allocator import SEGMENT_SLACK
+from cost_models.allocator_replay import min_limit
+
+SIZES_MIB = (256, 512, 1024)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("plans", type=Path, help="a plans file of `allocator.py --default` (plan key -> plan)")
+    parser.add_argument("--only", help="the plans whose key contains this")
+    args = parser.parse_args()
+    plans = json.loads(args.plans.read_text())
+    gib = 2 ** 30
+    print(f"{'plan':<34} {'needed':>7} " + " ".join(f"{f'split {size}':>10}" for size in SIZES_MIB) + "  (GiB)")
+    for key, data in plans.items():
+        if args.only and args.only not in key:
+            continue
+        events, _ = record_step(Plan.model_validate(data))
+        needed = [min_limit(events) + SEGMENT_SLACK]
+        needed += [min_limit(events, max_split_size=size << 20) + SEGMENT_SLACK for size in SIZES_MIB]
+        print(f"{key:<34} {needed[0] / gib:7.2f} " + " ".join(f"{n / gib:10.2f}" for n in needed[1:]), flush=True)
+
+
+if __name__ == "__main__":
+    main()
