@@ -22,6 +22,14 @@ limit on the GPU and leaves at most 5% of it unused:
     run(command="cd benchmarks && PYTHONUNBUFFERED=1 python3 gpu_min_limit.py --default
         results/allocator_default_native.json results/allocator_default_expandable.json --budget-s 140 --out $OUT",
         carry=["benchmarks/wheels"], timeout_s=195)
+
+`--conf` runs the plans under another allocator configuration than their own, at the same caps: e.g. the native
+plans with `max_split_size_mb:256`, which the replay says lets llama-1b's 14GB plan run in its --mem
+(allocator_max_split.py; RESULTS.md section 11b):
+
+    run(command="cd benchmarks && PYTHONUNBUFFERED=1 python3 gpu_min_limit.py --default
+        results/allocator_default_heldout_native.json --conf expandable_segments:False,max_split_size_mb:256
+        --budget-s 60 --out $OUT", carry=["benchmarks/wheels"], timeout_s=120)
 """
 
 from __future__ import annotations
@@ -120,14 +128,20 @@ def main() -> int:
     parser.add_argument("--replays", type=Path, default=REPLAYS, help="allocator.py --kit's results for that folder")
     parser.add_argument("--default", type=Path, nargs="+", metavar="RESULTS",
                         help="instead: allocator.py --default's results files (results/allocator_default_*.json)")
+    parser.add_argument("--conf", help="with --default: run every plan under this PYTORCH_CUDA_ALLOC_CONF instead of "
+                        "its own (e.g. expandable_segments:False,max_split_size_mb:256; allocator_max_split.py)")
     parser.add_argument("--budget-s", type=float, default=240, help="stop starting runs after this many seconds")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
+    if args.conf and not args.default:
+        parser.error("--conf goes with --default")
     end = time.monotonic() + args.budget_s
     packages = ensure_packages()
     import torch
 
     plans, cases = default_cases(args.default) if args.default else kit_cases(args.kit, args.replays)
+    for case in cases if args.conf else ():
+        case["allocator_conf"] = args.conf  # the caps stay the plan's (its --mem, 95%, its own replay's figure)
     args.out.mkdir(parents=True, exist_ok=True)
     name = "gpu_default_limits.json" if args.default else "gpu_min_limit.json"
     results = {"device_name": torch.cuda.get_device_name(0), "torch": torch.__version__, "packages": packages,
