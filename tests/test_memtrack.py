@@ -85,3 +85,42 @@ def test_cuda_peaks_span_the_phases_whose_statistics_were_reset(monkeypatch):
     assert memory.peak_and_reset() == 300
     stats.update(allocated=100, reserved=940)
     assert memory.cuda_peaks() == (900, 1000)
+
+
+def test_sees_inside_dtensor_ops_but_not_their_sharding_propagation():
+    """A DTensor op runs on local tensors inside DTensor's dispatch: their temporaries are real (loss_parallel's
+    backward holds three fp32 logits shards inside one op) and are counted. DTensor first runs the op on fake tensors
+    of the global shape to learn the output's shape: those allocate nothing and are not counted (the shape below is
+    this test's own, so no earlier propagation of it is cached)."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+    from torch.distributed.tensor.parallel import loss_parallel
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        mesh = init_device_mesh("cpu", (4,))
+        local = torch.randn(61, 37)  # fp32: 9028 bytes a shard; the global [61, 148] is four times that
+        x = DTensor.from_local(local, mesh, [Shard(1)], run_check=False)
+        with LiveTensorTracker() as tracker:
+            tracker.track(x)
+            start = tracker.live_bytes
+            y = x * 2
+            assert tracker.peak_bytes - start == local.nbytes  # the local product alone, no global fake tensor
+            assert tracker.live_bytes - start == local.nbytes
+            del y
+            logits = x.detach().requires_grad_()
+            labels = torch.randint(0, 148, (61,))
+            with loss_parallel():
+                loss = F.cross_entropy(logits, labels)
+                start = tracker.live_bytes
+                tracker.reset_peak()
+                loss.backward()
+            assert tracker.peak_bytes - start >= 3 * local.nbytes  # zeros_like, exp and their sum at once
+        restored = ShardingPropagator._propagate_tensor_meta_non_cached  # the tracker's wrapper removed on exit
+        assert restored.__name__ == "_propagate_tensor_meta_non_cached"
+    finally:
+        dist.destroy_process_group()
