@@ -21,9 +21,7 @@ import json
 from pathlib import Path
 
 from autoplan.plan.schema import Plan
-from autoplan.run.allocator_fit import record_step
-from cost_models.allocator import SEGMENT_SLACK
-from cost_models.allocator_replay import min_limit
+from autoplan.run.allocator_fit import record_step, replay_events
 
 SIZES_MIB = (256, 512, 1024)
 
@@ -40,8 +38,7 @@ def main() -> None:
         if args.only and args.only not in key:
             continue
         events, _ = record_step(Plan.model_validate(data))
-        needed = [min_limit(events) + SEGMENT_SLACK]
-        needed += [min_limit(events, max_split_size=size << 20) + SEGMENT_SLACK for size in SIZES_MIB]
+        needed = [replay_events(events, False, split).needed_bytes for split in (None, *(s << 20 for s in SIZES_MIB))]
         print(f"{key:<34} {needed[0] / gib:7.2f} " + " ".join(f"{n / gib:10.2f}" for n in needed[1:]), flush=True)
 
 

@@ -63,7 +63,7 @@ WHEEL_PACKAGES = ("pydantic", "pydantic-core", "annotated-types", "typing-inspec
 WHEEL_PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
                    "manylinux1_x86_64"]
 STAGES = ("profile", "grid", "compute")
-# each stage's share of what is left when it starts; compute, last, gets all that is left and needs about 80 s on an H200
+# each stage's share of what is left when it starts; compute, last, gets all that is left (about 80 s on an H200)
 STAGE_WEIGHTS = {"profile": 45, "grid": 35, "compute": 12}
 CACHE = Path("/tmp/autoplan-gpu-truth-cache")
 WORLD = 8  # the grid's plans are for 8 GPUs; one of them runs here
@@ -72,8 +72,9 @@ FIT_FRACTION = 0.92  # a plan predicted above this share of the GPU's memory is 
 # (model, sequence, micro-batches[, plan kinds]), most telling first: the budget may end the grid early. The kinds
 # (default KINDS): all-shard+ckpt, all-shard, autoplan (the solver's at TIGHT x the first's peak), and all-shard@tpN
 # (all-shard with tensor degree N and sequence parallelism). The tensor-parallel row is first: on one H200 the
-# default search's llama3-8b plans at 8192 tokens with tensor degree 2 and 4 allocated one fp32 logits shard (1.1 and
-# 2.1 GB) more than predicted (RESULTS.md section 9); the kit records the blocks alive at such a run's peak.
+# default search's llama3-8b plans at 8192 tokens with tensor degree 2 and 4 held fp32 logits shards beyond their
+# prediction, which the kit's blocks alive at the peak named (loss_parallel's; priced since, RESULTS.md section 9,
+# third run): a row still missing records them.
 KINDS = ("all-shard+ckpt", "all-shard", "autoplan")
 GRID = {
     "cuda": [("llama3-8b", 8192, (1,), ("all-shard@tp4", "all-shard@tp2")), ("llama3-8b", 2048, (1, 2)),

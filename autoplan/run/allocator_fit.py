@@ -166,10 +166,11 @@ def replay_plan(plan: Plan) -> AllocatorReplay:
     return replay_events(events, is_expandable(plan.cluster.allocator_conf or ""))
 
 
-def replay_events(events: list[tuple], expandable: bool) -> AllocatorReplay:
+def replay_events(events: list[tuple], expandable: bool, max_split_size: int | None = None) -> AllocatorReplay:
     """A recorded step (`record_step`'s events) through the caching allocator model, native or with expandable
-    segments: its peaks, and the smallest limit it runs in plus SEGMENT_SLACK."""
-    free_run, needed = run_and_min_limit(events, expandable=expandable)  # one run without a limit for both
+    segments (natively, `max_split_size` as PYTORCH_CUDA_ALLOC_CONF's max_split_size_mb, in bytes): its peaks, and the
+    smallest limit it runs in plus SEGMENT_SLACK."""
+    free_run, needed = run_and_min_limit(events, max_split_size, expandable=expandable)  # one run without a limit
     return AllocatorReplay(free_run.peak_allocated, free_run.peak_reserved, needed + SEGMENT_SLACK, len(events))
 
 
