@@ -123,10 +123,9 @@ def _search(settings, fit_allocator: str):
         return plan
     from autoplan.run.allocator_fit import search_fitting_allocator
 
-    from cost_models.allocator_margin import is_expandable
     from cost_models.allocator_replay import replay_room
 
-    room = replay_room(plan.cluster.mem_limit_bytes, is_expandable(plan.cluster.allocator_conf or ""))
+    room = replay_room(plan.cluster.mem_limit_bytes, plan.cluster.expandable_segments)
     if replayed.needed_bytes > room:  # what a GPU needs beyond a replay (GPU_REPLAY_ERROR) left free
         say(f"the replayed step needs {format_bytes(replayed.needed_bytes)}, more than {format_bytes(room)} (the "
             "limit less what a GPU was measured to need beyond a replay): fitting the plan to the replay")

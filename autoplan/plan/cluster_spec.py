@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from autoplan.errors import PlanFileError
 from autoplan.solve.cluster import Cluster
 from autoplan.solve.request import Limits
+from cost_models.allocator_margin import is_expandable
 from cost_models.mesh import Mesh, MeshError
 
 __all__ = ["ClusterSpec"]
@@ -70,6 +71,15 @@ class ClusterSpec(BaseModel):
         """What `table`'s solver rows (the live bytes, or with the native allocator's margin per time point what
         that allocator needs) were made to fit."""
         return self.limits.planned_for(table)
+
+    @property
+    def expandable_segments(self) -> bool:
+        """Whether the configuration the plan was made for turns expandable segments on (None, an older plan or
+        another device: torch's default, off; one torch would refuse: off, as `autoplan apply` then says)."""
+        try:
+            return is_expandable(self.allocator_conf or "")
+        except ValueError:
+            return False
 
     @property
     def limits(self) -> Limits:

@@ -13,7 +13,6 @@ from typing import Any
 from autoplan.pins import path_groups
 from autoplan.plan.pipeline_report import pipeline_lines
 from autoplan.sizes import format_bytes
-from cost_models.allocator_margin import is_expandable
 
 Plan = UnitDecision = ModelRef = Any  # autoplan.plan.schema's records, read by their fields
 
@@ -180,18 +179,12 @@ def _allocator_lines(plan: Plan) -> list[str]:
         lines.append("caching allocator, replayed: the step runs in a limit of "
                      f"{format_bytes(p.allocator_needed_bytes)} (its allocations on fake tensors, kernel workspaces "
                      "allowed for)")
-    elif p.needed_bytes is not None and c.mem_fitted_to == "needed" and not _expandable(c.allocator_conf):
+    elif p.needed_bytes is not None and c.mem_fitted_to == "needed" and not c.expandable_segments:
         lines.append("  not checked by replay: natively the bound is fitted on replays of gpt2-1.5b, llama2-7b and "
                      "llama3-8b and fell 2-5% short on llama-1b (benchmarks/RESULTS.md 11b); --fit-allocator checks "
                      "the plan's own step")
     return lines
 
-
-def _expandable(conf: str | None) -> bool:
-    try:
-        return is_expandable(conf or "")
-    except ValueError:  # a plan file's configuration torch would refuse: apply says so; the report reads on
-        return False
 
 
 def mfu_text(p) -> str:

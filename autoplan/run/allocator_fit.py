@@ -45,7 +45,6 @@ from autoplan.run.worker import next_token_loss
 from autoplan.settings import MAX_HEADROOM, SearchSettings
 from autoplan.sizes import format_bytes
 from cost_models.allocator import SEGMENT_SLACK
-from cost_models.allocator_margin import is_expandable
 from cost_models.allocator_replay import replay_room, run_and_min_limit
 
 __all__ = ["STREAMS", "AllocatorReplay", "record_step", "replay_events", "replay_plan", "search_fitting_allocator"]
@@ -163,7 +162,7 @@ def replay_plan(plan: Plan) -> AllocatorReplay:
     configuration (expandable segments or native; native for a plan that records none)."""
     check_replayable(plan)
     events, _ = record_step(plan)
-    return replay_events(events, is_expandable(plan.cluster.allocator_conf or ""))
+    return replay_events(events, plan.cluster.expandable_segments)
 
 
 def replay_events(events: list[tuple], expandable: bool, max_split_size: int | None = None) -> AllocatorReplay:
@@ -201,7 +200,7 @@ def search_fitting_allocator(settings: SearchSettings, say: Callable[[str], None
                 check_replayable(plan)
             result = replay_plan(plan)
         limit, peak = plan.cluster.mem_limit_bytes, plan.predicted.peak_mem_bytes
-        room = replay_room(limit, is_expandable(plan.cluster.allocator_conf or ""))  # the GPU's need: up to 2% more
+        room = replay_room(limit, plan.cluster.expandable_segments)  # the GPU's need: up to 2% more
         replays.append(result)
         if from_bound:
             headroom, bound_fitted = 1 - peak / limit, None  # its live bytes, as a headroom
