@@ -10,8 +10,13 @@ size; the replay (cost_models.allocator) models it. This prints, per plan, the n
 kernel workspaces, as `needed`) without it and with it at 256, 512 and 1024 MiB. Not checked on a GPU, and the
 native bound (cost_models.allocator_margin) does not model it: a figure for whether it is worth doing, not a claim.
 
+`--eager-states` adds another lever: the optimizer's states made before the first step (as zeros, what Adam's
+first step makes them), in place of torch's lazy making in the first optimizer step, where they land in the
+segments the first step's activations and loss left free and split them for the next step's forward.
+
     python benchmarks/allocator_max_split.py results/plans_allocator_default_heldout_native.json
     python benchmarks/allocator_max_split.py results/plans_allocator_default_native.json --only llama3-8b
+    python benchmarks/allocator_max_split.py results/plans_allocator_default_native.json --eager-states
 """
 
 from __future__ import annotations
@@ -20,26 +25,47 @@ import argparse
 import json
 from pathlib import Path
 
+import torch
+
 from autoplan.plan.schema import Plan
 from autoplan.run.allocator_fit import record_step, replay_events
 
 SIZES_MIB = (256, 512, 1024)
 
 
+def make_adam_states(_module, optimizer: torch.optim.Optimizer) -> None:
+    """Adam's and AdamW's states as their first step makes them (torch.optim.adam._init_group, without amsgrad or
+    capturable): a step count of 0 and two zero tensors shaped as each parameter."""
+    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        raise SystemExit(f"--eager-states makes Adam's states; this plan's optimizer is {type(optimizer).__name__}")
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if not optimizer.state[param]:
+                optimizer.state[param].update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(param),
+                                              exp_avg_sq=torch.zeros_like(param))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("plans", type=Path, help="a plans file of `allocator.py --default` (plan key -> plan)")
     parser.add_argument("--only", help="the plans whose key contains this")
+    parser.add_argument("--eager-states", action="store_true",
+                        help="also the need with the optimizer's states made before the first step")
     args = parser.parse_args()
     plans = json.loads(args.plans.read_text())
     gib = 2 ** 30
-    print(f"{'plan':<34} {'needed':>7} " + " ".join(f"{f'split {size}':>10}" for size in SIZES_MIB) + "  (GiB)")
+    print(f"{'plan':<34} {'needed':>7} " + " ".join(f"{f'split {size}':>10}" for size in SIZES_MIB)
+          + (f" {'eager states':>13}" if args.eager_states else "") + "  (GiB)")
     for key, data in plans.items():
         if args.only and args.only not in key:
             continue
         events, _ = record_step(Plan.model_validate(data))
         needed = [replay_events(events, False, split).needed_bytes for split in (None, *(s << 20 for s in SIZES_MIB))]
-        print(f"{key:<34} {needed[0] / gib:7.2f} " + " ".join(f"{n / gib:10.2f}" for n in needed[1:]), flush=True)
+        line = f"{key:<34} {needed[0] / gib:7.2f} " + " ".join(f"{n / gib:10.2f}" for n in needed[1:])
+        if args.eager_states:
+            eager, _ = record_step(Plan.model_validate(data), prepare=make_adam_states)
+            line += f" {replay_events(eager, False).needed_bytes / gib:13.2f}"
+        print(line, flush=True)
 
 
 if __name__ == "__main__":

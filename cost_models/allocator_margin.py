@@ -111,10 +111,13 @@ def allocated_within(limit_bytes: int, conf: str) -> int:
     return max(0, math.floor((limit_bytes - margin.slack) / (1 + margin.factor)))
 
 
-def reserved_bytes(allocated_bytes: int, conf: str) -> int:
+def reserved_bytes(allocated_bytes: int, conf: str, device_bytes: int | None = None) -> int:
     """At most what torch.cuda.max_memory_reserved shows for this allocated peak with memory to spare (never below
-    what the step needs: with room, the allocator keeps what it took)."""
-    return max(needed_bytes(allocated_bytes, conf), math.ceil(allocated_bytes * margin_of(conf).reserved))
+    what the step needs: with room, the allocator keeps what it took), and never above `device_bytes`, the device's
+    memory, where given: a segment the device cannot map makes the allocator free its cached segments and retry,
+    so the cache grows only while the device has room (a limit on the process caps it the same way)."""
+    spare = max(needed_bytes(allocated_bytes, conf), math.ceil(allocated_bytes * margin_of(conf).reserved))
+    return spare if device_bytes is None else min(spare, device_bytes)
 
 
 @dataclass(frozen=True)

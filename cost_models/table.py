@@ -45,6 +45,7 @@ class CostTable:
     model_flops: float = 0.0  # a rank's FLOPs of one micro-batch's forward and backward, no recompute (MFU's)
     peak_flops: float = 0.0  # the profile's peak FLOP/s in the compute dtype
     host_limit_bytes: int | None = None  # host memory per rank for offloaded state (node's / GPUs per node)
+    device_mem_bytes: int = 0  # the profile's device memory (what the allocator's cache can grow to); 0: unknown
     # the native caching allocator's margin per time point that the plan is fitted to (cost_models.allocator_margin.
     # PointMargin: the solver's rows and `evaluate`'s fit figure include it); None: the live bytes
     allocator: object | None = None
@@ -123,7 +124,7 @@ def build_cost_table(inputs: TableInputs, profile: DeviceProfile, mesh: Mesh, mi
         overlap_compute=cs, overlap_comm=ms, overlap_enabled=profile.overlap.enabled, host_limit_bytes=host_limit_bytes,
         comm_sm_fraction=profile.overlap.comm_sm_fraction,
         model_flops=float(_model_flops(flops, classes, ops)),
-        peak_flops=prices.pricer.compute.peak_flops,
+        peak_flops=prices.pricer.compute.peak_flops, device_mem_bytes=profile.mem_bytes,
     )
 
 

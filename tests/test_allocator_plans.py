@@ -109,6 +109,20 @@ def test_estimate_prints_allocated_needed_and_reserved_with_the_configuration(tm
     assert tight.returncode == 0 and "does not fit" in tight.stdout
 
 
+def test_the_reserved_figure_stops_at_the_device_memory(tmp_path):
+    """With memory to spare the cache keeps what a step freed (the reserved figure: at least the flat needed bound,
+    here 224 MB for a 6 MB step with expandable segments' pages), but never more than the device has (200 MB)."""
+    profile = json.loads((REPO / "autoplan" / "shipped_profiles" / "h100-sxm-80gb.json").read_text())
+    profile.update(name="h100-small", mem_bytes=200_000_000)
+    (tmp_path / "small.json").write_text(json.dumps(profile))
+    shard = ["--strategy", "shard", "--batch-size", "8", "--mem", "200MB"]
+    done = _cli(tmp_path, "estimate", *TINY[:-2], "--profile", "small.json", *shard)
+    assert done.returncode == 0, done.stderr
+    assert "reserved                200.00 MB  at most" in done.stdout and "the device's memory" in done.stdout
+    roomy = _cli(tmp_path, "estimate", *TINY, *shard)  # the same step on an 80 GB device
+    assert "reserved                224.53 MB  at most" in roomy.stdout and "the device's memory" not in roomy.stdout
+
+
 @pytest.mark.parametrize("profile", ["cpu-gloo-2"])
 def test_a_cpu_plan_has_no_allocator_figures(tmp_path, profile):
     done = _cli(tmp_path, "search", *TINY[:-2], "--profile", profile, "--mem", "40MB", "-o", "plan.json")

@@ -75,7 +75,8 @@ def prediction(table: CostTable, result: Evaluation, allocator_conf: str | None 
         host_mem_bytes=result.host_bytes,
         host_mem_per_node_bytes=result.host_bytes * table.mesh.gpus_per_node,
         needed_bytes=needed if allocator_conf else None,
-        reserved_bytes=max(needed, reserved_bytes(result.peak_mem_bytes, allocator_conf)) if allocator_conf else None,
+        reserved_bytes=(max(needed, reserved_bytes(result.peak_mem_bytes, allocator_conf,
+                                                   table.device_mem_bytes or None)) if allocator_conf else None),
         mfu=table.model_flops * table.grad_accum_steps / (result.step_time_s * table.peak_flops)
         if table.peak_flops and table.model_flops else None,
     )

@@ -95,7 +95,8 @@ def format_estimate(est: Estimate, timeline: bool = False) -> str:
             f"  {'needed':<20} {format_bytes(p.needed_bytes):>12}  of {format_bytes(c.mem_limit_bytes)} {limit_name}: "
             f"{verdict} (what torch's CUDA caching allocator needs to run the step, with {c.allocator_conf})",
             f"  {'reserved':<20} {format_bytes(p.reserved_bytes):>12}  at most (torch.cuda.max_memory_reserved with "
-            "memory to spare)",
+            "memory to spare" + ("; the device's memory: the allocator frees its cache before it would pass it)"
+                                 if p.reserved_bytes >= c.device_mem_bytes > p.needed_bytes else ")"),
         ]
     lines += [
         f"valley (held after the step: parameters, gradients, optimizer states) {format_bytes(est.model_state_bytes)} "

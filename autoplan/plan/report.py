@@ -170,8 +170,9 @@ def _allocator_lines(plan: Plan) -> list[str]:
                   f"{alone}: it may run out on the GPU" if p.needed_bytes > c.mem_limit_bytes else alone)
         lines.append(f"needed (CUDA caching allocator, {c.allocator_conf}): {format_bytes(p.needed_bytes)}, the live "
                      f"peak with the allocator's rounding, per-stream pages and kernel workspaces (a bound); {fitted}")
-        lines.append(f"reserved: up to {format_bytes(p.reserved_bytes)} (torch.cuda.max_memory_reserved with memory to "
-                     "spare: freed blocks stay cached until the allocator runs short)")
+        device = (", the device's memory" if p.reserved_bytes >= c.device_mem_bytes > p.needed_bytes else "")
+        lines.append(f"reserved: up to {format_bytes(p.reserved_bytes)}{device} (torch.cuda.max_memory_reserved with "
+                     "memory to spare: freed blocks stay cached until the allocator runs short, then it frees them)")
     elif p.reserved_bytes is not None and p.allocator_needed_bytes is None:  # a plan of autoplan 0.1
         lines.append(f"reserved (CUDA caching allocator): at most about {format_bytes(p.reserved_bytes)} (the plan is "
                      "made to the peak; search again to fit what the allocator needs)")

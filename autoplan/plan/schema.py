@@ -181,7 +181,7 @@ class Prediction(_Strict):
     # CUDA profiles only (None on other devices and in older plans), from the peak under the plan's
     # allocator_conf (cost_models.allocator_margin): what torch's caching allocator needs to run the step (its
     # rounding, per-stream pages or segments, fragmentation, kernel workspaces; an upper bound), and at most what
-    # torch.cuda.max_memory_reserved shows with memory to spare (older plans: the native allocator's needed bound)
+    # torch.cuda.max_memory_reserved shows with memory to spare, within the device's (older plans: native needed)
     needed_bytes: Count | None = Field(default=None, exclude_if=lambda value: value is None)
     reserved_bytes: Count | None = Field(default=None, exclude_if=lambda value: value is None)
     # `search --fit-allocator` only: the smallest limit this plan's step ran in when its allocations were

@@ -116,16 +116,20 @@ class _AllocationRecorder(LiveTensorTracker):
         super()._forget(key)
 
 
-def record_step(plan: Plan, steps: int = 3) -> tuple[list[tuple], list[int]]:
+def record_step(plan: Plan, steps: int = 3, prepare: Callable[[torch.nn.Module, torch.optim.Optimizer], None] | None
+                = None) -> tuple[list[tuple], list[int]]:
     """The allocation events of materialisation and `steps` training steps of rank 0 of `plan`'s world, on
     fake tensors, the optimizer stepping foreach as on CUDA; and the event index at the start of each step
     (negative: the start of a backward or an optimizer step within it). Only the device's: offloaded state on the
-    host is left out (autoplan.run.host_storage)."""
+    host is left out (autoplan.run.host_storage). `prepare(module, optimizer)`: run (and recorded) after
+    materialisation, before the first step (benchmarks/allocator_max_split.py: optimizer states made early)."""
     recorder = _AllocationRecorder()
     starts: list[int] = []
     with fake_rank(plan) as (_, module, optimizer), recorder, training_context(plan), recorder.host.copies():
         materialise(module, "cpu", 0)  # (loss_parallel under TP; FSDP2's host copies made real where offloaded)
         recorder.host.tag_offloaded(module)
+        if prepare is not None:
+            prepare(module, optimizer)
         shape = (plan.training.micro_batch_size, plan.training.seq_len)
         vocab = vocab_size_of(module)
         ids, labels = torch.randint(0, vocab, shape), torch.randint(0, vocab, shape)
