@@ -169,7 +169,7 @@ def unpacked(lines: list[str]) -> list[dict]:
 
 
 def bound(parts: list[dict], weights: dict[str, float]) -> float:
-    return max(sum(p[c] * weights[c] for c in NAMES) for p in parts) + SEGMENT_SLACK
+    return max(sum(p[c] * weights[c] for c in NAMES) for p in parts) + NATIVE.slack
 
 
 def add_stranding(rows: list[dict], expandable: bool = False) -> None:
@@ -218,7 +218,7 @@ def point_bound(point: dict, weights: dict[str, float], stranding: float) -> flo
 
 
 def row_bound(row: dict, weights: dict[str, float]) -> float:
-    return max(point_bound(p, weights, row.get("stranding", 0.0)) for p in row["parts"]) + SEGMENT_SLACK
+    return max(point_bound(p, weights, row.get("stranding", 0.0)) for p in row["parts"]) + NATIVE.slack
 
 
 def fit(rows: list[dict], margin: float, by_mode: bool = False) -> dict[str, float]:
@@ -237,7 +237,7 @@ def fit(rows: list[dict], margin: float, by_mode: bool = False) -> dict[str, flo
         gib, objective = 2 ** 30, 0
         for row in rows:
             point = max(row["parts"], key=lambda p: point_bound(p, weights, row.get("stranding", 0.0)))
-            expr = sum(point[c] / gib * w[c] for c in (OTHER if by_mode else NAMES)) + SEGMENT_SLACK / gib
+            expr = sum(point[c] / gib * w[c] for c in (OTHER if by_mode else NAMES)) + NATIVE.slack / gib
             if by_mode:
                 expr += point["gathered"] * row["stranding"] / gib * w["b_gathered"]
             for group in GROUPS if by_mode else ():

@@ -1,5 +1,6 @@
 """A recorded allocation sequence run through the caching allocator's model: its peaks, and the smallest limit it
-runs in, and where a limit just under that fails, what the cache holds that no request could use (`stranded`).
+runs in (and every limit a little above it: natively a step can fail under a limit above one it runs in), and where
+a limit just under that fails, what the cache holds that no request could use (`stranded`).
 The sequence is rank 0's step as autoplan.run.allocator_fit records it (fake tensors, FSDP2's streams tagged); the
 allocator is the native one (cost_models.allocator) or the one with expandable segments
 (cost_models.expandable_segments)."""
@@ -24,6 +25,12 @@ __all__ = ["GPU_REPLAY_ERROR", "ReplayResult", "Stranded", "min_limit", "replay"
 # 2% above (more than 1% above in two: the order in which blocks free on the GPU's streams moves what the cache
 # strands). A replay's figure is fitted to the limit less this share (benchmarks/RESULTS.md section 9).
 GPU_REPLAY_ERROR = {True: 0.01, False: 0.02}
+# Whether a step runs is not monotone in the limit natively: a limit that makes the allocator free its cache at
+# another moment leaves other blocks in other segments, and a limit above one the step runs in can fail (the held-out
+# llama-1b at 10GB runs capped at 8.59 GiB by replay and fails at caps from 8.65 to 8.87; benchmarks/RESULTS.md
+# section 11b). The smallest limit is the one from which every limit on a grid of ABOVE_STEP of it runs, up to
+# ABOVE above it (where a bisection ends, raised past the last that fails, and bisected again there).
+ABOVE, ABOVE_STEP = 0.06, 0.0025
 
 
 @dataclass
@@ -137,26 +144,29 @@ def _run(allocator, events, live: dict | None = None, start: int = 0, stop: int 
 
 
 def min_limit(events, max_split_size: int | None = None, step: int = ROUND_LARGE, expandable: bool = False) -> int:
-    """The smallest limit (to `step` bytes) that `events` run in without OutOfMemory: between the rounded
-    allocated peak and the reserved peak without a limit (the allocator frees its cache under pressure).
+    """The smallest limit (to `step` bytes) that `events` run in without OutOfMemory, and every limit above it on
+    a grid (run_and_min_limit): between the rounded allocated peak and the reserved peak without a limit (the
+    allocator frees its cache under pressure).
     `expandable`: with expandable segments."""
     return run_and_min_limit(events, max_split_size, step, expandable)[1]
 
 
 def run_and_min_limit(events, max_split_size: int | None = None, step: int = ROUND_LARGE,
-                      expandable: bool = False) -> tuple[ReplayResult, int]:
+                      expandable: bool = False, above: float = ABOVE) -> tuple[ReplayResult, int]:
     """`replay(events)` without a limit and `min_limit(events)`, from one run without a limit.
 
-    The limit is bisected between the allocated peak and the reserved peak of the run without one; a limit is not
-    monotone in whether the events run (the cache freed earlier or later leaves other blocks), so the bisection's
-    path is the answer. Each try is cheaper than a run from the start: a run under a limit goes exactly as the run
-    without one until a request compares more than the limit with it (the allocator's `demand`), so a try whose
-    limit is at least the demand before some event goes on from a fork of the run without a limit taken there; a
-    try that would compare nothing more than its limit runs as the run without one did. The run without a limit
-    forks before the last allocation that could compare more than the lowest limit tried (which the peak of the live
-    bytes bounds from below). A try whose first comparison above its limit lies more events past the latest fork it
-    can use than that fork holds blocks goes on from a copy of the fork carried there without a limit, kept for the
-    tries after it (long sequences: a recorded step)."""
+    The limit is bisected between the allocated peak and the reserved peak of the run without one. A limit is not
+    monotone in whether the events run (the cache freed earlier or later leaves other blocks), so where the
+    bisection ends a grid above it is tried (ABOVE_STEP of it, up to ABOVE above), and the bisection goes on above
+    the last that fails until none does: the answer is a limit from which every limit of that grid runs. Each try
+    is cheaper than a run from the start: a run under a limit goes exactly as the run without one until a request
+    compares more than the limit with it (the allocator's `demand`), so a try whose limit is at least the demand
+    before some event goes on from a fork of the run without a limit taken there; a try that would compare nothing
+    more than its limit runs as the run without one did. The run without a limit forks before the last allocation
+    that could compare more than the lowest limit tried (which the peak of the live bytes bounds from below). A try
+    whose first comparison above its limit lies more events past the latest fork it can use than that fork holds
+    blocks goes on from a copy of the fork carried there without a limit, kept for the tries after it (long
+    sequences: a recorded step). `above`: how far above the grid goes (0: the bisection's answer alone)."""
     events = list(events)
     new = (lambda limit: ExpandableAllocator(limit)) if expandable else (
         lambda limit: CachingAllocator(limit, max_split_size))
@@ -166,7 +176,7 @@ def run_and_min_limit(events, max_split_size: int | None = None, step: int = ROU
                             free.retries)
     forks, demands = [] if fork is None else [fork], [demand for _, demand in grew]
 
-    def runs(limit: int, last: bool) -> bool:
+    def runs(limit: int) -> bool:
         first = bisect_right(demands, limit)  # the first event where the run compares more than the limit
         if first == len(grew):
             return True  # none: it runs as the run without a limit did
@@ -180,7 +190,7 @@ def run_and_min_limit(events, max_split_size: int | None = None, step: int = ROU
                 _run(allocator, events, live, base[0], until)
                 base = (until, allocator.demand, allocator, live)
                 forks.append(base)
-            start, allocator, live = base[0], *(base[2:] if last else base[2].fork(base[3]))  # the last try uses it up
+            start, allocator, live = base[0], *base[2].fork(base[3])
             allocator.limit = limit
         try:
             _run(allocator, events, live, start)
@@ -189,14 +199,21 @@ def run_and_min_limit(events, max_split_size: int | None = None, step: int = ROU
             return False
 
     low = math.ceil(free_run.peak_allocated / step) - 1  # below the allocated peak: fails
-    high = math.ceil(free_run.peak_reserved / step)  # the limit is never reached: runs
-    while high - low > 1:
-        middle = (low + high) // 2
-        if runs(middle * step, high - low == 2):
-            high = middle
-        else:
-            low = middle
-    return free_run, high * step
+    top = high = math.ceil(free_run.peak_reserved / step)  # the limit is never reached: runs
+    while True:
+        while high - low > 1:
+            middle = (low + high) // 2
+            if runs(middle * step):
+                high = middle
+            else:
+                low = middle
+        # above where the bisection ends some limits may fail still: the last of a grid above it that does
+        grid = max(1, math.ceil(high * ABOVE_STEP))
+        failing = [k for k in range(high + grid, min(top, math.ceil(high * (1 + above)) + 1), grid)
+                   if not runs(k * step)]
+        if not failing:
+            return free_run, high * step
+        low, high = failing[-1], min(top, failing[-1] + grid)
 
 
 def _live_peak(events) -> float | None:

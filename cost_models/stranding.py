@@ -136,8 +136,9 @@ def forward_stranding(trace: ModelTrace, micro_batch: int, expandable: bool = Fa
 
 
 def _excess(events: list[tuple], expandable: bool = False) -> tuple[int, int]:
-    """The smallest limit `events` run in less their allocated peak, and their live peak (0, 0 for none)."""
+    """The smallest limit `events` run in less their allocated peak, and their live peak (0, 0 for none). The limit
+    is the bisection's (no grid above it): the bounds' coefficients were fitted to the simulation so measured."""
     if not events:
         return 0, 0
-    run, needed = run_and_min_limit(events, expandable=expandable)
+    run, needed = run_and_min_limit(events, expandable=expandable, above=0)  # the bisection's, as fitted
     return needed - run.peak_allocated, run.peak_requested

@@ -1,10 +1,10 @@
-"""The smallest limit of a replay (cost_models/allocator_replay.py) is the plain bisection's, however it is found.
+"""The smallest limit of a replay (cost_models/allocator_replay.py) is the plain search's, however it is found.
 
 min_limit tries each limit from a fork of the run without a limit (cost_models.allocator.CachingAllocator.fork)
-instead of from the start; whether a sequence runs is not monotone in the limit, so the answer is the bisection's
-path, and any shortcut must leave every try's outcome as a run from the start has it. The reference here runs each
-try from the start, on random sequences that free the cache under pressure, fail, and run at a lower limit than
-one they fail at."""
+instead of from the start; whether a sequence runs is not monotone in the limit, so the answer is a bisection's,
+raised past the limits of a grid above it that fail, and any shortcut must leave every try's outcome as a run from
+the start has it. The reference here runs each try from the start, on random sequences that free the cache under
+pressure, fail, and run at a lower limit than one they fail at."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 
 from cost_models.allocator import ROUND_LARGE, CachingAllocator, OutOfMemory
 from cost_models import allocator_replay
-from cost_models.allocator_replay import min_limit, replay, run_and_min_limit
+from cost_models.allocator_replay import ABOVE, ABOVE_STEP, min_limit, replay, run_and_min_limit
 from cost_models.expandable_segments import ExpandableAllocator
 
 MiB = 1 << 20
@@ -55,19 +55,30 @@ def _steps(seed: int) -> list[tuple]:
 
 
 def _plain(events, max_split_size, expandable) -> tuple[int, list[bool]]:
-    """min_limit as a bisection of runs from the start, and whether each try ran."""
+    """min_limit as a bisection of runs from the start, then the grid above where it ends (ABOVE_STEP of it, up to
+    ABOVE above), bisected again above the last that fails until none does; and whether each bisection try ran."""
     free, step, tries = replay(events, None, max_split_size, expandable), ROUND_LARGE, []
-    low, high = math.ceil(free.peak_allocated / step) - 1, math.ceil(free.peak_reserved / step)
-    while high - low > 1:
-        middle = (low + high) // 2
+
+    def runs(limit: int) -> bool:
         try:
-            replay(events, middle * step, max_split_size, expandable)
-            high = middle
-            tries.append(True)
+            replay(events, limit, max_split_size, expandable)
+            return True
         except OutOfMemory:
-            low = middle
-            tries.append(False)
-    return high * step, tries
+            return False
+
+    low, top = math.ceil(free.peak_allocated / step) - 1, math.ceil(free.peak_reserved / step)
+    high = top
+    while True:
+        while high - low > 1:
+            middle = (low + high) // 2
+            tries.append(runs(middle * step))
+            high, low = (middle, low) if tries[-1] else (high, middle)
+        grid = max(1, math.ceil(high * ABOVE_STEP))
+        failing = [k for k in range(high + grid, min(top, math.ceil(high * (1 + ABOVE)) + 1), grid)
+                   if not runs(k * step)]
+        if not failing:
+            return high * step, tries
+        low, high = failing[-1], min(top, failing[-1] + grid)
 
 
 def test_min_limit_is_the_plain_bisections_on_random_sequences():
@@ -82,7 +93,30 @@ def test_min_limit_is_the_plain_bisections_on_random_sequences():
             run, needed = run_and_min_limit(events, max_split_size, expandable=expandable)
             assert needed == expected and run == replay(events, None, max_split_size, expandable)
             not_monotone += False in tries[tries.index(True):] if True in tries else 0
-    assert not_monotone >= 20  # sequences that fail at a limit above one they ran in: the path is the answer
+    assert not_monotone >= 20  # sequences that fail at a limit above one they ran in
+
+
+def test_every_limit_of_the_grid_above_the_answer_runs():
+    """The answer is a limit the sequence runs in, and so is every limit of the grid above it (ABOVE_STEP of it, up
+    to ABOVE above): on step-like sequences, natively, where a bisection alone can end below limits that fail."""
+    raised = 0
+    for seed in range(25):
+        events = _steps(seed)
+        needed, step = min_limit(events), ROUND_LARGE
+        grid = max(1, math.ceil(needed / step * ABOVE_STEP))
+        for k in range(needed // step, math.ceil(needed / step * (1 + ABOVE)) + 1, grid):
+            replay(events, k * step)  # raises OutOfMemory where a limit of the grid fails
+        free = replay(events)
+        low, high = math.ceil(free.peak_allocated / step) - 1, math.ceil(free.peak_reserved / step)
+        while high - low > 1:  # the bisection alone
+            middle = (low + high) // 2
+            try:
+                replay(events, middle * step)
+                high = middle
+            except OutOfMemory:
+                low = middle
+        raised += needed > high * step
+    assert raised >= 2, raised  # seeds 2 and one more of the 25 (deterministic)
 
 
 def test_min_limit_is_the_plain_bisections_on_step_like_sequences(monkeypatch):

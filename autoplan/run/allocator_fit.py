@@ -157,7 +157,9 @@ class AllocatorReplay:
 
     allocated_bytes: int  # the peak of allocated blocks (requests rounded to 512 B)
     reserved_bytes: int  # max_memory_reserved with no limit: every segment the allocator ever made, kept
-    needed_bytes: int  # the smallest limit the step runs in (to 2 MiB), plus SEGMENT_SLACK for kernel workspaces
+    # the smallest limit the step runs in, and every limit of a grid up to 6% above it (to 2 MiB;
+    # cost_models.allocator_replay.run_and_min_limit), plus SEGMENT_SLACK for kernel workspaces
+    needed_bytes: int
     events: int
 
 
