@@ -207,13 +207,18 @@ def run_and_min_limit(events, max_split_size: int | None = None, step: int = ROU
                 high = middle
             else:
                 low = middle
-        # above where the bisection ends some limits may fail still: the last of a grid above it that does
-        grid = max(1, math.ceil(high * ABOVE_STEP))
-        failing = [k for k in range(high + grid, min(top, math.ceil(high * (1 + above)) + 1), grid)
-                   if not runs(k * step)]
-        if not failing:
+        failing, grid = _last_failing(runs, high, top, above, step)
+        if failing is None:
             return free_run, high * step
-        low, high = failing[-1], min(top, failing[-1] + grid)
+        low, high = failing, min(top, failing + grid)
+
+
+def _last_failing(runs, high: int, top: int, above: float, step: int) -> tuple[int | None, int]:
+    """Above where a bisection ends (`high`, in steps), the last limit of a grid of ABOVE_STEP of it, up to `above`
+    above it and below `top`, that `runs` fails (None: every one runs), and the grid's spacing (in steps)."""
+    grid = max(1, math.ceil(high * ABOVE_STEP))
+    failing = [k for k in range(high + grid, min(top, math.ceil(high * (1 + above)) + 1), grid) if not runs(k * step)]
+    return (failing[-1] if failing else None), grid
 
 
 def _live_peak(events) -> float | None:

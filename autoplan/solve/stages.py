@@ -288,15 +288,13 @@ def _used(name: str, ops: list[OpRecord]) -> bool:
     return any(op.module == module for op in ops)
 
 
-_CLASSES: dict[int, list[int]] = {}
-
-
 def _classes(base: CostTables) -> list[int]:
-    """The base's unit classes (cached per tables object)."""
-    if id(base) not in _CLASSES:
-        _CLASSES.clear()
-        _CLASSES[id(base)] = unit_classes(base.inputs(1))
-    return _CLASSES[id(base)]
+    """The base's unit classes, found once per tables object and kept on it (a cache keyed by `id` handed a new
+    object the classes of a freed one that had had its address: a test's pipelined search failed so, by chance)."""
+    found = base.__dict__.get("_unit_classes")
+    if found is None:
+        found = base.__dict__["_unit_classes"] = unit_classes(base.inputs(1))
+    return found
 
 
 def _restricted(layout: TpLayout, units: list[Unit], ops: list[OpRecord]) -> TpLayout:
