@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from cost_models.allocator import LARGE_BUFFER, MIN_BLOCK, ROUND_LARGE, CachingAllocator, OutOfMemory
 from cost_models.expandable_segments import ExpandableAllocator
 
-__all__ = ["GPU_REPLAY_ERROR", "ReplayResult", "Stranded", "min_limit", "replay", "replay_room", "run_and_min_limit",
-           "stranded"]
+__all__ = ["ABOVE", "ABOVE_STEP", "GPU_REPLAY_ERROR", "ReplayResult", "Stranded", "min_limit", "replay", "replay_room",
+           "run_and_min_limit", "stranded"]
 
 # What a GPU needed beyond a replay's figure (the smallest limit plus cost_models.allocator.SEGMENT_SLACK), by
 # configuration (expandable segments or not): on one H200 (torch 2.11, CUDA 13; benchmarks/gpu_min_limit.py, the GPU

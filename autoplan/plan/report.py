@@ -187,7 +187,6 @@ def _allocator_lines(plan: Plan) -> list[str]:
     return lines
 
 
-
 def mfu_text(p) -> str:
     """"; MFU 41%" for a prediction that has one (model FLOPs over the step time and the profile's peak)."""
     return f"; MFU {p.mfu:.0%}" if getattr(p, "mfu", None) is not None else ""
