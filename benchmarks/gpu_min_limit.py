@@ -30,6 +30,15 @@ plans with `max_split_size_mb:256`, which the replay says lets llama-1b's 14GB p
     run(command="cd benchmarks && PYTHONUNBUFFERED=1 python3 gpu_min_limit.py --default
         results/allocator_default_heldout_native.json --conf expandable_segments:False,max_split_size_mb:256
         --budget-s 60 --out $OUT", carry=["benchmarks/wheels"], timeout_s=120)
+
+`--only KEY --caps-gib A,B,...` caps one plan at the caps given instead: e.g. whether the GPU, as the replay,
+fails the held-out llama-1b 10GB plan natively at caps above one it runs under (the replay runs it at 8.59 GiB and
+fails it from 8.65 to 8.87; its figure, past the last failing cap, is 8.95 with the workspaces; RESULTS.md 11b):
+
+    run(command="cd benchmarks && PYTHONUNBUFFERED=1 python3 gpu_min_limit.py --default
+        results/allocator_default_heldout_native.json --only llama-1b-s2048-10GB-native
+        --caps-gib 8.65,8.70,8.75,8.82,8.87,8.95,8.60 --budget-s 60 --out $OUT", carry=["benchmarks/wheels"],
+        timeout_s=120)
 """
 
 from __future__ import annotations
@@ -122,6 +131,21 @@ def default_cases(results: list[Path]) -> tuple[dict, list[dict]]:
     return plans, cases
 
 
+def only_case(cases: list[dict], key: str, caps_gib: str | None) -> list[dict]:
+    """The case of plan `key` alone, capped at `caps_gib` (comma-separated GiB) where given, else at its own caps.
+    SystemExit naming the keys there are where `key` is none of them."""
+    chosen = [case for case in cases if case["key"] == key]
+    if not chosen:
+        raise SystemExit(f"no plan {key!r} in the results; there are: {', '.join(c['key'] for c in cases)}")
+    if caps_gib:
+        try:
+            caps = [int(float(cap) * 2 ** 30) for cap in caps_gib.split(",")]
+        except ValueError:
+            raise SystemExit(f"--caps-gib takes numbers separated by commas, got {caps_gib!r}") from None
+        chosen = [dict(case, caps=caps) for case in chosen]
+    return chosen
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--kit", type=Path, default=KIT, help="the kit's folder: plans.json and the measured profile")
@@ -130,16 +154,22 @@ def main() -> int:
                         help="instead: allocator.py --default's results files (results/allocator_default_*.json)")
     parser.add_argument("--conf", help="with --default: run every plan under this PYTORCH_CUDA_ALLOC_CONF instead of "
                         "its own (e.g. expandable_segments:False,max_split_size_mb:256; allocator_max_split.py)")
+    parser.add_argument("--only", metavar="KEY", help="with --default: this plan alone (its key in the plans file)")
+    parser.add_argument("--caps-gib", help="with --only: cap it at these GiB (comma-separated) instead")
     parser.add_argument("--budget-s", type=float, default=240, help="stop starting runs after this many seconds")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
-    if args.conf and not args.default:
-        parser.error("--conf goes with --default")
+    if (args.conf or args.only) and not args.default:
+        parser.error("--conf and --only go with --default")
+    if args.caps_gib and not args.only:
+        parser.error("--caps-gib goes with --only")
     end = time.monotonic() + args.budget_s
     packages = ensure_packages()
     import torch
 
     plans, cases = default_cases(args.default) if args.default else kit_cases(args.kit, args.replays)
+    if args.only:
+        cases = only_case(cases, args.only, args.caps_gib)
     for case in cases if args.conf else ():
         case["allocator_conf"] = args.conf  # the caps stay the plan's (its --mem, 95%, its own replay's figure)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -148,7 +178,8 @@ def main() -> int:
                "step": STEP, "rows": [{k: v for k, v in case.items() if k not in ("key", "caps")} | {"probes": []}
                                       for case in cases]}
     loaded, folder = {}, args.default[0].parent if args.default else args.kit  # where a plan's profile may lie
-    for probe_index in range(PROBES):  # a pass over every case per probe: the most telling runs first
+    passes = max([PROBES] + [len(case["caps"] or ()) for case in cases])
+    for probe_index in range(passes):  # a pass over every case per probe: the most telling runs first
         for case, row in zip(cases, results["rows"]):
             key, conf, replayed = case["key"], case["allocator_conf"], case["replayed_needed_bytes"]
             if case["caps"] is not None:
