@@ -25,6 +25,7 @@ replay of llama2-70b's rank 0 (80 layers) takes about 30 s here.
 
 from __future__ import annotations
 
+import json
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -189,12 +190,12 @@ def search_fitting_allocator(settings: SearchSettings, say: Callable[[str], None
     between the largest headroom that failed and the smallest that fitted, the headroom where the replays'
     need meets the limit (kept inside the bracket's middle half), until the bracket is BRACKET wide or a plan's
     step needs within CLOSE of the limit; a replay's figure is held to the limit less what a GPU needed beyond a
-    replay (cost_models.allocator_replay.GPU_REPLAY_ERROR: 1% with expandable segments, 2% natively). Returns the
-    fitting plan with the least headroom (its prediction records `allocator_needed_bytes`) and every round's replay;
-    InfeasibleError if none fits. `default`: the default plan and its replay, made already (`--fit-allocator auto`)."""
+    replay (allocator_replay.GPU_REPLAY_ERROR: 1% with expandable segments, 2% natively). Returns the fitting plan
+    with the least headroom (its prediction records `allocator_needed_bytes`) and every round's replay (a plan
+    found again not replayed again); InfeasibleError if none fits. `default`: the default plan and its replay."""
     bound_fitted = settings if settings.fit_to == "needed" else None
     settings = SearchSettings.create(settings, fit_to="allocated")  # the replay fits the live bytes, not a bound
-    headroom, replays, previous = settings.headroom, [], None
+    headroom, replays, previous, seen = settings.headroom, [], None, {}  # seen: a plan's replay, by _replayed_as
     failed, best, limit = None, None, None  # (headroom, needed) of the largest that failed; (headroom, plan, needed)
     for round_ in range(1, rounds + 1):
         from_bound = round_ > 1 and best is None and bound_fitted is not None
@@ -204,7 +205,7 @@ def search_fitting_allocator(settings: SearchSettings, say: Callable[[str], None
             plan = search(settings=bound_fitted if from_bound else SearchSettings.create(settings, headroom=headroom))
             if round_ == 1:
                 check_replayable(plan)
-            result = replay_plan(plan)
+            result = seen.get(key := _replayed_as(plan)) or seen.setdefault(key, replay_plan(plan))
         limit, peak = plan.cluster.mem_limit_bytes, plan.predicted.peak_mem_bytes
         room = replay_room(limit, plan.cluster.expandable_segments)  # the GPU's need: up to 2% more
         replays.append(result)
@@ -239,6 +240,16 @@ def search_fitting_allocator(settings: SearchSettings, say: Callable[[str], None
         f"no plan fits {format_bytes(limit)} under the caching allocator after {len(replays)} round(s): the last "
         f"needed {format_bytes(replays[-1].needed_bytes)} (at most {format_bytes(room)} leaves room for what a GPU "
         "needs beyond a replay); try a larger --mem, a smaller --batch-size, or checkpointing")
+
+
+def _replayed_as(plan: Plan) -> str:
+    """What a replay of `plan` reads, as text: the plan less its predictions, its search's record and the headroom
+    it was searched with (two plans alike in the rest record the same allocations)."""
+    data = plan.model_dump(mode="json", exclude={"predicted", "solver", "timing", "baselines"})
+    data["cluster"].pop("mem_headroom", None)
+    for unit in data["units"]:
+        unit.pop("predicted", None)
+    return json.dumps(data, sort_keys=True)
 
 
 def _needs(result: AllocatorReplay, room: int, limit: int) -> str:
