@@ -195,7 +195,8 @@ def search_fitting_allocator(settings: SearchSettings, say: Callable[[str], None
     found again not replayed again); InfeasibleError if none fits. `default`: the default plan and its replay."""
     bound_fitted = settings if settings.fit_to == "needed" else None
     settings = SearchSettings.create(settings, fit_to="allocated")  # the replay fits the live bytes, not a bound
-    headroom, replays, previous, seen = settings.headroom, [], None, {}  # seen: a plan's replay, by _replayed_as
+    headroom, replays, previous = settings.headroom, [], None
+    seen = {} if default is None else {_replayed_as(default[0]): default[1]}  # each plan's replay, once
     failed, best, limit = None, None, None  # (headroom, needed) of the largest that failed; (headroom, plan, needed)
     for round_ in range(1, rounds + 1):
         from_bound = round_ > 1 and best is None and bound_fitted is not None
@@ -203,8 +204,6 @@ def search_fitting_allocator(settings: SearchSettings, say: Callable[[str], None
             plan, result = default
         else:
             plan = search(settings=bound_fitted if from_bound else SearchSettings.create(settings, headroom=headroom))
-            if round_ == 1:
-                check_replayable(plan)
             result = seen.get(key := _replayed_as(plan)) or seen.setdefault(key, replay_plan(plan))
         limit, peak = plan.cluster.mem_limit_bytes, plan.predicted.peak_mem_bytes
         room = replay_room(limit, plan.cluster.expandable_segments)  # the GPU's need: up to 2% more
