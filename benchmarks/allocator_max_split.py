@@ -59,11 +59,12 @@ def main() -> None:
     for key, data in plans.items():
         if args.only and args.only not in key:
             continue
-        events, _ = record_step(Plan.model_validate(data))
+        plan = Plan.model_validate(data)
+        events, _ = record_step(plan)
         needed = [replay_events(events, False, split).needed_bytes for split in (None, *(s << 20 for s in SIZES_MIB))]
         line = f"{key:<34} {needed[0] / gib:7.2f} " + " ".join(f"{n / gib:10.2f}" for n in needed[1:])
         if args.eager_states:
-            eager, _ = record_step(Plan.model_validate(data), prepare=make_adam_states)
+            eager, _ = record_step(plan, prepare=make_adam_states)
             line += f" {replay_events(eager, False).needed_bytes / gib:13.2f}"
         print(line, flush=True)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from autoplan.plan.pipeline_report import pipeline_lines
 from autoplan.plan.pipeline_spec import PipelineSpec
-from autoplan.plan.report import mfu_text, pricing_lines, sequence_text, throughput_text
+from autoplan.plan.report import mfu_text, pricing_lines, reserved_is_device, sequence_text, throughput_text
 from autoplan.plan.schema import ClusterSpec, ModelRef, Prediction, TrainingSpec, UnitDecision, _Strict
 from autoplan.sizes import format_bytes
 from cost_models.memory import MemCategory
@@ -96,7 +96,7 @@ def format_estimate(est: Estimate, timeline: bool = False) -> str:
             f"{verdict} (what torch's CUDA caching allocator needs to run the step, with {c.allocator_conf})",
             f"  {'reserved':<20} {format_bytes(p.reserved_bytes):>12}  at most (torch.cuda.max_memory_reserved with "
             "memory to spare" + ("; the device's memory: the allocator frees its cache before it would pass it)"
-                                 if p.reserved_bytes >= c.device_mem_bytes > p.needed_bytes else ")"),
+                                 if reserved_is_device(est) else ")"),
         ]
     lines += [
         f"valley (held after the step: parameters, gradients, optimizer states) {format_bytes(est.model_state_bytes)} "

@@ -170,7 +170,7 @@ def _allocator_lines(plan: Plan) -> list[str]:
                   f"{alone}: it may run out on the GPU" if p.needed_bytes > c.mem_limit_bytes else alone)
         lines.append(f"needed (CUDA caching allocator, {c.allocator_conf}): {format_bytes(p.needed_bytes)}, the live "
                      f"peak with the allocator's rounding, per-stream pages and kernel workspaces (a bound); {fitted}")
-        device = (", the device's memory" if p.reserved_bytes >= c.device_mem_bytes > p.needed_bytes else "")
+        device = ", the device's memory" if reserved_is_device(plan) else ""
         lines.append(f"reserved: up to {format_bytes(p.reserved_bytes)}{device} (torch.cuda.max_memory_reserved with "
                      "memory to spare: freed blocks stay cached until the allocator runs short, then it frees them)")
     elif p.reserved_bytes is not None and p.allocator_needed_bytes is None:  # a plan of autoplan 0.1
@@ -185,6 +185,13 @@ def _allocator_lines(plan: Plan) -> list[str]:
                      "llama3-8b and fell 2-5% short on llama-1b (benchmarks/RESULTS.md 11b); --fit-allocator checks "
                      "the plan's own step")
     return lines
+
+
+def reserved_is_device(plan) -> bool:
+    """Whether a plan's (or an estimate's) reserved figure is its device's memory, where the cache stops growing,
+    rather than what the allocator keeps with memory to spare."""
+    c, p = plan.cluster, plan.predicted
+    return p.reserved_bytes is not None and p.reserved_bytes >= c.device_mem_bytes > (p.needed_bytes or 0)
 
 
 def mfu_text(p) -> str:
