@@ -145,6 +145,19 @@ def test_apply_runs_cuda_ranks_with_the_plans_allocator_conf_unless_the_environm
     assert "may need more memory than planned" in warning and "--allocator-conf 'expandable_segments:False'" in warning
     conf, warning = run_allocator_conf(planned, "cuda", {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments"})
     assert conf == "expandable_segments" and "torch may refuse it" in warning
+    split = "expandable_segments:False,max_split_size_mb:256"  # natively the replay reads max_split_size_mb too
+    assert "may need more memory" in run_allocator_conf(split, "cuda", {ALLOC_CONF_ENV: "expandable_segments:False"})[1]
+    assert run_allocator_conf(split, "cuda", {ALLOC_CONF_ENV: f"{split},garbage_collection_threshold:0.8"})[1] is None
+    conf, warning = run_allocator_conf(planned, "cuda", {ALLOC_CONF_ENV: "max_split_size_mb:20"})
+    assert "max_split_size_mb takes a whole number of MiB above 20" in warning
+
+
+@pytest.mark.parametrize("value", ["20", "1.5", "big"])
+def test_a_max_split_size_torch_would_refuse_is_refused_before_any_plan_is_written(tmp_path, value):
+    done = _cli(tmp_path, "search", *TINY, "--mem", "400MB", "--allocator-conf",
+                f"expandable_segments:False,max_split_size_mb:{value}", "-o", "plan.json")
+    assert done.returncode == 2 and "max_split_size_mb takes a whole number of MiB above 20" in done.stderr
+    assert not (tmp_path / "plan.json").exists()
 
 
 @pytest.mark.parametrize("conf", ["expandable_segments:True", "expandable_segments:False"])

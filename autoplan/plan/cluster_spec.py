@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from autoplan.errors import PlanFileError
 from autoplan.solve.cluster import Cluster
 from autoplan.solve.request import Limits
-from cost_models.allocator_margin import is_expandable
+from cost_models.allocator_margin import is_expandable, max_split_size_of
 from cost_models.mesh import Mesh, MeshError
 
 __all__ = ["ClusterSpec"]
@@ -80,6 +80,14 @@ class ClusterSpec(BaseModel):
             return is_expandable(self.allocator_conf or "")
         except ValueError:
             return False
+
+    @property
+    def max_split_size(self) -> int | None:
+        """The configuration's `max_split_size_mb` in bytes (None: unset, or a configuration torch would refuse)."""
+        try:
+            return max_split_size_of(self.allocator_conf or "")
+        except ValueError:
+            return None
 
     @property
     def limits(self) -> Limits:

@@ -166,10 +166,11 @@ class AllocatorReplay:
 
 def replay_plan(plan: Plan) -> AllocatorReplay:
     """Record `plan`'s step on fake tensors and replay it through the caching allocator model of the plan's
-    configuration (expandable segments or native; native for a plan that records none)."""
+    configuration (expandable segments or native, with its `max_split_size_mb`; native for a plan that records
+    none)."""
     check_replayable(plan)
     events, _ = record_step(plan)
-    return replay_events(events, plan.cluster.expandable_segments)
+    return replay_events(events, plan.cluster.expandable_segments, plan.cluster.max_split_size)
 
 
 def replay_events(events: list[tuple], expandable: bool, max_split_size: int | None = None) -> AllocatorReplay:

@@ -52,7 +52,7 @@ from autoplan.run.procs import (
     stop_run_processes,
 )
 from autoplan.run.worker import RankResult, RunSpec
-from cost_models.allocator_margin import ALLOC_CONF_ENV, is_expandable
+from cost_models.allocator_margin import ALLOC_CONF_ENV, modelled_options
 
 __all__ = ["FAILURES_FILE", "LaunchResult", "Nodes", "RankFailure", "launch", "run_allocator_conf", "torchrun_args"]
 
@@ -115,7 +115,7 @@ def run_allocator_conf(planned: str | None, device: str, environ=os.environ) -> 
     if given is None or planned is None:
         return (planned if given is None else given), None
     try:
-        same = is_expandable(given) == is_expandable(planned)
+        same = modelled_options(given) == modelled_options(planned)
     except ValueError as exc:
         return given, f"{ALLOC_CONF_ENV}={given!r} in this environment: {exc}; torch may refuse it"
     if same:
