@@ -6,9 +6,10 @@ next large request cannot use it. llama-1b's default plan at 14GB fails so on a 
 second step's forward (64 MiB) lands in the first step's fp32 logits segment (2004 MiB), and the loss's backward
 then needs a segment more (benchmarks/RESULTS.md section 11b, "Models the bounds were not fitted on"). torch's
 `PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:N` keeps cached blocks above N MiB whole for requests of their own
-size; the replay (cost_models.allocator) models it. This prints, per plan, the native need (smallest limit plus the
-kernel workspaces, as `needed`) without it and with it at 256, 512 and 1024 MiB. Not checked on a GPU, and the
-native bound (cost_models.allocator_margin) does not model it: a figure for whether it is worth doing, not a claim.
+size; the replay (cost_models.allocator) models it, and replays a plan made for it under it. This prints, per
+plan, the native need (smallest limit plus the kernel workspaces, as `needed`) without it and with it at 256, 512
+and 1024 MiB. On an H200 at 256 MiB the GPU needed 0-1% more than these figures (four held-out plans,
+benchmarks/RESULTS.md section 9, fourth run). The native bound (cost_models.allocator_margin) does not model it.
 
 `--eager-states` adds another lever: the optimizer's states made before the first step (as zeros, what Adam's
 first step makes them), in place of torch's lazy making in the first optimizer step, where they land in the
