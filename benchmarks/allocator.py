@@ -47,7 +47,7 @@ import autoplan
 from autoplan.profile_store import load_profile
 from autoplan.run.allocator_fit import record_step, replay_events
 from cost_models.allocator import ROUND_LARGE, SEGMENT_SLACK
-from cost_models.allocator_margin import needed_of_parts
+from cost_models.allocator_margin import modelled_options, needed_of_parts
 from cost_models.allocator_replay import replay_room, run_and_min_limit, stranded
 
 PROFILE = "h100-sxm-80gb"
@@ -207,7 +207,7 @@ def default_rows(cases, configs=CONFIGS, plans: dict | None = None) -> list[dict
                     plans[key] = json.loads(plan.to_json())
                 events, _ = record_step(plan)  # as autoplan.run.allocator_fit.replay_plan, keeping the events
                 expandable = conf.endswith("True")
-                replayed = replay_events(events, expandable)
+                replayed = replay_events(events, *modelled_options(conf))  # natively with its max_split_size_mb
                 needed = replayed.needed_bytes
                 mem = plan.cluster.mem_limit_bytes
                 row = {"model": model, "seq_len": seq_len, "limit": limit, "limit_bytes": mem, "allocator_conf": conf,
@@ -291,7 +291,7 @@ def kit_rows(folder: Path) -> list[dict]:
         out = {"plan": label, "plan_key": row["plan_key"], "measured_allocated_bytes": row["cuda_max_allocated_bytes"],
                "measured_reserved_bytes": row["cuda_max_reserved_bytes"], "confs": {}}
         for conf, gpu in row.get("allocator", {}).items():
-            replayed = replay_events(events, conf.endswith("True"))
+            replayed = replay_events(events, *modelled_options(conf))
             needed, bound = replayed.needed_bytes, gpu["needed_bound_bytes"]
             out["confs"][conf] = {"replayed_allocated_bytes": replayed.allocated_bytes,
                                   "replayed_reserved_bytes": replayed.reserved_bytes, "replayed_needed_bytes": needed,
