@@ -71,7 +71,11 @@ def test_the_environments_allocator_configuration_is_planned_for_and_recorded(tm
     assert plan["predicted"]["needed_bytes"] <= 400e6 * 0.98
     unchecked = _cli(tmp_path, "search", *TINY, "--mem", "400MB", "--fit-allocator", "off", "-o", "off.json",
                      conf=native)  # natively the bound is in-sample: a plan not replayed says so, and how to check it
-    assert "not checked by replay: natively" in unchecked.stdout and "--fit-allocator" in unchecked.stdout
+    assert "not checked by replay: natively with max_split_size_mb:256 the bound held" in unchecked.stdout
+    assert "--fit-allocator checks" in unchecked.stdout
+    plain = _cli(tmp_path, "search", *TINY, "--mem", "400MB", "--fit-allocator", "off", "-o", "plain.json",
+                 conf="expandable_segments:False")
+    assert "fell 2-5% short on llama-1b" in plain.stdout and "with max_split_size_mb:256 it held" in plain.stdout
     given = _cli(tmp_path, "search", *TINY, "--mem", "400MB", "--allocator-conf", "expandable_segments:True",
                  "-o", "given.json", conf=native)  # the flag over the environment
     assert json.loads((tmp_path / "given.json").read_text())["cluster"]["allocator_conf"] == "expandable_segments:True"
