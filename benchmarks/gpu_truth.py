@@ -497,6 +497,7 @@ def stage_compute(args, profile: str, budget: Budget) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    global PEAK_MISS  # --peak-miss
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated, of {', '.join(STAGES)}")
@@ -510,7 +511,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache-dir", type=Path, default=CACHE,
                         help=f"the profile's measurement cache (default {CACHE})")
     parser.add_argument("--fetch-wheels", action="store_true", help="download the wheels into benchmarks/wheels, exit")
+    parser.add_argument("--peak-miss", type=float, default=PEAK_MISS,
+                        help=f"record the blocks alive at a grid run's peak past this miss (default {PEAK_MISS})")
     args = parser.parse_args(argv)
+    PEAK_MISS = args.peak_miss
     if args.fetch_wheels:
         return fetch_wheels()
     stages = [s for s in args.stages.split(",") if s]
