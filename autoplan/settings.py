@@ -20,7 +20,7 @@ from autoplan.errors import UsageError
 from autoplan.settings_flags import (FIT_TO, GRANULARITIES, POSITIVE_SETTINGS, Flag, check_choice, choices_of,
                                      document_fields)
 from autoplan.sizes import check_mem_limit, parse_mem_bytes
-from cost_models.allocator_margin import is_expandable
+from cost_models.allocator_conf import is_expandable
 from cost_models.attention import KERNEL_ALIASES
 from cost_models.mesh import DEFAULT_GPUS_PER_NODE, Mesh, MeshError
 from cost_models.options import DEFAULT_OPTIMIZER, DEFAULT_PRECISION, checkpoint_of_bool

@@ -47,7 +47,8 @@ import autoplan
 from autoplan.profile_store import load_profile
 from autoplan.run.allocator_fit import record_step, replay_events
 from cost_models.allocator import ROUND_LARGE, SEGMENT_SLACK
-from cost_models.allocator_margin import modelled_options, needed_of_parts
+from cost_models.allocator_conf import modelled_options
+from cost_models.allocator_margin import needed_of_parts
 from cost_models.allocator_replay import replay_room, run_and_min_limit, stranded
 
 PROFILE = "h100-sxm-80gb"

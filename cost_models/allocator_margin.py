@@ -44,18 +44,16 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from cost_models.algebra import Affine, AffineAlgebra, SparseAlgebra, summed_rows
-from cost_models.allocator import FRAGMENTATION, LARGE_BUFFER, SEGMENT_SLACK
+from cost_models.allocator import FRAGMENTATION, SEGMENT_SLACK
+from cost_models.allocator_conf import is_expandable
 from cost_models.memory import CATEGORIES, MemCategory, MemoryPoint, total
 from cost_models.options import Recompute
 
-__all__ = ["ALLOC_CONF_ENV", "DEFAULT_ALLOC_CONF", "EXPANDABLE", "EXPANDABLE_BY_SIZES", "EXPANDABLE_STRANDING",
-           "BY_MODE", "GATHERED_STRANDING", "NATIVE", "NATIVE_BY_SIZES", "Margin", "PointMargin", "allocated_within",
-           "expandable_margin", "fitted_matrix", "fitted_totals", "is_expandable", "margin_of", "max_split_size_of",
-           "modelled_options", "native_margin", "needed_bytes", "needed_of_parts", "needed_of_points", "point_margin",
-           "reserved_bytes", "selective_bytes", "SELECTIVE_RECOMPUTE"]
+__all__ = ["EXPANDABLE", "EXPANDABLE_BY_SIZES", "EXPANDABLE_STRANDING", "BY_MODE", "GATHERED_STRANDING", "NATIVE",
+           "NATIVE_BY_SIZES", "Margin", "PointMargin", "allocated_within", "expandable_margin", "fitted_matrix",
+           "fitted_totals", "margin_of", "native_margin", "needed_bytes", "needed_of_parts", "needed_of_points",
+           "point_margin", "reserved_bytes", "selective_bytes", "SELECTIVE_RECOMPUTE"]
 
-ALLOC_CONF_ENV = "PYTORCH_CUDA_ALLOC_CONF"
-DEFAULT_ALLOC_CONF = "expandable_segments:True"
 
 
 @dataclass(frozen=True)
@@ -78,48 +76,6 @@ _MARGINS = {
     True: Margin(factor=0.025, slack=(144 << 20) + SEGMENT_SLACK, reserved=1.45),
     False: Margin(factor=FRAGMENTATION, slack=SEGMENT_SLACK, reserved=1.6),
 }
-
-
-def _options(conf: str) -> dict[str, str]:
-    """A PYTORCH_CUDA_ALLOC_CONF value's KEY:VALUE options (comma-separated). ValueError for one with no value."""
-    options = {}
-    for option in filter(None, (part.strip() for part in conf.split(","))):
-        key, _, value = option.partition(":")
-        if not value:
-            raise ValueError(f"{ALLOC_CONF_ENV} option {option!r} has no value (KEY:VALUE, comma-separated)")
-        options[key.strip()] = value.strip()
-    return options
-
-
-def is_expandable(conf: str) -> bool:
-    """Whether a PYTORCH_CUDA_ALLOC_CONF value turns expandable segments on (torch's default: off). ValueError
-    for a value torch would refuse (of the options the replay models)."""
-    value = _options(conf).get("expandable_segments", "False")
-    if value not in ("True", "False"):
-        raise ValueError(f"expandable_segments takes True or False, got {value!r}")
-    max_split_size_of(conf)
-    return value == "True"
-
-
-def max_split_size_of(conf: str) -> int | None:
-    """PYTORCH_CUDA_ALLOC_CONF's `max_split_size_mb`, in bytes (None where unset): natively, cached blocks at least
-    that large are not split for smaller requests (cost_models.allocator models it; on an H200 a replay under
-    256 MiB was within 1% of the GPU's need: benchmarks/RESULTS.md section 9, fourth run). ValueError for a value
-    torch refuses: not a whole number of MiB, or not above its 20 MiB large-block size (torch 2.9 takes 20 too)."""
-    value = _options(conf).get("max_split_size_mb")
-    if value is None:
-        return None
-    if not value.isdigit() or int(value) <= LARGE_BUFFER >> 20:
-        raise ValueError(f"max_split_size_mb takes a whole number of MiB above {LARGE_BUFFER >> 20}, got {value!r}")
-    return int(value) << 20
-
-
-def modelled_options(conf: str) -> tuple[bool, int | None]:
-    """What of a PYTORCH_CUDA_ALLOC_CONF value the allocator model reads: whether segments are expandable, and
-    natively `max_split_size_mb` in bytes (torch ignores it with expandable segments). Two values alike in these are
-    one configuration to a plan. ValueError as `is_expandable`."""
-    expandable = is_expandable(conf)
-    return expandable, None if expandable else max_split_size_of(conf)
 
 
 def margin_of(conf: str) -> Margin:

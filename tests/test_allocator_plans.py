@@ -15,7 +15,8 @@ import pytest
 from autoplan.run.launch import run_allocator_conf
 from autoplan.api.prepare import prepare
 from autoplan.settings import EstimateSettings
-from cost_models.allocator_margin import ALLOC_CONF_ENV, is_expandable, needed_of_parts, point_margin
+from cost_models.allocator_conf import ALLOC_CONF_ENV, is_expandable
+from cost_models.allocator_margin import needed_of_parts, point_margin
 from cost_models.stranding import forward_stranding
 
 REPO = Path(__file__).resolve().parents[1]
@@ -178,3 +179,20 @@ def test_diff_says_a_change_that_frees_memory_fits_by_the_bound_the_plan_was_mad
     assert done.returncode == 0, done.stderr
     changes = json.loads(done.stdout)["changes"]
     assert changes and all(c["peak_change_bytes"] <= 0 and c["fits"] for c in changes)
+
+
+def test_allocator_options_the_model_does_not_follow_are_named_in_the_report_and_the_estimate(tmp_path):
+    """PYTORCH_CUDA_ALLOC_CONF options that change what a step needs, which neither the bound nor the replay reads,
+    are named beside the needed figure; the options the model reads are not."""
+    gc = "expandable_segments:True,garbage_collection_threshold:0.8"
+    done = _cli(tmp_path, "search", *TINY, "--mem", "400MB", "--fit-allocator", "off", "-o", "plan.json", conf=gc)
+    assert done.returncode == 0, done.stderr
+    assert "not modelled: garbage_collection_threshold:0.8 (frees cached blocks early" in done.stdout
+    estimate = _cli(tmp_path, "estimate", *TINY, "--mem", "400MB", "--strategy", "shard",
+                    conf="backend:cudaMallocAsync,roundup_power2_divisions:4")
+    assert estimate.returncode == 0, estimate.stderr
+    assert "not modelled: backend:cudaMallocAsync (a backend other than torch's caching allocator" in estimate.stdout
+    assert "roundup_power2_divisions:4 (rounds requests up" in estimate.stdout and "default for them" in estimate.stdout
+    plain = _cli(tmp_path, "estimate", *TINY, "--mem", "400MB", "--strategy", "shard",
+                 conf="expandable_segments:False,max_split_size_mb:256,backend:native")
+    assert plain.returncode == 0 and "not modelled" not in plain.stdout

@@ -28,7 +28,7 @@ from autoplan.solve.pins import PinResolution, resolve_pins
 from autoplan.solve.request import Batch, Limits, ModelInfo, PlanRequest, Uniform
 from autoplan.solve.tables import CostTables
 from autoplan.tracing.units import wrap_paths
-from cost_models.allocator_margin import ALLOC_CONF_ENV, DEFAULT_ALLOC_CONF, is_expandable
+from cost_models.allocator_conf import ALLOC_CONF_ENV, DEFAULT_ALLOC_CONF, is_expandable
 from cost_models.evaluate import checkpoint_name
 from cost_models.mesh import Mesh, MeshError
 from cost_models.options import DEFAULT_SHARDING, SHARDING_KINDS

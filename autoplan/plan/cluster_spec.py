@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from autoplan.errors import PlanFileError
 from autoplan.solve.cluster import Cluster
 from autoplan.solve.request import Limits
-from cost_models.allocator_margin import is_expandable, max_split_size_of
+from cost_models.allocator_conf import is_expandable, max_split_size_of
 from cost_models.mesh import Mesh, MeshError
 
 __all__ = ["ClusterSpec"]

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from autoplan.plan.pipeline_report import pipeline_lines
 from autoplan.plan.pipeline_spec import PipelineSpec
-from autoplan.plan.report import mfu_text, pricing_lines, reserved_is_device, sequence_text, throughput_text
+from autoplan.plan.report import (mfu_text, pricing_lines, reserved_is_device, sequence_text, throughput_text,
+                                  unmodelled_text)
 from autoplan.plan.schema import ClusterSpec, ModelRef, Prediction, TrainingSpec, UnitDecision, _Strict
 from autoplan.sizes import format_bytes
 from cost_models.memory import MemCategory
@@ -98,6 +99,8 @@ def format_estimate(est: Estimate, timeline: bool = False) -> str:
             "memory to spare" + ("; the device's memory: the allocator frees its cache before it would pass it)"
                                  if reserved_is_device(est) else ")"),
         ]
+        if caveat := unmodelled_text(c.allocator_conf):
+            lines.append(f"  {caveat}")
     lines += [
         f"valley (held after the step: parameters, gradients, optimizer states) {format_bytes(est.model_state_bytes)} "
         "per GPU",

@@ -13,6 +13,7 @@ from typing import Any
 from autoplan.pins import path_groups
 from autoplan.plan.pipeline_report import pipeline_lines
 from autoplan.sizes import format_bytes
+from cost_models.allocator_conf import unmodelled_options
 
 Plan = UnitDecision = ModelRef = Any  # autoplan.plan.schema's records, read by their fields
 
@@ -170,6 +171,8 @@ def _allocator_lines(plan: Plan) -> list[str]:
                   f"{alone}: it may run out on the GPU" if p.needed_bytes > c.mem_limit_bytes else alone)
         lines.append(f"needed (CUDA caching allocator, {c.allocator_conf}): {format_bytes(p.needed_bytes)}, the live "
                      f"peak with the allocator's rounding, per-stream pages and kernel workspaces (a bound); {fitted}")
+        if caveat := unmodelled_text(c.allocator_conf):
+            lines.append(f"  {caveat}")
         device = ", the device's memory" if reserved_is_device(plan) else ""
         lines.append(f"reserved: up to {format_bytes(p.reserved_bytes)}{device} (torch.cuda.max_memory_reserved with "
                      "memory to spare: freed blocks stay cached until the allocator runs short, then it frees them)")
@@ -193,6 +196,16 @@ def _native_bound_record(max_split_size: int | None) -> str:
                 "RESULTS.md 11b (five models; on an H200 those steps needed at most 1% more than their replays)")
     return ("natively the bound is fitted on replays of gpt2-1.5b, llama2-7b and llama3-8b and fell 2-5% short on "
             "llama-1b (benchmarks/RESULTS.md 11b; with max_split_size_mb:256 it held them all)")
+
+
+def unmodelled_text(conf: str | None) -> str | None:
+    """A line naming the allocator options of `conf` that the needed figure does not follow (None: there are none)."""
+    try:
+        unmodelled = unmodelled_options(conf or "")
+    except ValueError:  # a configuration torch would refuse: `apply` says so
+        return None
+    return (f"not modelled: {'; '.join(unmodelled)}. The needed figure and a replay take torch's default for "
+            f"{'them' if len(unmodelled) > 1 else 'it'}" if unmodelled else None)
 
 
 def reserved_is_device(plan) -> bool:

@@ -52,7 +52,7 @@ from autoplan.run.procs import (
     stop_run_processes,
 )
 from autoplan.run.worker import RankResult, RunSpec
-from cost_models.allocator_margin import ALLOC_CONF_ENV, modelled_options
+from cost_models.allocator_conf import ALLOC_CONF_ENV, modelled_options
 
 __all__ = ["FAILURES_FILE", "LaunchResult", "Nodes", "RankFailure", "launch", "run_allocator_conf", "torchrun_args"]
 

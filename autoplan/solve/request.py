@@ -23,7 +23,8 @@ from autoplan.solve.cluster import Cluster
 from autoplan.solve.pins import PinResolution
 from autoplan.solve.rows import sparse_rows
 from autoplan.solve.tables import CostTables, micro_batch_candidates
-from cost_models.allocator_margin import allocated_within, is_expandable, needed_bytes, point_margin
+from cost_models.allocator_conf import is_expandable
+from cost_models.allocator_margin import allocated_within, needed_bytes, point_margin
 from cost_models.mesh import Mesh
 from cost_models.stranding import forward_stranding
 from cost_models.table import CostTable
