@@ -81,7 +81,8 @@ def main(argv=None) -> int:
     parser.add_argument("--datasheet", default="h200-sxm-141gb", help="the shipped profile to price beside them")
     args = parser.parse_args(argv)
     from autoplan.profile_store import load_profile, save_profile
-    from autoplan.run.fake_world import predicted_compute_s
+    from autoplan.api.inspect import plan_table
+    from autoplan.run.fake_world_prediction import predicted_compute_s
     from autoplan.plan.schema import Plan
 
     profile = load_profile(str(args.profile))
@@ -113,8 +114,10 @@ def main(argv=None) -> int:
         print("\nfake-world compute (collectives free), ms: measured | " + " | ".join(profiles))
     for row in rows:
         plan = Plan.model_validate(plans[row["plan_key"]])
+        costed = [plan_table(plan.model_copy(update={"cluster": plan.cluster.model_copy(update={"profile": p})}))
+                  for p in profiles.values()]  # its cost table on each profile: FSDP2's per-unit overhead counted
         print(f"  {row['plan_key']:36s} " + _figures(row["measured_compute_s"],
-                                                     [predicted_compute_s(priced(plan, p)) for p in profiles.values()]))
+                                                     [predicted_compute_s(*c) for c in costed]))
     return 0
 
 

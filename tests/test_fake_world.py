@@ -71,6 +71,11 @@ def test_cuda_profile_plan_is_its_own_headline(tmp_path):
     assert result.gloo_copy_bytes == 0
     assert result.predicted_peak_bytes == result.plan_predicted_peak_bytes == plan.predicted.peak_mem_bytes
     assert result.prediction_basis == "the plan's own (h100-sxm-80gb)"
+    # the compute-only step counts FSDP2's per-unit overhead (hooks, copy-in and copy-out run on a fake group too),
+    # which the units' predictions in the plan file leave out and the step time counts
+    units = sum(u.predicted.fwd_s + u.predicted.bwd_s + u.predicted.optimizer_s for u in plan.units)
+    assert units < result.predicted_compute_s < plan.predicted.step_time_s
+    assert not any("per-unit overhead" in note for note in result.not_exercised)
 
 
 def test_api_fake_world_at_64_ranks(tmp_path):

@@ -10,7 +10,8 @@ run holds, short of what the collectives themselves allocate inside the backend.
 
 What a fake world cannot exercise, and says so in its result (`not_exercised`):
 - the collectives' time: the step time is compute only, compared with the plan's predicted compute
-  (the units' predicted forward and backward, times the accumulation steps, plus the optimizer step);
+  (the units' predicted forward and backward and FSDP2's per-unit overhead, times the accumulation steps, plus
+  the optimizer step: autoplan.run.fake_world_prediction);
 - on a CPU profile (gloo), gloo's copy of each reduce-scatter input: the plan's prediction counts it
   (cost_models/table.py, _gloo_copy_bytes), the fake backend allocates nothing. So the prediction the
   run is compared with (`predicted_peak_bytes`, the headline) is the plan's decisions costed again on the
@@ -25,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import statistics
 from dataclasses import dataclass, field
@@ -35,24 +35,20 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from autoplan.api.inspect import plan_table
 from autoplan.errors import AutoplanError, UsageError
 from autoplan.fileio import write_text_atomic
-from autoplan.plan.assemble import prediction
-from autoplan.plan.schema import Plan, Prediction, load_plan
+from autoplan.plan.schema import Plan, load_plan
 from autoplan.profile_store import load_profile
 from autoplan.run.apply import DEFAULT_LR, apply, materialise, resolve_plan_model
 from autoplan.run.attention import check_attention, planned_attention
 from autoplan.run.data import BatchShape, SyntheticTokens, vocab_size_of
+from autoplan.run.fake_world_prediction import Headline
+from autoplan.run.fake_world_prediction import headline as prediction_headline
 from autoplan.run.memtrack import RankMemory
 from autoplan.run.report import PHASES, predicted_phase_peaks
-from autoplan.run.stage_report import stage_prediction
 from autoplan.run.tp import training_context
 from autoplan.run.worker import RankResult, TrainingRun, train_measured, train_untracked
 from autoplan.sizes import format_bytes
-from cost_models.evaluate import evaluate
-from cost_models.options import PRECISIONS, SHARDING_KINDS, Dtype
-from cost_models.table import without_gloo_copy
 
 __all__ = ["FakeWorldOptions", "FakeWorldResult", "format_fake_world", "run_fake_world"]
 
@@ -83,7 +79,7 @@ class FakeWorldResult:
     plan_predicted_peak_bytes: int  # the plan's own prediction (on a CPU profile: gloo's copies counted)
     prediction_basis: str  # what `predicted_peak_bytes` is, in words
     gloo_copy_bytes: int  # the largest unit's gloo copy: at most plan's - run's prediction (0 on a CUDA profile)
-    predicted_compute_s: float  # accum x (units' fwd + bwd) + their optimizer step: no collectives
+    predicted_compute_s: float  # accum x (units' fwd + bwd + FSDP2 overhead) + optimizer step: no collectives
     measured_compute_s: float  # median step time, collectives free (tracker off on the CPU)
     predicted_step_s: float  # the plan's whole step (collectives and per-unit overheads included), for reference
     step_times_s: list[float] = field(default_factory=list)  # measured steps (tracker on, on the CPU)
@@ -130,16 +126,6 @@ class FakeWorldOptions:
     rank: int = 0  # the rank of the world run here: a pipelined plan's stage is the one this rank runs
 
 
-@dataclass(frozen=True)
-class _Headline:
-    """The prediction a fake-world run is compared with, and how it was made (see the module's docstring)."""
-
-    plan: Plan  # the plan, its prediction costed again with every reduction in place where that changes it
-    basis: str  # what the prediction is, in words
-    gloo_copy_bytes: int  # the largest unit's gloo copy (0 on a CUDA profile)
-    recosted: bool  # whether the plan was costed again without gloo's copy
-
-
 def run_fake_world(plan: Plan | str | os.PathLike, steps: int = 3, model: str | None = None, *, warmup: int = 1,
                    device: str | None = None, options: FakeWorldOptions | None = None, log=None) -> FakeWorldResult:
     """Run `plan` here as rank 0 of its world (`plan.cluster.world_size` ranks) on a fake process group:
@@ -158,7 +144,7 @@ def run_fake_world(plan: Plan | str | os.PathLike, steps: int = 3, model: str | 
     if device not in ("cpu", "cuda") or (device == "cuda" and not torch.cuda.is_available()):
         raise UsageError(f"`device` must be 'cpu' or 'cuda' (with a GPU present), got {device!r}")
     resolved = resolve_plan_model(plan, model, plan_file)  # before the group: a missing factory fails here
-    headline = _headline(plan, resolved, profile_device, options.rank)
+    headline = prediction_headline(plan, resolved, profile_device, options.rank)
     check_attention(plan, device)
     result, cuda_peaks = _run_rank_zero(plan, resolved.module, device, (warmup, steps), options, log)
 
@@ -175,13 +161,13 @@ def run_fake_world(plan: Plan | str | os.PathLike, steps: int = 3, model: str | 
         measured_phase_bytes=dict(result.phase_peak_bytes_by_step[-1]),
         plan_predicted_peak_bytes=plan.predicted.peak_mem_bytes, prediction_basis=headline.basis,
         gloo_copy_bytes=headline.gloo_copy_bytes,
-        predicted_compute_s=predicted_compute_s(plan), measured_compute_s=statistics.median(timed),
+        predicted_compute_s=headline.compute_s, measured_compute_s=statistics.median(timed),
         predicted_step_s=plan.predicted.step_time_s,
         step_times_s=result.step_times_s[warmup:], untracked_step_times_s=result.untracked_step_times_s,
         cuda_max_allocated_bytes=cuda_peaks[0], cuda_max_reserved_bytes=cuda_peaks[1],
         predicted_host_bytes=plan.predicted.host_mem_bytes, measured_host_bytes=result.host_state_bytes,
         rank=options.rank,
-        not_exercised=_not_exercised(plan, profile_device, device, headline.gloo_copy_bytes, headline.recosted),
+        not_exercised=_not_exercised(plan, profile_device, device, headline),
     )
 
 
@@ -196,21 +182,6 @@ def _check_fake_world(plan: Plan, steps: int, warmup: int) -> None:
     if dist.is_available() and dist.is_initialized():
         raise UsageError("a process group is already initialised in this process; a fake-world run makes its own "
                          "(call torch.distributed.destroy_process_group() first)")
-
-
-def _headline(plan: Plan, resolved, profile_device: str, rank: int) -> _Headline:
-    """On a CPU profile: the plan's decisions costed again with every reduction in place (no gloo on a fake
-    group), where the profile is here; else the plan's own prediction. A pipelined plan: the stage's."""
-    if plan.pipeline is not None:
-        return _Headline(plan.model_copy(update={"predicted": stage_prediction(plan, rank)}),
-                         "the plan's prediction for the stage(s) this rank runs", 0, False)
-    gloo_copy = _gloo_copy_bytes(plan) if profile_device != "cuda" else 0
-    in_place = _costed_in_place(plan, resolved) if gloo_copy else None
-    if in_place is None:
-        return _Headline(plan, f"the plan's own ({plan.cluster.profile})", gloo_copy, False)
-    return _Headline(plan.model_copy(update={"predicted": in_place}),
-                     f"the plan's decisions on {plan.cluster.profile}, every reduction in place (no gloo on a fake "
-                     "group)", gloo_copy, True)
 
 
 def _run_rank_zero(plan: Plan, module: torch.nn.Module, device: str, warmup_and_steps: tuple[int, int],
@@ -251,42 +222,6 @@ def _run_rank_zero(plan: Plan, module: torch.nn.Module, device: str, warmup_and_
         dist.destroy_process_group()
 
 
-def predicted_compute_s(plan: Plan) -> float:
-    """The plan's predicted step time without collectives: per micro-batch every unit's forward and
-    backward (recompute included), times the accumulation steps, plus every unit's optimizer step."""
-    units = [unit.predicted for unit in plan.units]
-    per_micro_batch = sum(u.fwd_s + u.bwd_s for u in units)
-    return plan.training.grad_accum_steps * per_micro_batch + sum(u.optimizer_s for u in units)
-
-
-def _gloo_copy_bytes(plan: Plan) -> int:
-    """The largest reduce-scatter input of a sharded unit (padded to the shard group, reduce dtype): the
-    most that gloo's copy of it adds to a CPU prediction at any one time."""
-    mesh = plan.cluster.mesh
-    reduce_bytes = Dtype(PRECISIONS[plan.training.dtype].reduce_dtype).bytes
-    largest = 0
-    for unit in plan.units:
-        shard = mesh.shard_size(SHARDING_KINDS[unit.sharding].shard_group)
-        if shard > 1:
-            numel = sum(math.ceil(math.prod(s) / shard) * shard if s else shard for s in unit.param_shapes.values())
-            largest = max(largest, numel * reduce_bytes)
-    return largest
-
-
-def _costed_in_place(plan: Plan, resolved) -> Prediction | None:
-    """The plan's decisions costed again on the plan's own profile as a backend that reduces in place holds
-    them (cost_models.table.without_gloo_copy): its prediction with gloo's copies left out and nothing else
-    changed. A tensor-parallel plan is costed on the per-rank view its degree's search used (its mesh's
-    tables, autoplan.api.inspect.plan_table). None where the plan cannot be costed again here (its profile is not available)."""
-    try:
-        load_profile(plan.cluster.profile)
-    except AutoplanError:
-        return None
-    _, table, choices = plan_table(plan, resolved)
-    in_place = without_gloo_copy(table)
-    return prediction(in_place, evaluate(in_place, choices), plan.cluster.allocator_conf)
-
-
 def _profile_device(plan: Plan) -> str:
     try:
         return load_profile(plan.cluster.profile).device_type
@@ -294,9 +229,13 @@ def _profile_device(plan: Plan) -> str:
         return "cpu" if plan.cluster.profile.startswith("cpu") else "cuda"
 
 
-def _not_exercised(plan: Plan, profile_device: str, device: str, gloo_copy: int, recosted: bool) -> list[str]:
+def _not_exercised(plan: Plan, profile_device: str, device: str, headline: Headline) -> list[str]:
+    gloo_copy, recosted = headline.gloo_copy_bytes, headline.recosted
     notes = [("collectives: they return at once and move no data, so the step time is compute only and the "
               "losses are not the real run's")]
+    if not headline.overhead_priced:
+        notes.append("FSDP2's per-unit overhead (hooks, copy-in and copy-out), which the step runs: the compute "
+                     "prediction leaves it out (the plan's profile is not here, or the plan is pipelined)")
     if gloo_copy and recosted:
         notes.append(f"gloo's copy of a reduce-scatter input, which the plan's {plan.cluster.profile} prediction "
                      f"counts (up to {format_bytes(gloo_copy)}, the largest unit's): no gloo on a fake group, so "
