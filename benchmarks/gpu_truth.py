@@ -310,9 +310,9 @@ def _run_under(plan, device: str, conf: str | None, gpu_mem: int | None) -> dict
     from autoplan.errors import AutoplanError
     from autoplan.run.fake_world import run_fake_world
     from autoplan.run.memtrack import allocation_failure
+    from cost_models.allocator_conf import is_expandable
     from cost_models.allocator_margin import (
         SELECTIVE_RECOMPUTE,
-        is_expandable,
         needed_bytes,
         needed_of_parts,
         reserved_bytes,

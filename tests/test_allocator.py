@@ -16,8 +16,8 @@ from cost_models.allocator import (
     round_size,
     segment_size,
 )
+from cost_models.allocator_conf import ALLOC_CONF_ENV
 from cost_models.allocator_margin import (
-    ALLOC_CONF_ENV,
     expandable_margin,
     needed_bytes,
     needed_of_parts,
