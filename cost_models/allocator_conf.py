@@ -1,4 +1,4 @@
-"""PYTORCH_CUDA_ALLOC_CONF as autoplan's allocator model reads it.
+"""PYTORCH_CUDA_ALLOC_CONF (or PYTORCH_ALLOC_CONF) as autoplan's allocator model reads it.
 
 Why: what a CUDA step needs beyond its live bytes depends on the caching allocator's configuration. The model
 (cost_models.allocator, .expandable_segments; the bounds of cost_models.allocator_margin) reads two of its options:
@@ -8,19 +8,42 @@ following them (UNMODELLED): a plan made under one says so rather than claim a f
 
 from __future__ import annotations
 
+import os
+import re
+from collections.abc import Mapping
+
 from cost_models.allocator import LARGE_BUFFER
 
-__all__ = ["ALLOC_CONF_ENV", "DEFAULT_ALLOC_CONF", "UNMODELLED", "is_expandable", "max_split_size_of",
-           "modelled_options", "unmodelled_options"]
+__all__ = ["ALLOC_CONF_ENV", "ALLOC_CONF_ENVS", "DEFAULT_ALLOC_CONF", "UNMODELLED", "environment_conf", "is_expandable",
+           "max_split_size_of", "modelled_options", "unmodelled_options"]
 
-ALLOC_CONF_ENV = "PYTORCH_CUDA_ALLOC_CONF"
+ALLOC_CONF_ENV = "PYTORCH_CUDA_ALLOC_CONF"  # the one `autoplan apply` sets for a plan's ranks
+ALLOC_CONF_ENVS = (ALLOC_CONF_ENV, "PYTORCH_ALLOC_CONF")  # both name torch's configuration (the second since 2.9)
 DEFAULT_ALLOC_CONF = "expandable_segments:True"
+_OPTION_COMMA = re.compile(r",(?![^\[]*\])")  # a comma outside brackets (roundup_power2_divisions:[64:8,>:1])
+
+
+def environment_conf(environ: Mapping[str, str] = os.environ) -> tuple[str, str] | None:
+    """The allocator configuration an environment gives torch: the variable of ALLOC_CONF_ENVS that sets one and
+    its value (None: neither does). Torch reads the first set; releases have differed in which they read first, so
+    where both are set and differ in what the model reads, ValueError."""
+    given = [(name, environ[name]) for name in ALLOC_CONF_ENVS if environ.get(name)]
+    if len(given) == 2 and given[0][1] != given[1][1]:
+        try:
+            alike = modelled_options(given[0][1]) == modelled_options(given[1][1])
+        except ValueError:
+            alike = False
+        if not alike:
+            raise ValueError(f"{given[0][0]}={given[0][1]!r} and {given[1][0]}={given[1][1]!r} are both set and "
+                             "differ, and torch releases differ in which one they apply: unset one")
+    return given[0] if given else None
 
 
 def _options(conf: str) -> dict[str, str]:
-    """A PYTORCH_CUDA_ALLOC_CONF value's KEY:VALUE options (comma-separated). ValueError for one with no value."""
+    """A PYTORCH_CUDA_ALLOC_CONF value's KEY:VALUE options (comma-separated, a bracketed value's commas its own).
+    ValueError for one with no value."""
     options = {}
-    for option in filter(None, (part.strip() for part in conf.split(","))):
+    for option in filter(None, (part.strip() for part in _OPTION_COMMA.split(conf))):
         key, _, value = option.partition(":")
         if not value:
             raise ValueError(f"{ALLOC_CONF_ENV} option {option!r} has no value (KEY:VALUE, comma-separated)")

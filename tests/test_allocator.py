@@ -16,7 +16,7 @@ from cost_models.allocator import (
     round_size,
     segment_size,
 )
-from cost_models.allocator_conf import ALLOC_CONF_ENV
+from cost_models.allocator_conf import ALLOC_CONF_ENVS
 from cost_models.allocator_margin import (
     expandable_margin,
     needed_bytes,
@@ -106,7 +106,8 @@ def traced():
 
 
 def test_a_cuda_plan_carries_what_the_allocator_needs_and_a_cpu_plan_does_not(traced, monkeypatch):
-    monkeypatch.delenv(ALLOC_CONF_ENV, raising=False)
+    for name in ALLOC_CONF_ENVS:
+        monkeypatch.delenv(name, raising=False)
     cuda = autoplan.search(traced, "80GB", gpus=2, profile="h100-sxm-80gb")
     p = cuda.predicted
     assert cuda.cluster.allocator_conf == "expandable_segments:True" and cuda.cluster.mem_fitted_to == "needed"

@@ -15,7 +15,7 @@ import pytest
 from autoplan.run.launch import run_allocator_conf
 from autoplan.api.prepare import prepare
 from autoplan.settings import EstimateSettings
-from cost_models.allocator_conf import ALLOC_CONF_ENV, is_expandable
+from cost_models.allocator_conf import ALLOC_CONF_ENV, ALLOC_CONF_ENVS, is_expandable
 from cost_models.allocator_margin import needed_of_parts, point_margin
 from cost_models.stranding import forward_stranding
 
@@ -23,11 +23,12 @@ REPO = Path(__file__).resolve().parents[1]
 TINY = ["--model", "gpt2-tiny", "--gpus", "2", "--seq-len", "64", "--profile", "h100-sxm-80gb"]
 
 
-def _cli(tmp_path: Path, *args: str, conf: str | None = None) -> subprocess.CompletedProcess:
+def _cli(tmp_path: Path, *args: str, conf: str | None = None, var: str = ALLOC_CONF_ENV) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env.pop(ALLOC_CONF_ENV, None)
+    for name in ALLOC_CONF_ENVS:
+        env.pop(name, None)
     if conf is not None:
-        env[ALLOC_CONF_ENV] = conf
+        env[var] = conf
     return subprocess.run([sys.executable, "-m", "autoplan", *args], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=900)
 
@@ -81,6 +82,8 @@ def test_the_environments_allocator_configuration_is_planned_for_and_recorded(tm
                  "-o", "given.json", conf=native)  # the flag over the environment
     assert json.loads((tmp_path / "given.json").read_text())["cluster"]["allocator_conf"] == "expandable_segments:True"
     assert given.returncode == 0
+    newer = _cli(tmp_path, "search", *TINY, "--mem", "400MB", "-o", "newer.json", conf=native, var="PYTORCH_ALLOC_CONF")
+    assert json.loads((tmp_path / "newer.json").read_text())["cluster"]["allocator_conf"] == native, newer.stderr
     bad = _cli(tmp_path, "search", *TINY, "--mem", "400MB", "-o", "bad.json", conf="expandable_segments:maybe")
     assert bad.returncode == 2 and "expandable_segments takes True or False" in bad.stderr
     assert not (tmp_path / "bad.json").exists()
@@ -155,6 +158,11 @@ def test_apply_runs_cuda_ranks_with_the_plans_allocator_conf_unless_the_environm
     assert run_allocator_conf(split, "cuda", {ALLOC_CONF_ENV: f"{split},garbage_collection_threshold:0.8"})[1] is None
     conf, warning = run_allocator_conf(planned, "cuda", {ALLOC_CONF_ENV: "max_split_size_mb:20"})
     assert "max_split_size_mb takes a whole number of MiB above 20" in warning
+    newer = {"PYTORCH_ALLOC_CONF": "expandable_segments:False"}  # torch's other name for it (2.9 and later)
+    conf, warning = run_allocator_conf(planned, "cuda", newer)
+    assert conf == "expandable_segments:False" and "PYTORCH_ALLOC_CONF='expandable_segments:False'" in warning
+    both = {**newer, ALLOC_CONF_ENV: planned}  # differing: which applies depends on torch's release
+    assert "are both set and differ" in run_allocator_conf(planned, "cuda", both)[1]
 
 
 @pytest.mark.parametrize("value", ["20", "1.5", "big"])
@@ -189,10 +197,11 @@ def test_allocator_options_the_model_does_not_follow_are_named_in_the_report_and
     assert done.returncode == 0, done.stderr
     assert "not modelled: garbage_collection_threshold:0.8 (frees cached blocks early" in done.stdout
     estimate = _cli(tmp_path, "estimate", *TINY, "--mem", "400MB", "--strategy", "shard",
-                    conf="backend:cudaMallocAsync,roundup_power2_divisions:4")
+                    conf="backend:cudaMallocAsync,roundup_power2_divisions:[256:4,>:1]")
     assert estimate.returncode == 0, estimate.stderr
     assert "not modelled: backend:cudaMallocAsync (a backend other than torch's caching allocator" in estimate.stdout
-    assert "roundup_power2_divisions:4 (rounds requests up" in estimate.stdout and "default for them" in estimate.stdout
+    assert "roundup_power2_divisions:[256:4,>:1] (rounds requests up" in estimate.stdout
+    assert "default for them" in estimate.stdout
     plain = _cli(tmp_path, "estimate", *TINY, "--mem", "400MB", "--strategy", "shard",
                  conf="expandable_segments:False,max_split_size_mb:256,backend:native")
     assert plain.returncode == 0 and "not modelled" not in plain.stdout

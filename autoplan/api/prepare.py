@@ -10,7 +10,6 @@ left out from the plan, and its model from the plan's data only (never code the 
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -28,7 +27,7 @@ from autoplan.solve.pins import PinResolution, resolve_pins
 from autoplan.solve.request import Batch, Limits, ModelInfo, PlanRequest, Uniform
 from autoplan.solve.tables import CostTables
 from autoplan.tracing.units import wrap_paths
-from cost_models.allocator_conf import ALLOC_CONF_ENV, DEFAULT_ALLOC_CONF, is_expandable
+from cost_models.allocator_conf import DEFAULT_ALLOC_CONF, environment_conf, is_expandable
 from cost_models.evaluate import checkpoint_name
 from cost_models.mesh import Mesh, MeshError
 from cost_models.options import DEFAULT_SHARDING, SHARDING_KINDS
@@ -82,15 +81,22 @@ def prepare(settings: PlanningSettings, plan: Plan | None = None, plan_file: Pat
 
 
 def allocator_conf(settings: PlanningSettings, cluster: Cluster) -> str | None:
-    """The PYTORCH_CUDA_ALLOC_CONF a CUDA run of the plan uses: as given, else the environment's, else expandable
-    segments (what `autoplan apply` sets); None where the profile's device has no CUDA caching allocator."""
+    """The PYTORCH_CUDA_ALLOC_CONF a CUDA run of the plan uses: as given, else the environment's
+    (PYTORCH_CUDA_ALLOC_CONF or PYTORCH_ALLOC_CONF), else expandable segments (what `autoplan apply` sets); None
+    where the profile's device has no CUDA caching allocator."""
     if cluster.profile.device_type != "cuda":
         return None
-    conf = settings.allocator_conf or os.environ.get(ALLOC_CONF_ENV) or DEFAULT_ALLOC_CONF
+    if settings.allocator_conf:  # validated with the settings
+        return settings.allocator_conf
+    try:
+        given = environment_conf()
+    except ValueError as exc:
+        raise UsageError(f"{exc} (or give --allocator-conf)") from None
+    name, conf = given or ("the default", DEFAULT_ALLOC_CONF)
     try:
         is_expandable(conf)
     except ValueError as exc:
-        raise UsageError(f"{ALLOC_CONF_ENV}={conf!r} in the environment: {exc}") from None
+        raise UsageError(f"{name}={conf!r} in the environment: {exc}") from None
     return conf
 
 

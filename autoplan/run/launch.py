@@ -52,7 +52,7 @@ from autoplan.run.procs import (
     stop_run_processes,
 )
 from autoplan.run.worker import RankResult, RunSpec
-from cost_models.allocator_conf import ALLOC_CONF_ENV, modelled_options
+from cost_models.allocator_conf import ALLOC_CONF_ENV, environment_conf, modelled_options
 
 __all__ = ["FAILURES_FILE", "LaunchResult", "Nodes", "RankFailure", "launch", "run_allocator_conf", "torchrun_args"]
 
@@ -108,19 +108,24 @@ def torchrun_args(spec_path: Path, nproc: int, nodes: Nodes | None = None) -> li
 
 def run_allocator_conf(planned: str | None, device: str, environ=os.environ) -> tuple[str | None, str | None]:
     """The PYTORCH_CUDA_ALLOC_CONF a run's ranks use, and a warning when it is not the one the plan was fitted
-    to: the environment's where it sets one, else the plan's (None: torch's default; a CPU run has none)."""
+    to: the environment's where it sets one (PYTORCH_CUDA_ALLOC_CONF or PYTORCH_ALLOC_CONF), else the plan's (None:
+    torch's default; a CPU run has none)."""
     if device != "cuda":
         return None, None
-    given = environ.get(ALLOC_CONF_ENV)
-    if given is None or planned is None:
-        return (planned if given is None else given), None
+    try:
+        found = environment_conf(environ)
+    except ValueError as exc:  # both variables, differing: the first is the one recorded
+        return environ[ALLOC_CONF_ENV], f"{exc}; the run may not use the configuration the plan was fitted to"
+    if found is None or planned is None:
+        return (planned if found is None else found[1]), None
+    name, given = found
     try:
         same = modelled_options(given) == modelled_options(planned)
     except ValueError as exc:
-        return given, f"{ALLOC_CONF_ENV}={given!r} in this environment: {exc}; torch may refuse it"
+        return given, f"{name}={given!r} in this environment: {exc}; torch may refuse it"
     if same:
         return given, None
-    return given, (f"{ALLOC_CONF_ENV}={given!r} in this environment, while the plan was fitted to what the caching "
+    return given, (f"{name}={given!r} in this environment, while the plan was fitted to what the caching "
                    f"allocator needs under {planned!r}: the run may need more memory than planned. Unset it, or "
                    f"search again with --allocator-conf {given!r}")
 
