@@ -7,6 +7,7 @@ import json
 import pytest
 
 import autoplan
+from autoplan.errors import UsageError
 from autoplan.plan.report import format_plan
 from autoplan.plan.schema import Plan
 from cost_models.allocator import (
@@ -176,3 +177,17 @@ def test_expandable_segments_merge_freed_blocks_and_count_requests_like_the_nati
     assert a.reserved == 20 * MiB and a.segments == 1
     with pytest.raises(ValueError, match="freed twice"):
         a.free(blocks[0])
+
+
+def test_two_differing_allocator_configurations_in_the_environment_are_refused(traced, monkeypatch):
+    """PYTORCH_CUDA_ALLOC_CONF and PYTORCH_ALLOC_CONF both name torch's allocator configuration, and torch releases
+    differ in which they apply: set both, differing in what the model reads, and no plan is made for either."""
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:False")
+    with pytest.raises(UsageError, match="are both set and differ.*or give --allocator-conf"):
+        autoplan.search(traced, "80GB", gpus=2, profile="h100-sxm-80gb")
+    plan = autoplan.search(traced, "80GB", gpus=2, profile="h100-sxm-80gb", allocator_conf="expandable_segments:False")
+    assert plan.cluster.allocator_conf == "expandable_segments:False"  # the flag decides
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:True,garbage_collection_threshold:0.8")
+    assert autoplan.search(traced, "80GB", gpus=2, profile="h100-sxm-80gb").cluster.allocator_conf == (
+        "expandable_segments:True")  # alike in what the model reads: PYTORCH_CUDA_ALLOC_CONF, read first
