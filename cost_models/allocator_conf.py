@@ -18,15 +18,15 @@ __all__ = ["ALLOC_CONF_ENV", "ALLOC_CONF_ENVS", "DEFAULT_ALLOC_CONF", "UNMODELLE
            "max_split_size_of", "modelled_options", "unmodelled_options"]
 
 ALLOC_CONF_ENV = "PYTORCH_CUDA_ALLOC_CONF"  # the one `autoplan apply` sets for a plan's ranks
-ALLOC_CONF_ENVS = (ALLOC_CONF_ENV, "PYTORCH_ALLOC_CONF")  # both name torch's configuration (the second since 2.9)
+ALLOC_CONF_ENVS = (ALLOC_CONF_ENV, "PYTORCH_ALLOC_CONF")  # both name torch's configuration (the second newer)
 DEFAULT_ALLOC_CONF = "expandable_segments:True"
 _OPTION_COMMA = re.compile(r",(?![^\[]*\])")  # a comma outside brackets (roundup_power2_divisions:[64:8,>:1])
 
 
 def environment_conf(environ: Mapping[str, str] = os.environ) -> tuple[str, str] | None:
     """The allocator configuration an environment gives torch: the variable of ALLOC_CONF_ENVS that sets one and
-    its value (None: neither does). Torch reads the first set; releases have differed in which they read first, so
-    where both are set and differ in what the model reads, ValueError."""
+    its value, PYTORCH_CUDA_ALLOC_CONF's where both are (None: neither is). Torch releases have differed in which
+    of the two they read first, so where both are set and differ in what the model reads, ValueError."""
     given = [(name, environ[name]) for name in ALLOC_CONF_ENVS if environ.get(name)]
     if len(given) == 2 and given[0][1] != given[1][1]:
         try:
@@ -65,7 +65,7 @@ def max_split_size_of(conf: str) -> int | None:
     """PYTORCH_CUDA_ALLOC_CONF's `max_split_size_mb`, in bytes (None where unset): natively, cached blocks at least
     that large are not split for smaller requests (cost_models.allocator models it; on an H200 a replay under
     256 MiB was within 1% of the GPU's need: benchmarks/RESULTS.md section 9, fourth run). ValueError for a value
-    torch refuses: not a whole number of MiB, or not above its 20 MiB large-block size (torch 2.9 takes 20 too)."""
+    torch refuses: not a whole number of MiB, or not above its 20 MiB large-block size (newer releases take 20)."""
     value = _options(conf).get("max_split_size_mb")
     if value is None:
         return None
