@@ -20,7 +20,7 @@ from autoplan.errors import UsageError
 from autoplan.settings_flags import (FIT_TO, GRANULARITIES, POSITIVE_SETTINGS, Flag, check_choice, choices_of,
                                      document_fields)
 from autoplan.sizes import check_mem_limit, parse_mem_bytes
-from cost_models.allocator_conf import is_expandable
+from cost_models.allocator_conf import modelled_options
 from cost_models.attention import KERNEL_ALIASES
 from cost_models.mesh import DEFAULT_GPUS_PER_NODE, Mesh, MeshError
 from cost_models.options import DEFAULT_OPTIMIZER, DEFAULT_PRECISION, checkpoint_of_bool
@@ -117,7 +117,7 @@ class _Settings(BaseModel):
             m = mesh_of(self.gpus, self.nodes, self.gpus_per_node)  # the counts agree (checked in the mesh)
             self._check_cluster_size(m.nodes, m.gpus_per_node, None if self.nodes or self.gpus_per_node else self.gpus)
         try:
-            is_expandable(self.allocator_conf or "")
+            modelled_options(self.allocator_conf or "")
         except ValueError as exc:
             raise UsageError(f"`allocator_conf` {self.allocator_conf!r}: {exc}") from None
         return self

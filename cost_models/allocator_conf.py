@@ -53,11 +53,10 @@ def _options(conf: str) -> dict[str, str]:
 
 def is_expandable(conf: str) -> bool:
     """Whether a PYTORCH_CUDA_ALLOC_CONF value turns expandable segments on (torch's default: off). ValueError
-    for a value torch would refuse (of the options the replay models)."""
+    for a value of it torch would refuse (`modelled_options` checks every option the model reads)."""
     value = _options(conf).get("expandable_segments", "False")
     if value not in ("True", "False"):
         raise ValueError(f"expandable_segments takes True or False, got {value!r}")
-    max_split_size_of(conf)
     return value == "True"
 
 
@@ -94,6 +93,6 @@ def unmodelled_options(conf: str) -> list[str]:
 def modelled_options(conf: str) -> tuple[bool, int | None]:
     """What of a PYTORCH_CUDA_ALLOC_CONF value the allocator model reads: whether segments are expandable, and
     natively `max_split_size_mb` in bytes (torch ignores it with expandable segments). Two values alike in these are
-    one configuration to a plan. ValueError as `is_expandable`."""
-    expandable = is_expandable(conf)
-    return expandable, None if expandable else max_split_size_of(conf)
+    one configuration to a plan. ValueError for a value of either torch would refuse: the check of a configuration."""
+    expandable, max_split_size = is_expandable(conf), max_split_size_of(conf)
+    return expandable, None if expandable else max_split_size

@@ -27,7 +27,7 @@ from autoplan.solve.pins import PinResolution, resolve_pins
 from autoplan.solve.request import Batch, Limits, ModelInfo, PlanRequest, Uniform
 from autoplan.solve.tables import CostTables
 from autoplan.tracing.units import wrap_paths
-from cost_models.allocator_conf import DEFAULT_ALLOC_CONF, environment_conf, is_expandable
+from cost_models.allocator_conf import DEFAULT_ALLOC_CONF, environment_conf, modelled_options
 from cost_models.evaluate import checkpoint_name
 from cost_models.mesh import Mesh, MeshError
 from cost_models.options import DEFAULT_SHARDING, SHARDING_KINDS
@@ -92,9 +92,11 @@ def allocator_conf(settings: PlanningSettings, cluster: Cluster) -> str | None:
         given = environment_conf()
     except ValueError as exc:
         raise UsageError(f"{exc} (or give --allocator-conf)") from None
-    name, conf = given or ("the default", DEFAULT_ALLOC_CONF)
+    if given is None:
+        return DEFAULT_ALLOC_CONF
+    name, conf = given
     try:
-        is_expandable(conf)
+        modelled_options(conf)
     except ValueError as exc:
         raise UsageError(f"{name}={conf!r} in the environment: {exc}") from None
     return conf

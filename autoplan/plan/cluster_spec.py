@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from autoplan.errors import PlanFileError
 from autoplan.solve.cluster import Cluster
 from autoplan.solve.request import Limits
-from cost_models.allocator_conf import is_expandable, max_split_size_of
+from cost_models.allocator_conf import modelled_options
 from cost_models.mesh import Mesh, MeshError
 
 __all__ = ["ClusterSpec"]
@@ -76,18 +76,20 @@ class ClusterSpec(BaseModel):
     def expandable_segments(self) -> bool:
         """Whether the configuration the plan was made for turns expandable segments on (None, an older plan or
         another device: torch's default, off; one torch would refuse: off, as `autoplan apply` then says)."""
-        try:
-            return is_expandable(self.allocator_conf or "")
-        except ValueError:
-            return False
+        return self._modelled[0]
 
     @property
     def max_split_size(self) -> int | None:
-        """The configuration's `max_split_size_mb` in bytes (None: unset, or a configuration torch would refuse)."""
+        """The configuration's `max_split_size_mb` in bytes, natively (None: unset, or a configuration torch would
+        refuse)."""
+        return self._modelled[1]
+
+    @property
+    def _modelled(self) -> tuple[bool, int | None]:
         try:
-            return max_split_size_of(self.allocator_conf or "")
+            return modelled_options(self.allocator_conf or "")
         except ValueError:
-            return None
+            return False, None
 
     @property
     def limits(self) -> Limits:
