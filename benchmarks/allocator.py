@@ -45,7 +45,7 @@ from common import write_results
 
 import autoplan
 from autoplan.profile_store import load_profile
-from autoplan.run.allocator_fit import record_step, replay_events
+from autoplan.run.allocator_fit import record_steady, record_step, replay_events
 from cost_models.allocator import ROUND_LARGE, SEGMENT_SLACK
 from cost_models.allocator_conf import modelled_options
 from cost_models.allocator_margin import needed_of_parts
@@ -206,15 +206,17 @@ def default_rows(cases, configs=CONFIGS, plans: dict | None = None) -> list[dict
                 key = f"{model}-s{seq_len}-{limit}-{'expandable' if conf.endswith('True') else 'native'}"
                 if plans is not None:
                     plans[key] = json.loads(plan.to_json())
-                events, _ = record_step(plan)  # as autoplan.run.allocator_fit.replay_plan, keeping the events
-                expandable = conf.endswith("True")
-                replayed = replay_events(events, *modelled_options(conf))  # natively with its max_split_size_mb
+                steps = record_steady(plan)  # as autoplan.run.allocator_fit.replay_plan, keeping the events
+                events, expandable = steps.events, conf.endswith("True")
+                replayed = replay_events(events, *modelled_options(conf), steps)  # natively with its max_split_size_mb
                 needed = replayed.needed_bytes
+                recorded = replay_events(events[:steps.recorded_end()], *modelled_options(conf)).needed_bytes
                 mem = plan.cluster.mem_limit_bytes
                 row = {"model": model, "seq_len": seq_len, "limit": limit, "limit_bytes": mem, "allocator_conf": conf,
                        "plan_key": key, "tp": plan.cluster.tp_degree, "sp": plan.cluster.sequence_parallel,
                        "micro_batch": plan.training.micro_batch_size, "peak_bytes": plan.predicted.peak_mem_bytes,
                        "bound_bytes": plan.predicted.needed_bytes, "needed_bytes": needed,
+                       "needed_recorded_bytes": recorded,  # over the three recorded steps alone
                        "reserved_bytes": replayed.reserved_bytes, "fits": needed <= mem,
                        # within the limit less what a GPU needs beyond a replay (GPU_REPLAY_ERROR)
                        "fits_with_gpu_error": needed <= replay_room(mem, expandable),
@@ -368,9 +370,10 @@ def main() -> None:
     for model, checkpoint, batch, seq_len, limit, *more in QUICK if args.quick else GRID:
         started = time.perf_counter()
         plan = plan_for(model, checkpoint, batch, seq_len, limit, *more)
-        events, starts = record_step(plan)
+        steps = record_steady(plan)
+        events = steps.events
         (free_run, needed), (expandable_run, needed_expandable) = (
-            run_and_min_limit(events, expandable=expandable) for expandable in (False, True))
+            run_and_min_limit(events, expandable=expandable, settle=steps) for expandable in (False, True))
         # as a plan's needed bound counts them: the kernel workspaces a replay cannot see on top
         needed, needed_expandable = needed + SEGMENT_SLACK, needed_expandable + SEGMENT_SLACK
         predicted = plan.predicted.peak_mem_bytes

@@ -15,13 +15,22 @@ run to --out/gpu_min_limit.json (gpu_default_limits.json with --default).
         carry=["benchmarks/wheels"], timeout_s=290)
 
 With --default, the default search's plans of `allocator.py --default` (issue 23's grid, its plans saved beside its
-results) instead, each capped at its --mem, at 95% of it and at the replay's figure: whether the plan runs in its
-limit on the GPU and leaves at most 5% of it unused:
+results) instead, each capped at its --mem, at 95% of it and at the replay's figure (and, where lower, at the
+replay's figure over its three recorded steps alone): whether the plan runs in its limit on the GPU and leaves at
+most 5% of it unused:
 
     python benchmarks/allocator.py --default --conf native      # here, and --conf expandable beside it
     run(command="cd benchmarks && PYTHONUNBUFFERED=1 python3 gpu_min_limit.py --default
         results/allocator_default_native.json results/allocator_default_expandable.json --budget-s 140 --out $OUT",
         carry=["benchmarks/wheels"], timeout_s=195)
+
+`--steps 19` runs twenty steps where the replay records three: whether a GPU needs what the replay says the settled
+cache needs, not what three steps do (cost_models.steady_steps; natively gpt2-1.5b's default plans need 1-3% more
+from their fourth to seventh step, RESULTS.md section 11b "Steps"):
+
+    run(command="cd benchmarks && PYTHONUNBUFFERED=1 python3 gpu_min_limit.py --default
+        results/allocator_default_native.json --only gpt2-1.5b-s1024-12GB-native --steps 19 --budget-s 100
+        --out $OUT", carry=["benchmarks/wheels"], timeout_s=150)
 
 `--conf` runs the plans under another allocator configuration than their own, at the same caps: e.g. the native
 plans with `max_split_size_mb:256`, which the replay says lets llama-1b's 14GB plan run in its --mem
@@ -57,8 +66,9 @@ STEP = 0.01  # each probe this share of the replay's figure further from it
 PROBES = 3  # per plan and configuration: at the replay's figure, then up to two steps away
 
 
-def run_capped(plan, conf: str, cap: int) -> dict:
-    """The plan's step under allocator configuration `conf`, the process capped at `cap` bytes."""
+def run_capped(plan, conf: str, cap: int, steps: int = 2) -> dict:
+    """The plan's warm-up and `steps` steps under allocator configuration `conf`, the process capped at `cap`
+    bytes."""
     import torch
 
     from autoplan.errors import AutoplanError
@@ -72,7 +82,7 @@ def run_capped(plan, conf: str, cap: int) -> dict:
     torch.cuda.reset_peak_memory_stats()
     started, result = time.monotonic(), None
     try:
-        result = run_fake_world(plan, steps=2, warmup=1, device="cuda")
+        result = run_fake_world(plan, steps=steps, warmup=1, device="cuda")
         status, note = "ran", None
     except (AutoplanError, RuntimeError, MemoryError) as exc:
         note = allocation_failure(exc)
@@ -126,8 +136,10 @@ def default_cases(results: list[Path]) -> tuple[dict, list[dict]]:
         for row in json.loads(path.read_text())["rows"]:
             if row.get("plan_key") in plans:
                 mem, replayed = row["limit_bytes"], row["needed_bytes"]
+                recorded = row.get("needed_recorded_bytes", replayed)  # over the three recorded steps alone
                 cases.append({"plan": row["plan_key"], "key": row["plan_key"], "allocator_conf": row["allocator_conf"],
-                              "replayed_needed_bytes": replayed, "caps": [mem, int(0.95 * mem), replayed]})
+                              "replayed_needed_bytes": replayed, "caps": [mem, int(0.95 * mem), replayed]
+                              + ([recorded] if recorded < replayed else [])})
     return plans, cases
 
 
@@ -156,6 +168,8 @@ def main() -> int:
                         "its own (e.g. expandable_segments:False,max_split_size_mb:256; allocator_max_split.py)")
     parser.add_argument("--only", metavar="KEY", help="with --default: this plan alone (its key in the plans file)")
     parser.add_argument("--caps-gib", help="with --only: cap it at these GiB (comma-separated) instead")
+    parser.add_argument("--steps", type=int, default=2, help="steps after the warm-up (default 2: the three the "
+                        "replay records; 19: the twenty its settled figure is carried to, cost_models.steady_steps)")
     parser.add_argument("--budget-s", type=float, default=240, help="stop starting runs after this many seconds")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
@@ -175,8 +189,9 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     name = "gpu_default_limits.json" if args.default else "gpu_min_limit.json"
     results = {"device_name": torch.cuda.get_device_name(0), "torch": torch.__version__, "packages": packages,
-               "step": STEP, "rows": [{k: v for k, v in case.items() if k not in ("key", "caps")} | {"probes": []}
-                                      for case in cases]}
+               "step": STEP, "steps_after_warmup": args.steps,
+               "rows": [{k: v for k, v in case.items() if k not in ("key", "caps")} | {"probes": []}
+                        for case in cases]}
     loaded, folder = {}, args.default[0].parent if args.default else args.kit  # where a plan's profile may lie
     passes = max([PROBES] + [len(case["caps"] or ()) for case in cases])
     for probe_index in range(passes):  # a pass over every case per probe: the most telling runs first
@@ -189,7 +204,7 @@ def main() -> int:
             if cap is None or time.monotonic() > end:
                 continue
             plan = loaded.get(key) or loaded.setdefault(key, load_kit_plan(folder, plans[key]))
-            probe = run_capped(plan, conf, cap)
+            probe = run_capped(plan, conf, cap, args.steps)
             row["probes"].append(probe)
             row.update(bracket(row["probes"]))
             print(f"{case['plan']} [{conf}]: {probe['status']} capped at {cap / 2**20:.0f} MiB (replay "

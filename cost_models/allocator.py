@@ -179,6 +179,22 @@ class CachingAllocator:
         self._relist(twin, twin_of)
         return twin, {key: twin_of[block] for key, block in handles.items()}
 
+    def layout(self, handles: dict, role) -> tuple:
+        """The allocator's state as what decides its next moves: its segments in address order (a new segment
+        always lies above the others, and only the order of addresses breaks ties), each as its blocks' sizes,
+        streams, pools, whether mapped and, where allocated, `role(key)` of the key `handles` (key -> block) holds
+        it under. Two states of equal layout serve the same requests alike."""
+        held = {id(block): key for key, block in handles.items()}
+        segments = []
+        for head in sorted((b for b in self._blocks(handles) if b.prev is None), key=lambda b: b.addr):
+            blocks, block = [], head
+            while block is not None:
+                blocks.append((block.size, block.stream, block.small, block.mapped,
+                               role(held[id(block)]) if block.allocated else None))
+                block = block.next
+            segments.append(tuple(blocks))
+        return tuple(segments)
+
     # -- internals ----------------------------------------------------------------------------
 
     def _blocks(self, handles: dict) -> list[_Block]:

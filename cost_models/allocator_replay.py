@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from cost_models.allocator import LARGE_BUFFER, MIN_BLOCK, ROUND_LARGE, CachingAllocator, OutOfMemory
 from cost_models.expandable_segments import ExpandableAllocator
+from cost_models.steady_steps import Steps
 
 __all__ = ["ABOVE", "ABOVE_STEP", "GPU_REPLAY_ERROR", "ReplayResult", "Stranded", "min_limit", "replay", "replay_room",
            "run_and_min_limit", "stranded"]
@@ -102,7 +103,7 @@ def stranded(events, limit: int) -> Stranded | None:
 
 
 def _run(allocator, events, live: dict | None = None, start: int = 0, stop: int | None = None,
-         fork_for: float | None = None) -> tuple[tuple | None, list[tuple[int, int]]]:
+         fork_for: float | None = None, settle: Steps | None = None) -> tuple[tuple | None, list[tuple[int, int]]]:
     """`events[start:stop]` through `allocator`; an OutOfMemory carries the failing event as (index, bytes,
     stream). Returns a fork and where the allocator's demand grew: (index, demand after it) each time.
 
@@ -110,11 +111,23 @@ def _run(allocator, events, live: dict | None = None, start: int = 0, stop: int 
     be the first to compare more than L with a limit: one the cache does not serve, whose request could take the
     reserved bytes past L (within a segment's 20 MiB and the rounding), while all compared so far (the allocator's
     `demand`) is at most L. The fork: that allocation's index, the demand then, and forks of the allocator and of
-    `live`; None where no allocation is such (or without `fork_for`)."""
+    `live`; None where no allocation is such (or without `fork_for`).
+
+    `settle`: the events' steps (cost_models.steady_steps.Steps, `events` its events): the run ends at the start of
+    a repeated step where the allocator's layout is one it had at the start of an earlier repeated step: the steps
+    between go round again from there, and passed once (under a limit the cache emptied in the same places each
+    time, the layouts can repeat every second or third step)."""
     live = {} if live is None else live
     found, near = None, None if fork_for is None else fork_for - LARGE_BUFFER - MIN_BLOCK
     grew, demand = [], allocator.demand
+    checks, layouts = ({}, set()) if settle is None else (settle.checks(), set())
     for index in range(start, len(events) if stop is None else stop):
+        if index in checks:
+            step = checks[index]
+            layout = allocator.layout(live, lambda key: settle.role(key, step))
+            if layout in layouts:
+                break
+            layouts.add(layout)
         event = events[index]
         if event[0] == "alloc":
             _, key, nbytes, stream = event
@@ -152,7 +165,8 @@ def min_limit(events, max_split_size: int | None = None, step: int = ROUND_LARGE
 
 
 def run_and_min_limit(events, max_split_size: int | None = None, step: int = ROUND_LARGE,
-                      expandable: bool = False, above: float = ABOVE) -> tuple[ReplayResult, int]:
+                      expandable: bool = False, above: float = ABOVE, settle: Steps | None = None,
+                      ) -> tuple[ReplayResult, int]:
     """`replay(events)` without a limit and `min_limit(events)`, from one run without a limit.
 
     The limit is bisected between the allocated peak and the reserved peak of the run without one. A limit is not
@@ -166,12 +180,14 @@ def run_and_min_limit(events, max_split_size: int | None = None, step: int = ROU
     that could compare more than the lowest limit tried (which the peak of the live bytes bounds from below). A try
     whose first comparison above its limit lies more events past the latest fork it can use than that fork holds
     blocks goes on from a copy of the fork carried there without a limit, kept for the tries after it (long
-    sequences: a recorded step). `above`: how far above the grid goes (0: the bisection's answer alone)."""
+    sequences: a recorded step). `above`: how far above the grid goes (0: the bisection's answer alone). `settle`:
+    the events' steps, where repeated (cost_models.steady_steps): each run, with a limit or without, ends where the
+    allocator has settled (`_run`)."""
     events = list(events)
     new = (lambda limit: ExpandableAllocator(limit)) if expandable else (
         lambda limit: CachingAllocator(limit, max_split_size))
     free, lowest = new(None), _live_peak(events)
-    fork, grew = _run(free, events, {}, 0, None, None if lowest is None else math.ceil(lowest / step) * step)
+    fork, grew = _run(free, events, {}, 0, None, None if lowest is None else math.ceil(lowest / step) * step, settle)
     free_run = ReplayResult(free.peak_requested, free.peak_allocated, free.peak_reserved, free.segments,
                             free.retries)
     forks, demands = [] if fork is None else [fork], [demand for _, demand in grew]
@@ -193,7 +209,7 @@ def run_and_min_limit(events, max_split_size: int | None = None, step: int = ROU
             start, allocator, live = base[0], *base[2].fork(base[3])
             allocator.limit = limit
         try:
-            _run(allocator, events, live, start)
+            _run(allocator, events, live, start, settle=settle)
             return True
         except OutOfMemory:
             return False

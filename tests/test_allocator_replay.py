@@ -122,9 +122,9 @@ def test_every_limit_of_the_grid_above_the_answer_runs():
 def test_min_limit_is_the_plain_bisections_on_step_like_sequences(monkeypatch):
     advanced, run = [], allocator_replay._run  # runs without a limit that carry a fork to a later try's start
 
-    def counted(allocator, events, live=None, start=0, stop=None, fork_for=None):
+    def counted(allocator, events, live=None, start=0, stop=None, fork_for=None, settle=None):
         advanced.extend([stop] if stop is not None else [])
-        return run(allocator, events, live, start, stop, fork_for)
+        return run(allocator, events, live, start, stop, fork_for, settle)
 
     monkeypatch.setattr(allocator_replay, "_run", counted)
     for seed in range(25):
