@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from dataclasses import replace
@@ -106,6 +107,11 @@ def test_a_limit_only_the_allocators_margin_makes_too_tight_says_so(tmp_path):
     assert "the live bytes alone would fit, so the allocator's margin is what does not" in done.stderr
     assert "--fit-to allocated plans to the live bytes alone" in done.stderr
     assert not (tmp_path / "plan.json").exists()
+    # the limit it names is one the search finds a plan in: the bound it planned to, that bound's slack included
+    least = re.search(r"a limit of at least ([\d.]+) MB", done.stderr)
+    assert least and float(least[1]) > 100
+    done = _cli(tmp_path, "search", *TINY, "--mem", f"{float(least[1]) * 1.01:.2f}MB", "-o", "plan.json")
+    assert done.returncode == 0, done.stderr
 
 
 def test_estimate_prints_allocated_needed_and_reserved_with_the_configuration(tmp_path):

@@ -92,14 +92,15 @@ class Limits:
         stranding = model_stranding(source, table.micro_batch_size, expandable) if source is not None else None
         return replace(table, allocator=point_margin(self.allocator_conf, stranding))
 
-    def fitted_of(self, evaluation) -> int:
-        """What a plan (a cost_models.evaluate.Evaluation) is fitted to: its live peak, or what the caching
-        allocator needs to run it."""
+    def fitted_of(self, evaluation, table: CostTable | None = None) -> int:
+        """What a plan (a cost_models.evaluate.Evaluation of `table`) is fitted to: its live peak, or what the
+        caching allocator needs to run it (the slack of the margin `table` carries, which its rows leave out)."""
         peak = evaluation.peak_mem_bytes
         if not self.fits_needed:
             return peak
         if evaluation.fit_bytes is not None:
-            return evaluation.fit_bytes + point_margin(self.allocator_conf).slack
+            margin = table.allocator if table is not None and table.allocator is not None else None
+            return evaluation.fit_bytes + (margin or point_margin(self.allocator_conf)).slack
         return needed_bytes(peak, self.allocator_conf)
 
     def limit_for(self, peak_bytes: int) -> int:

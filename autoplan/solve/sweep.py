@@ -230,7 +230,7 @@ def _infeasible(table: CostTable, limits: Limits, model_name: str, cluster: Clus
     lean = evaluate(table, smallest.choices) if smallest.choices else None
     peak = lean.peak_mem_bytes if lean is not None else None
     # the limit that leaves the headroom (and, fitting to what the caching allocator needs, its margin)
-    wanted = limits.fitted_of(lean) if lean is not None else None
+    wanted = limits.fitted_of(lean, table) if lean is not None else None
     needed = math.ceil(wanted / (1 - headroom)) if peak is not None else None
     state = ""
     if lean is not None:
