@@ -164,9 +164,8 @@ def min_limit(events, max_split_size: int | None = None, step: int = ROUND_LARGE
     return run_and_min_limit(events, max_split_size, step, expandable)[1]
 
 
-def run_and_min_limit(events, max_split_size: int | None = None, step: int = ROUND_LARGE,
-                      expandable: bool = False, above: float = ABOVE, settle: Steps | None = None,
-                      ) -> tuple[ReplayResult, int]:
+def run_and_min_limit(events, max_split_size: int | None = None, step: int = ROUND_LARGE, expandable: bool = False,
+                      above: float = ABOVE, settle: Steps | None = None) -> tuple[ReplayResult, int]:
     """`replay(events)` without a limit and `min_limit(events)`, from one run without a limit.
 
     The limit is bisected between the allocated peak and the reserved peak of the run without one. A limit is not
@@ -181,15 +180,13 @@ def run_and_min_limit(events, max_split_size: int | None = None, step: int = ROU
     whose first comparison above its limit lies more events past the latest fork it can use than that fork holds
     blocks goes on from a copy of the fork carried there without a limit, kept for the tries after it (long
     sequences: a recorded step). `above`: how far above the grid goes (0: the bisection's answer alone). `settle`:
-    the events' steps, where repeated (cost_models.steady_steps): each run, with a limit or without, ends where the
-    allocator has settled (`_run`)."""
+    the events' repeated steps (cost_models.steady_steps): each run ends where the allocator has settled (`_run`)."""
     events = list(events)
     new = (lambda limit: ExpandableAllocator(limit)) if expandable else (
         lambda limit: CachingAllocator(limit, max_split_size))
     free, lowest = new(None), _live_peak(events)
     fork, grew = _run(free, events, {}, 0, None, None if lowest is None else math.ceil(lowest / step) * step, settle)
-    free_run = ReplayResult(free.peak_requested, free.peak_allocated, free.peak_reserved, free.segments,
-                            free.retries)
+    free_run = ReplayResult(free.peak_requested, free.peak_allocated, free.peak_reserved, free.segments, free.retries)
     forks, demands = [] if fork is None else [fork], [demand for _, demand in grew]
 
     def runs(limit: int) -> bool:
