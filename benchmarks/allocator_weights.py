@@ -115,12 +115,14 @@ def replays() -> list[dict]:
 
 def unseen_replays() -> list[dict]:
     """The native replays of the default plans of models the constants were not fitted on (allocator.py --default
-    --held-out --conf native), as `replays()` gives the others."""
-    path = RESULTS / "allocator_default_heldout_native.json"
+    --held-out --conf native, the last run and the rounds kept before it), as `replays()` gives the others."""
+    paths = [*sorted(RESULTS.glob("allocator_default_heldout_steady_round*_native.json")),
+             RESULTS / "allocator_default_heldout_native.json"]  # the rounds before the last run, and the last
+    unique = {(row["model"], row["limit"], row["peak_bytes"], row["needed_bytes"]): row
+              for path in paths for row in json.loads(path.read_text())["rows"] if "parts" in row}
     return [{"label": f"{row['model']} unseen @ {row['limit']}", "model": row["model"], "seq_len": row["seq_len"],
              "micro_batch": row["micro_batch"], "parts": unpacked(row["parts"]), "needed": row["needed_bytes"],
-             "limit_bytes": row["limit_bytes"], **default_tp(row)}
-            for row in json.loads(path.read_text())["rows"] if "parts" in row]
+             "limit_bytes": row["limit_bytes"], **default_tp(row)} for row in unique.values()]
 
 
 def grid_modes(row: dict) -> list[dict]:
@@ -142,13 +144,18 @@ def default_tp(row: dict) -> dict:
 
 
 def default_rows() -> list[dict]:
-    """The default plans' replays of every round kept: the plans made under the bound before the simulated
-    stranding (allocator_default_prior.json), the rounds made while fitting it (allocator_default_round*.json) and
-    the last run (allocator_default.json)."""
+    """The default plans' replays of every round kept whose need is the settled cache's (the runs since replays
+    carry the recorded steps on, cost_models.steady_steps: rows with `needed_recorded_bytes`): the plans made
+    under the bound before the simulated stranding (allocator_default_prior.json), the rounds made while fitting
+    it (allocator_default_round*.json, allocator_default_steady_round*.json: the first under the bound fitted to
+    three steps) and the last runs (allocator_default*.json). The rounds before recorded the need of three steps, up
+    to 3% short of the settled one."""
     files = [RESULTS / "allocator_default_prior.json", *sorted(RESULTS.glob("allocator_default_round*.json")),
+             *sorted(RESULTS.glob("allocator_default_steady_round*.json")),
              RESULTS / "allocator_default.json", *sorted(RESULTS.glob("allocator_default_native*.json")),
              *sorted(RESULTS.glob("allocator_default_expandable*.json"))]
-    rows = [row for path in files if path.exists() for row in json.loads(path.read_text())["rows"]]
+    rows = [row for path in files if path.exists() for row in json.loads(path.read_text())["rows"]
+            if "needed_recorded_bytes" in row]
     unique: dict[tuple, dict] = {}
     for row in rows:  # a plan replayed again: once, the row that records its checkpoint modes if one does
         key = (row["model"], row.get("limit"), row.get("allocator_conf"), row.get("peak_bytes"), row.get("needed_bytes"))

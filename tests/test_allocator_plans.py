@@ -70,7 +70,8 @@ def test_the_environments_allocator_configuration_is_planned_for_and_recorded(tm
     plan = json.loads((tmp_path / "plan.json").read_text())
     assert plan["cluster"]["allocator_conf"] == native
     # per time point, each unit's activations weighted by its checkpoint mode's
-    assert _needed(plan, native, min) <= plan["predicted"]["needed_bytes"] <= _needed(plan, native, max)
+    # (to a few bytes: the solver's rows and this sum round the weighted bytes in another order)
+    assert _needed(plan, native, min) - 8 <= plan["predicted"]["needed_bytes"] <= _needed(plan, native, max) + 8
     assert plan["predicted"]["needed_bytes"] <= 400e6 * 0.98
     unchecked = _cli(tmp_path, "search", *TINY, "--mem", "400MB", "--fit-allocator", "off", "-o", "off.json",
                      conf=native)  # natively the bound is in-sample: a plan not replayed says so, and how to check it
@@ -78,7 +79,8 @@ def test_the_environments_allocator_configuration_is_planned_for_and_recorded(tm
     assert "--fit-allocator checks" in unchecked.stdout
     plain = _cli(tmp_path, "search", *TINY, "--mem", "400MB", "--fit-allocator", "off", "-o", "plain.json",
                  conf="expandable_segments:False")
-    assert "fell 2-5% short on llama-1b" in plain.stdout and "with max_split_size_mb:256 it held" in plain.stdout
+    assert "fitted on replays of the settled cache of five models' plans" in plain.stdout
+    assert "may need more" in plain.stdout
     given = _cli(tmp_path, "search", *TINY, "--mem", "400MB", "--allocator-conf", "expandable_segments:True",
                  "-o", "given.json", conf=native)  # the flag over the environment
     assert json.loads((tmp_path / "given.json").read_text())["cluster"]["allocator_conf"] == "expandable_segments:True"
@@ -125,14 +127,15 @@ def test_estimate_prints_allocated_needed_and_reserved_with_the_configuration(tm
 
 def test_the_reserved_figure_stops_at_the_device_memory(tmp_path):
     """With memory to spare the cache keeps what a step freed (the reserved figure: at least the flat needed bound,
-    here 224 MB for a 6 MB step with expandable segments' pages), but never more than the device has (200 MB)."""
+    here 224 MB for a 6 MB step with expandable segments' pages), but never more than the device has (210 MB, above
+    the 205 MB the step needs)."""
     profile = json.loads((REPO / "autoplan" / "shipped_profiles" / "h100-sxm-80gb.json").read_text())
-    profile.update(name="h100-small", mem_bytes=200_000_000)
+    profile.update(name="h100-small", mem_bytes=210_000_000)
     (tmp_path / "small.json").write_text(json.dumps(profile))
-    shard = ["--strategy", "shard", "--batch-size", "8", "--mem", "200MB"]
+    shard = ["--strategy", "shard", "--batch-size", "8", "--mem", "210MB"]
     done = _cli(tmp_path, "estimate", *TINY[:-2], "--profile", "small.json", *shard)
     assert done.returncode == 0, done.stderr
-    assert "reserved                200.00 MB  at most" in done.stdout and "the device's memory" in done.stdout
+    assert "reserved                210.00 MB  at most" in done.stdout and "the device's memory" in done.stdout
     roomy = _cli(tmp_path, "estimate", *TINY, *shard)  # the same step on an 80 GB device
     assert "reserved                224.53 MB  at most" in roomy.stdout and "the device's memory" not in roomy.stdout
 
@@ -183,10 +186,10 @@ def test_a_max_split_size_torch_would_refuse_is_refused_before_any_plan_is_writt
 def test_diff_says_a_change_that_frees_memory_fits_by_the_bound_the_plan_was_made_to(tmp_path, conf):
     """A plan fitted to the allocator's per-point bound near its limit, against the same micro-batch with every unit
     checkpointed: each change frees memory, so each fits (compared with the flat bound's live bytes, none did)."""
-    done = _cli(tmp_path, "search", *TINY, "--mem", "200MB", "--allocator-conf", conf, "-o", "a.json")
+    done = _cli(tmp_path, "search", *TINY, "--mem", "300MB", "--allocator-conf", conf, "-o", "a.json")
     assert done.returncode == 0, done.stderr
     micro_batch = json.loads((tmp_path / "a.json").read_text())["training"]["micro_batch_size"]
-    done = _cli(tmp_path, "search", *TINY, "--mem", "200MB", "--allocator-conf", conf, "--strategy", "shard",
+    done = _cli(tmp_path, "search", *TINY, "--mem", "300MB", "--allocator-conf", conf, "--strategy", "shard",
                 "--checkpoint", "full", "--batch-size", str(micro_batch), "-o", "b.json")
     assert done.returncode == 0, done.stderr
     done = _cli(tmp_path, "diff", "a.json", "b.json", "--json")
