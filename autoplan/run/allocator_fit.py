@@ -20,7 +20,8 @@ Plans that cannot be replayed yet are refused with the reason: units sharded wit
 across nodes (a 2-D mesh). Units offloaded to the host replay with their host state left out (on fake tensors the
 host and the device are one memory: autoplan.run.host_storage tells them apart). Tensor-parallel plans replay
 (FSDP2's join of the data- and tensor-parallel meshes runs outside the fake mode: autoplan.run.torch_tracker). A
-replay of llama2-70b's rank 0 (80 layers) takes about 30 s here.
+recording of llama2-70b's rank 0 (80 layers) takes about 30 s here; its replay then runs the recorded steps on until
+the allocator settles (cost_models.steady_steps: up to 20 steps, 1-15 CPU-s for a 7B model).
 """
 
 from __future__ import annotations
@@ -164,7 +165,7 @@ class _ShardOptimizer:
     allocations in the same order (every foreach op of a DTensor list runs on the local tensors), without DTensor's
     sharding propagation for each foreach op over hundreds of parameters, which it does not cache: a fifth of
     a recording's time (llama2-7b at 4096 tokens: 9.1 -> 7.4 CPU-s; the events the same, checked in
-    tests/test_allocator_fit.py). Each step hands the gradients' local shards to the local parameters and takes
+    tests/test_steady_steps.py). Each step hands the gradients' local shards to the local parameters and takes
     them back after."""
 
     def __init__(self, optimizer: torch.optim.Optimizer):
@@ -214,8 +215,8 @@ def replay_plan(plan: Plan) -> AllocatorReplay:
 def record_steady(plan: Plan) -> Steps:
     """`record_step`'s three steps carried on to at most STEADY_STEPS by repeating the last
     (cost_models.steady_steps): replayed with them (`replay_events(..., settle=)`), what the allocator needs once
-    its cache has settled, where three steps can leave it short (up to 3% on the default plans of
-    benchmarks/allocator.py). The three recorded steps alone where they do not repeat."""
+    its cache has settled, where three steps can leave it short (natively up to 5% on the default plans of
+    benchmarks/allocator.py, 13% on its grid). The three recorded steps alone where they do not repeat."""
     return repeat_steps(*record_step(plan))
 
 
