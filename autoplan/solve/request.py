@@ -92,15 +92,15 @@ class Limits:
         stranding = model_stranding(source, table.micro_batch_size, expandable) if source is not None else None
         return replace(table, allocator=point_margin(self.allocator_conf, stranding))
 
-    def fitted_of(self, evaluation, table: CostTable | None = None) -> int:
+    def fitted_of(self, evaluation, table: CostTable) -> int:
         """What a plan (a cost_models.evaluate.Evaluation of `table`) is fitted to: its live peak, or what the
-        caching allocator needs to run it (the slack of the margin `table` carries, which its rows leave out)."""
+        caching allocator needs to run it (where `table` carries the allocator's margin, its rows' figure plus the
+        margin's slack, which they leave out; else the flat bound)."""
         peak = evaluation.peak_mem_bytes
         if not self.fits_needed:
             return peak
-        if evaluation.fit_bytes is not None:
-            margin = table.allocator if table is not None and table.allocator is not None else None
-            return evaluation.fit_bytes + (margin or point_margin(self.allocator_conf)).slack
+        if evaluation.fit_bytes is not None:  # set exactly where the table carries a margin (cost_models.evaluate)
+            return evaluation.fit_bytes + table.allocator.slack
         return needed_bytes(peak, self.allocator_conf)
 
     def limit_for(self, peak_bytes: int) -> int:
