@@ -120,7 +120,7 @@ def _run(allocator, events, live: dict | None = None, start: int = 0, stop: int 
     live = {} if live is None else live
     found, near = None, None if fork_for is None else fork_for - LARGE_BUFFER - MIN_BLOCK
     grew, demand = [], allocator.demand
-    checks, layouts = ({}, set()) if settle is None else (settle.checks(), set())
+    checks, layouts = ({} if settle is None else settle.checks()), set()
     for index in range(start, len(events) if stop is None else stop):
         if index in checks:
             step = checks[index]

@@ -39,14 +39,18 @@ class Steps:
         can be compared with the one at the start of the step before."""
         if self.recorded is None:
             return {}
-        firsts = [start for start in self.starts if start >= 0]
+        firsts = self._firsts()
         return {firsts[step]: step for step in range(self.recorded + 1, len(firsts))}
 
     def recorded_end(self) -> int:
         """The index of the first repeated event: the recorded steps are the events before it."""
         if self.recorded is None:
             return len(self.events)
-        return [start for start in self.starts if start >= 0][self.recorded]
+        return self._firsts()[self.recorded]
+
+    def _firsts(self) -> list[int]:
+        """Each step's first event index (`starts` without the backward and optimizer marks)."""
+        return [start for start in self.starts if start >= 0]
 
     @staticmethod
     def role(key, step: int):

@@ -138,7 +138,7 @@ def record_step(plan: Plan, steps: int = 3, prepare: Callable[[torch.nn.Module, 
         if shard_optimizer:
             optimizer = _ShardOptimizer(optimizer)
         if prepare is not None:
-            prepare(module, getattr(optimizer, "local", optimizer))
+            prepare(module, optimizer.local if shard_optimizer else optimizer)
         shape = (plan.training.micro_batch_size, plan.training.seq_len)
         vocab = vocab_size_of(module)
         ids, labels = torch.randint(0, vocab, shape), torch.randint(0, vocab, shape)
