@@ -321,11 +321,24 @@ def fit_expandable(rows: list[dict], margin: float) -> dict[str, float]:
             "slack": slack.solution_value() * gib}
 
 
-def show_expandable(rows: list[dict], fitted: dict[str, float]) -> None:
+def heldout_expandable_replays() -> list[dict]:
+    """The replays with expandable segments of the default plans of models no bound was fitted on (allocator.py
+    --default --held-out --conf expandable), those that record the settled need, as `expandable_replays` gives them."""
+    path = RESULTS / "allocator_default_heldout_expandable.json"
+    return [{"label": f"{row['model']} unseen @ {row['limit']}", "model": row["model"], "seq_len": row["seq_len"],
+             "micro_batch": row["micro_batch"], "parts": unpacked(row["parts"]), "needed": row["needed_bytes"],
+             "selective": row["selective_bytes"], **default_tp(row)}
+            for row in json.loads(path.read_text())["rows"] if "needed_recorded_bytes" in row and "parts" in row]
+
+
+def show_expandable(rows: list[dict], fitted: dict[str, float], fallback: bool = False) -> None:
     shipped = {"factor": EXPANDABLE_BY_SIZES.weights["params"] - 1, "selective": EXPANDABLE_STRANDING,
                "slack": EXPANDABLE_BY_SIZES.slack - SEGMENT_SLACK}
-    print(f"expandable, {len(rows)} replays: factor {fitted['factor']:.4f}, selective {fitted['selective']:.3f} x "
-          f"stranding, slack {fitted['slack'] / 2 ** 20:.0f} MiB")
+    if fallback:  # EXPANDABLE's: its selective term is per selective activation byte (the rows' stranding 1)
+        shipped = {"factor": EXPANDABLE.weights["params"] - 1, "selective": EXPANDABLE.selective,
+                   "slack": EXPANDABLE.slack - SEGMENT_SLACK}
+    print(f"expandable{' fallback' if fallback else ''}, {len(rows)} replays: factor {fitted['factor']:.4f}, "
+          f"selective {fitted['selective']:.3f} x stranding, slack {fitted['slack'] / 2 ** 20:.0f} MiB")
     for row in rows:
         flat = max(sum(p.values()) for p in row["parts"]) * (1 + EXPANDABLE.weights["params"] - 1) + \
             EXPANDABLE.selective * row["selective"] + EXPANDABLE.slack
@@ -347,17 +360,28 @@ def main() -> None:
                         help="with --by-mode: fit again without each model's replays, and show that model's")
     parser.add_argument("--expandable", action="store_true",
                         help="fit expandable_margin's factor, slack and coefficient of the simulated stranding")
+    parser.add_argument("--fallback", action="store_true",
+                        help="fit NATIVE (or with --expandable, EXPANDABLE): the bound of a table whose trace records no "
+                        "storages, without the simulated stranding, over every replay, the held-out models' included")
     parser.add_argument("--unseen", action="store_true",
                         help="with --by-mode: the default plans of models outside the fit (allocator.py --default "
                         "--held-out, native) under the shipped constants, and under a fit with them in")
     args = parser.parse_args()
     if args.expandable:
-        rows = expandable_replays()
-        add_stranding(rows, expandable=True)
-        show_expandable(rows, fit_expandable(rows, 0.005 if args.margin is None else args.margin))
+        rows = expandable_replays() + (heldout_expandable_replays() if args.fallback else [])
+        if args.fallback:  # the selective term per activation byte of the selective units, whatever the model
+            for row in rows:
+                row["stranding"] = 1.0
+        else:
+            add_stranding(rows, expandable=True)
+        show_expandable(rows, fit_expandable(rows, 0.005 if args.margin is None else args.margin), args.fallback)
         return
     args.margin = 0.01 if args.margin is None else args.margin
     rows = replays()
+    if args.fallback:
+        rows += unseen_replays()
+        show(f"NATIVE over all {len(rows)} replays, the held-out models' included", rows, fit(rows, args.margin))
+        return
     if args.by_mode:
         left = [row["label"] for row in rows if MODE_KEYS[0] not in row["parts"][0]]
         print(f"{len(left)} replays whose plans' checkpoint modes were not recorded left out")

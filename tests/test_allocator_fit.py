@@ -92,8 +92,9 @@ def test_a_plans_needed_bound_holds_its_replay(run_cli, tmp_path, mem, conf):
 
 
 def test_with_expandable_segments_a_plan_uses_what_the_flat_bound_kept_and_its_replay_fits(run_cli, tmp_path):
-    """With expandable segments the per-point bound (1.3% of the live bytes, 5.3% of selective units' activations,
-    104 MiB) plans live bytes that the flat one (2.5%, 208 MiB) kept free, and the step's replay still fits."""
+    """With expandable segments the per-point bound (cost_models.allocator_margin.point_margin: a little over the
+    live bytes, a share of selective units' activations, a slack) plans live bytes that the flat one (2.5%, 208 MiB)
+    kept free, and the step's replay still fits."""
     conf = "expandable_segments:True"
     result = run_cli("search", *ARGS, "--mem", "450MB", "--allocator-conf", conf, "-o", "plan.json")
     assert result.returncode == 0, result.stderr
