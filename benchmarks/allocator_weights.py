@@ -15,12 +15,15 @@ tensor-parallel layout (cost_models.stranding; the models traced here, a few sec
 1 + a coefficient x the same, the other categories by a weight each; over the replays whose plans' timelines were
 recorded split by checkpoint mode (`mode_parts`: the grid's, uniform, and the default plans' since it was
 recorded). `--held-out` with it fits again without each model's replays and shows that model's under that fit.
+`--fallback` fits NATIVE (with `--expandable`, EXPANDABLE), the
+bound of a table whose trace records no storages, over every replay, the held-out models' included.
 `--expandable` fits expandable_margin (live bytes x (1 + factor), a coefficient x the model's simulated selective
 stranding x the selective units' activations, a slack) to the replays with expandable segments (each at most its
 bound / 1.005).
 
     python benchmarks/allocator.py && python benchmarks/allocator.py --default  # the replays
-    python benchmarks/allocator_weights.py [--by-model] [--by-mode [--held-out] [--unseen]] [--expandable] [--margin M]
+    python benchmarks/allocator_weights.py [--by-model] [--by-mode [--held-out] [--unseen]] [--expandable]
+        [--fallback] [--margin M]
 """
 
 from __future__ import annotations
@@ -361,8 +364,9 @@ def main() -> None:
     parser.add_argument("--expandable", action="store_true",
                         help="fit expandable_margin's factor, slack and coefficient of the simulated stranding")
     parser.add_argument("--fallback", action="store_true",
-                        help="fit NATIVE (or with --expandable, EXPANDABLE): the bound of a table whose trace records no "
-                        "storages, without the simulated stranding, over every replay, the held-out models' included")
+                        help="fit NATIVE (or with --expandable, EXPANDABLE): the bound of a table whose trace "
+                        "records no storages, without the simulated stranding, over every replay, the held-out "
+                        "models' included")
     parser.add_argument("--unseen", action="store_true",
                         help="with --by-mode: the default plans of models outside the fit (allocator.py --default "
                         "--held-out, native) under the shipped constants, and under a fit with them in")
