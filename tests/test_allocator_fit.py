@@ -210,3 +210,30 @@ def test_the_replay_reads_max_split_size_mb_from_the_plans_configuration():
     assert replay_plan(under("expandable_segments:False,max_split_size_mb:1024")).needed_bytes == plain.needed_bytes
     expandable = replay_plan(under("expandable_segments:True"))
     assert replay_plan(under("expandable_segments:True,max_split_size_mb:32")) == expandable
+
+
+@pytest.mark.parametrize("conf", ["expandable_segments:False", "expandable_segments:True"])
+def test_a_context_parallel_plans_replay_records_its_ranks_chunks(conf):
+    """A context-parallel rank's step is recorded on its chunks of each sequence, as `apply` runs it: the replay's
+    live peak is the prediction's (it was 1.9x at degree 2, the whole sequence's), and its need within the bound
+    the search planned to (cost_models.allocator_margin.NATIVE / EXPANDABLE: no simulation of stranding beside
+    context parallelism)."""
+    model = "llama-tiny[d_model=512,n_heads=8,n_kv_heads=4,ffn_hidden=1408,vocab_size=32000,max_seq_len=2048]"
+    plan = autoplan.search(model, "4GB", gpus=8, profile="h100-sxm-80gb", seq_len=2048, batch_size=2, tp=1, cp=2,
+                           allocator_conf=conf)
+    assert plan.cluster.mesh.cp == 2
+    replayed = replay_plan(plan)
+    assert replayed.allocated_bytes == pytest.approx(plan.predicted.peak_mem_bytes, rel=0.01)
+    assert replayed.needed_bytes <= plan.predicted.needed_bytes
+
+
+def test_fitting_an_expert_parallel_plan_by_replay_says_why_it_cannot(run_cli, tmp_path):
+    """Split experts get tokens by the router's choices on real data, which fake tensors cannot run: the fit by
+    replay refuses the plan with a usage error that says so and what to do, and writes no plan file."""
+    model = "moe-tiny[d_model=512,n_heads=8,n_kv_heads=4,vocab_size=32000,max_seq_len=2048]"
+    result = run_cli("search", "--model", model, "--mem", "8GB", "--gpus", "8", "--profile", "h100-sxm-80gb",
+                     "--seq-len", "2048", "--batch-size", "2", "--tp", "1", "--ep", "2", "--fit-allocator", "on",
+                     "-o", "plan.json")
+    assert result.returncode == 2, result.stderr
+    assert "splits its experts over 2 ranks" in result.stderr and "--fit-allocator off" in result.stderr
+    assert "Traceback" not in result.stderr and not (tmp_path / "plan.json").exists()

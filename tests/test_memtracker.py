@@ -58,3 +58,17 @@ def test_selective_checkpointing_peak_matches_torch_fsdp_mem_tracker():
         tracked = result.tracked_phase_bytes[phase] - result.buffer_bytes
         assert abs(result.predicted_phase_bytes[phase] - tracked) <= TOLERANCE * tracked, phase
     assert abs(result.error) <= TOLERANCE
+
+
+def test_a_context_parallel_plans_rank_runs_its_chunks_of_the_sequence():
+    """A context-parallel rank runs its chunks of each sequence (ContextParallel.shard, as `autoplan apply` runs
+    it), so the tracker sees half the activations at degree 2 and agrees with the prediction (it tracked the whole
+    sequence, 1.93x the prediction, before the fake rank ran the chunks)."""
+    model = "llama-tiny[d_model=512,n_heads=8,n_kv_heads=4,ffn_hidden=1408,vocab_size=32000,max_seq_len=2048]"
+    plan = autoplan.search(model, "10GB", gpus=8, profile="h100-sxm-80gb", seq_len=2048, batch_size=2, tp=1, cp=2,
+                           strategy="shard", checkpoint=False)
+    assert plan.cluster.mesh.cp == 2
+    result = track_plan(plan)
+    for phase in ("forward", "backward"):
+        tracked = result.tracked_phase_bytes[phase] - result.buffer_bytes
+        assert abs(result.predicted_phase_bytes[phase] - tracked) <= TOLERANCE * tracked, phase

@@ -42,7 +42,7 @@ from autoplan.run.data import vocab_size_of
 from autoplan.run.host_storage import HostStorage
 from autoplan.run.memtrack import LiveTensorTracker
 from autoplan.run.replayable import check_replayable
-from autoplan.run.torch_tracker import fake_rank
+from autoplan.run.torch_tracker import fake_rank, rank_chunks
 from autoplan.run.tp import training_context
 from autoplan.run.worker import next_token_loss
 from autoplan.settings import MAX_HEADROOM, SearchSettings
@@ -132,7 +132,7 @@ def record_step(plan: Plan, steps: int = 3, prepare: Callable[[torch.nn.Module, 
     _ShardOptimizer); False steps the DTensor parameters themselves."""
     recorder = _AllocationRecorder()
     starts: list[int] = []
-    with fake_rank(plan) as (_, module, optimizer), recorder, training_context(plan), recorder.host.copies():
+    with fake_rank(plan) as (_, module, optimizer, context), recorder, training_context(plan), recorder.host.copies():
         materialise(module, "cpu", 0)  # (loss_parallel under TP; FSDP2's host copies made real where offloaded)
         recorder.host.tag_offloaded(module)
         if shard_optimizer:
@@ -145,10 +145,11 @@ def record_step(plan: Plan, steps: int = 3, prepare: Callable[[torch.nn.Module, 
         for _ in range(steps):
             starts.append(len(recorder.events))
             for _ in range(plan.training.grad_accum_steps):
-                loss = next_token_loss(module(ids), labels)
-                starts.append(-len(recorder.events))
-                loss.backward()
-                del loss
+                with rank_chunks(context, ids, labels) as (rank_ids, rank_labels):  # context parallelism's chunks
+                    loss = next_token_loss(module(rank_ids), rank_labels)
+                    starts.append(-len(recorder.events))
+                    loss.backward()
+                    del loss
             starts.append(-len(recorder.events))
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)

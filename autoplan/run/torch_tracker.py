@@ -22,7 +22,7 @@ frees it once the loss has its fp32 copy (as torchtitan does with `del pred`).
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -37,7 +37,7 @@ from autoplan.run.report import predicted_phase_peaks
 from autoplan.run.worker import next_token_loss
 from cost_models.options import PRECISIONS, Dtype
 
-__all__ = ["TrackerResult", "fake_rank", "track_plan"]
+__all__ = ["TrackerResult", "fake_rank", "rank_chunks", "track_plan"]
 
 
 @dataclass
@@ -95,9 +95,11 @@ def _mesh_joins_outside(fake_mode):
 @contextmanager
 def fake_rank(plan: Plan, model: str | None = None):
     """`plan` applied to its model as rank 0 of its world, on fake tensors and torch's fake process group, on the
-    CPU: yields (the model's name, the module, the optimizer) inside the FakeTensorMode, not yet materialised
-    (the caller decides what watches materialisation). On a CUDA profile the optimizer steps foreach, as CUDA
-    runs it. `model` names the model of a plan made from a factory. The process group is destroyed on exit."""
+    CPU: yields (the model's name, the module, the optimizer, the context-parallel plan's ContextParallel or None:
+    each micro-batch's forward and backward run on the rank's chunks inside its `shard`, as a run's do) inside the
+    FakeTensorMode, not yet materialised (the caller decides what watches materialisation). On a CUDA profile the
+    optimizer steps foreach, as CUDA runs it. `model` names the model of a plan made from a factory. The process
+    group is destroyed on exit."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
@@ -113,12 +115,13 @@ def fake_rank(plan: Plan, model: str | None = None):
     try:
         mesh = init_device_mesh("cpu", (world,))
         with fake_mode, _mesh_joins_outside(fake_mode):
-            module, optimizer = apply(resolved.module, plan, mesh)
+            applied = apply(resolved.module, plan, mesh)
+            module, optimizer = applied
             if load_profile(plan.cluster.profile).device_type == "cuda":  # the plan's optimizer as CUDA runs it
                 for group in optimizer.param_groups:
                     if "foreach" in group:
                         group["foreach"] = True
-            yield resolved.name, module, optimizer
+            yield resolved.name, module, optimizer, applied.context
     finally:
         dist.destroy_process_group()
 
@@ -135,13 +138,13 @@ def track_plan(plan: Plan, hold_logits: bool = False, model: str | None = None, 
         raise UsageError("the plan's prediction has no timeline to compare with (estimate it again)")
     foreach = load_profile(plan.cluster.profile).device_type == "cuda"
     training = plan.training
-    with fake_rank(plan, model) as (model_name, module, optimizer):
+    with fake_rank(plan, model) as (model_name, module, optimizer, context):
         materialise(module, "cpu", seed)
         vocab = vocab_size_of(module)
         buffer_bytes = sum(b.numel() * b.element_size() for b in module.buffers())
         shape = (training.micro_batch_size, training.seq_len)
         ids, labels = torch.randint(0, vocab, shape), torch.randint(0, vocab, shape)
-        tracked, categories = _tracked_step(module, optimizer, (ids, labels), hold_logits)
+        tracked, categories = _tracked_step(module, optimizer, (ids, labels), hold_logits, context)
     compute_bytes = Dtype(PRECISIONS[training.dtype].compute_dtype).bytes
     return TrackerResult(
         model=model_name, world_size=world, micro_batch_size=training.micro_batch_size, seq_len=training.seq_len,
@@ -151,10 +154,11 @@ def track_plan(plan: Plan, hold_logits: bool = False, model: str | None = None, 
     )
 
 
-def _tracked_step(module, optimizer, batch: tuple[torch.Tensor, torch.Tensor],
-                  hold_logits: bool) -> tuple[dict[str, int], dict[str, int]]:
+def _tracked_step(module, optimizer, batch: tuple[torch.Tensor, torch.Tensor], hold_logits: bool,
+                  context=None) -> tuple[dict[str, int], dict[str, int]]:
     """One untracked warm-up step (the optimizer's states are made), then one step under FSDPMemTracker: its
-    peak within each phase, and its categories at the highest phase's peak."""
+    peak within each phase, and its categories at the highest phase's peak. `context`: a context-parallel plan's
+    (fake_rank's), each forward and backward on the rank's chunks inside its `shard`."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
     ids, labels = batch
@@ -177,12 +181,13 @@ def _tracked_step(module, optimizer, batch: tuple[torch.Tensor, torch.Tensor],
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    next_token_loss(module(ids), labels).backward()  # warm-up: the optimizer's states are made
+    with rank_chunks(context, ids, labels) as (rank_ids, rank_labels):  # warm-up: the optimizer's states are made
+        next_token_loss(module(rank_ids), rank_labels).backward()
     step()
     tracker.reset_mod_stats()
-    with tracker:  # forward and backward in one context: the tracker follows modules across both
-        output = module(ids)
-        loss = next_token_loss(output, labels)
+    with tracker, rank_chunks(context, ids, labels) as (rank_ids, rank_labels):  # the tracker follows both
+        output = module(rank_ids)
+        loss = next_token_loss(output, rank_labels)
         if not hold_logits:
             del output
         record("forward")
@@ -195,3 +200,9 @@ def _tracked_step(module, optimizer, batch: tuple[torch.Tensor, torch.Tensor],
         step()
         record("optimizer")
     return tracked, categories
+
+
+def rank_chunks(context, ids: torch.Tensor, labels: torch.Tensor):
+    """A micro-batch as the rank runs it: a context-parallel plan's chunks of it (ContextParallel.shard, ring
+    attention on inside), else itself."""
+    return context.shard(ids, labels) if context is not None else nullcontext((ids, labels))
