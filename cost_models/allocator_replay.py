@@ -186,8 +186,9 @@ def run_and_min_limit(events, max_split_size: int | None = None, step: int = ROU
     that could compare more than the lowest limit tried (which the peak of the live bytes bounds from below). A try
     whose first comparison above its limit lies more events past the latest fork it can use than that fork holds
     blocks goes on from a copy of the fork carried there without a limit, kept for the tries after it (long
-    sequences: a recorded step). `above`: how far above the grid goes (0: the bisection's answer alone). `settle`: the
-    steps (cost_models.steady_steps): runs end where the allocator settles (`_run`). `workers`: see `_grid_runs`."""
+    sequences: a recorded step). `above`: how far above the grid goes (0: the bisection's answer alone). `settle`:
+    the events' repeated steps (cost_models.steady_steps): each run ends where the allocator has settled (`_run`).
+    `workers`: how many processes try the grid's limits side by side (forked, on Linux; the answer is the same)."""
     events = list(events)
     new = (lambda limit: ExpandableAllocator(limit)) if expandable else (
         lambda limit: CachingAllocator(limit, max_split_size))

@@ -16,8 +16,7 @@ ARGS = ["--model", MODEL, "--gpus", "8", "--profile", "h100-sxm-80gb", "--seq-le
 
 
 def test_the_fitted_plan_runs_in_the_limit_where_the_plain_one_would_not(run_cli, tmp_path):
-    plain = autoplan.search(MODEL, "450MB", gpus=8, profile="h100-sxm-80gb", seq_len=128, batch_size=4, tp=1,
-                            fit_to="allocated")
+    plain = autoplan.search(MODEL, "450MB", gpus=8, profile="h100-sxm-80gb", seq_len=128, batch_size=4, tp=1, fit_to="allocated")
     limit = plain.cluster.mem_limit_bytes
     assert replay_plan(plain).needed_bytes > limit  # the plain plan's step would run out of memory on CUDA
     result = run_cli("search", *ARGS, "--mem", "450MB", "--fit-allocator", "-o", "plan.json", "--fit-to", "allocated")
@@ -112,7 +111,7 @@ def test_the_automatic_replay_stops_at_its_cpu_budget(monkeypatch):
 
     plan = autoplan.search(MODEL, "520MB", gpus=8, profile="h100-sxm-80gb", seq_len=128, batch_size=4, tp=1)
 
-    def busy(plan, workers=None, cpu_s=3.0):  # stands in for a replay that needs 3 CPU seconds
+    def busy(plan, cpu_s=3.0):  # stands in for a replay that needs 3 CPU seconds
         import time
 
         start = time.process_time()
@@ -135,7 +134,7 @@ def test_a_replay_that_cannot_finish_in_its_cpu_budget_is_not_started(monkeypatc
     monkeypatch.setattr(allocator_check.multiprocessing, "get_context",
                         lambda method, real=allocator_check.multiprocessing.get_context: started.append(method)
                         or real(method))
-    monkeypatch.setattr(allocator_fit, "replay_plan", lambda plan, workers=None: "replayed")
+    monkeypatch.setattr(allocator_fit, "replay_plan", lambda plan: "replayed")
     floor = allocator_check.replay_floor_s(plan)
     assert floor == pytest.approx(allocator_check.MIN_UNIT_STEP_CPU_S * len(plan.units) * 3)
     assert allocator_check.replay_within(plan, 600.0, cpu_budget_s=floor + 1) == "replayed" and started
