@@ -8,9 +8,6 @@ allocator is the native one (cost_models.allocator) or the one with expandable s
 from __future__ import annotations
 
 import math
-import multiprocessing
-import os
-import sys
 from bisect import bisect_right
 from dataclasses import dataclass
 
@@ -18,8 +15,8 @@ from cost_models.allocator import LARGE_BUFFER, MIN_BLOCK, ROUND_LARGE, CachingA
 from cost_models.expandable_segments import ExpandableAllocator
 from cost_models.steady_steps import Steps
 
-__all__ = ["ABOVE", "ABOVE_STEP", "GPU_REPLAY_ERROR", "MAX_WORKERS", "ReplayResult", "Stranded", "min_limit", "replay",
-           "replay_room", "replay_workers", "run_and_min_limit", "stranded"]
+__all__ = ["ABOVE", "ABOVE_STEP", "GPU_REPLAY_ERROR", "ReplayResult", "Stranded", "min_limit", "replay", "replay_room",
+           "run_and_min_limit", "stranded"]
 
 # What a GPU needed beyond a replay's figure (the smallest limit plus cost_models.allocator.SEGMENT_SLACK), by
 # configuration (expandable segments or not): on one H200 (torch 2.11, CUDA 13; benchmarks/gpu_min_limit.py, the GPU
@@ -35,10 +32,6 @@ GPU_REPLAY_ERROR = {True: 0.01, False: 0.02}
 # section 11b). The smallest limit is the one from which every limit on a grid of ABOVE_STEP of it runs, up to
 # ABOVE above it (where a bisection ends, raised past the last that fails, and bisected again there).
 ABOVE, ABOVE_STEP = 0.06, 0.0025
-# The grid's limits are independent tries (which fail, not in what order, decides the answer), so they run side by
-# side in forked processes, at most this many (each holds a copy-on-write image of the run's forks)
-MAX_WORKERS = 8
-_RUNS = None  # the grid's try, inherited by the processes forked for it (`_grid_runs`), never pickled
 
 
 @dataclass
@@ -172,7 +165,7 @@ def min_limit(events, max_split_size: int | None = None, step: int = ROUND_LARGE
 
 
 def run_and_min_limit(events, max_split_size: int | None = None, step: int = ROUND_LARGE, expandable: bool = False,
-                      above: float = ABOVE, settle: Steps | None = None, workers: int = 1) -> tuple[ReplayResult, int]:
+                      above: float = ABOVE, settle: Steps | None = None) -> tuple[ReplayResult, int]:
     """`replay(events)` without a limit and `min_limit(events)`, from one run without a limit.
 
     The limit is bisected between the allocated peak and the reserved peak of the run without one. A limit is not
@@ -187,8 +180,7 @@ def run_and_min_limit(events, max_split_size: int | None = None, step: int = ROU
     whose first comparison above its limit lies more events past the latest fork it can use than that fork holds
     blocks goes on from a copy of the fork carried there without a limit, kept for the tries after it (long
     sequences: a recorded step). `above`: how far above the grid goes (0: the bisection's answer alone). `settle`:
-    the events' repeated steps (cost_models.steady_steps): each run ends where the allocator has settled (`_run`).
-    `workers`: how many processes try the grid's limits side by side (forked, on Linux; the answer is the same)."""
+    the events' repeated steps (cost_models.steady_steps): each run ends where the allocator has settled (`_run`)."""
     events = list(events)
     new = (lambda limit: ExpandableAllocator(limit)) if expandable else (
         lambda limit: CachingAllocator(limit, max_split_size))
@@ -228,47 +220,18 @@ def run_and_min_limit(events, max_split_size: int | None = None, step: int = ROU
                 high = middle
             else:
                 low = middle
-        failing, grid = _last_failing(runs, high, top, above, step, workers)
+        failing, grid = _last_failing(runs, high, top, above, step)
         if failing is None:
             return free_run, high * step
         low, high = failing, min(top, failing + grid)
 
 
-def _last_failing(runs, high: int, top: int, above: float, step: int, workers: int = 1) -> tuple[int | None, int]:
+def _last_failing(runs, high: int, top: int, above: float, step: int) -> tuple[int | None, int]:
     """Above where a bisection ends (`high`, in steps), the last limit of a grid of ABOVE_STEP of it, up to `above`
-    above it and below `top`, that `runs` fails (None: every one runs), and the grid's spacing (in steps); the grid's
-    limits tried in `workers` processes (`_grid_runs`)."""
+    above it and below `top`, that `runs` fails (None: every one runs), and the grid's spacing (in steps)."""
     grid = max(1, math.ceil(high * ABOVE_STEP))
-    limits = list(range(high + grid, min(top, math.ceil(high * (1 + above)) + 1), grid))
-    failing = [k for k, ran in zip(limits, _grid_runs(runs, [k * step for k in limits], workers)) if not ran]
+    failing = [k for k in range(high + grid, min(top, math.ceil(high * (1 + above)) + 1), grid) if not runs(k * step)]
     return (failing[-1] if failing else None), grid
-
-
-def replay_workers() -> int:
-    """The processes a replay's grid can use here: the CPUs this process may run on, at most MAX_WORKERS (1 where
-    processes are not forked: off Linux)."""
-    if not sys.platform.startswith("linux"):
-        return 1
-    return max(1, min(MAX_WORKERS, len(os.sched_getaffinity(0))))
-
-
-def _grid_runs(runs, limits: list[int], workers: int) -> list[bool]:
-    """`runs(limit)` of each limit: here, one after another, or where `workers` > 1 in that many processes forked
-    now (on Linux), each inheriting the run's forks as they stand."""
-    workers = min(workers, len(limits))
-    if workers <= 1 or not sys.platform.startswith("linux"):
-        return [runs(limit) for limit in limits]
-    global _RUNS
-    _RUNS = runs
-    try:
-        with multiprocessing.get_context("fork").Pool(workers) as pool:
-            return pool.map(_try, limits, chunksize=1)
-    finally:
-        _RUNS = None
-
-
-def _try(limit: int) -> bool:
-    return _RUNS(limit)
 
 
 def _live_peak(events) -> float | None:

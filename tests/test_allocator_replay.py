@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import random
-import sys
 
 import pytest
 
@@ -107,7 +106,16 @@ def test_every_limit_of_the_grid_above_the_answer_runs():
         grid = max(1, math.ceil(needed / step * ABOVE_STEP))
         for k in range(needed // step, math.ceil(needed / step * (1 + ABOVE)) + 1, grid):
             replay(events, k * step)  # raises OutOfMemory where a limit of the grid fails
-        raised += needed > _bisected(events, replay(events))
+        free = replay(events)
+        low, high = math.ceil(free.peak_allocated / step) - 1, math.ceil(free.peak_reserved / step)
+        while high - low > 1:  # the bisection alone
+            middle = (low + high) // 2
+            try:
+                replay(events, middle * step)
+                high = middle
+            except OutOfMemory:
+                low = middle
+        raised += needed > high * step
     assert raised >= 2, raised  # seeds 2 and one more of the 25 (deterministic)
 
 
@@ -125,35 +133,6 @@ def test_min_limit_is_the_plain_bisections_on_step_like_sequences(monkeypatch):
             assert min_limit(events, max_split_size, expandable=expandable) == _plain(
                 events, max_split_size, expandable)[0], (seed, expandable)
     assert len(advanced) >= 10, len(advanced)
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the grid's processes are forked on Linux alone")
-def test_the_grid_tried_in_forked_processes_gives_the_same_answer():
-    """The grid's limits tried side by side in two forked processes: the plain bisection's answer, on the step-like
-    sequences, among them those where a limit of the grid fails and the bisection goes on above it."""
-    raised = 0
-    for seed in range(25):
-        events = _steps(seed)
-        expected = _plain(events, None, False)[0]
-        run, needed = run_and_min_limit(events, workers=2)
-        assert needed == expected and run == replay(events), seed
-        free = replay(events)
-        raised += expected > _bisected(events, free)
-    assert raised >= 2, raised
-
-
-def _bisected(events, free) -> int:
-    """Where the bisection alone ends, natively."""
-    step = ROUND_LARGE
-    low, high = math.ceil(free.peak_allocated / step) - 1, math.ceil(free.peak_reserved / step)
-    while high - low > 1:
-        middle = (low + high) // 2
-        try:
-            replay(events, middle * step)
-            high = middle
-        except OutOfMemory:
-            low = middle
-    return high * step
 
 
 @pytest.mark.parametrize("make", [CachingAllocator, lambda: CachingAllocator(max_split_size=64 * MiB),

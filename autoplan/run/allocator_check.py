@@ -88,6 +88,6 @@ def _replay_into(plan: Plan, send, cpu_budget_s: float | None = None) -> None:
     from autoplan.run.allocator_fit import replay_plan  # in the forked process: its imports count in its budget
 
     try:
-        send.send(replay_plan(plan, workers=1))  # RLIMIT_CPU counts this process alone: no processes beside it
+        send.send(replay_plan(plan))
     finally:
         send.close()

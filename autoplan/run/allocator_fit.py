@@ -48,7 +48,7 @@ from autoplan.run.worker import next_token_loss
 from autoplan.settings import MAX_HEADROOM, SearchSettings
 from autoplan.sizes import format_bytes
 from cost_models.allocator import SEGMENT_SLACK
-from cost_models.allocator_replay import replay_room, replay_workers, run_and_min_limit
+from cost_models.allocator_replay import replay_room, run_and_min_limit
 from cost_models.steady_steps import Steps, repeat_steps
 
 __all__ = ["STREAMS", "AllocatorReplay", "record_steady", "record_step", "replay_events", "replay_plan",
@@ -204,15 +204,13 @@ class AllocatorReplay:
     events: int
 
 
-def replay_plan(plan: Plan, workers: int | None = None) -> AllocatorReplay:
+def replay_plan(plan: Plan) -> AllocatorReplay:
     """Record `plan`'s steps on fake tensors (`record_steady`) and replay them through the caching allocator model
     of the plan's configuration (expandable segments or native, with its `max_split_size_mb`; native for a plan that
-    records none). `workers`: the processes that try the limits above the bisection's side by side
-    (cost_models.allocator_replay.run_and_min_limit; None: replay_workers(), this machine's CPUs up to 8)."""
+    records none)."""
     check_replayable(plan)
     steps = record_steady(plan)
-    return replay_events(steps.events, plan.cluster.expandable_segments, plan.cluster.max_split_size, steps,
-                         replay_workers() if workers is None else workers)
+    return replay_events(steps.events, plan.cluster.expandable_segments, plan.cluster.max_split_size, steps)
 
 
 def record_steady(plan: Plan) -> Steps:
@@ -224,13 +222,12 @@ def record_steady(plan: Plan) -> Steps:
 
 
 def replay_events(events: list[tuple], expandable: bool, max_split_size: int | None = None,
-                  settle: Steps | None = None, workers: int = 1) -> AllocatorReplay:
+                  settle: Steps | None = None) -> AllocatorReplay:
     """A recorded step (`record_step`'s events) through the caching allocator model, native or with expandable
     segments (natively, `max_split_size` as PYTORCH_CUDA_ALLOC_CONF's max_split_size_mb, in bytes): its peaks, and the
     smallest limit it runs in plus SEGMENT_SLACK. `settle`: `record_steady`'s steps, whose events these are: each
-    run ends once the allocator has settled (cost_models.allocator_replay.run_and_min_limit). `workers`: as
-    run_and_min_limit's."""
-    free_run, needed = run_and_min_limit(events, max_split_size, expandable=expandable, settle=settle, workers=workers)
+    run ends once the allocator has settled (cost_models.allocator_replay.run_and_min_limit)."""
+    free_run, needed = run_and_min_limit(events, max_split_size, expandable=expandable, settle=settle)
     return AllocatorReplay(free_run.peak_allocated, free_run.peak_reserved, needed + SEGMENT_SLACK, len(events))
 
 
