@@ -16,7 +16,8 @@ ARGS = ["--model", MODEL, "--gpus", "8", "--profile", "h100-sxm-80gb", "--seq-le
 
 
 def test_the_fitted_plan_runs_in_the_limit_where_the_plain_one_would_not(run_cli, tmp_path):
-    plain = autoplan.search(MODEL, "450MB", gpus=8, profile="h100-sxm-80gb", seq_len=128, batch_size=4, tp=1, fit_to="allocated")
+    plain = autoplan.search(MODEL, "450MB", gpus=8, profile="h100-sxm-80gb", seq_len=128, batch_size=4, tp=1,
+                            fit_to="allocated")
     limit = plain.cluster.mem_limit_bytes
     assert replay_plan(plain).needed_bytes > limit  # the plain plan's step would run out of memory on CUDA
     result = run_cli("search", *ARGS, "--mem", "450MB", "--fit-allocator", "-o", "plan.json", "--fit-to", "allocated")
