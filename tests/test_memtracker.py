@@ -49,6 +49,14 @@ def test_a_one_rank_plan_is_refused():
         track_plan(_plan("gpt2-tiny", False, gpus=1))
 
 
+def test_an_expert_parallel_plan_is_refused_with_the_reason():
+    """Split experts get tokens by the router's choices on real data, which fake tensors cannot run (torch's
+    fake bincount raises): a usage error says so."""
+    plan = autoplan.search("moe-tiny", "10GB", gpus=8, profile="h100-sxm-80gb", seq_len=64, batch_size=4, tp=1, ep=2)
+    with pytest.raises(UsageError, match="splits its experts over 2 ranks"):
+        track_plan(plan)
+
+
 def test_selective_checkpointing_peak_matches_torch_fsdp_mem_tracker():
     """Selective checkpointing (torch's op-level SAC policy) at its peak, the backward, and in its forward,
     where the selectively checkpointed head's kept logits are the loss's input: counted once (they were

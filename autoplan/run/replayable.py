@@ -8,7 +8,7 @@ from autoplan.plan.schema import Plan
 from autoplan.profile_store import load_profile
 from cost_models.options import SHARDING_KINDS, ShardGroup
 
-__all__ = ["check_replayable"]
+__all__ = ["check_fake_rank", "check_replayable"]
 
 
 def check_replayable(plan: Plan) -> None:
@@ -17,6 +17,12 @@ def check_replayable(plan: Plan) -> None:
         raise UsageError(f"the plan is costed with {plan.cluster.profile!r}, not a CUDA profile: only CUDA has the "
                          "caching allocator a replay models (pick a GPU profile with --profile, or leave out "
                          "--fit-allocator)")
+    check_fake_rank(plan)
+
+
+def check_fake_rank(plan: Plan) -> None:
+    """UsageError saying why `plan`'s rank 0 cannot run on fake tensors and the fake process group yet
+    (autoplan.run.torch_tracker.fake_rank: the replay's recording and the FSDPMemTracker comparison)."""
     node_sharded = [u.module or "<root>" for u in plan.units
                     if SHARDING_KINDS[u.sharding].shard_group == ShardGroup.NODE]
     if node_sharded and plan.cluster.nodes > 1:

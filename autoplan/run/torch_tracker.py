@@ -33,6 +33,7 @@ from autoplan.plan.schema import Plan
 from autoplan.profile_store import load_profile
 from autoplan.run.apply import apply, materialise, resolve_plan_model
 from autoplan.run.data import vocab_size_of
+from autoplan.run.replayable import check_fake_rank
 from autoplan.run.report import predicted_phase_peaks
 from autoplan.run.worker import next_token_loss
 from cost_models.options import PRECISIONS, Dtype
@@ -133,6 +134,7 @@ def track_plan(plan: Plan, hold_logits: bool = False, model: str | None = None, 
     world = plan.cluster.world_size
     if world < 2:
         raise UsageError(f"the plan is for a world of {world} rank; the tracker stands in for a world of several")
+    check_fake_rank(plan)
     predicted = predicted_phase_peaks(plan)
     if predicted is None:
         raise UsageError("the plan's prediction has no timeline to compare with (estimate it again)")
