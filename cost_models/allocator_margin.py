@@ -11,11 +11,11 @@ the plan. Both are measured by replaying real plans' allocation sequences throug
 (cost_models.allocator, cost_models.expandable_segments; benchmarks/allocator.py, benchmarks/RESULTS.md
 section 11), and bounded here. Both bounds are per time point (`PointMargin`), and a table that carries one
 (`CostTable.allocator`) has solver rows of what the allocator needs (`fitted_totals`), so the search stays linear
-and each plan pays for what it holds. With expandable segments the need is the live bytes x 1.012, plus the
-activations that selectively checkpointed units save times 2.33 x what the model's selective forward strands in a
+and each plan pays for what it holds. With expandable segments the need is the live bytes x 1.0175, plus the
+activations that selectively checkpointed units save times 1.85 x what the model's selective forward strands in a
 simulation of its pages (`expandable_margin`: their mix of saved and recomputed blocks leaves holes in the pages,
 2-3.3% of the live peak on llama2-7b plans made of them, next to nothing on gpt2-1.5b's and llama3-8b's; 0.3-1.1%
-without them), plus 66 MiB; a flat `needed <= allocated x (1 + factor) + slack` (`Margin`) remains for tables
+without them), plus 125 MiB; a flat `needed <= allocated x (1 + factor) + slack` (`Margin`) remains for tables
 whose rows are written sparse.
 Natively a flat factor wastes memory: the
 excess comes from blocks that a smaller request splits and strands (a layer's saved activations in segments its
@@ -26,10 +26,12 @@ tensor sizes (llama2-7b's 86 MiB MLP blocks leave segments its 64 MiB saved tens
 MiB ones hold three of its 64 MiB tensors and more). The native bound is per time point: each memory category's
 bytes times its weight, each option's activations by its checkpoint mode's weight, from a simulation of the model's
 own forward (`native_margin`: a base plus a coefficient x what its repeated blocks strand per byte they keep,
-cost_models.stranding, per mode: llama2-7b's selective blocks 1.18, its blocks without checkpointing 1.08, fully
-checkpointed ones 1.075; gpt2-1.5b's and llama3-8b's 1.0-1.11), the gathered parameters by 1 + 3.02 x the same
-figure, the temporaries 1.48, the rest 1-1.041; a model whose trace records no storages gets the category weights
-alone (`NATIVE`: 1.517 for temporaries, 1.414 for the parameters, 1.099 for activations).
+cost_models.stranding, per mode: llama2-7b's blocks without checkpointing 1.20, its selective ones 1.13, fully
+checkpointed ones 1.0), the gathered parameters by 1.065, the temporaries 1.583, the parameters 1.126, the rest 1;
+a model whose trace records no storages (a table beside context or expert parallelism) gets the category weights
+alone (`NATIVE`: 1.517 for temporaries, 1.414 for the parameters, 1.099 for activations). Every constant is fitted
+to replays of the settled cache (cost_models.steady_steps), the need once the step has repeated until the cache's
+layout does.
 
 Three figures per plan: allocated (live bytes, the memory timeline's peak), needed (the smallest limit the step
 runs in; what a plan is fitted to by default) and reserved (what torch.cuda.max_memory_reserved shows with
@@ -196,8 +198,7 @@ def native_margin(stranding: float | None) -> PointMargin:
 # 26), each the need of the settled cache (cost_models.steady_steps: gpt2-1.5b's default plan at 8GB needs 1.2% more
 # from its 21st step than at its third), at most its bound / 1.005 (a linear programme: factor 0.0172, coefficient
 # 1.849, slack 124 MiB; `python benchmarks/allocator_weights.py --expandable`), rounded up. EXPANDABLE (4.5% of every
-# model's selective activations) is the bound of a table whose trace records no
-# storages.
+# model's selective activations) is the bound of a table whose trace records no storages.
 EXPANDABLE_STRANDING = 1.85
 EXPANDABLE_BY_SIZES = PointMargin({category.value: 1.0175 for category in CATEGORIES},
                                   slack=(125 << 20) + SEGMENT_SLACK)
