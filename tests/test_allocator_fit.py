@@ -242,4 +242,20 @@ def test_fitting_an_expert_parallel_plan_by_replay_says_why_it_cannot(run_cli, t
                     "--seq-len", "2048", "--batch-size", "2", "--tp", "1", "--ep", "2", "--allocator-conf",
                     "expandable_segments:False", "-o", "plan.json")
     assert bound.returncode == 0, bound.stderr
-    assert "--fit-allocator cannot check it: its split experts" in bound.stdout  # the report does not offer it
+    assert "--fit-allocator cannot check it: a replay on fake tensors cannot run its split experts" in bound.stdout
+
+
+def test_fitting_a_pipelined_plan_by_replay_says_why_it_cannot(run_cli, tmp_path):
+    """torch.distributed.pipelining's schedule does not run on fake tensors: the fit by replay refuses a pipelined
+    plan with a usage error that says so (it crashed inside the schedule), and writes no plan file."""
+    model = "llama-tiny[d_model=512,n_heads=8,n_kv_heads=4,ffn_hidden=1408,vocab_size=32000,n_layers=8]"
+    args = ["search", "--model", model, "--mem", "8GB", "--gpus", "8", "--profile", "h100-sxm-80gb", "--seq-len",
+            "128", "--batch-size", "32", "--tp", "1", "--pp", "2", "-o", "plan.json"]
+    result = run_cli(*args, "--fit-allocator", "on")
+    assert result.returncode == 2, result.stderr
+    assert "runs a pipeline of degree 2" in result.stderr and "--fit-allocator off" in result.stderr
+    assert "Traceback" not in result.stderr and not (tmp_path / "plan.json").exists()
+    bound = run_cli(*args, "--allocator-conf", "expandable_segments:False")
+    assert bound.returncode == 0, bound.stderr
+    assert "--fit-allocator cannot check it: a replay on fake tensors cannot run its pipeline" in bound.stdout
+

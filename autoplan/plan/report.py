@@ -184,8 +184,10 @@ def _allocator_lines(plan: Plan) -> list[str]:
                      f"{format_bytes(p.allocator_needed_bytes)} (its allocations on fake tensors, kernel workspaces "
                      "allowed for)")
     elif p.needed_bytes is not None and c.mem_fitted_to == "needed" and not c.expandable_segments:
-        check = ("--fit-allocator cannot check it: its split experts get tokens by the router's choices on real data, "
-                 "which a replay on fake tensors cannot run" if c.mesh.ep > 1 else
+        check = ("--fit-allocator cannot check it: a replay on fake tensors cannot run "
+                 + ("its pipeline's schedule" if plan.pipeline is not None else
+                    "its split experts, which get tokens by the router's choices on real data")
+                 if plan.pipeline is not None or c.mesh.ep > 1 else
                  "--fit-allocator checks the plan's own step and plans to it (natively up to 7% more of the limit "
                  "used on the cases of benchmarks/RESULTS.md 11b, 30-90 s for a 7B model)")
         lines.append(f"  not checked by replay: {_native_bound_record(c.max_split_size)}; {check}")

@@ -68,11 +68,7 @@ def replay_within(plan: Plan, budget_s: float, cpu_budget_s: float | None = None
 
 def replay_floor_s(plan: Plan) -> float:
     """The least CPU seconds `plan`'s replay can take (MIN_UNIT_STEP_CPU_S per unit and micro-batch step): rank 0's
-    units each micro-batch of each recorded step; for a pipelined plan, counted low, the units of rank 0's stages
-    once per step."""
-    if plan.pipeline is not None:
-        units = sum(len(stage.units) for stage in plan.pipeline.stages if stage.rank == 0)
-        return MIN_UNIT_STEP_CPU_S * units * RECORDED_STEPS
+    units each micro-batch of each recorded step (a pipelined plan is not replayed: replayable.check_fake_rank)."""
     return MIN_UNIT_STEP_CPU_S * len(plan.units) * plan.training.grad_accum_steps * RECORDED_STEPS
 
 

@@ -29,6 +29,11 @@ def check_fake_rank(plan: Plan) -> None:
         raise UsageError(f"units sharded within a node and replicated across nodes ({', '.join(node_sharded[:3])}) "
                          "run on a 2-D mesh, which does not run on fake tensors yet: their allocations cannot be "
                          "replayed")
+    if plan.pipeline is not None:
+        raise UsageError(f"the plan runs a pipeline of degree {plan.cluster.mesh.pp}: "
+                         "torch.distributed.pipelining's schedule does not run on fake tensors yet (it makes real "
+                         "tensors inside them); its allocations cannot be replayed (search with --fit-allocator off, "
+                         "the bound that needs no replay, or with --pp 1)")
     if plan.cluster.mesh.ep > 1:
         raise UsageError(f"the plan splits its experts over {plan.cluster.mesh.ep} ranks: which tokens each rank's "
                          "experts get, and so what its all-to-all and expert matmuls allocate, follows the router's "
