@@ -1,6 +1,7 @@
 """search through the Python API: plans are optimal for the cost model, monotone, deterministic."""
 
 import json
+import math
 
 import pytest
 
@@ -189,3 +190,27 @@ def test_a_search_longer_than_its_progress_delay_says_how_it_goes(monkeypatch, c
     search(model="llama-tiny", mem="30MB", gpus=2, seq_len=64, profile="cpu-gloo-2")
     err = capsys.readouterr().err
     assert "(1 data-parallel x 2 tensor-parallel +sp), micro-batch" in err and "mesh 3 of 3 (tp 2)" in err
+
+
+def test_a_uniform_strategy_that_does_not_fit_says_its_own_peak_and_the_limit_it_needs():
+    """A uniform strategy rules the solver's leaner plans out, so the error gives that plan's peak and need (it gave
+    the smallest any plan reaches: 4.7 MB here, under the very limit that failed) and a limit at which it fits."""
+    with pytest.raises(InfeasibleError) as info:
+        search(mem="6MB", strategy="replicate", batch_size=8, **TINY)
+    text = str(info.value)
+    assert "the uniform plan for gpt2-tiny (every unit replicate, checkpointing none, micro-batch 8)" in text
+    assert "leave out `strategy`" in text
+    assert info.value.min_mem_bytes > 6 * 10**6
+    plan = search(mem=info.value.min_mem_bytes, strategy="replicate", batch_size=8, **TINY)
+    assert {u.sharding for u in plan.units} == {"replicate"}
+
+
+def test_a_uniform_strategy_that_only_the_allocator_margin_rules_out_says_so():
+    cuda = dict(TINY, profile="h100-sxm-80gb", fit_to="needed", allocator_conf="expandable_segments:False")
+    free = search(mem="1TB", strategy="replicate", batch_size=8, allow_over_device_mem=True, **cuda).predicted
+    between = (free.peak_mem_bytes + free.needed_bytes) // 2
+    with pytest.raises(InfeasibleError) as info:
+        search(mem=math.ceil(between / 0.98), strategy="replicate", batch_size=8, **cuda)
+    assert "the live bytes alone would fit, so the allocator's margin is what does not" in str(info.value)
+    plan = search(mem=info.value.min_mem_bytes, strategy="replicate", batch_size=8, **cuda)
+    assert plan.predicted.needed_bytes <= info.value.min_mem_bytes * 0.98

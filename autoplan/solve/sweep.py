@@ -193,7 +193,9 @@ def _nothing_found(request: PlanRequest, cluster: Cluster, steps: list[SweepStep
             f"the solver found no plan within `time_limit_s` {limits.time_limit_s:g} s per micro-batch size "
             f"({', '.join(f'{s.micro_batch_size}: {s.status.lower()}' for s in steps)}); raise `time_limit_s`, or "
             "give `batch_size` to try a single micro-batch size")
-    pinned = pins is not None and request.uniform is None
+    if request.uniform is not None:
+        return _uniform_infeasible(request, cluster, table)
+    pinned = pins is not None
     if pinned:
         explained = pins.explain_infeasible(table, limits.planned_for(table), request.model.name,
                                             limits.mem_limit_bytes, limits.headroom, limits.time_limit_s)
@@ -223,6 +225,44 @@ def _fixed_strategy(table: CostTable, affine: AffineModel, uniform: Uniform, mem
     return SolveResult(SolveStatus.FIXED, choices, result.step_time_s, result.step_time_s, 0.0, *stats)
 
 
+def _uniform_infeasible(request: PlanRequest, cluster: Cluster, table: CostTable) -> InfeasibleError:
+    """Why a uniform strategy gives no plan: that plan's own peak and need at the smallest micro-batch tried, not the
+    smallest any plan reaches (which the strategy rules out)."""
+    limits, uniform = request.limits, request.uniform
+    choices = uniform_choices(table, uniform.strategy, uniform.checkpoint, exact=True, offload=uniform.offload)
+    if request.pins is not None:
+        choices = request.pins.overlay(table, choices)
+    plan = evaluate(table, choices)
+    wanted = limits.fitted_of(plan, table)
+    needed = math.ceil(wanted / (1 - limits.headroom))
+    what = ", ".join([f"every unit {uniform.strategy}", f"checkpointing {uniform.checkpoint or 'none'}"]
+                     + (["offloaded"] if uniform.offload else []) + [f"micro-batch {table.micro_batch_size}"])
+    margin = ""
+    if limits.fits_needed:
+        margin = f"; torch's caching allocator needs {format_bytes(wanted)} to run it (with {limits.allocator_conf})"
+        if plan.peak_mem_bytes <= limits.mem_limit_bytes * (1 - limits.headroom):
+            margin += ": the live bytes alone would fit, so the allocator's margin is what does not"
+    helps = [f"a limit of at least {format_bytes(needed)}",
+             "leave out `strategy` (and `checkpoint`, `offload`) for the solver to choose per unit",
+             f"more GPUs (sharding divides parameters, gradients and optimizer states over {cluster.mesh.fsdp_ranks} "
+             "now)", "a shorter `seq_len`"]
+    if request.batch.fixed and table.micro_batch_size > 1:
+        helps.insert(1, "a smaller `batch_size`")
+    return InfeasibleError(
+        f"the uniform plan for {request.model.name} ({what}) does not fit in {format_bytes(limits.mem_limit_bytes)} "
+        f"per GPU less {limits.headroom:.0%} headroom: its peak is {format_bytes(plan.peak_mem_bytes)}"
+        f"{_peak_state(plan)}{margin}. What would help: " + "; ".join(helps) + ".", min_mem_bytes=needed)
+
+
+def _peak_state(evaluation: Evaluation) -> str:
+    """What a plan holds at its peak, by memory category, as an error says it."""
+    parts = evaluation.peak_point.parts
+    return (f" (at its peak: parameters, gradients and optimizer states "
+            f"{format_bytes(parts['params'] + parts['grads'] + parts['optimizer'])}, activations "
+            f"{format_bytes(parts['activations'])}, gathered parameters {format_bytes(parts['gathered'])}, "
+            f"temporaries {format_bytes(parts['temporaries'])})")
+
+
 def _infeasible(table: CostTable, limits: Limits, model_name: str, cluster: Cluster,
                 fixed_batch: bool, affine: AffineModel | None = None) -> InfeasibleError:
     mem_limit_bytes, headroom = limits.mem_limit_bytes, limits.headroom
@@ -232,13 +272,7 @@ def _infeasible(table: CostTable, limits: Limits, model_name: str, cluster: Clus
     # the limit that leaves the headroom (and, fitting to what the caching allocator needs, its margin)
     wanted = limits.fitted_of(lean, table) if lean is not None else None
     needed = math.ceil(wanted / (1 - headroom)) if peak is not None else None
-    state = ""
-    if lean is not None:
-        parts = lean.peak_point.parts
-        state = (f" (at its peak: parameters, gradients and optimizer states "
-                 f"{format_bytes(parts['params'] + parts['grads'] + parts['optimizer'])}, activations "
-                 f"{format_bytes(parts['activations'])}, gathered parameters {format_bytes(parts['gathered'])}, "
-                 f"temporaries {format_bytes(parts['temporaries'])})")
+    state = _peak_state(lean) if lean is not None else ""
     helps = [f"a limit of at least {format_bytes(needed)}" if needed else "a larger limit",
              f"more GPUs (sharding divides parameters, gradients and optimizer states over {cluster.mesh.fsdp_ranks} "
              "now)", "a shorter `seq_len`", "`dtype` bf16 (no fp32 master weights)"]
