@@ -210,13 +210,7 @@ def _nothing_found(request: PlanRequest, cluster: Cluster, steps: list[SweepStep
 def _fixed_strategy(table: CostTable, affine: AffineModel, uniform: Uniform, mem_limit_bytes: int,
                     pins: PinResolution | None = None) -> SolveResult:
     """A uniform plan (the pinned units as pinned) evaluated in place of a solve, reported in the solver's terms."""
-    choices = uniform_choices(table, uniform.strategy, uniform.checkpoint, exact=True, offload=uniform.offload)
-    if choices is None and uniform.offload:
-        raise UsageError("`offload` needs a profile that prices the host link (its `host_link`); this one has none")
-    if choices is None:
-        raise UsageError(f"`strategy` {uniform.strategy} is not available on this cluster (it needs `nodes` 2 or more)")
-    if pins is not None:
-        choices = pins.overlay(table, choices)
+    choices = _uniform_plan(table, uniform, pins)
     result = evaluate(table, choices)
     fits = result.fits(mem_limit_bytes, table.host_limit_bytes)
     stats = (affine.algebra.size, 0, len(affine.mem_const))
@@ -225,14 +219,21 @@ def _fixed_strategy(table: CostTable, affine: AffineModel, uniform: Uniform, mem
     return SolveResult(SolveStatus.FIXED, choices, result.step_time_s, result.step_time_s, 0.0, *stats)
 
 
+def _uniform_plan(table: CostTable, uniform: Uniform, pins: PinResolution | None) -> list[int]:
+    """The uniform strategy's choice of each unit of `table`, the pinned units as pinned."""
+    choices = uniform_choices(table, uniform.strategy, uniform.checkpoint, exact=True, offload=uniform.offload)
+    if choices is None and uniform.offload:
+        raise UsageError("`offload` needs a profile that prices the host link (its `host_link`); this one has none")
+    if choices is None:
+        raise UsageError(f"`strategy` {uniform.strategy} is not available on this cluster (it needs `nodes` 2 or more)")
+    return choices if pins is None else pins.overlay(table, choices)
+
+
 def _uniform_infeasible(request: PlanRequest, cluster: Cluster, table: CostTable) -> InfeasibleError:
     """Why a uniform strategy gives no plan: that plan's own peak and need at the smallest micro-batch tried, not the
     smallest any plan reaches (which the strategy rules out)."""
     limits, uniform = request.limits, request.uniform
-    choices = uniform_choices(table, uniform.strategy, uniform.checkpoint, exact=True, offload=uniform.offload)
-    if request.pins is not None:
-        choices = request.pins.overlay(table, choices)
-    plan = evaluate(table, choices)
+    plan = evaluate(table, _uniform_plan(table, uniform, request.pins))
     wanted = limits.fitted_of(plan, table)
     needed = math.ceil(wanted / (1 - limits.headroom))
     what = ", ".join([f"every unit {uniform.strategy}", f"checkpointing {uniform.checkpoint or 'none'}"]
