@@ -52,6 +52,16 @@ def test_what_cannot_be_replayed_is_refused_before_any_plan_is_written(run_cli, 
     assert not (tmp_path / "plan.json").exists()
 
 
+def test_the_report_of_a_plan_on_a_2d_mesh_does_not_offer_the_fit_by_replay(run_cli, tmp_path):
+    """The report reads the same obstacles the fit refuses on (autoplan.plan.replay_obstacle): units sharded within
+    a node on two nodes run on a 2-D mesh, so the natively bounded plan's report says the fit cannot check it."""
+    result = run_cli("search", *ARGS, "--mem", "600MB", "--nodes", "2", "--strategy", "hybrid", "--allocator-conf",
+                     "expandable_segments:False", "-o", "plan.json")
+    assert result.returncode == 0, result.stderr
+    assert "--fit-allocator cannot check it: a replay on fake tensors cannot run its units sharded within a node" \
+        in result.stdout
+
+
 def test_a_tensor_parallel_plan_is_fitted_by_replay_too(run_cli, tmp_path):
     """FSDP2 joins the data- and tensor-parallel meshes of a TP unit: the replay makes that join outside the fake
     tensor mode, so a TP plan's step replays like any other."""

@@ -12,6 +12,7 @@ from typing import Any
 
 from autoplan.pins import path_groups
 from autoplan.plan.pipeline_report import pipeline_lines
+from autoplan.plan.replay_obstacle import ReplayObstacle, replay_obstacle
 from autoplan.sizes import format_bytes
 from cost_models.allocator_conf import unmodelled_options
 
@@ -184,14 +185,19 @@ def _allocator_lines(plan: Plan) -> list[str]:
                      f"{format_bytes(p.allocator_needed_bytes)} (its allocations on fake tensors, kernel workspaces "
                      "allowed for)")
     elif p.needed_bytes is not None and c.mem_fitted_to == "needed" and not c.expandable_segments:
-        check = ("--fit-allocator cannot check it: a replay on fake tensors cannot run "
-                 + ("its pipeline's schedule" if plan.pipeline is not None else
-                    "its split experts, which get tokens by the router's choices on real data")
-                 if plan.pipeline is not None or c.mesh.ep > 1 else
-                 "--fit-allocator checks the plan's own step and plans to it (natively up to 7% more of the limit "
-                 "used on the cases of benchmarks/RESULTS.md 11b, 30-90 s for a 7B model)")
+        obstacle = replay_obstacle(plan)
+        check = ("--fit-allocator checks the plan's own step and plans to it (natively up to 7% more of the limit "
+                 "used on the cases of benchmarks/RESULTS.md 11b, 30-90 s for a 7B model)" if obstacle is None else
+                 f"--fit-allocator cannot check it: a replay on fake tensors cannot run {_UNREPLAYABLE[obstacle]}")
         lines.append(f"  not checked by replay: {_native_bound_record(c.max_split_size)}; {check}")
     return lines
+
+
+_UNREPLAYABLE = {  # what the report names, for each reason a replay cannot run the plan
+    ReplayObstacle.NODE_MESH: "its units sharded within a node and replicated across nodes (a 2-D mesh)",
+    ReplayObstacle.PIPELINE: "its pipeline's schedule",
+    ReplayObstacle.EXPERTS: "its split experts, which get tokens by the router's choices on real data",
+}
 
 
 def _native_bound_record(max_split_size: int | None) -> str:
