@@ -16,7 +16,8 @@ tensor-parallel layout (cost_models.stranding; the models traced here, a few sec
 recorded split by checkpoint mode (`mode_parts`: the grid's, uniform, and the default plans' since it was
 recorded). `--held-out` with it fits again without each model's replays and shows that model's under that fit.
 `--fallback` fits NATIVE (with `--expandable`, EXPANDABLE), the
-bound of a table whose trace records no storages, over every replay, the held-out models' included.
+bound of a table whose trace records no storages, over every replay, the held-out models' included, and natively
+the GPU kit's grid plans' (allocator_steps.py DIR --kit --conf native).
 `--expandable` fits expandable_margin (live bytes x (1 + factor), a coefficient x the model's simulated selective
 stranding x the selective units' activations, a slack) to the replays with expandable segments (each at most its
 bound / 1.005).
@@ -172,6 +173,18 @@ def _columns(row: dict) -> int:
     return len(row.get("parts", [""])[0].split())
 
 
+def kit_replays() -> list[dict]:
+    """The native replays of the GPU kit's grid plans (allocator_steps.py DIR --kit --conf native: made for
+    expandable segments, recorded for several steps, the need after the last), each with what the GPU did under
+    the bound the kit capped it at, as `replays()` gives the others."""
+    return [{"label": f"{row['model']} kit {row['plan_key'].split('-')[-1]} mb{row['micro_batch']}",
+             "model": row["model"], "seq_len": row["seq_len"], "micro_batch": row["micro_batch"],
+             "parts": unpacked(row["parts"]), "needed": row["needs"][-1], "gpu_status": row.get("gpu_status"),
+             "gpu_bound_bytes": row.get("gpu_bound_bytes")}
+            for path in sorted(RESULTS.glob("allocator_steps_kit_*_native.json"))
+            for row in json.loads(path.read_text()) if row.get("parts")]
+
+
 def unpacked(lines: list[str]) -> list[dict]:
     """A results file's timeline parts (benchmarks/allocator.py's `packed`): bytes by category per point, and by
     checkpoint mode where recorded."""
@@ -273,6 +286,8 @@ def show(title: str, rows: list[dict], weights: dict[str, float]) -> None:
             shipped = (f"native_margin {row_bound(row, shipped_weights()) / row['needed']:.3f} "
                        f"(stranding {row['stranding']:.3f}), ")
         used = f"  bound/--mem {row_bound(row, weights) / row['limit_bytes']:.3f}" if "limit_bytes" in row else ""
+        if row.get("gpu_status"):  # the kit's plans: the GPU capped at the bound NATIVE gave it then
+            used += f"  GPU {row['gpu_status']} at {row['gpu_bound_bytes'] / row['needed']:.3f} x needed"
         print(f"  {row['label']:<48} needed {row['needed'] / 2 ** 30:6.2f} GiB  bound/needed: NATIVE "
               f"{row_bound(row, NATIVE.weights) / row['needed']:.3f}, {shipped}"
               f"fitted {row_bound(row, weights) / row['needed']:.3f}{used}")
@@ -383,8 +398,9 @@ def main() -> None:
     args.margin = 0.01 if args.margin is None else args.margin
     rows = replays()
     if args.fallback:
-        rows += unseen_replays()
-        show(f"NATIVE over all {len(rows)} replays, the held-out models' included", rows, fit(rows, args.margin))
+        rows += unseen_replays() + kit_replays()
+        show(f"NATIVE over all {len(rows)} replays, the held-out models' and the GPU kit's included", rows,
+             fit(rows, args.margin))
         return
     if args.by_mode:
         left = [row["label"] for row in rows if MODE_KEYS[0] not in row["parts"][0]]
