@@ -439,6 +439,8 @@ def stage_grid(args, profile: str, budget: Budget) -> dict:
                            measured_phase_bytes=result.measured_phase_bytes,
                            over_limit=measured > plan.cluster.mem_limit_bytes,
                            predicted_compute_s=result.predicted_compute_s, measured_compute_s=result.measured_compute_s,
+                           # by phase: where a time miss is (forward, backward with its recompute, optimizer step)
+                           predicted_phase_s=result.predicted_phase_s, measured_phase_s=result.measured_phase_s,
                            mem_source=result.mem_source,
                            # the caching allocator's figure the plan gives (cost_models.allocator), beside the measured
                            predicted_reserved_bytes=reserved_bound(result.predicted_peak_bytes),

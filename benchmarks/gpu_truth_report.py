@@ -52,6 +52,11 @@ def summarize(results: dict) -> dict:
                                                for row in grid if row.get("cuda_max_reserved_bytes")]),
             "compute_error": _stats([row["predicted_compute_s"] / row["measured_compute_s"] - 1
                                      for row in grid if row.get("measured_compute_s")]),
+            # the same by phase, where the rows have them (the kit since its sixth run)
+            "phase_compute_error": {phase: _stats([row["predicted_phase_s"][phase] / row["measured_phase_s"][phase] - 1
+                                                   for row in grid if (row.get("measured_phase_s") or {}).get(phase)
+                                                   and (row.get("predicted_phase_s") or {}).get(phase)])
+                                    for phase in ("forward", "backward", "optimizer")},
             "over_limit": sum(bool(row.get("over_limit")) for row in grid),
             # per allocator configuration: plans run capped at their needed bound, and how many ran there
             "allocator": _allocator_counts(stages["grid"]["rows"]),
@@ -159,6 +164,8 @@ def format_results(results: dict) -> str:
                   _line(g["reserved_over_allocated"], "CUDA max_memory_reserved above max_memory_allocated"),
                   _line(g["reserved_over_predicted"], "CUDA max_memory_reserved above the predicted peak"),
                   _line(g["compute_error"], "compute time (collectives free), predicted against measured")]
+        lines += [_line(stats, f"  in the {phase}") for phase, stats in (g.get("phase_compute_error") or {}).items()
+                  if stats]
         for conf, n in g.get("allocator", {}).items():
             lines.append(f"  {conf}: {n['ran']} of {n['capped_runs']} plans ran capped at their needed bound "
                          f"({n['out_of_memory']} out of memory)")

@@ -60,6 +60,14 @@ def test_cli_fake_world_headline_is_the_prediction_for_the_fake_group(tmp_path, 
     assert format_bytes(record["predicted_peak_bytes"]) in headline
     assert format_bytes(record["plan_predicted_peak_bytes"]) in planned
     assert set(record["measured_phase_bytes"]) == {"forward", "backward", "optimizer"}
+    # the step's time by phase, measured (the untracked step's) and predicted, each adding up to its step
+    phases, predicted = record["measured_phase_s"], record["predicted_phase_s"]
+    assert set(phases) == set(predicted) == {"forward", "backward", "optimizer"} and min(phases.values()) > 0
+    assert 0.8 * record["measured_compute_s"] <= sum(phases.values()) <= record["measured_compute_s"] + 1e-3
+    assert sum(predicted.values()) == pytest.approx(record["predicted_compute_s"])
+    step_row = out.splitlines().index(next(line for line in out.splitlines() if line.startswith("step time")))
+    assert [line.split()[1] for line in out.splitlines()[step_row + 1:step_row + 4]] == ["forward", "backward",
+                                                                                         "optimizer"]
     assert not dist.is_initialized()  # the group is gone: a later test can make one again
 
 

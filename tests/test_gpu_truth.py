@@ -59,6 +59,7 @@ def test_quick_cpu_kit_writes_every_stage_into_one_results_file(tmp_path):
     for row in uniform:  # all-shard plans: FSDP2's memory is what the model predicts, on the fake world too
         assert abs(row["mem_error"]) < 0.25, row
         assert row["measured_compute_s"] > 0 and row["predicted_compute_s"] > 0
+        assert set(row["measured_phase_s"]) == set(row["predicted_phase_s"]) == {"forward", "backward", "optimizer"}
         assert row["cuda_max_allocated_bytes"] is None  # no CUDA here: the live-tensor peak only
     plans = json.loads((out / "plans.json").read_text())
     for row in grid["rows"]:  # each plan kept beside the results (one file), to replay its allocations later
@@ -74,6 +75,7 @@ def test_quick_cpu_kit_writes_every_stage_into_one_results_file(tmp_path):
     assert abs(run["mem_error"]) < 0.25
 
     assert results["summary"]["grid"]["runs"] >= 4 and results["summary"]["compute"]["runs"] == 1
+    assert results["summary"]["grid"]["phase_compute_error"]["backward"]["n"] >= 4  # where a time miss is
     for heading in ("== profile: ok", "== fake-world memory grid", "== single-GPU runs", "summary, grid"):
         assert heading in text
     assert text.strip() == format_results(results).strip()  # the text is the results file's, printed

@@ -90,6 +90,8 @@ class FakeWorldResult:
     predicted_host_bytes: int = 0  # offloaded units' state in host memory (the plan's)
     measured_host_bytes: int = 0  # their storages after the last optimizer step (on the CPU: inside the peak too)
     rank: int = 0  # the rank of the world that ran (a pipelined plan: of the stage it runs)
+    predicted_phase_s: dict[str, float] | None = None  # predicted_compute_s by phase (forward, backward, optimizer)
+    measured_phase_s: dict[str, float] = field(default_factory=dict)  # median over the timed steps, by phase
 
     @property
     def error(self) -> float:
@@ -166,7 +168,8 @@ def run_fake_world(plan: Plan | str | os.PathLike, steps: int = 3, model: str | 
         step_times_s=result.step_times_s[warmup:], untracked_step_times_s=result.untracked_step_times_s,
         cuda_max_allocated_bytes=cuda_peaks[0], cuda_max_reserved_bytes=cuda_peaks[1],
         predicted_host_bytes=plan.predicted.host_mem_bytes, measured_host_bytes=result.host_state_bytes,
-        rank=options.rank,
+        rank=options.rank, predicted_phase_s=headline.phase_s,
+        measured_phase_s=_median_phases(result.phase_times_s_by_step[-steps:]),
         not_exercised=_not_exercised(plan, profile_device, device, headline),
     )
 
@@ -222,6 +225,11 @@ def _run_rank_zero(plan: Plan, module: torch.nn.Module, device: str, warmup_and_
         dist.destroy_process_group()
 
 
+def _median_phases(steps: list[dict[str, float]]) -> dict[str, float]:
+    """Each phase's median seconds over `steps` (RankResult.phase_times_s_by_step's)."""
+    return {phase: statistics.median(step.get(phase, 0.0) for step in steps) for phase in steps[-1]} if steps else {}
+
+
 def _profile_device(plan: Plan) -> str:
     try:
         return load_profile(plan.cluster.profile).device_type
@@ -268,6 +276,8 @@ def format_fake_world(r: FakeWorldResult) -> str:
     if r.predicted_host_bytes or r.measured_host_bytes:
         rows.append(("host memory (offloaded)", r.predicted_host_bytes, r.measured_host_bytes, format_bytes))
     rows.append(("step time, compute only", r.predicted_compute_s, r.measured_compute_s, _seconds))
+    rows += [(f"  in {phase}", (r.predicted_phase_s or {}).get(phase), r.measured_phase_s.get(phase), _seconds)
+             for phase in PHASES if phase in r.measured_phase_s]
     for label, predicted, measured, fmt in rows:
         ratio = f"{measured / predicted:.2f}" if measured is not None and predicted else "-"
         lines.append(f"{label:28}{_dash(predicted, fmt):>14}{_dash(measured, fmt):>14}{ratio:>21}")
@@ -281,8 +291,10 @@ def format_fake_world(r: FakeWorldResult) -> str:
     times = r.untracked_step_times_s or r.step_times_s
     lines.append("  step times (compute only" + (", memory tracker off" if r.untracked_step_times_s else "")
                  + "): " + ", ".join(f"{t:.3f}s" for t in times))
-    lines.append("  predicted compute: the units' forward and backward x accumulation + the optimizer step, "
-                 f"no collectives or per-unit overheads (the plan's whole step: {_seconds(r.predicted_step_s)})")
+    overhead = not any("per-unit overhead" in note for note in r.not_exercised)  # priced where the profile is here
+    lines.append("  predicted compute: the units' forward and backward" + (" and FSDP2's per-unit overhead" if overhead
+                 else "") + " x accumulation + the optimizer step, no collectives (the plan's whole step: "
+                 f"{_seconds(r.predicted_step_s)})")
     if r.measured_host_bytes and r.device == "cpu":
         lines.append("  note: on the CPU the host is the device: the offloaded state is in the peak too (measured, "
                      "and predicted by a CPU profile); the host row shows its share")

@@ -25,7 +25,7 @@ from cost_models.evaluate import evaluate
 from cost_models.options import PRECISIONS, SHARDING_KINDS, Dtype
 from cost_models.table import CostTable, without_gloo_copy
 
-__all__ = ["Headline", "headline", "predicted_compute_s"]
+__all__ = ["Headline", "headline", "predicted_compute_s", "predicted_phase_s"]
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,7 @@ class Headline:
     recosted: bool  # whether the plan was costed again without gloo's copy
     compute_s: float  # the compute-only step (predicted_compute_s)
     overhead_priced: bool  # whether compute_s counts FSDP2's per-unit overhead (the plan's profile was here)
+    phase_s: dict[str, float] | None = None  # compute_s by phase (predicted_phase_s); None for a pipelined plan
 
 
 def headline(plan: Plan, resolved, profile_device: str, rank: int) -> Headline:
@@ -49,28 +50,37 @@ def headline(plan: Plan, resolved, profile_device: str, rank: int) -> Headline:
                         "the plan's prediction for the stage(s) this rank runs", 0, False, predicted_compute_s(plan),
                         False)
     costed = _costed(plan, resolved)
-    compute_s = predicted_compute_s(plan, *costed) if costed else predicted_compute_s(plan)
+    phase_s = predicted_phase_s(plan, *costed) if costed else predicted_phase_s(plan)
+    compute_s = sum(phase_s.values())
     gloo_copy = _gloo_copy_bytes(plan) if profile_device != "cuda" else 0
     if not gloo_copy or costed is None:
-        return Headline(plan, f"the plan's own ({plan.cluster.profile})", gloo_copy, False, compute_s, bool(costed))
+        return Headline(plan, f"the plan's own ({plan.cluster.profile})", gloo_copy, False, compute_s, bool(costed),
+                        phase_s)
     in_place = without_gloo_copy(costed[0])  # as a backend that reduces in place holds the plan, nothing else changed
     predicted = prediction(in_place, evaluate(in_place, costed[1]), plan.cluster.allocator_conf)
     return Headline(plan.model_copy(update={"predicted": predicted}),
                     f"the plan's decisions on {plan.cluster.profile}, every reduction in place (no gloo on a fake "
-                    "group)", gloo_copy, True, compute_s, True)
+                    "group)", gloo_copy, True, compute_s, True, phase_s)
 
 
 def predicted_compute_s(plan: Plan, table: CostTable | None = None, choices: list[int] | None = None) -> float:
     """The plan's predicted step time without collectives: per micro-batch every unit's forward and backward
     (recompute included) and, from its cost `table` and `choices` where given, FSDP2's fixed per-unit overhead,
     times the accumulation steps, plus every unit's optimizer step."""
+    return sum(predicted_phase_s(plan, table, choices).values())
+
+
+def predicted_phase_s(plan: Plan, table: CostTable | None = None, choices: list[int] | None = None) -> dict[str, float]:
+    """predicted_compute_s by phase, as a run times them (autoplan.run.phase_clock): the forward, the backward
+    (recompute included) and the optimizer step."""
     if table is None:
-        units = [unit.predicted for unit in plan.units]
-        per_micro_batch = sum(u.fwd_s + u.bwd_s for u in units)
-        return plan.training.grad_accum_steps * per_micro_batch + sum(u.optimizer_s for u in units)
-    costs = [table.costs[unit][option] for unit, option in enumerate(choices)]
-    return sum((c.fwd_s + c.bwd_s + c.overhead_fwd_s + c.overhead_bwd_s) * table.grad_accum_steps + c.optimizer_s
-               for c in costs)
+        units, accum = [unit.predicted for unit in plan.units], plan.training.grad_accum_steps
+        return {"forward": accum * sum(u.fwd_s for u in units), "backward": accum * sum(u.bwd_s for u in units),
+                "optimizer": sum(u.optimizer_s for u in units)}
+    costs, accum = [table.costs[unit][option] for unit, option in enumerate(choices)], table.grad_accum_steps
+    return {"forward": accum * sum(c.fwd_s + c.overhead_fwd_s for c in costs),
+            "backward": accum * sum(c.bwd_s + c.overhead_bwd_s for c in costs),
+            "optimizer": sum(c.optimizer_s for c in costs)}
 
 
 def _costed(plan: Plan, resolved) -> tuple[CostTable, list[int]] | None:

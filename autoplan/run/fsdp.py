@@ -13,6 +13,7 @@ calls run and nothing is copied.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
@@ -21,7 +22,8 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 
 from cost_models.options import ShardingKind
 
-__all__ = ["apply_fsdp", "host_state_bytes", "materialise", "offloaded_params", "param_groups"]
+__all__ = ["apply_fsdp", "host_state_bytes", "materialise", "offloaded_params", "param_groups",
+           "watch_host_state"]
 
 
 def apply_fsdp(module: nn.Module, mesh: DeviceMesh, kind: ShardingKind, mp_policy: MixedPrecisionPolicy, *,
@@ -99,3 +101,11 @@ def host_state_bytes(params: list[nn.Parameter], optimizer: torch.optim.Optimize
                 storage = local.untyped_storage()
                 storages[storage.data_ptr()] = storage.nbytes()
     return sum(storages.values())
+
+
+def watch_host_state(model: nn.Module, optimizer: torch.optim.Optimizer, record: Callable[[int], None]) -> None:
+    """After every optimizer step (gradients still there, states made), `record(bytes)` of what the offloaded
+    units hold on the host (host_state_bytes). Nothing is watched where no unit is offloaded."""
+    offloaded = offloaded_params(model)
+    if offloaded:
+        optimizer.register_step_post_hook(lambda *_: record(host_state_bytes(offloaded, optimizer)))

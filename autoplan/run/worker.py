@@ -41,11 +41,12 @@ from autoplan.plan.schema import load_plan
 from autoplan.run.apply import apply, materialise, model_for_plan
 from autoplan.run.attention import planned_attention
 from autoplan.run.data import AlpacaTokens, BatchShape, SyntheticTokens, rank_micro_batches, vocab_size_of
-from autoplan.run.fsdp import host_state_bytes, offloaded_params
+from autoplan.run.fsdp import watch_host_state
 from autoplan.run.host_memory import keep_freed_memory
 from autoplan.run.memtrack import RankMemory, allocation_failure
 from autoplan.run.named_inputs import NamedInputs, micro_batch_loss, next_token_loss
 from autoplan.run.node_relay import FirstNodeRelay
+from autoplan.run.phase_clock import PhaseClock
 from autoplan.run.pipeline import PipelinedModel, train_pipeline_step
 from autoplan.run.procs import die_with_parent, rank_signals
 from autoplan.run.resume import Checkpoints
@@ -101,6 +102,8 @@ class RankResult:
     peak_mem_bytes_by_step: list[int] = field(default_factory=list)
     # per step, the peak within each phase: forward (loss included), backward, optimizer step
     phase_peak_bytes_by_step: list[dict[str, int]] = field(default_factory=list)
+    # per step timed with no memory tracker on (on the CPU the untracked ones), the seconds in each phase
+    phase_times_s_by_step: list[dict[str, float]] = field(default_factory=list)
     peak_mem_bytes: int = 0  # since the start, materialisation included
     peak_rss_bytes: int = 0
     mem_source: str = ""  # what peak_mem_bytes counts
@@ -206,16 +209,21 @@ def train_measured(run: TrainingRun) -> None:
     within each phase go into `run.result`; then `step_done(step, label, seconds, loss)` is called.
     Shared by the ranks of `autoplan apply` and its fake world (autoplan.run.fake_world)."""
     memory, result = run.memory, run.result
-    _watch_host_state(run.model, run.optimizer, result)
+    watch_host_state(run.model, run.optimizer, lambda nbytes: setattr(result, "host_state_bytes", nbytes))
+    clock = PhaseClock(memory.device)
     for step in range(run.warmup_steps + run.steps):
         micro_batches = _batches(run, step)
         phase_peaks = {"forward": 0, "backward": 0, "optimizer": 0}
 
         def phase_done(phase: str) -> None:
+            clock.done(phase)
             phase_peaks[phase] = max(phase_peaks[phase], memory.peak_and_reset())
 
+        clock.start()
         step_s, step_loss = _train_step(run.model, run.optimizer, micro_batches, memory.device, phase_done, result,
                                         run.context)
+        if memory.tracker is None:  # the tracker's Python on every op would be in the phases' times
+            result.phase_times_s_by_step.append(clock.seconds())
         result.step_times_s.append(step_s)
         result.losses.append(step_loss)
         result.phase_peak_bytes_by_step.append(phase_peaks)
@@ -228,31 +236,20 @@ def train_measured(run: TrainingRun) -> None:
             run.step_done(step, f"step {step + 1}/{run.warmup_steps + run.steps} ({phase})", step_s, step_loss)
 
 
-def _watch_host_state(model, optimizer, result: RankResult) -> None:
-    """After every optimizer step (gradients still there, states made), what the offloaded units hold on the
-    host goes into `result.host_state_bytes`. Nothing is watched where no unit is offloaded."""
-    offloaded = offloaded_params(model)
-    if not offloaded:
-        return
-
-    def measure(*_) -> None:
-        result.host_state_bytes = host_state_bytes(offloaded, optimizer)
-
-    optimizer.register_step_post_hook(measure)
-
-
 def train_untracked(run: TrainingRun) -> None:
     """CPU, after `run.memory` was left: the live-tensor tracker runs Python on every op, which on a small model
     more than doubles the step, so the step time is measured again over `steps` steps with the tracker off
     (into `result.untracked_step_times_s`). Nothing to do when the memory was CUDA's allocator's."""
     if run.memory.tracker is None:
         return
-    total = run.warmup_steps + run.steps
+    total, clock = run.warmup_steps + run.steps, PhaseClock(run.memory.device)
     for step in range(total, total + run.steps):
         micro_batches = _batches(run, step)
-        step_s, step_loss = _train_step(run.model, run.optimizer, micro_batches, run.memory.device, result=run.result,
-                                        context=run.context)
+        clock.start()
+        step_s, step_loss = _train_step(run.model, run.optimizer, micro_batches, run.memory.device, clock.done,
+                                        run.result, run.context)
         run.result.untracked_step_times_s.append(step_s)
+        run.result.phase_times_s_by_step.append(clock.seconds())
         if run.step_done is not None:
             run.step_done(step, f"untracked step {step + 1 - total}/{run.steps} (timed, memory tracker off)", step_s,
                           step_loss)
