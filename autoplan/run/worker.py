@@ -239,7 +239,8 @@ def train_measured(run: TrainingRun) -> None:
 def train_untracked(run: TrainingRun) -> None:
     """CPU, after `run.memory` was left: the live-tensor tracker runs Python on every op, which on a small model
     more than doubles the step, so the step time is measured again over `steps` steps with the tracker off
-    (into `result.untracked_step_times_s`). Nothing to do when the memory was CUDA's allocator's."""
+    (into `result.untracked_step_times_s`, and by phase into `phase_times_s_by_step`). Nothing to do when the
+    memory was CUDA's allocator's."""
     if run.memory.tracker is None:
         return
     total, clock = run.warmup_steps + run.steps, PhaseClock(run.memory.device)
