@@ -31,8 +31,6 @@ import time
 
 import torch
 
-from gpu_truth import ensure_packages
-
 MODES = ("none", "selective", "full")
 
 
@@ -96,6 +94,8 @@ def main() -> None:
     parser.add_argument("--profile", help="a profile to predict the same block with (name or path)")
     parser.add_argument("--out", help="results file name under benchmarks/results (default checkpoint_cost_<device>)")
     args = parser.parse_args()
+    from gpu_truth import ensure_packages
+
     print(f"packages: {ensure_packages()}")  # a GPU machine may lack pydantic and ortools: the carried wheels
     from common import write_results
 

@@ -7,13 +7,14 @@ a GPU machine that has torch but neither ortools nor pydantic and no package ind
 benchmarks/wheels/, git-ignored, installed with `pip install --no-index`).
 
 The budget (`--budget-min`, default 8) is shared out: each stage, when it starts, gets its weight's share of
-what is left (profile 45, grid 35, compute 12: the profile 3.9 of 8 minutes, and what it leaves to the next),
+what is left (profile 45, grid 35, compute 12, checkpoint 8: the profile 3.6 of 8 minutes, and what it leaves to
+the next),
 enforced by the timeouts of the commands it starts and by not starting a run its share cannot hold; work it
 cannot finish is recorded as skipped ("skipped: out of time", or the stage "out of time"), its allowance and
 wall time beside. Its files fit the device tool's return (at most 8): gpu_truth.json (with the grid's plans in
 plans.json), gpu_truth.txt, the measured profile; the measurement cache goes to --cache-dir (/tmp).
 
-Stages (`--stages`, default all three):
+Stages (`--stages`, default all four):
   profile  `autoplan profile --device cuda --nproc 1`: ops, host link, calibration steps, saved as a measured
            profile named after the device (profiles/<device>-measured.json on a GPU; a copy in --out). One
            process measures no collectives: links and collective fits come from the device's datasheet profile.
@@ -26,6 +27,8 @@ Stages (`--stages`, default all three):
            the process capped at the plan's `needed` bound under each (cost_models.allocator_margin): whether the
            step ran there, with max_memory_reserved and max_memory_allocated beside the bound.
   compute  single-GPU training runs (`autoplan apply` on one GPU): measured step time and peak against the plan's.
+  checkpoint  one block of llama2-7b (on the CPU llama-tiny's), forward + backward under each checkpoint mode,
+           four blocks timed against one (benchmarks/checkpoint_cost.py), beside the step model's figure for it.
 
 On a machine with a GPU and a package index, or with the wheels installed:
     python benchmarks/gpu_truth.py --device cuda --out benchmarks/results/gpu_truth_cuda
@@ -62,9 +65,9 @@ WHEEL_PACKAGES = ("pydantic", "pydantic-core", "annotated-types", "typing-inspec
                   "immutabledict", "protobuf")
 WHEEL_PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
                    "manylinux1_x86_64"]
-STAGES = ("profile", "grid", "compute")
-# each stage's share of what is left when it starts; compute, last, gets all that is left (about 80 s on an H200)
-STAGE_WEIGHTS = {"profile": 45, "grid": 35, "compute": 12}
+STAGES = ("profile", "grid", "compute", "checkpoint")
+# each stage's share of what is left when it starts; checkpoint, last, gets all that is left
+STAGE_WEIGHTS = {"profile": 45, "grid": 35, "compute": 12, "checkpoint": 8}
 CACHE = Path("/tmp/autoplan-gpu-truth-cache")
 WORLD = 8  # the grid's plans are for 8 GPUs; one of them runs here
 TIGHT = 1.15  # the solver's limit: 15% above the leanest plan's (all-shard+checkpoint) predicted peak
@@ -83,6 +86,9 @@ GRID = {
     "cpu": [("gpt2-tiny", 64, (2, 8)), ("llama-tiny", 64, (2, 8)), ("llama-tiny", 64, (2,), ("all-shard@tp2",))],
     "cpu-quick": [("gpt2-tiny", 64, (2, 8)), ("llama-tiny", 64, (2,), ("all-shard@tp2",))],
 }
+# a block's forward + backward under each checkpoint mode (benchmarks/checkpoint_cost.py): (model, sequence,
+# micro-batch, blocks timed against one, repetitions)
+CHECKPOINT = {"cuda": ("llama2-7b", 1024, 2, 4, 10), "cpu": ("llama-tiny", 16, 1, 4, 10)}
 COMPUTE = {  # single-GPU runs: (model, sequence, micro-batch)
     "cuda": [("gpt2", 1024, 16), ("llama-1b", 2048, 4)], "cuda-quick": [("gpt2", 1024, 8)],
     "cpu": [("gpt2-tiny", 64, 8)], "cpu-quick": [("gpt2-tiny", 64, 8)],
@@ -498,6 +504,31 @@ def stage_compute(args, profile: str, budget: Budget) -> dict:
     return {"profile": profile, "rows": rows}
 
 
+def stage_checkpoint(args, profile: str, budget: Budget) -> dict:
+    """What each checkpoint mode costs one block, forward + backward, no FSDP (checkpoint_cost.block_seconds, in
+    this process), beside the step model's figure for the same block on the kit's profile: a selectively
+    checkpointed block cost 5-7 ms a step more than predicted on two H200s (benchmarks/RESULTS.md section 9)."""
+    from checkpoint_cost import MODES, block_seconds, predicted_block_s
+
+    model, seq_len, batch, blocks, reps = CHECKPOINT[args.device]
+    rows = []
+    for mode in MODES:
+        row = {"mode": mode}
+        rows.append(row)
+        if not budget.allows(20):
+            row["status"] = "skipped: out of time"
+            continue
+        try:
+            many = block_seconds(model, blocks, mode, batch, seq_len, args.device, reps, {})
+            one = block_seconds(model, 1, mode, batch, seq_len, args.device, reps, {})
+            row.update(status="ok", per_block_s=(many - one) / (blocks - 1),
+                       predicted_block_s=predicted_block_s(model, mode, batch, seq_len, profile))
+        except Exception as exc:  # noqa: BLE001 - a stage records what failed and the kit goes on
+            row.update(status="failed", note=f"{type(exc).__name__}: {exc}"[:500])
+    return {"profile": profile, "model": model, "seq_len": seq_len, "micro_batch": batch, "blocks": blocks,
+            "rows": rows}
+
+
 def main(argv: list[str] | None = None) -> int:
     global PEAK_MISS  # --peak-miss
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -546,7 +577,7 @@ def main(argv: list[str] | None = None) -> int:
             results["stages"]["profile"] = stage_profile(args, device_name, budget)
         else:
             profile = args.profile or plan_profile(args, results)
-            run = stage_grid if stage == "grid" else stage_compute
+            run = {"grid": stage_grid, "compute": stage_compute, "checkpoint": stage_checkpoint}[stage]
             results["stages"][stage] = run(args, profile, budget)
         results["stages"][stage].update(allowance_s=round(allowance, 1),
                                         stage_wall_s=round(time.monotonic() - started, 1))

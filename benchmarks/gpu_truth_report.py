@@ -154,6 +154,19 @@ def format_results(results: dict) -> str:
             lines.append(f"{head} {r['predicted_step_s'] * 1e3:>12.1f} {r['measured_step_s'] * 1e3:>9.1f} "
                          f"{_pct(r.get('time_error')):>7} {_mb(r['predicted_peak_bytes']):>9} "
                          f"{_mb(r['measured_peak_bytes']):>9} {_pct(r.get('mem_error')):>7}")
+    if "checkpoint" in stages:
+        c = stages["checkpoint"]
+        lines += ["", f"== a block under each checkpoint mode: {c['model']}, micro-batch {c['micro_batch']} x "
+                      f"{c['seq_len']} tokens, forward + backward, no FSDP ({c['blocks']} blocks against 1), beside "
+                      f"{c['profile']}'s step model",
+                  f"  {'mode':<10} {'meas ms':>9} {'pred ms':>9} {'err':>7}"]
+        for r in c["rows"]:
+            if r.get("status") != "ok":
+                lines.append(f"  {r['mode']:<10} {r.get('status')}" + (f": {r['note'][:160]}" if r.get("note") else ""))
+                continue
+            error = (r["predicted_block_s"] - r["per_block_s"]) / r["per_block_s"] if r["per_block_s"] > 0 else None
+            lines.append(f"  {r['mode']:<10} {r['per_block_s'] * 1e3:>9.2f} {r['predicted_block_s'] * 1e3:>9.2f} "
+                         f"{_pct(error):>7}")
     summary = results.get("summary", {})
     if "grid" in summary:
         g = summary["grid"]

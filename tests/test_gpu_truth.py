@@ -39,7 +39,8 @@ def test_quick_cpu_kit_writes_every_stage_into_one_results_file(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads((out / "gpu_truth.json").read_text())
     text = (out / "gpu_truth.txt").read_text()
-    assert results["runs"][0]["device"] == "cpu" and set(results["stages"]) == {"profile", "grid", "compute"}
+    assert results["runs"][0]["device"] == "cpu"
+    assert set(results["stages"]) == {"profile", "grid", "compute", "checkpoint"}
 
     profile = results["stages"]["profile"]
     assert profile["status"] == "ok" and profile["links_from"] == "cpu-gloo-2"
@@ -66,7 +67,7 @@ def test_quick_cpu_kit_writes_every_stage_into_one_results_file(tmp_path):
         if "predicted" in row:
             assert plans[row["plan_key"]]["predicted"]["peak_mem_bytes"] == row["predicted"]["peak_mem_bytes"]
     # every stage ran inside its share of the budget, and says so
-    for stage in ("profile", "grid", "compute"):
+    for stage in ("profile", "grid", "compute", "checkpoint"):
         assert results["stages"][stage]["stage_wall_s"] <= results["stages"][stage]["allowance_s"] + 5
     assert len([p for p in out.iterdir() if p.is_file()]) <= 8  # what the device tool returns of $OUT
 
@@ -75,8 +76,14 @@ def test_quick_cpu_kit_writes_every_stage_into_one_results_file(tmp_path):
     assert abs(run["mem_error"]) < 0.25
 
     assert results["summary"]["grid"]["runs"] >= 4 and results["summary"]["compute"]["runs"] == 1
+    # a block under each checkpoint mode, measured beside the step model's figure on the kit's profile
+    checkpoint = results["stages"]["checkpoint"]
+    assert checkpoint["model"] == "llama-tiny" and checkpoint["profile"] == profile["path"]
+    assert [row["mode"] for row in checkpoint["rows"]] == ["none", "selective", "full"]
+    assert all(row["status"] == "ok" and row["predicted_block_s"] > 0 for row in checkpoint["rows"]), checkpoint
     assert results["summary"]["grid"]["phase_compute_error"]["backward"]["n"] >= 4  # where a time miss is
-    for heading in ("== profile: ok", "== fake-world memory grid", "== single-GPU runs", "summary, grid"):
+    for heading in ("== profile: ok", "== fake-world memory grid", "== single-GPU runs",
+                    "== a block under each checkpoint mode", "summary, grid"):
         assert heading in text
     assert text.strip() == format_results(results).strip()  # the text is the results file's, printed
 
