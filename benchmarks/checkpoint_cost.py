@@ -34,8 +34,7 @@ import torch
 MODES = ("none", "selective", "full")
 
 
-def block_seconds(model_name: str, blocks: int, mode: str, batch: int, seq_len: int, device: str, reps: int,
-                  overrides: dict) -> float:
+def block_seconds(model_name: str, blocks: int, mode: str, batch: int, seq_len: int, device: str, reps: int) -> float:
     """Median seconds of forward + backward (the loss a sum of the logits) of `model_name` with `blocks` blocks,
     every block checkpointed as `mode`, parameters in bf16 on a GPU (fp32 on the CPU)."""
     from autoplan.models.config import get_config
@@ -46,7 +45,7 @@ def block_seconds(model_name: str, blocks: int, mode: str, batch: int, seq_len: 
 
     torch.manual_seed(0)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    model = build_model(get_config(model_name, n_layers=blocks, **overrides), device=device).to(dtype)
+    model = build_model(get_config(model_name, n_layers=blocks), device=device).to(dtype)
     layers = getattr(model, "layers", None) or getattr(model, "blocks", None)
     if layers is None:
         raise SystemExit(f"{model_name}: no .layers or .blocks to checkpoint")
@@ -81,6 +80,18 @@ def predicted_block_s(model_name: str, mode: str, batch: int, seq_len: int, prof
     return unit.predicted.fwd_s + unit.predicted.bwd_s
 
 
+def mode_row(model_name: str, mode: str, blocks: int, batch: int, seq_len: int, device: str, reps: int,
+             profile: str | None = None) -> dict:
+    """`mode`'s seconds per block (`blocks` blocks timed against one, so the embedding and the head drop out), the
+    two timings, and with `profile` the step model's figure for the same block."""
+    many = block_seconds(model_name, blocks, mode, batch, seq_len, device, reps)
+    one = block_seconds(model_name, 1, mode, batch, seq_len, device, reps)
+    row = {"mode": mode, "per_block_s": (many - one) / (blocks - 1), "model_s": many, "one_block_model_s": one}
+    if profile:
+        row["predicted_block_s"] = predicted_block_s(model_name, mode, batch, seq_len, profile)
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="llama2-7b")
@@ -101,18 +112,8 @@ def main() -> None:
 
     if args.blocks < 2:
         parser.error("--blocks must be at least 2 (one block's time is taken off)")
-    model, overrides, batch, seq = args.model, {}, args.batch, args.seq_len
-    if args.tiny:
-        model, batch, seq = "llama-tiny", 1, 16
-    rows = []
-    for mode in MODES:
-        many = block_seconds(model, args.blocks, mode, batch, seq, args.device, args.reps, overrides)
-        one = block_seconds(model, 1, mode, batch, seq, args.device, args.reps, overrides)
-        per_block = (many - one) / (args.blocks - 1)
-        row = {"mode": mode, "per_block_s": per_block, "model_s": many, "one_block_model_s": one}
-        if args.profile:
-            row["predicted_block_s"] = predicted_block_s(model, mode, batch, seq, args.profile)
-        rows.append(row)
+    model, batch, seq = ("llama-tiny", 1, 16) if args.tiny else (args.model, args.batch, args.seq_len)
+    rows = [mode_row(model, mode, args.blocks, batch, seq, args.device, args.reps, args.profile) for mode in MODES]
     none = rows[0]["per_block_s"]
     print(f"{model}, micro-batch {batch} x {seq} tokens, {args.device}, {args.blocks} blocks against 1, median of "
           f"{args.reps}:")

@@ -505,10 +505,10 @@ def stage_compute(args, profile: str, budget: Budget) -> dict:
 
 
 def stage_checkpoint(args, profile: str, budget: Budget) -> dict:
-    """What each checkpoint mode costs one block, forward + backward, no FSDP (checkpoint_cost.block_seconds, in
+    """What each checkpoint mode costs one block, forward + backward, no FSDP (checkpoint_cost.mode_row, in
     this process), beside the step model's figure for the same block on the kit's profile: a selectively
     checkpointed block cost 5-7 ms a step more than predicted on two H200s (benchmarks/RESULTS.md section 9)."""
-    from checkpoint_cost import MODES, block_seconds, predicted_block_s
+    from checkpoint_cost import MODES, mode_row
 
     model, seq_len, batch, blocks, reps = CHECKPOINT[args.device]
     rows = []
@@ -519,10 +519,7 @@ def stage_checkpoint(args, profile: str, budget: Budget) -> dict:
             row["status"] = "skipped: out of time"
             continue
         try:
-            many = block_seconds(model, blocks, mode, batch, seq_len, args.device, reps, {})
-            one = block_seconds(model, 1, mode, batch, seq_len, args.device, reps, {})
-            row.update(status="ok", per_block_s=(many - one) / (blocks - 1),
-                       predicted_block_s=predicted_block_s(model, mode, batch, seq_len, profile))
+            row.update(mode_row(model, mode, blocks, batch, seq_len, args.device, reps, profile), status="ok")
         except Exception as exc:  # noqa: BLE001 - a stage records what failed and the kit goes on
             row.update(status="failed", note=f"{type(exc).__name__}: {exc}"[:500])
     return {"profile": profile, "model": model, "seq_len": seq_len, "micro_batch": batch, "blocks": blocks,
