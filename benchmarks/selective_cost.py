@@ -1,0 +1,55 @@
+"""What a selectively checkpointed block cost beyond its prediction in a GPU kit run, read from its results.
+
+Why: the kit runs each model at each micro-batch under three plans, all-shard (no block checkpointed), all-shard +
+full checkpointing, and the solver's, which mixes the modes. Taking the first two plans' misses (measured -
+predicted compute, collectives free) as their blocks' share, what is left of the solver's plan's miss, divided by
+its selectively checkpointed blocks, is what one such block cost beyond the step model's figure. The per-unit
+overhead the step model adds is the same for every mode, so it cancels (benchmarks/RESULTS.md section 9, fifth
+run).
+
+    python benchmarks/selective_cost.py benchmarks/results/gpu_truth_cuda_run4 benchmarks/results/gpu_truth_cuda_run5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import Counter
+from pathlib import Path
+
+
+def selective_costs(folder: Path) -> list[tuple[str, int, int, float]]:
+    """(the solver's plan, its selective blocks, its blocks, ms a selective block cost beyond its prediction) of
+    each row of the kit run in `folder` whose plan has selective blocks."""
+    grid = json.loads((folder / "gpu_truth.json").read_text())["stages"]["grid"]["rows"]
+    plans = json.loads((folder / "plans.json").read_text())
+    misses, modes = {}, {}
+    for row in grid:
+        if row.get("status") == "ok" and row["plan_key"] in plans:
+            misses[row["plan_key"]] = row["measured_compute_s"] - row["predicted_compute_s"]
+            modes[row["plan_key"]] = Counter(unit["checkpoint"] for unit in plans[row["plan_key"]]["units"]
+                                             if unit["module"].split(".")[-1].isdigit())
+    out = []
+    for key, count in modes.items():
+        base = key.removesuffix("autoplan")
+        if base == key or not count["selective"] or base + "all-shard" not in misses \
+                or base + "all-shard+ckpt" not in misses:
+            continue
+        blocks = sum(count.values())
+        rest = (count["full"] * misses[base + "all-shard+ckpt"] + count["none"] * misses[base + "all-shard"]) / blocks
+        out.append((key, count["selective"], blocks, (misses[key] - rest) / count["selective"] * 1e3))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("folders", type=Path, nargs="+", help="GPU kit runs (gpu_truth.py --out folders)")
+    args = parser.parse_args()
+    for folder in args.folders:
+        print(folder)
+        for key, selective, blocks, ms in selective_costs(folder):
+            print(f"  {key:<34} {selective:2d} of {blocks:2d} blocks selective: {ms:+5.1f} ms a selective block")
+
+
+if __name__ == "__main__":
+    main()
