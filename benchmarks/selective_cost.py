@@ -8,12 +8,15 @@ overhead the step model adds is the same for every mode, so it cancels (benchmar
 run).
 
     python benchmarks/selective_cost.py benchmarks/results/gpu_truth_cuda_run4 benchmarks/results/gpu_truth_cuda_run5
+
+It prints first each kind of plan's compute-time error (predicted / measured - 1): range and median.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from collections import Counter
 from pathlib import Path
 
@@ -41,12 +44,26 @@ def selective_costs(folder: Path) -> list[tuple[str, int, int, float]]:
     return out
 
 
+def errors_by_plan(folder: Path) -> dict[str, list[float]]:
+    """Each kind of grid plan's compute-time errors (predicted / measured - 1) in the kit run in `folder`."""
+    grid = json.loads((folder / "gpu_truth.json").read_text())["stages"]["grid"]["rows"]
+    kinds: dict[str, list[float]] = {}
+    for row in grid:
+        if row.get("status") == "ok" and row.get("measured_compute_s"):
+            kind = row["plan"].split("@")[0]  # all-shard@tp2 is an all-shard plan
+            kinds.setdefault(kind, []).append(row["predicted_compute_s"] / row["measured_compute_s"] - 1)
+    return kinds
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("folders", type=Path, nargs="+", help="GPU kit runs (gpu_truth.py --out folders)")
     args = parser.parse_args()
     for folder in args.folders:
         print(folder)
+        for kind, errors in errors_by_plan(folder).items():
+            print(f"  {kind:<16} {len(errors):2d} rows: compute time {min(errors):+.1%} to {max(errors):+.1%}, "
+                  f"median {statistics.median(errors):+.1%}")
         for key, selective, blocks, ms in selective_costs(folder):
             print(f"  {key:<34} {selective:2d} of {blocks:2d} blocks selective: {ms:+5.1f} ms a selective block")
 
