@@ -177,9 +177,10 @@ class FsdpOverhead(_Strict):
     for the peers at the synchronisation point, the collective's threads competing for the cores);
     compute_*_scale: how much longer the ops take inside a step than timed one at a time (ranks'
     collectives competing for the cores, cold caches); compute_recompute_scale: the same for the
-    forward ops a checkpointed unit re-runs in its backward (None: as the backward's). Fitted by
-    `autoplan profile` on whole training steps of a calibration model (profiling/calibration.py),
-    whose record `calibration` keeps; 0 and 1 = not modelled."""
+    forward ops a checkpointed unit re-runs in its backward (None: as the backward's);
+    selective_*_s_per_op: what torch's selective checkpoint adds per op of a selectively checkpointed
+    unit (see the fields). Fitted by `autoplan profile` on whole training steps of a calibration model
+    (profiling/calibration.py), whose record `calibration` keeps; 0 and 1 = not modelled."""
 
     unit_fwd_s: float = Field(default=0.0, ge=0)
     unit_bwd_s: float = Field(default=0.0, ge=0)
@@ -188,6 +189,14 @@ class FsdpOverhead(_Strict):
     compute_fwd_scale: float = Field(default=1.0, gt=0)
     compute_bwd_scale: float = Field(default=1.0, gt=0)
     compute_recompute_scale: float | None = Field(default=None, gt=0)
+    selective_fwd_s_per_op: float = Field(default=0.0, ge=0)
+    """Seconds per micro-batch that each working op (one that runs a kernel) of a selectively checkpointed
+    unit's forward costs beyond the op: torch's selective checkpoint runs its forward under a Python dispatch
+    mode that decides, op by op, what to keep (torch.utils.checkpoint.create_selective_checkpoint_contexts).
+    0: not measured (profiles calibrated before it, datasheet profiles)."""
+    selective_bwd_s_per_op: float = Field(default=0.0, ge=0)
+    """The same in the backward, where the recompute passes every forward op through the dispatch mode again
+    (the kept ones are read back from its cache)."""
     calibration: dict | None = None
 
 
