@@ -7,7 +7,7 @@ A measured profile holds every op's median times (op_times) and every calibratio
   1. each backward time less the backward call's floor (autoplan.profiling.ops.backward_floor_s; the profile
      did not record it, so it is estimated as the least backward time of any op less MIN_KERNEL_S, or given);
   2. the op families fitted again (autoplan.profiling.fit.fit_op_families), each fit with its reach (max_work);
-  3. the calibration fitted again against the refitted profile (autoplan.profiling.calibration.fit_calibration).
+  3. the calibration fitted again against the refitted profile (autoplan.profiling.calibration_fit.fit_calibration).
 Then the kit's single-GPU runs and fake-world rows are predicted with the profile as measured and as refitted,
 beside what the GPU measured (benchmarks/results/gpu_truth_cuda/gpu_truth.json).
 
@@ -28,7 +28,8 @@ sys.path.insert(0, str(REPO))
 
 def refit(profile, floor_s: float | None):
     """`profile` refitted from its own op times and calibration cases; the floor taken off its backward times."""
-    from autoplan.profiling.calibration import case_key, fit_calibration
+    from autoplan.profiling.calibration import case_key
+    from autoplan.profiling.calibration_fit import fit_calibration
     from autoplan.profiling.fit import fit_op_families
     from autoplan.profiling.op_timings import points_and_timings
     from autoplan.profiling.ops import MIN_KERNEL_S

@@ -1,9 +1,10 @@
-"""The calibration fit (autoplan/profiling/calibration.py): whole-step times against their parts."""
+"""The calibration fit (autoplan/profiling/calibration_fit.py): whole-step times against their parts."""
 
 import numpy as np
 import pytest
 
 import autoplan
+from cost_models.profile import FsdpOverhead
 from autoplan.api.traced import TracedModel
 from autoplan.profiling.calibration import (
     CALIBRATION_DEPTHS,
@@ -11,9 +12,9 @@ from autoplan.profiling.calibration import (
     PLAN_PROFILE,
     calibration_cases,
     calibration_model,
-    fit_phase,
     uniform_plan,
 )
+from autoplan.profiling.calibration_fit import fit_phase
 
 # shard / shard_keep / replicate-like cases: 2 and 4 blocks, two micro-batch sizes
 OPS_S = [0.002, 0.008, 0.004, 0.016] * 3
@@ -70,7 +71,7 @@ def test_a_scale_far_from_the_ops_own_time_is_held_at_one():
     """Steps bound by something else than their kernels (a GPU whose CPU issues a small model's ops slower than
     they run) fit a compute scale near 0 that would price a large model's ops at a tenth of their time: outside
     [MIN_SCALE, MAX_SCALE] the scale is held at 1 and the per-unit cost takes the rest."""
-    from autoplan.profiling.calibration import MAX_SCALE, MIN_SCALE
+    from autoplan.profiling.calibration_fit import MAX_SCALE, MIN_SCALE
 
     residual_s = [0.06 * o + 0.01 * u for o, u in zip(OPS_S, UNITS)]  # each unit 10 ms of CPU, ops 2-16 ms
     fit = fit_phase(OPS_S, UNITS, CALLS, residual_s)
@@ -83,7 +84,7 @@ def test_a_scale_far_from_the_ops_own_time_is_held_at_one():
 @pytest.mark.parametrize("device_type", ["cpu", "cuda"])
 def test_calibration_plans_are_the_uniform_plans_search_writes(device_type):
     """The calibration steps run plans built without a search: the same decisions, micro-batch and
-    predictions as `autoplan search --strategy S [--checkpoint] --batch-size MB` on 2 ranks."""
+    predictions as `autoplan search --strategy S [--checkpoint MODE] --batch-size MB` on 2 ranks."""
     traced = {depth: TracedModel(calibration_model(depth, device_type), seq_len=CALIBRATION_SEQ_LEN[device_type])
               for depth in CALIBRATION_DEPTHS}
     for strategy, checkpoint, depth, micro_batch in calibration_cases(device_type):
@@ -95,4 +96,58 @@ def test_calibration_plans_are_the_uniform_plans_search_writes(device_type):
         assert plan.cluster.world_size == searched.cluster.world_size and plan.cluster.profile == PLAN_PROFILE
         shardings = {unit.sharding for unit in plan.units}  # the root takes plain shard for shard_keep
         assert strategy in shardings and shardings <= {strategy, "shard"}
-        assert any(unit.checkpoint == "full" for unit in plan.units) == checkpoint
+        assert {unit.checkpoint for unit in plan.units} - {"none"} == {checkpoint} - {"none"}  # not the root
+
+
+def test_calibration_fit_recovers_a_per_op_cost_of_selective_blocks():
+    """fit_calibration on steps made from its own parts with known costs: the selective plan's per-op cost comes
+    back, and a profile measured before the selective case (its steps absent) fits none."""
+    from autoplan.profile_store import load_profile
+    from autoplan.profiling.calibration import case_key
+    from autoplan.profiling.calibration_fit import fit_calibration
+
+    bare = load_profile("cpu-gloo-2").model_copy(update={"fsdp": FsdpOverhead()})
+    keys = {case_key(s, c, d, mb): (s, c) for s, c, d, mb in calibration_cases("cpu")}
+    parts = fit_calibration(bare, {key: {"fwd": 1.0, "bwd": 1.0, "step": 1.0} for key in keys}, 2)["cases"]
+    per_op = {"fwd": 40e-6, "bwd": 70e-6}
+
+    def step(case, phase):
+        recompute = 1.3 * case["ops_recompute_s"] if phase == "bwd" else 0.0
+        return (case[f"comm_{phase}_s"] + 1.2 * case[f"ops_{phase}_s"] + recompute + 0.001 * case["units"]
+                + per_op[phase] * case["selective_ops"])
+
+    measured = {case_key(c["strategy"], c["checkpoint"], c["depth"], c["micro_batch"]):
+                {"fwd": step(c, "fwd"), "bwd": step(c, "bwd"), "step": 0.01} for c in parts}
+    assert any(c["selective_ops"] for c in parts) and not any(c["selective_ops"] for c in parts
+                                                              if c["checkpoint"] != "selective")
+    fitted = fit_calibration(bare, measured, 2)
+    assert fitted["selective_fwd_s_per_op"] == pytest.approx(40e-6, rel=0.02)
+    assert fitted["selective_bwd_s_per_op"] == pytest.approx(70e-6, rel=0.02)
+    assert fitted["compute_recompute_scale"] == pytest.approx(1.3, rel=0.02)
+    before = {key: times for key, times in measured.items() if keys[key][1] != "selective"}
+    old = fit_calibration(bare, before, 2)
+    assert old["selective_fwd_s_per_op"] == old["selective_bwd_s_per_op"] == 0.0
+    assert len(old["cases"]) == len(parts) - 4 and old["compute_fwd_scale"] == pytest.approx(1.2, rel=0.02)
+
+
+def test_the_selective_per_op_cost_is_fitted_against_its_twin_not_the_fits_misses():
+    """A fit that misses every shard plan by 40% (its collectives priced wrong, as a rough profile's are) does not
+    pass that miss into the selective cost: each selective step is taken against the same plan without
+    checkpointing, where the two differ only by its recompute and the per-op cost."""
+    from autoplan.profiling.calibration_fit import PhaseFit, fit_selective
+
+    fit = PhaseFit(compute_scale=1.0, unit_s=0.0, collective_s=0.0, max_rel_err=0.4, recompute_scale=1.5)
+
+    def case(ops_s, recompute_s, selective_ops, took_s):
+        return {"ops_bwd_s": ops_s, "ops_recompute_s": recompute_s, "selective_ops": selective_ops, "units": 3,
+                "calls_bwd": 6, "comm_bwd_s": 0.001, "measured": {"bwd": took_s + 0.001}}
+
+    pairs = []
+    for ops_s, n in ((0.004, 20), (0.016, 20), (0.008, 40), (0.032, 40)):
+        twin_took = 1.4 * ops_s  # the fit says ops_s: 40% missed
+        pairs.append((case(ops_s, 0.2 * ops_s, n, twin_took + 1.5 * 0.2 * ops_s + 50e-6 * n),
+                      case(ops_s, 0.0, 0, twin_took)))
+    assert fit_selective(fit, pairs, "bwd") == pytest.approx(50e-6)
+    # a selective step no slower than its twin's recompute allows costs nothing per op, not a negative amount
+    pairs = [(case(0.004, 0.001, 20, 0.0045), case(0.004, 0.0, 0, 0.0045))]
+    assert fit_selective(fit, pairs, "bwd") == 0.0

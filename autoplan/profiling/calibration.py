@@ -7,52 +7,58 @@ compete with it for the cores, and every unit pays several milliseconds of waiti
 collectives' synchronisation points. So `autoplan profile` also trains a calibration model, a small
 GPT-2 at two depths and two micro-batch sizes, under three uniform plans (shard, shard_keep,
 replicate) exactly as `autoplan apply` runs them, and times forward, backward and optimizer step on
-every rank at once; shard and replicate run again with every block checkpointed. Per phase, a
-non-negative least-squares fit
+every rank at once; shard and replicate run again with every block checkpointed, and shard with every
+block selectively checkpointed. Per phase, a non-negative least-squares fit
 
     measured - collectives' own time = compute_scale * (sum of the ops' isolated times)
-                                       [+ recompute_scale * (checkpointed units' forward ops), backward]
+                                       [+ recompute_scale * (checkpointed units' recomputed ops), backward]
+                                       + selective_s * (selectively checkpointed units' working ops)
                                        + unit_s * units + collective_s * collective calls
 
 gives how much slower ops run inside the step (compute_scale), how much the forward ops a
 checkpointed unit re-runs in its backward cost there (recompute_scale: they are forward ops, but
 they run amid the backward's collectives), what each FSDP2 unit costs beyond its ops and collectives
-(unit_s) and what each collective call costs beyond its time on idle ranks (collective_s).
+(unit_s), what each collective call costs beyond its time on idle ranks (collective_s), and what
+torch's selective checkpoint costs per op of a unit it wraps (selective_s: it runs the unit's forward,
+and its recompute, under a Python dispatch mode that decides op by op what to keep; on an H200 a
+selectively checkpointed llama block cost 5-7 ms a step more than its kernels, whatever the micro-batch).
 Micro-batch sizes separate the compute from the constants; the plans (all-gathers and a
 reduce-scatter per unit, the same without the backward all-gather, one all-reduce per unit)
-separate the calls from the units, and checkpointing the recompute from the rest. Every case runs
-in CALIBRATION_ROUNDS rounds, one after the other, and keeps its fastest: a neighbour's burst of
-load on a shared host only ever slows a round down (the benchmarks measure the same way). The
+separate the calls from the units, and checkpointing the recompute from the rest; each selective
+step against the same plan without checkpointing gives the per-op cost (calibration_fit.py fits it
+all). Every case runs in CALIBRATION_ROUNDS rounds, one after the other, and keeps its fastest: a
+neighbour's burst of load on a shared host only ever slows a round down (the benchmarks measure the
+same way). The
 calibration model is not one the fidelity benchmark checks: the fit is tested on other models,
 sizes and plans.
 """
 
 from __future__ import annotations
 
-import itertools
 import statistics
 import time
-from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
+from cost_models.evaluate import checkpoint_name
 from cost_models.options import DEFAULT_OPTIMIZER, DEFAULT_PRECISION, PRECISIONS
 
 __all__ = [
     "CALIBRATION_DEPTHS", "CALIBRATION_PLANS", "CALIBRATION_MICRO_BATCHES", "CALIBRATION_WIDTH", "CALIBRATION_HEADS",
     "CALIBRATION_SEQ_LEN", "CALIBRATION_ROUNDS", "CALIBRATION_DTYPE", "CALIBRATION_OPTIMIZER", "PLAN_PROFILE",
-    "PhaseFit", "calibration_model", "calibration_workloads", "calibration_cases", "case_key", "step_key",
-    "uniform_plan", "measure_training_steps", "fastest_rounds", "fit_phase", "fit_calibration", "WARMUP_STEPS",
-    "TIMED_STEPS",
+    "calibration_model", "calibration_workloads", "calibration_cases", "case_key", "step_key", "uniform_plan",
+    "measure_training_steps", "fastest_rounds", "WARMUP_STEPS", "TIMED_STEPS",
 ]
 
 CALIBRATION_DEPTHS = (2, 4)
-# (sharding, checkpoint every block): the experiment's design (its plans separate per-call from per-unit
+# (sharding, every block's checkpoint mode): the experiment's design (its plans separate per-call from per-unit
 # costs), named rather than read from the registry so that registering a sharding kind does not change
 # what a profile's fit measures
-CALIBRATION_PLANS = (("shard", False), ("shard_keep", False), ("replicate", False), ("shard", True), ("replicate", True))
+CALIBRATION_PLANS = (("shard", "none"), ("shard_keep", "none"), ("replicate", "none"), ("shard", "full"),
+                     ("replicate", "full"), ("shard", "selective"))
+# a case's key: the sharding and this suffix of its checkpoint mode (a profile's cached steps keep their keys)
+_CASE_SUFFIX = {"none": "", "full": "+ckpt", "selective": "+sel"}
 # the steps train at the default precision and optimizer, as `autoplan search` plans by default
 CALIBRATION_DTYPE, CALIBRATION_OPTIMIZER = DEFAULT_PRECISION, DEFAULT_OPTIMIZER
 # On a GPU the steps must be bound by their kernels, as a real model's are, not by the CPU issuing them: at width
@@ -63,8 +69,6 @@ CALIBRATION_WIDTH = {"cpu": 96, "cuda": 4096}
 CALIBRATION_HEADS = {"cpu": 4, "cuda": 32}
 CALIBRATION_SEQ_LEN = {"cpu": 128, "cuda": 1024}
 WARMUP_STEPS, TIMED_STEPS = 3, 10
-# how much slower (or faster) than alone ops can run inside a step: a fitted scale outside is not the ops'
-MIN_SCALE, MAX_SCALE = 0.25, 4.0
 CALIBRATION_ROUNDS = 3
 
 
@@ -81,21 +85,22 @@ def calibration_workloads(device_type: str) -> dict[str, tuple[int, ...]]:
     return {calibration_model(max(CALIBRATION_DEPTHS), device_type): CALIBRATION_MICRO_BATCHES[device_type]}
 
 
-def calibration_cases(device_type: str) -> list[tuple[str, bool, int, int]]:
-    """(strategy, checkpoint, depth, micro-batch) of every calibration step."""
+def calibration_cases(device_type: str) -> list[tuple[str, str, int, int]]:
+    """(strategy, checkpoint mode, depth, micro-batch) of every calibration step."""
     return [(strategy, checkpoint, depth, mb) for strategy, checkpoint in CALIBRATION_PLANS
             for depth in CALIBRATION_DEPTHS for mb in CALIBRATION_MICRO_BATCHES[device_type]]
 
 
-def case_key(strategy: str, checkpoint: bool, depth: int, micro_batch: int) -> str:
-    return f"{strategy}{'+ckpt' if checkpoint else ''}/{depth}/{micro_batch}"
+def case_key(strategy: str, checkpoint: str | bool, depth: int, micro_batch: int) -> str:
+    """`checkpoint`: a mode's name, or a bool as profiles measured before the selective case record it."""
+    return f"{strategy}{_CASE_SUFFIX[checkpoint_name(checkpoint)]}/{depth}/{micro_batch}"
 
 
 # the calibration plans are costed with this profile: only their decisions run, so any profile will do
 PLAN_PROFILE = "a100-sxm4-80gb"
 
 
-def uniform_plan(traced, strategy: str, checkpoint: bool, world_size: int, micro_batch: int):
+def uniform_plan(traced, strategy: str, checkpoint: str | bool, world_size: int, micro_batch: int):
     """The plan `autoplan search --strategy S [--checkpoint] --batch-size MB` writes for `traced` (a
     TracedModel), built directly: the same decisions, micro-batch and predictions, with nothing searched
     (no sweep, no baselines; the solver's record says FIXED)."""
@@ -176,7 +181,7 @@ def _timed_steps(model, optimizer, data, shape, rank: int, device: torch.device,
     return {phase: statistics.median(values) for phase, values in phases.items()}
 
 
-def step_key(device_type: str, strategy: str, checkpoint: bool, depth: int, micro_batch: int,
+def step_key(device_type: str, strategy: str, checkpoint: str | bool, depth: int, micro_batch: int,
              steps: tuple[int, int], round_index: int) -> str:
     """The measurement cache's key of one round of one calibration step: everything the time depends on
     besides the cache's scope (device, torch, threads) and the run's backend and ranks."""
@@ -223,101 +228,3 @@ def measure_training_steps(device: torch.device, cases, steps: tuple[int, int] =
 def fastest_rounds(rounds: list[dict[str, float]]) -> dict[str, float]:
     """Each phase's fastest over the rounds of one case (a neighbour's burst only ever slows a round)."""
     return {phase: min(r[phase] for r in rounds) for phase in ("fwd", "bwd", "step")}
-
-
-@dataclass(frozen=True)
-class PhaseFit:
-    compute_scale: float
-    unit_s: float
-    collective_s: float
-    max_rel_err: float  # of the fit on the calibration cases
-    recompute_scale: float | None = None  # backward only (None: no checkpointed case to fit it on)
-
-
-def _nonnegative_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """min |x c - y| over c >= 0, exactly, by trying every subset of columns (there are at most four)."""
-    best, best_residual = np.zeros(x.shape[1]), float(np.sum(y ** 2))
-    for size in range(1, x.shape[1] + 1):
-        for columns in itertools.combinations(range(x.shape[1]), size):
-            coef, *_ = np.linalg.lstsq(x[:, columns], y, rcond=None)
-            if np.any(coef < 0):
-                continue
-            full = np.zeros(x.shape[1])
-            full[list(columns)] = coef
-            residual = float(np.sum((x @ full - y) ** 2))
-            if residual < best_residual:
-                best, best_residual = full, residual
-    return best
-
-
-def fit_phase(ops_s: list[float], units: list[int], calls: list[int], residual_s: list[float],
-              recompute_s: list[float] | None = None) -> PhaseFit:
-    """residual = compute_scale * ops [+ recompute_scale * recompute] + unit_s * units + collective_s * calls,
-    every coefficient >= 0, fitted on relative errors (each case weighs the same, short steps as much
-    as long ones). A scale outside [MIN_SCALE, MAX_SCALE] is not physical (0: ops that do not lengthen the
-    step at all; 0.06: what one H200 fitted to a small model whose steps were bound by the CPU issuing
-    them, not by its kernels): such a scale is then fixed at 1 and the rest refitted."""
-    scales = [ops_s] + ([recompute_s] if recompute_s is not None and any(recompute_s) else [])
-    x = np.array([*scales, units, calls], dtype=float).T
-    y = np.array(residual_s, dtype=float)
-    weight = 1.0 / np.maximum(y, 1e-12)
-    fixed: dict[int, float] = {}  # scale column -> its value held at 1
-    while True:
-        free = [c for c in range(x.shape[1]) if c not in fixed]
-        target = y - sum((x[:, c] * value for c, value in fixed.items()), np.zeros_like(y))
-        coef = np.zeros(x.shape[1])
-        coef[free] = _nonnegative_lstsq(x[:, free] * weight[:, None], target * weight)
-        coef[list(fixed)] = list(fixed.values())
-        unphysical = [c for c in range(len(scales)) if c not in fixed and not MIN_SCALE <= coef[c] <= MAX_SCALE]
-        if not unphysical:
-            break
-        fixed[unphysical[0]] = 1.0
-    max_rel_err = float(np.max(np.abs(x @ coef - y) * weight))
-    return PhaseFit(float(coef[0]), float(coef[-2]), float(coef[-1]), max_rel_err,
-                    float(coef[1]) if len(scales) > 1 else None)
-
-
-def fit_calibration(profile, measured: dict[str, dict[str, float]], world_size: int) -> dict:
-    """Fit the forward and backward phases of the measured calibration steps against `profile`'s own
-    prediction of their parts (the profile must not be calibrated yet: scale 1, no per-unit or
-    per-call cost). Returns the fitted numbers and, for the record, each case's parts and measurement."""
-    from autoplan.api.traced import TracedModel
-    from autoplan.solve.cluster import Cluster
-    from cost_models.evaluate import uniform_choices
-    from cost_models.mesh import Mesh
-
-    device_type = profile.device_type
-    seq_len = CALIBRATION_SEQ_LEN[device_type]
-    cluster = Cluster(Mesh(nodes=1, gpus_per_node=world_size), profile, profile.name, False)
-    compute_dtype = PRECISIONS[CALIBRATION_DTYPE].compute_dtype
-    traced = {depth: TracedModel(calibration_model(depth, device_type), seq_len=seq_len).cache(compute_dtype, "block")
-              for depth in CALIBRATION_DEPTHS}
-    cases = []
-    for strategy, checkpoint, depth, micro_batch in calibration_cases(device_type):
-        table = traced[depth].table(micro_batch, 1, cluster, seq_len, CALIBRATION_DTYPE, CALIBRATION_OPTIMIZER)
-        choices = uniform_choices(table, strategy, checkpoint)
-        chosen = [table.costs[u][c] for u, c in enumerate(choices)]
-        # the uncalibrated table charges a checkpointed unit's recompute at scale 1: its forward ops again
-        recompute = sum(table.costs[u][c].fwd_s for u, c in enumerate(choices) if table.options[u][c].mode.checkpoints)
-        cases.append({
-            "strategy": strategy, "checkpoint": checkpoint, "depth": depth, "micro_batch": micro_batch,
-            "units": len(chosen), "ops_fwd_s": sum(c.fwd_s for c in chosen),
-            "ops_bwd_s": sum(c.bwd_s for c in chosen) - recompute, "ops_recompute_s": recompute,
-            "comm_fwd_s": sum(c.comm_fwd_s for c in chosen), "comm_bwd_s": sum(c.comm_bwd_s for c in chosen),
-            "calls_fwd": sum(c.collectives_fwd for c in chosen), "calls_bwd": sum(c.collectives_bwd for c in chosen),
-            "measured": measured[case_key(strategy, checkpoint, depth, micro_batch)],
-        })
-    fits = {}
-    for phase in ("fwd", "bwd"):
-        fits[phase] = fit_phase([c[f"ops_{phase}_s"] for c in cases], [c["units"] for c in cases],
-                                [c[f"calls_{phase}"] for c in cases],
-                                [c["measured"][phase] - c[f"comm_{phase}_s"] for c in cases],
-                                recompute_s=[c["ops_recompute_s"] for c in cases] if phase == "bwd" else None)
-    return {
-        "compute_fwd_scale": fits["fwd"].compute_scale, "compute_bwd_scale": fits["bwd"].compute_scale,
-        "compute_recompute_scale": fits["bwd"].recompute_scale,
-        "unit_fwd_s": fits["fwd"].unit_s, "unit_bwd_s": fits["bwd"].unit_s,
-        "collective_fwd_s": fits["fwd"].collective_s, "collective_bwd_s": fits["bwd"].collective_s,
-        "fit_max_rel_err": {phase: fit.max_rel_err for phase, fit in fits.items()},
-        "cases": cases,
-    }

@@ -68,7 +68,7 @@ class CommRequest:
     fsdp: str | None = None  # key of FSDP2's own overheads (fsdp.py), or None: not measured
     fsdp_calls: int = FSDP_CALLS
     # (key, strategy, checkpoint, depth, micro-batch): one round of one calibration step (calibration.py)
-    calibration: tuple[tuple[str, str, bool, int, int], ...] = ()
+    calibration: tuple[tuple[str, str, str, int, int], ...] = ()
     calibration_steps: tuple[int, int] = (WARMUP_STEPS, TIMED_STEPS)  # (warm-up, timed) steps per case
     show_progress: bool = True
 

@@ -45,7 +45,7 @@ def profile_provenance(settings, kind: str, backend: str, threads: int | None, d
         description=(
             f"{rough}measured by `autoplan profile` on {host} ({device_name}): per-op forward/backward times of the "
             f"models' traced ops and of sweep MLP blocks, per-family fits, {backend} collectives over "
-            f"{settings.nproc} processes, compute/communication overlap, per-tensor optimizer overhead (profiling/fsdp.py), whole FSDP2 training steps of a calibration model fitted for the in-step compute scale and per-unit cost (profiling/calibration.py), AdamW step throughput, the host link (profiling/host_link.py)"
+            f"{settings.nproc} processes, compute/communication overlap, per-tensor optimizer overhead (profiling/fsdp.py), whole FSDP2 training steps of a calibration model fitted for the in-step compute scale, per-unit cost and selective checkpoint's per-op cost (profiling/calibration.py, calibration_fit.py), AdamW step throughput, the host link (profiling/host_link.py)"
             + (", and on the CPU loss_parallel's and DTensor's costs under tensor parallelism (profiling/tp_costs.py), "
                "everything with freed memory kept mapped as apply's ranks run (run/host_memory.py). " if kind == "cpu"
                else ". ")

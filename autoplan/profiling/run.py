@@ -27,8 +27,8 @@ from autoplan.profiling.calibration import (
     TIMED_STEPS,
     WARMUP_STEPS,
     calibration_workloads,
-    fit_calibration,
 )
+from autoplan.profiling.calibration_fit import fit_calibration
 from autoplan.profiling.comm import default_backend
 from autoplan.profiling.defaults import DEFAULT_COMM_SIZES_BYTES, DEFAULT_DTYPES, DEFAULT_MODELS, DEFAULT_SWEEP
 from autoplan.profiling.fit import FitReport, fit_affine, fit_op_families, heldout_errors
