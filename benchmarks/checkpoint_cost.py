@@ -46,9 +46,10 @@ def block_seconds(model_name: str, blocks: int, mode: str, batch: int, seq_len: 
     torch.manual_seed(0)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model = build_model(get_config(model_name, n_layers=blocks), device=device).to(dtype)
-    layers = getattr(model, "layers", None) or getattr(model, "blocks", None)
+    layers = (getattr(model, "layers", None) or getattr(model, "blocks", None)
+              or getattr(getattr(model, "transformer", None), "h", None))
     if layers is None:
-        raise SystemExit(f"{model_name}: no .layers or .blocks to checkpoint")
+        raise SystemExit(f"{model_name}: no .layers, .blocks or .transformer.h to checkpoint")
     for layer in layers:
         apply_ac(layer, CHECKPOINT_MODES[mode])
     ids = torch.randint(0, vocab_size_of(model), (batch, seq_len), device=device)
@@ -70,14 +71,31 @@ def block_seconds(model_name: str, blocks: int, mode: str, batch: int, seq_len: 
 
 def predicted_block_s(model_name: str, mode: str, batch: int, seq_len: int, profile: str) -> float:
     """The step model's forward + backward of one block unit of `model_name` checkpointed as `mode` (the
-    estimate of every unit sharded, 8 GPUs), seconds."""
+    estimate of every unit sharded, 8 GPUs), seconds: its ops, its recompute and, selectively checkpointed,
+    what the profile charges its ops for the policy's dispatch mode (FsdpOverhead.selective_*_s_per_op; in the
+    unit's overhead, with FSDP2's own, which a block timed without FSDP does not pay)."""
     import autoplan
+    from cost_models.options import CHECKPOINT_MODES
+    from cost_models.option_cost import working_ops
 
     estimate = autoplan.estimate(model_name, "shard", checkpoint=mode, profile=profile, seq_len=seq_len,
                                  batch_size=batch, gpus=8)
     blocks = [u for u in estimate.units if u.module.split(".")[-1].isdigit()]
     unit = blocks[len(blocks) // 2]
-    return unit.predicted.fwd_s + unit.predicted.bwd_s
+    seconds = unit.predicted.fwd_s + unit.predicted.bwd_s
+    if not CHECKPOINT_MODES[mode].recompute.keeps_outputs:
+        return seconds
+    fsdp = autoplan.load_profile(profile).fsdp
+    per_op = fsdp.selective_fwd_s_per_op + fsdp.selective_bwd_s_per_op
+    if not per_op:
+        return seconds
+    from autoplan.api.traced import TracedModel
+    from cost_models.options import PRECISIONS
+
+    tables = TracedModel(model_name, seq_len=seq_len).cache(PRECISIONS[estimate.training.dtype].compute_dtype, "block")
+    ops = {op.name: op for op in tables.trace_1.ops}
+    [traced] = [u for u in tables.units if u.path == unit.module]
+    return seconds + per_op * working_ops([ops[name] for name in traced.ops])
 
 
 def mode_row(model_name: str, mode: str, blocks: int, batch: int, seq_len: int, device: str, reps: int,

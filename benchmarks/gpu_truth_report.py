@@ -115,7 +115,10 @@ def format_results(results: dict) -> str:
                       f"  host link: {host['h2d_bytes_s'] / 1e9:.2f} GB/s to the device, "
                       f"{host['d2h_bytes_s'] / 1e9:.2f} back, overlaps compute: {host['overlaps_compute']}; host AdamW "
                       f"{host['cpu_optimizer_bytes_s'] / 1e9:.2f} GB/s with {host['cpu_threads']} threads",
-                      f"  calibration fit, worst relative error: {p['calibration_fit_max_rel_err']}"]
+                      f"  calibration fit, worst relative error: {p['calibration_fit_max_rel_err']}",
+                      f"  selective checkpoint per working op: {p['fsdp'].get('selective_fwd_s_per_op', 0) * 1e6:.1f} "
+                      f"us forward, {p['fsdp'].get('selective_bwd_s_per_op', 0) * 1e6:.1f} us backward (llama's "
+                      f"block: 24 ops)"]
         else:
             lines.append("  " + (p.get("stderr_tail") or p.get("note") or "").strip().replace("\n", "\n  ")[-1500:])
     if "grid" in stages:
