@@ -131,8 +131,8 @@ def fit_calibration(profile, measured: dict[str, dict[str, float]], world_size: 
     """Fit the forward and backward phases of the measured calibration steps against `profile`'s own
     prediction of their parts (the profile must not be calibrated yet: scale 1, no per-unit, per-call or
     per-op cost). A case `measured` lacks is left out (a profile measured before the selective case: its
-    per-op cost is then None, and 0 in the profile). Returns the fitted numbers and, for the record, each
-    case's parts and measurement."""
+    per-op cost is then 0, not measured). Returns the fitted numbers and, for the record, each case's parts
+    and measurement."""
     from autoplan.api.traced import TracedModel
     from autoplan.solve.cluster import Cluster
     from cost_models.evaluate import uniform_choices
