@@ -75,27 +75,23 @@ def predicted_block_s(model_name: str, mode: str, batch: int, seq_len: int, prof
     what the profile charges its ops for the policy's dispatch mode (FsdpOverhead.selective_*_s_per_op; in the
     unit's overhead, with FSDP2's own, which a block timed without FSDP does not pay)."""
     import autoplan
-    from cost_models.options import CHECKPOINT_MODES
+    from autoplan.api.traced import TracedModel
     from cost_models.option_cost import working_ops
+    from cost_models.options import CHECKPOINT_MODES, PRECISIONS
 
-    estimate = autoplan.estimate(model_name, "shard", checkpoint=mode, profile=profile, seq_len=seq_len,
-                                 batch_size=batch, gpus=8)
+    traced = TracedModel(model_name, seq_len=seq_len)  # traced once: the estimate's and the block's ops below
+    estimate = autoplan.estimate(traced, "shard", checkpoint=mode, profile=profile, batch_size=batch, gpus=8)
     blocks = [u for u in estimate.units if u.module.split(".")[-1].isdigit()]
     unit = blocks[len(blocks) // 2]
     seconds = unit.predicted.fwd_s + unit.predicted.bwd_s
-    if not CHECKPOINT_MODES[mode].recompute.keeps_outputs:
-        return seconds
     fsdp = autoplan.load_profile(profile).fsdp
     per_op = fsdp.selective_fwd_s_per_op + fsdp.selective_bwd_s_per_op
-    if not per_op:
+    if not CHECKPOINT_MODES[mode].recompute.keeps_outputs or not per_op:
         return seconds
-    from autoplan.api.traced import TracedModel
-    from cost_models.options import PRECISIONS
-
-    tables = TracedModel(model_name, seq_len=seq_len).cache(PRECISIONS[estimate.training.dtype].compute_dtype, "block")
+    tables = traced.cache(PRECISIONS[estimate.training.dtype].compute_dtype, "block")
     ops = {op.name: op for op in tables.trace_1.ops}
-    [traced] = [u for u in tables.units if u.path == unit.module]
-    return seconds + per_op * working_ops([ops[name] for name in traced.ops])
+    [block] = [u for u in tables.units if u.path == unit.module]
+    return seconds + per_op * working_ops([ops[name] for name in block.ops])
 
 
 def mode_row(model_name: str, mode: str, blocks: int, batch: int, seq_len: int, device: str, reps: int,
